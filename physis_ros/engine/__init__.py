@@ -1,0 +1,4 @@
+"""Engine: the block-causal denoising model, its stages, KV caches, scheduler and placement.
+
+Imports torch; never rclpy.
+"""

@@ -1,0 +1,105 @@
+"""What the server front end asks of an engine, whatever runs underneath.
+
+The front end (physis_ros.serve) opens streams, feeds observations and generation
+requests, and collects decoded chunks. An in-process engine, the torch.distributed
+runtime and the shared pool all implement ``StreamEngine``. Images cross this boundary as
+uint8 numpy arrays, actions as float32 numpy arrays: no torch in the caller's hands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamSpec:
+    """What a client asks for when it opens a stream."""
+
+    seed: int = 0
+    """Seeds the initial noise of chunk c as (seed, c)."""
+    target_interval_ms: float = 0.0
+    """Interval the client needs between chunks; 0: as fast as the pool allows."""
+    cond_seed: int = 0
+    """Seeds the stream's conditioning tokens (stand-in for a text/task prompt)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamPromise:
+    """What the engine promises an admitted stream."""
+
+    stream_id: int
+    model: str
+    steps: int
+    blocks: int
+    expected_interval_ms: float
+    pipeline_depth: int
+    """Chunks in flight at once in steady state."""
+    expected_response_latency_ms: float
+    chunk_frames: int
+    """Camera frames per chunk (decoded output frames)."""
+    image_height: int
+    image_width: int
+    action_horizon: int
+    action_dim: int
+
+
+class AdmissionRefused(Exception):
+    """The pool cannot take the stream; ``resource`` ran out by ``shortfall`` (with unit)."""
+
+    def __init__(self, reason: str, *, resource: str, shortfall: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.resource = resource
+        self.shortfall = shortfall
+
+
+class StreamFailed(Exception):
+    """A stream can no longer run (e.g. a worker rank died); says which and why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkOutput:
+    """One generated chunk, decoded."""
+
+    stream_id: int
+    chunk: int
+    frames: np.ndarray | None
+    """[F, H, W, 3] uint8 predicted camera frames (None for an action-only model)."""
+    actions: np.ndarray | None
+    """[H, A] float32 predicted actions (None when the model predicts none)."""
+    entered_s: float
+    """time.monotonic() when the chunk entered the pipeline."""
+    left_s: float
+    """time.monotonic() when it left the last stage."""
+    decoded_s: float
+    """time.monotonic() when decoding finished."""
+
+
+class StreamEngine(Protocol):
+    """The engine as the server front end sees it."""
+
+    def open_stream(self, spec: StreamSpec) -> StreamPromise:
+        """Admit a stream or raise AdmissionRefused."""
+
+    def close_stream(self, stream_id: int) -> None:
+        """Free the stream's KV slots; outputs still in flight are dropped."""
+
+    def submit_context(
+        self, stream_id: int, frames: np.ndarray, actions: np.ndarray | None = None
+    ) -> int:
+        """Append an observation chunk (frames [F, H, W, 3] uint8, F <= chunk_frames; the
+        newest frame is repeated to fill). ``actions`` [H, A]: commanded actions it carries.
+        Returns the chunk index."""
+
+    def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
+        """Append a chunk to generate (``actions`` [H, A] conditions a world model).
+        Returns the chunk index."""
+
+    def poll(self, timeout_s: float) -> list[ChunkOutput]:
+        """Generated chunks that finished, in per-stream chunk order; waits up to timeout_s."""
+
+    def shutdown(self) -> None:
+        """Stop every worker and free resources."""

@@ -1,0 +1,216 @@
+"""Model and sampler configurations, with named presets that keep the real compute shapes.
+
+A preset fixes the backbone (blocks, width, heads, FFN), the latent layout (channels, patch,
+latent frames per chunk, latent grid) and the codec (image <-> latent). The sampler config
+fixes what a run chooses: denoising steps K, history window W (in chunks), schedule shift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ACTION_MODES = ("none", "condition", "predict")
+CODECS = ("pixel", "vae_standin")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A block-causal diffusion transformer and its latent/codec layout."""
+
+    name: str
+    """Preset name, e.g. ``tiny`` or ``wan2.1-1.3b``."""
+    num_blocks: int
+    """L: transformer blocks."""
+    dim: int
+    """D: hidden size."""
+    num_heads: int
+    """Attention heads; head dim = dim / num_heads."""
+    ffn_dim: int
+    """Hidden size of the feed-forward network."""
+    freq_dim: int = 256
+    """Size of the sinusoidal timestep embedding (Wan2.1: 256)."""
+    text_dim: int
+    """Width of the conditioning (text) tokens fed to cross-attention."""
+    text_len: int
+    """Number of conditioning tokens per stream."""
+    in_channels: int
+    """Latent channels C."""
+    patch: tuple[int, int, int] = (1, 2, 2)
+    """Patch size (t, h, w) over the latent."""
+    latent_frames: int
+    """T: latent frames per chunk."""
+    latent_height: int
+    """Latent grid height per frame."""
+    latent_width: int
+    """Latent grid width per frame."""
+    codec: str = "pixel"
+    """``pixel`` (exact space-to-depth, tiny/small) or ``vae_standin`` (VAE shapes, timed apart)."""
+    codec_stride: tuple[int, int, int] = (1, 4, 4)
+    """Image -> latent stride (t, h, w)."""
+    action_dim: int = 0
+    """A: values per action (0: no actions)."""
+    action_horizon: int = 0
+    """H: actions per chunk."""
+    action_mode: str = "none"
+    """``none``; ``condition`` (world model conditioned on commanded actions per chunk);
+    ``predict`` (world-action model: action tokens denoised and decoded per chunk)."""
+    eps: float = 1e-6
+    """Norm epsilon (Wan2.1: 1e-6)."""
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if (self.dim // self.num_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.num_heads} must be even for RoPE")
+        if self.action_mode not in ACTION_MODES:
+            raise ValueError(f"action_mode {self.action_mode!r} is not one of {ACTION_MODES}")
+        if self.codec not in CODECS:
+            raise ValueError(f"codec {self.codec!r} is not one of {CODECS}")
+        if self.action_mode != "none" and (self.action_dim <= 0 or self.action_horizon <= 0):
+            raise ValueError(f"action_mode {self.action_mode!r} needs action_dim and action_horizon > 0")
+        pt, ph, pw = self.patch
+        if self.latent_frames % pt or self.latent_height % ph or self.latent_width % pw:
+            raise ValueError(
+                f"latent chunk {self.latent_frames}x{self.latent_height}x{self.latent_width} "
+                f"is not divisible by patch {self.patch}"
+            )
+        for name in ("num_blocks", "dim", "ffn_dim", "text_dim", "text_len", "in_channels"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per video token: C * pt * ph * pw."""
+        pt, ph, pw = self.patch
+        return self.in_channels * pt * ph * pw
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """Token grid of one chunk (t, h, w)."""
+        pt, ph, pw = self.patch
+        return (self.latent_frames // pt, self.latent_height // ph, self.latent_width // pw)
+
+    @property
+    def tokens_per_frame(self) -> int:
+        _, gh, gw = self.grid
+        return gh * gw
+
+    @property
+    def video_tokens(self) -> int:
+        gt, gh, gw = self.grid
+        return gt * gh * gw
+
+    @property
+    def action_tokens(self) -> int:
+        return self.action_horizon if self.action_mode == "predict" else 0
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """N: tokens one chunk carries through every block."""
+        return self.video_tokens + self.action_tokens
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """(height, width) of the camera image the codec takes."""
+        _, sh, sw = self.codec_stride
+        return (self.latent_height * sh, self.latent_width * sw)
+
+    @property
+    def frames_per_chunk(self) -> int:
+        """Camera frames one chunk covers (latent frames x temporal stride)."""
+        return self.latent_frames * self.codec_stride[0]
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block (self-attn, cross-attn, norms, FFN, modulation)."""
+        d, f = self.dim, self.ffn_dim
+        attn = 4 * (d * d + d) + 2 * d  # q, k, v, o with bias + q/k RMSNorm
+        ffn = d * f + f + f * d + d
+        return 2 * attn + ffn + 2 * d + 6 * d  # norm3 affine + modulation
+
+    def num_params(self) -> int:
+        """Approximate parameter count of the whole DiT."""
+        d = self.dim
+        embed = self.patch_dim * d + d + self.text_dim * d + d + d * d + d
+        time = self.freq_dim * d + d + d * d + d + d * 6 * d + 6 * d
+        head = d * self.patch_dim + self.patch_dim + 2 * d
+        return self.num_blocks * self.block_params() + embed + time + head
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+    """How a stream is sampled: the shared noise schedule and the attention window."""
+
+    steps: int = 4
+    """K: denoising steps per chunk."""
+    window: int = 2
+    """W: previous chunks each chunk attends to (same step, noisy history)."""
+    shift: float = 5.0
+    """Timestep shift of the flow-matching schedule (Wan2.1 uses 3.0-5.0)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.shift <= 0:
+            raise ValueError(f"shift must be > 0, got {self.shift}")
+
+
+def _wan(name: str, **kw) -> ModelConfig:
+    base = dict(
+        text_dim=4096,
+        text_len=512,
+        in_channels=16,
+        patch=(1, 2, 2),
+        latent_frames=3,
+        latent_height=60,
+        latent_width=104,
+        codec="vae_standin",
+        codec_stride=(4, 8, 8),
+    )
+    base.update(kw)
+    return ModelConfig(name=name, **base)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Tests: seconds on a CPU. 16x16 images, 32 tokens per chunk + 4 action tokens.
+    "tiny": ModelConfig(
+        name="tiny", num_blocks=2, dim=32, num_heads=2, ffn_dim=64, freq_dim=32,
+        text_dim=16, text_len=4, in_channels=12, latent_frames=2, latent_height=8,
+        latent_width=8, codec="pixel", codec_stride=(1, 2, 2),
+        action_dim=4, action_horizon=4, action_mode="predict",
+    ),
+    # CPU benchmarks: 64x64 images, 128 video tokens per chunk, ~10 ms per block forward.
+    "small": ModelConfig(
+        name="small", num_blocks=4, dim=256, num_heads=4, ffn_dim=1024, freq_dim=256,
+        text_dim=64, text_len=8, in_channels=48, latent_frames=2, latent_height=16,
+        latent_width=16, codec="pixel", codec_stride=(1, 4, 4),
+        action_dim=7, action_horizon=16, action_mode="predict",
+    ),
+    # Wan2.1 T2V 1.3B at 480x832: 1560 tokens per latent frame, 3 latent frames per chunk.
+    "wan2.1-1.3b": _wan("wan2.1-1.3b", num_blocks=30, dim=1536, num_heads=12, ffn_dim=8960),
+    # Wan2.2 TI2V 5B at 704x1280: VAE 4x16x16, 48 latent channels, 880 tokens per frame.
+    "wan2.2-ti2v-5b": _wan(
+        "wan2.2-ti2v-5b", num_blocks=30, dim=3072, num_heads=24, ffn_dim=14336,
+        in_channels=48, latent_height=44, latent_width=80, codec_stride=(4, 16, 16),
+    ),
+    # Wan2.1 T2V 14B at 480x832.
+    "wan2.1-14b": _wan("wan2.1-14b", num_blocks=40, dim=5120, num_heads=40, ffn_dim=13824),
+    # Larger backbones, 50 blocks, sized to 22B / 33B parameters (head dim 128).
+    "dit-22b": _wan("dit-22b", num_blocks=50, dim=5888, num_heads=46, ffn_dim=13824),
+    "dit-33b": _wan("dit-33b", num_blocks=50, dim=7168, num_heads=56, ffn_dim=17408),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """The preset called ``name``, with fields replaced by ``overrides``."""
+    try:
+        cfg = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg

@@ -1,0 +1,91 @@
+"""The worker boundary: what moves between workers, and the interface that moves it.
+
+A worker talks to other workers only through a ``Transport``. In one process that is
+``InProcTransport`` (queues); across processes it is the torch.distributed transport in
+``physis_ros.serve``. KV never moves: only a chunk's hidden state and latent do.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+FLAG_CONTEXT = 1
+"""Set on a context chunk: an encoded observation clamped at sigma = 0, never updated."""
+
+
+@dataclass
+class Activation:
+    """One chunk of one stream on its way into stage (step, block).
+
+    ``step == K`` (with ``block == 0``) addresses the sink: the chunk is fully denoised.
+    Every field is an int, a float or a tensor of a shape fixed per stream, so a
+    transport can send it as one int64 header plus pre-agreed tensor buffers.
+    """
+
+    stream_id: int
+    chunk: int
+    step: int
+    """k of the destination stage (K: done, goes to the sink)."""
+    block: int
+    """l of the destination stage."""
+    flags: int
+    """Bit set of FLAG_* values."""
+    x: torch.Tensor
+    """[X] float32: the chunk's state x^(k), flattened (video latent tokens ++ action values)."""
+    h: torch.Tensor | None
+    """[N, D] hidden state entering ``block``; None when ``block == 0`` (the stage embeds x)."""
+    created_s: float = field(default_factory=time.monotonic)
+    """time.monotonic() when the chunk entered the pipeline (same host only)."""
+
+    @property
+    def is_context(self) -> bool:
+        return bool(self.flags & FLAG_CONTEXT)
+
+
+class Transport(Protocol):
+    """Point-to-point delivery of activations between workers (ranks)."""
+
+    rank: int
+    world_size: int
+
+    def send(self, dst: int, msg: Activation) -> None:
+        """Queue ``msg`` for worker ``dst``; must not wait for the receiver."""
+
+    def recv(self, timeout_s: float) -> list[Activation]:
+        """Every activation that arrived for this worker; waits up to ``timeout_s`` for one."""
+
+
+class InProcTransport:
+    """Transport between workers that live in one process (threads or one event loop)."""
+
+    def __init__(self, inboxes: list[queue.SimpleQueue], rank: int) -> None:
+        self._inboxes = inboxes
+        self.rank = rank
+        self.world_size = len(inboxes)
+
+    @classmethod
+    def group(cls, world_size: int) -> list[InProcTransport]:
+        """One connected transport per worker rank 0..world_size-1."""
+        inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(world_size)]
+        return [cls(inboxes, rank) for rank in range(world_size)]
+
+    def send(self, dst: int, msg: Activation) -> None:
+        self._inboxes[dst].put(msg)
+
+    def recv(self, timeout_s: float) -> list[Activation]:
+        inbox = self._inboxes[self.rank]
+        out: list[Activation] = []
+        try:
+            out.append(inbox.get(timeout=timeout_s) if timeout_s > 0 else inbox.get_nowait())
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(inbox.get_nowait())
+            except queue.Empty:
+                return out

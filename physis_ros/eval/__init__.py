@@ -1,0 +1,1 @@
+"""Bag replay evaluation, metrics and reports. Needs no rclpy."""

@@ -1,0 +1,1 @@
+"""Wire protocol and the robot-side client. Imports neither torch nor rclpy."""

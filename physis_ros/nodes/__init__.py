@@ -1,0 +1,1 @@
+"""ROS 2 nodes: convert, enqueue, publish. Imports rclpy; never torch."""

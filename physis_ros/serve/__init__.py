@@ -1,0 +1,1 @@
+"""Server process: workers, torch.distributed transport, front end. Imports torch; never rclpy."""
