@@ -9,8 +9,9 @@ import sys
 
 def main() -> int:
     print(
-        "physis-demo: the closed-loop demo (sim_robot + physis-serve + bridge) is not built yet; "
-        "see the open issue 'ROS 2 nodes: robot-side bridge, messages, launch, rviz, and the demo'.",
+        "physis-demo: the closed-loop demo (sim_robot + physis-serve + bridge) is not built "
+        "yet; see the open issue 'ROS 2 nodes: robot-side bridge, messages, launch, rviz, "
+        "and the demo'.",
         file=sys.stderr,
     )
     return 2

@@ -68,7 +68,9 @@ class ModelConfig:
         if self.codec not in CODECS:
             raise ValueError(f"codec {self.codec!r} is not one of {CODECS}")
         if self.action_mode != "none" and (self.action_dim <= 0 or self.action_horizon <= 0):
-            raise ValueError(f"action_mode {self.action_mode!r} needs action_dim and action_horizon > 0")
+            raise ValueError(
+                f"action_mode {self.action_mode!r} needs action_dim and action_horizon > 0"
+            )
         pt, ph, pw = self.patch
         if self.latent_frames % pt or self.latent_height % ph or self.latent_width % pw:
             raise ValueError(
@@ -180,24 +182,57 @@ def _wan(name: str, **kw) -> ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # Tests: seconds on a CPU. 16x16 images, 32 tokens per chunk + 4 action tokens.
     "tiny": ModelConfig(
-        name="tiny", num_blocks=2, dim=32, num_heads=2, ffn_dim=64, freq_dim=32,
-        text_dim=16, text_len=4, in_channels=12, latent_frames=2, latent_height=8,
-        latent_width=8, codec="pixel", codec_stride=(1, 2, 2),
-        action_dim=4, action_horizon=4, action_mode="predict",
+        name="tiny",
+        num_blocks=2,
+        dim=32,
+        num_heads=2,
+        ffn_dim=64,
+        freq_dim=32,
+        text_dim=16,
+        text_len=4,
+        in_channels=12,
+        latent_frames=2,
+        latent_height=8,
+        latent_width=8,
+        codec="pixel",
+        codec_stride=(1, 2, 2),
+        action_dim=4,
+        action_horizon=4,
+        action_mode="predict",
     ),
     # CPU benchmarks: 64x64 images, 128 video tokens per chunk, ~10 ms per block forward.
     "small": ModelConfig(
-        name="small", num_blocks=4, dim=256, num_heads=4, ffn_dim=1024, freq_dim=256,
-        text_dim=64, text_len=8, in_channels=48, latent_frames=2, latent_height=16,
-        latent_width=16, codec="pixel", codec_stride=(1, 4, 4),
-        action_dim=7, action_horizon=16, action_mode="predict",
+        name="small",
+        num_blocks=4,
+        dim=256,
+        num_heads=4,
+        ffn_dim=1024,
+        freq_dim=256,
+        text_dim=64,
+        text_len=8,
+        in_channels=48,
+        latent_frames=2,
+        latent_height=16,
+        latent_width=16,
+        codec="pixel",
+        codec_stride=(1, 4, 4),
+        action_dim=7,
+        action_horizon=16,
+        action_mode="predict",
     ),
     # Wan2.1 T2V 1.3B at 480x832: 1560 tokens per latent frame, 3 latent frames per chunk.
     "wan2.1-1.3b": _wan("wan2.1-1.3b", num_blocks=30, dim=1536, num_heads=12, ffn_dim=8960),
     # Wan2.2 TI2V 5B at 704x1280: VAE 4x16x16, 48 latent channels, 880 tokens per frame.
     "wan2.2-ti2v-5b": _wan(
-        "wan2.2-ti2v-5b", num_blocks=30, dim=3072, num_heads=24, ffn_dim=14336,
-        in_channels=48, latent_height=44, latent_width=80, codec_stride=(4, 16, 16),
+        "wan2.2-ti2v-5b",
+        num_blocks=30,
+        dim=3072,
+        num_heads=24,
+        ffn_dim=14336,
+        in_channels=48,
+        latent_height=44,
+        latent_width=80,
+        codec_stride=(4, 16, 16),
     ),
     # Wan2.1 T2V 14B at 480x832.
     "wan2.1-14b": _wan("wan2.1-14b", num_blocks=40, dim=5120, num_heads=40, ffn_dim=13824),
