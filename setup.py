@@ -6,11 +6,30 @@ messages and reads `console_scripts` below for `ros2 run` launchers), and a plai
 Pinned versions live in requirements.txt; the names here are unpinned on purpose.
 """
 
+import runpy
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 CONSOLE_SCRIPTS = [
     "physis-demo = physis_ros.demo:main",
+    "physis-serve = physis_ros.serve.main:main",
 ]
+
+
+class BuildPyWithProto(build_py):
+    """Generates the wire code (physis_ros/link/proto_gen) from proto/ before copying."""
+
+    def run(self):
+        runpy.run_path(str(Path(__file__).resolve().parent / "proto" / "generate.py"))["generate"]()
+        super().run()
+
+
+# proto_gen is generated (git-ignored), so find_packages may not see it in a fresh checkout.
+PACKAGES = sorted(
+    set(find_packages(include=["physis_ros", "physis_ros.*"])) | {"physis_ros.link.proto_gen"}
+)
 
 setup(
     name="physis_ros",
@@ -18,8 +37,9 @@ setup(
     description="Noisy-history stage pipeline for large world(-action) models, with ROS 2 nodes",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["physis_ros", "physis_ros.*"]),
-    package_data={"physis_ros": ["py.typed"]},
+    packages=PACKAGES,
+    package_data={"physis_ros": ["py.typed"], "physis_ros.link.proto_gen": ["*.pyi"]},
+    cmdclass={"build_py": BuildPyWithProto},
     install_requires=["numpy", "PyYAML"],
     extras_require={
         # workstation: engine, distributed runtime, server front end
