@@ -32,7 +32,13 @@ $(BUILD_STAMP): $(DEPS_STAMP) CMakeLists.txt package.xml setup.py $(MSGS)
 	cmake --build build -j2 >> build.log 2>&1 || { tail -40 build.log; exit 1; }
 	touch $@
 
-setup: $(BUILD_STAMP)
+# proto/physis.proto -> physis_ros/link/proto_gen/ (git-ignored), before the install below
+# links the package's files into the venv.
+PROTO_GEN := physis_ros/link/proto_gen/physis_pb2_grpc.py
+$(PROTO_GEN): proto/physis.proto proto/generate.py $(DEPS_STAMP)
+	$(PY) proto/generate.py > /dev/null
+
+setup: $(BUILD_STAMP) $(PROTO_GEN)
 	@# re-install is ~0.2 s and picks up new source files for the symlink install
 	@cmake --install build >> build.log 2>&1 || { tail -40 build.log; exit 1; }
 
