@@ -1,0 +1,338 @@
+"""Headless episode recorder: the push scene and its scripted policy, written to rosbag2.
+
+What belongs here: stepping ``PushScene`` with ``ScriptedPolicy`` in simulated time and
+writing what ``sim_robot`` would publish — camera images, wrench, joint states — plus the
+commanded joint targets, as rosbag2 files (MCAP or sqlite3, version 9) through the
+``rosbags`` library, so ``ros2 bag info/play`` and ``physis-eval`` read them. No rclpy.
+
+Time: every stamp (header and bag receive time) is simulated time, starting at
+``EPOCH_S + 3600 * seed`` so bags of different seeds never overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
+
+IMAGE_TOPIC = "/camera/image_raw"
+COMPRESSED_IMAGE_TOPIC = "/camera/image_raw/compressed"
+WRENCH_TOPIC = "/wrench"
+JOINT_STATE_TOPIC = "/joint_states"
+COMMAND_TOPIC = "/joint_command"
+"""Commanded joint position targets (trajectory_msgs/JointTrajectory, one point)."""
+CAMERA_FRAME = "camera"
+TABLE_FRAME = "table"
+EPOCH_S = 1_750_000_000
+RAW_ENCODINGS = ("rgb8", "bgr8", "mono8", "rgba8", "bgra8")
+COMPRESSED_FORMATS = ("jpeg", "png")
+STORAGES = ("mcap", "sqlite3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordConfig:
+    """One episode: scene seed, duration, rates, image size/encoding and bag storage."""
+
+    seed: int = 0
+    """Seeds the scene's initial state and the scripted policy."""
+    duration_s: float = 30.0
+    """Simulated seconds recorded."""
+    control_hz: float = 50.0
+    """Rate of the policy, the physics step, joint states, wrench and commands."""
+    camera_hz: float = 10.0
+    """Camera frame rate; must divide control_hz."""
+    image_height: int = 64
+    image_width: int = 64
+    encoding: str = "rgb8"
+    """One of RAW_ENCODINGS (sensor_msgs/Image) or COMPRESSED_FORMATS (CompressedImage)."""
+    storage: str = "mcap"
+    """``mcap`` (default, as ros2 bag records) or ``sqlite3``."""
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 < self.duration_s <= 3600:
+            raise ValueError(f"duration_s must be in (0, 3600], got {self.duration_s}")
+        if not 0 < self.camera_hz <= self.control_hz <= 1000:
+            raise ValueError(
+                f"need 0 < camera_hz ({self.camera_hz}) <= control_hz ({self.control_hz}) <= 1000"
+            )
+        ratio = self.control_hz / self.camera_hz
+        if abs(ratio - round(ratio)) > 1e-9:
+            raise ValueError(f"camera_hz {self.camera_hz} must divide control_hz {self.control_hz}")
+        if self.encoding not in RAW_ENCODINGS + COMPRESSED_FORMATS:
+            raise ValueError(
+                f"encoding {self.encoding!r} is not one of {RAW_ENCODINGS + COMPRESSED_FORMATS}"
+            )
+        if self.storage not in STORAGES:
+            raise ValueError(f"storage {self.storage!r} is not one of {STORAGES}")
+        SceneConfig(image_height=self.image_height, image_width=self.image_width, seed=self.seed)
+
+    @property
+    def compressed(self) -> bool:
+        return self.encoding in COMPRESSED_FORMATS
+
+    @property
+    def image_topic(self) -> str:
+        return COMPRESSED_IMAGE_TOPIC if self.compressed else IMAGE_TOPIC
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpisodeSummary:
+    """What a recorded bag holds."""
+
+    path: str
+    seed: int
+    duration_s: float
+    camera_frames: int
+    control_ticks: int
+    contact_fraction: float
+    """Fraction of control ticks with a contact force above 0.05 N."""
+    box_travel_m: float
+    """Distance between the box's first and last position."""
+    record_s: float
+    """Wall time spent recording."""
+
+
+def typestore():
+    """The ROS 2 Kilted type store of ``rosbags`` (the distribution the wheels come from)."""
+    from rosbags.typesys import Stores, get_typestore
+
+    return get_typestore(Stores.ROS2_KILTED)
+
+
+def encode_image(rgb: np.ndarray, encoding: str) -> tuple[bytes, int]:
+    """(data, step) of an [H, W, 3] uint8 RGB image in a raw ROS encoding, or (data, 0) for a
+    compressed format."""
+    if encoding == "rgb8":
+        out = rgb
+    elif encoding == "bgr8":
+        out = rgb[..., ::-1]
+    elif encoding == "mono8":
+        # ITU-R 601 luma, as cv_bridge / OpenCV convert
+        out = np.round(rgb.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32))
+        out = out.astype(np.uint8)
+    elif encoding in ("rgba8", "bgra8"):
+        chans = rgb if encoding == "rgba8" else rgb[..., ::-1]
+        alpha = np.full((*rgb.shape[:2], 1), 255, np.uint8)
+        out = np.concatenate([chans, alpha], axis=-1)
+    elif encoding in COMPRESSED_FORMATS:
+        from PIL import Image
+
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, format=encoding.upper(), quality=95)
+        return buf.getvalue(), 0
+    else:
+        raise ValueError(
+            f"encoding {encoding!r} is not one of {RAW_ENCODINGS + COMPRESSED_FORMATS}"
+        )
+    out = np.ascontiguousarray(out)
+    step = out.shape[1] * (out.shape[2] if out.ndim == 3 else 1)
+    return out.tobytes(), step
+
+
+class _Messages:
+    """Builds the recorded messages from the scene's state (rosbags message classes)."""
+
+    def __init__(self, store, joint_names: tuple[str, ...]) -> None:
+        self.store = store
+        types = store.types
+        self._time = types["builtin_interfaces/msg/Time"]
+        self._duration = types["builtin_interfaces/msg/Duration"]
+        self._header = types["std_msgs/msg/Header"]
+        self._image = types["sensor_msgs/msg/Image"]
+        self._compressed = types["sensor_msgs/msg/CompressedImage"]
+        self._wrench_stamped = types["geometry_msgs/msg/WrenchStamped"]
+        self._wrench = types["geometry_msgs/msg/Wrench"]
+        self._vector = types["geometry_msgs/msg/Vector3"]
+        self._joint_state = types["sensor_msgs/msg/JointState"]
+        self._trajectory = types["trajectory_msgs/msg/JointTrajectory"]
+        self._point = types["trajectory_msgs/msg/JointTrajectoryPoint"]
+        self.joint_names = list(joint_names)
+
+    def header(self, stamp_ns: int, frame_id: str):
+        stamp = self._time(sec=stamp_ns // 1_000_000_000, nanosec=stamp_ns % 1_000_000_000)
+        return self._header(stamp=stamp, frame_id=frame_id)
+
+    def image(self, stamp_ns: int, rgb: np.ndarray, encoding: str):
+        data, step = encode_image(rgb, encoding)
+        payload = np.frombuffer(data, np.uint8)
+        if encoding in COMPRESSED_FORMATS:
+            return self._compressed(
+                header=self.header(stamp_ns, CAMERA_FRAME), format=encoding, data=payload
+            )
+        return self._image(
+            header=self.header(stamp_ns, CAMERA_FRAME),
+            height=rgb.shape[0],
+            width=rgb.shape[1],
+            encoding=encoding,
+            is_bigendian=0,
+            step=step,
+            data=payload,
+        )
+
+    def wrench(self, stamp_ns: int, w: np.ndarray):
+        vec = self._vector
+        body = self._wrench(force=vec(x=w[0], y=w[1], z=w[2]), torque=vec(x=w[3], y=w[4], z=w[5]))
+        return self._wrench_stamped(header=self.header(stamp_ns, "pusher"), wrench=body)
+
+    def joint_state(self, stamp_ns: int, q: np.ndarray, qd: np.ndarray):
+        return self._joint_state(
+            header=self.header(stamp_ns, ""),
+            name=self.joint_names,
+            position=np.asarray(q, np.float64),
+            velocity=np.asarray(qd, np.float64),
+            effort=np.zeros(0, np.float64),
+        )
+
+    def command(self, stamp_ns: int, targets: np.ndarray):
+        point = self._point(
+            positions=np.asarray(targets, np.float64),
+            velocities=np.zeros(0, np.float64),
+            accelerations=np.zeros(0, np.float64),
+            effort=np.zeros(0, np.float64),
+            time_from_start=self._duration(sec=0, nanosec=0),
+        )
+        return self._trajectory(
+            header=self.header(stamp_ns, TABLE_FRAME), joint_names=self.joint_names, points=[point]
+        )
+
+
+def record_episode(path: Path | str, cfg: RecordConfig) -> EpisodeSummary:
+    """Record one episode into a new bag directory ``path`` (must not exist)."""
+    from rosbags.rosbag2 import StoragePlugin, Writer
+
+    path = Path(path)
+    t0_wall = time.perf_counter()
+    store = typestore()
+    scene = PushScene(
+        SceneConfig(image_height=cfg.image_height, image_width=cfg.image_width, seed=cfg.seed)
+    )
+    policy = ScriptedPolicy(cfg.seed)
+    msgs = _Messages(store, scene.joint_names)
+    plugin = StoragePlugin.MCAP if cfg.storage == "mcap" else StoragePlugin.SQLITE3
+    control_dt_s = 1.0 / cfg.control_hz
+    ticks_per_frame = round(cfg.control_hz / cfg.camera_hz)
+    n_ticks = round(cfg.duration_s * cfg.control_hz)
+    start_ns = (EPOCH_S + 3600 * cfg.seed) * 1_000_000_000
+    box_start = scene.box_pose()[:2]
+    contact_ticks = 0
+    frames = 0
+    with Writer(path, version=9, storage_plugin=plugin) as writer:
+        image_type = (
+            "sensor_msgs/msg/CompressedImage" if cfg.compressed else "sensor_msgs/msg/Image"
+        )
+        conns = {
+            "image": writer.add_connection(cfg.image_topic, image_type, typestore=store),
+            "wrench": writer.add_connection(
+                WRENCH_TOPIC, "geometry_msgs/msg/WrenchStamped", typestore=store
+            ),
+            "joints": writer.add_connection(
+                JOINT_STATE_TOPIC, "sensor_msgs/msg/JointState", typestore=store
+            ),
+            "command": writer.add_connection(
+                COMMAND_TOPIC, "trajectory_msgs/msg/JointTrajectory", typestore=store
+            ),
+        }
+
+        def write(kind: str, stamp_ns: int, msg) -> None:
+            conn = conns[kind]
+            writer.write(conn, stamp_ns, store.serialize_cdr(msg, conn.msgtype))
+
+        # tick i: observe at t_i (camera every ticks_per_frame), command, step to t_{i+1}
+        for tick in range(n_ticks + 1):
+            stamp_ns = start_ns + round(tick * control_dt_s * 1e9)
+            write(
+                "joints",
+                stamp_ns,
+                msgs.joint_state(stamp_ns, scene.joint_positions(), scene.joint_velocities()),
+            )
+            write("wrench", stamp_ns, msgs.wrench(stamp_ns, scene.wrench()))
+            contact_ticks += int(np.linalg.norm(scene.wrench()[:2]) > 0.05)
+            if tick % ticks_per_frame == 0:
+                write("image", stamp_ns, msgs.image(stamp_ns, scene.render(), cfg.encoding))
+                frames += 1
+            if tick == n_ticks:
+                break
+            targets = policy.joint_targets(scene, tick * control_dt_s)
+            write("command", stamp_ns, msgs.command(stamp_ns, targets))
+            scene.step(control_dt_s, targets)
+    return EpisodeSummary(
+        path=str(path),
+        seed=cfg.seed,
+        duration_s=n_ticks * control_dt_s,
+        camera_frames=frames,
+        control_ticks=n_ticks,
+        contact_fraction=contact_ticks / (n_ticks + 1),
+        box_travel_m=float(np.linalg.norm(scene.box_pose()[:2] - box_start)),
+        record_s=time.perf_counter() - t0_wall,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``physis-record OUT_DIR``: record episodes of seeds [seed, seed + episodes)."""
+    parser = argparse.ArgumentParser(prog="physis-record", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path, help="folder that receives one bag per episode")
+    parser.add_argument("--episodes", type=int, default=1, help="number of episodes (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first episode")
+    parser.add_argument(
+        "--duration-s", type=float, default=30.0, help="simulated seconds per episode"
+    )
+    parser.add_argument("--control-hz", type=float, default=50.0, help="policy/physics/sensor rate")
+    parser.add_argument("--camera-hz", type=float, default=10.0, help="camera frame rate")
+    parser.add_argument("--height", type=int, default=64, help="image height (pixels)")
+    parser.add_argument("--width", type=int, default=64, help="image width (pixels)")
+    parser.add_argument(
+        "--encoding",
+        default="rgb8",
+        choices=RAW_ENCODINGS + COMPRESSED_FORMATS,
+        help="image encoding",
+    )
+    parser.add_argument(
+        "--storage", default="mcap", choices=STORAGES, help="rosbag2 storage plugin"
+    )
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error(f"--episodes must be >= 1, got {args.episodes}")
+    try:
+        configs = [
+            RecordConfig(
+                seed=args.seed + i,
+                duration_s=args.duration_s,
+                control_hz=args.control_hz,
+                camera_hz=args.camera_hz,
+                image_height=args.height,
+                image_width=args.width,
+                encoding=args.encoding,
+                storage=args.storage,
+            )
+            for i in range(args.episodes)
+        ]
+    except ValueError as err:
+        parser.error(str(err))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    from tqdm import tqdm
+
+    for cfg in tqdm(configs, desc="episodes", unit="bag", file=sys.stderr):
+        bag = args.out_dir / f"episode_{cfg.seed:05d}"
+        if bag.exists():
+            print(
+                f"physis-record: {bag} exists, skipped (bags are never overwritten)",
+                file=sys.stderr,
+            )
+            continue
+        summary = record_episode(bag, cfg)
+        print(json.dumps(asdict(summary)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
