@@ -1,0 +1,435 @@
+"""Every torch.distributed point-to-point call of the runtime lives here.
+
+``TorchDistTransport`` implements the engine's ``Transport`` (``physis_ros.engine.transport``)
+between ranks, and carries the runtime's control messages and heartbeats on the same channel.
+
+Wire protocol (per message, in order, sender -> receiver):
+  1. header: int64[16] (see ``_H_*``), tag ``TAG_HEADER``;
+  2. data messages: x (float32 [X]) then, if ``has_h``, h ([N, D], model dtype), tag
+     ``TAG_PAYLOAD``; control messages: a uint8 JSON payload, tag ``TAG_PAYLOAD``.
+The x / h shapes follow from the model config; every rank computes them and they are checked
+once at start-up (``check_shapes_agree``: one all-gather of an int64 tensor, no pickle). The
+header still carries them so a mismatch is a clear error, never a silent misread.
+
+Receiving, and why it looks like this:
+  - gloo (CPU): a posted ``irecv`` from ANY source works (``src=None``) but gloo only fills
+    ``is_completed()`` inside ``wait()``, and a ``wait(timeout)`` that expires closes the
+    pair. So a dedicated comm thread blocks in ``wait()`` on one any-source header receive,
+    then receives the payload from that source (per-pair FIFO on ``TAG_PAYLOAD`` makes it
+    unambiguous) and hands the message to queues. Compute never waits on it. Rank 0 sends a
+    heartbeat to every rank each ``heartbeat_interval_s`` so an idle receive never reaches
+    the process-group timeout.
+  - NCCL (CUDA): no any-source receives, and p2p ops of one pair share one CUDA stream, so a
+    posted receive would block sends to the same peer. Hence two extra groups, one per
+    direction (lower -> higher rank, higher -> lower), a header receive posted ahead per peer,
+    polled with ``is_completed()`` from the comm thread (NCCL runs on its own streams, so
+    communication overlaps compute).
+  - gloo with CUDA tensors (several ranks sharing one GPU, where NCCL refuses): payloads are
+    staged through CPU.
+Sending: one thread per destination does isend + wait in order, so ``send`` never waits for
+the receiver and a hung receiver delays only traffic to itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import struct
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from physis_ros.engine.transport import Activation
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+TAG_HEADER = 0
+TAG_PAYLOAD = 1
+HEADER_LEN = 16
+
+KIND_DATA = 1
+KIND_CONTROL = 2
+KIND_HEARTBEAT = 3
+
+# header slots
+_H_VERSION, _H_KIND, _H_STREAM, _H_CHUNK, _H_STEP, _H_BLOCK, _H_FLAGS, _H_HAS_H = range(8)
+_H_X_NUMEL, _H_H_ROWS, _H_H_COLS, _H_PAYLOAD_BYTES, _H_CREATED, _H_SEQ, _H_DTYPE = range(8, 15)
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationShapes:
+    """The tensors one activation carries, the same for every stream of a model."""
+
+    x_numel: int
+    """X: values of a chunk's flattened state x (float32)."""
+    h_tokens: int
+    """N: tokens of the hidden state h."""
+    h_dim: int
+    """D: hidden size."""
+    h_dtype: torch.dtype = torch.float32
+    """dtype of h (bf16 on CUDA runs)."""
+    steps: int
+    """K: an activation with ``step == K`` goes to the sink (rank 0's controller)."""
+
+    def __post_init__(self) -> None:
+        for name in ("x_numel", "h_tokens", "h_dim", "steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.h_dtype not in _DTYPE_CODES:
+            raise ValueError(f"h_dtype {self.h_dtype} is not one of {list(_DTYPE_CODES)}")
+
+    def as_tensor(self) -> torch.Tensor:
+        code = _DTYPE_CODES[self.h_dtype]
+        return torch.tensor([self.x_numel, self.h_tokens, self.h_dim, code, self.steps])
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    """A control message between the controller (rank 0) and a worker rank."""
+
+    src: int
+    kind: str
+    body: dict
+
+
+class PeerFailed(RuntimeError):
+    """Sending to or receiving from ``rank`` failed (it died, hung past the timeout, or left)."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank}: {reason}")
+        self.rank = rank
+        self.reason = reason
+
+
+class TorchDistTransport:
+    """``Transport`` over torch.distributed point-to-point; one per rank.
+
+    ``recv`` returns activations for this rank's stages; on rank 0, activations with
+    ``step == K`` (finished chunks) go to ``recv_sink`` instead, and control messages from
+    any rank to ``recv_control``. Sends to this rank itself bypass torch.distributed.
+    """
+
+    def __init__(self, *, shapes: ActivationShapes, device: torch.device) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised (init_process_group first)")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = str(dist.get_backend())
+        self.shapes = shapes
+        self.device = torch.device(device)
+        # Tensors cross the wire on the compute device with NCCL, on the CPU with gloo.
+        self.wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        self._inbox: queue.SimpleQueue[Activation] = queue.SimpleQueue()
+        self._sink: queue.SimpleQueue[Activation] = queue.SimpleQueue()
+        self._control: queue.SimpleQueue[ControlMessage] = queue.SimpleQueue()
+        self._send_queues: dict[int, queue.SimpleQueue] = {}
+        self._send_threads: dict[int, threading.Thread] = {}
+        self._send_lock = threading.Lock()
+        self._seq = 0
+        self._last_heard_s: dict[int, float] = {}
+        self._failed: dict[int, str] = {}
+        self._closed = threading.Event()
+        self.counters: dict[str, int] = defaultdict(int)
+        """Messages and drops by reason (``sent``, ``received``, ``dropped_<reason>``)."""
+        self.recv_error: str | None = None
+        """Why the receive thread stopped, if it stopped on an error."""
+        self._groups_by_direction: tuple | None = None
+        if self.backend == "nccl":
+            # Collective at construction: every rank builds its transport at start-up.
+            up, down = dist.new_group(backend="nccl"), dist.new_group(backend="nccl")
+            self._groups_by_direction = (up, down)
+        self._next_x, self._next_h = self._alloc_payload()
+        now = time.monotonic()
+        for peer in range(self.world_size):
+            self._last_heard_s[peer] = now
+        target = self._recv_loop_nccl if self.backend == "nccl" else self._recv_loop_gloo
+        self._recv_thread = threading.Thread(target=target, name="dist-recv", daemon=True)
+        self._recv_thread.start()
+
+    # ---------------------------------------------------------------- public API
+    def send(self, dst: int, msg: Activation) -> None:
+        """Queue ``msg`` for rank ``dst``; returns at once (a thread per peer sends)."""
+        if dst == self.rank:
+            self._deliver(msg)
+            return
+        if msg.x.numel() != self.shapes.x_numel:
+            raise ValueError(f"x has {msg.x.numel()} values, agreed {self.shapes.x_numel}")
+        if msg.h is not None and tuple(msg.h.shape) != (self.shapes.h_tokens, self.shapes.h_dim):
+            raise ValueError(
+                f"h shape {tuple(msg.h.shape)} != agreed ({self.shapes.h_tokens}, "
+                f"{self.shapes.h_dim})"
+            )
+        header = self._header(KIND_DATA, msg=msg)
+        x = msg.x.detach().reshape(-1).to(self.wire_device, torch.float32)
+        payload = [x]
+        if msg.h is not None:
+            payload.append(msg.h.detach().to(self.wire_device, self.shapes.h_dtype).contiguous())
+        self._enqueue(dst, header, payload)
+
+    def recv(self, timeout_s: float) -> list[Activation]:
+        """Every activation that arrived for this rank's stages; waits up to ``timeout_s``."""
+        return _drain(self._inbox, timeout_s)
+
+    def recv_sink(self, timeout_s: float) -> list[Activation]:
+        """Finished chunks (``step == K``) that reached this rank (the controller)."""
+        return _drain(self._sink, timeout_s)
+
+    def send_control(self, dst: int, kind: str, body: dict | None = None) -> None:
+        """Send a JSON control message; to ``dst == rank`` it is delivered locally."""
+        message = ControlMessage(self.rank, kind, dict(body or {}))
+        if dst == self.rank:
+            self._control.put(message)
+            return
+        data = json.dumps({"kind": kind, "body": message.body}).encode()
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.wire_device)
+        self._enqueue(dst, self._header(KIND_CONTROL, payload_bytes=len(data)), [payload])
+
+    def recv_control(self, timeout_s: float = 0.0) -> list[ControlMessage]:
+        return _drain(self._control, timeout_s)
+
+    def send_heartbeat(self, dst: int) -> None:
+        if dst != self.rank:
+            self._enqueue(dst, self._header(KIND_HEARTBEAT), [])
+
+    def seconds_since_heard(self, peer: int) -> float:
+        """Seconds since any message from ``peer`` arrived (since start-up if none yet)."""
+        return time.monotonic() - self._last_heard_s[peer]
+
+    def failed_peers(self) -> dict[int, str]:
+        """Peers a send to failed, with the reason."""
+        return dict(self._failed)
+
+    def pending_sends(self) -> int:
+        return sum(q.qsize() for q in self._send_queues.values())
+
+    def close(self, flush_timeout_s: float = 2.0) -> None:
+        """Flush queued sends (up to ``flush_timeout_s``) and stop the send threads.
+
+        The receive thread is a daemon blocked in a wait with no portable way to cancel it
+        (gloo has no abort for an any-source receive); it ends with the process or when the
+        peer's last message arrives. destroy_process_group is safe with it pending.
+        """
+        deadline = time.monotonic() + flush_timeout_s
+        while self.pending_sends() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._closed.set()
+        for q in self._send_queues.values():
+            q.put(None)
+        for thread in self._send_threads.values():
+            thread.join(timeout=max(0.0, deadline - time.monotonic()) + 0.5)
+
+    # ---------------------------------------------------------------- sending
+    def _header(self, kind: int, *, msg: Activation | None = None, payload_bytes: int = 0):
+        values = [0] * HEADER_LEN
+        values[_H_VERSION] = PROTOCOL_VERSION
+        values[_H_KIND] = kind
+        values[_H_PAYLOAD_BYTES] = payload_bytes
+        with self._send_lock:
+            self._seq += 1
+            values[_H_SEQ] = self._seq
+        if msg is not None:
+            values[_H_STREAM] = msg.stream_id
+            values[_H_CHUNK] = msg.chunk
+            values[_H_STEP] = msg.step
+            values[_H_BLOCK] = msg.block
+            values[_H_FLAGS] = msg.flags
+            values[_H_HAS_H] = int(msg.h is not None)
+            values[_H_X_NUMEL] = self.shapes.x_numel
+            values[_H_H_ROWS] = self.shapes.h_tokens
+            values[_H_H_COLS] = self.shapes.h_dim
+            values[_H_CREATED] = _float_bits(msg.created_s)
+            values[_H_DTYPE] = _DTYPE_CODES[self.shapes.h_dtype]
+        return torch.tensor(values, dtype=torch.int64, device=self.wire_device)
+
+    def _enqueue(self, dst: int, header: torch.Tensor, payload: list[torch.Tensor]) -> None:
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"destination rank {dst} is outside 0..{self.world_size - 1}")
+        if dst in self._failed:
+            self.counters["dropped_peer_failed"] += 1
+            return
+        q = self._send_queues.get(dst)
+        if q is None:
+            with self._send_lock:
+                q = self._send_queues.get(dst)
+                if q is None:
+                    q = queue.SimpleQueue()
+                    thread = threading.Thread(
+                        target=self._send_loop, args=(dst, q), name=f"dist-send-{dst}", daemon=True
+                    )
+                    self._send_queues[dst] = q
+                    self._send_threads[dst] = thread
+                    thread.start()
+        q.put((header, payload))
+
+    def _send_loop(self, dst: int, q: queue.SimpleQueue) -> None:
+        group = None
+        if self._groups_by_direction is not None:
+            group = self._groups_by_direction[0 if self.rank < dst else 1]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            header, payload = item
+            try:
+                works = [dist.isend(header, dst=dst, group=group, tag=TAG_HEADER)]
+                works += [dist.isend(t, dst=dst, group=group, tag=TAG_PAYLOAD) for t in payload]
+                for work in works:
+                    work.wait()
+                if self.wire_device.type == "cuda":
+                    torch.cuda.current_stream(self.wire_device).synchronize()
+                self.counters["sent"] += 1
+            except RuntimeError as exc:  # gloo: peer closed / timed out; NCCL: comm error
+                self._failed[dst] = f"send failed: {exc}"
+                self.counters["dropped_peer_failed"] += 1 + q.qsize()
+                log.warning("rank %d: send to rank %d failed: %s", self.rank, dst, exc)
+                return
+
+    # ---------------------------------------------------------------- receiving
+    def _alloc_payload(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.shapes
+        x = torch.empty(s.x_numel, dtype=torch.float32, device=self.wire_device)
+        h = torch.empty(s.h_tokens, s.h_dim, dtype=s.h_dtype, device=self.wire_device)
+        return x, h
+
+    def _deliver(self, msg: Activation) -> None:
+        if msg.step >= self.shapes.steps:
+            self._sink.put(msg)
+        else:
+            self._inbox.put(msg)
+
+    def _recv_loop_gloo(self) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        while not self._closed.is_set():
+            try:
+                work = dist.irecv(header, src=None, tag=TAG_HEADER)
+                work.wait()
+                src = work._source_rank()
+                self._handle(src, header.tolist(), lambda t, s=src: dist.irecv(t, s, tag=1).wait())
+            except RuntimeError as exc:
+                # The process-group timeout expired with no message from anyone (rank 0's
+                # heartbeat stopped) or the group was destroyed: nothing more will arrive.
+                self.recv_error = str(exc)
+                if not self._closed.is_set():
+                    log.warning("rank %d: receive loop stopped: %s", self.rank, exc)
+                self._control.put(ControlMessage(self.rank, "recv_stopped", {"error": str(exc)}))
+                return
+
+    def _recv_loop_nccl(self) -> None:
+        up, down = self._groups_by_direction
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        # Messages from a lower rank travel on the "up" group, from a higher one on "down".
+        group_of = {p: (up if p < self.rank else down) for p in peers}
+        headers = {
+            p: torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.wire_device) for p in peers
+        }
+        posted = {
+            p: dist.irecv(headers[p], src=p, group=group_of[p], tag=TAG_HEADER) for p in peers
+        }
+
+        def recv_from(tensor: torch.Tensor, src: int) -> None:
+            work = dist.irecv(tensor, src=src, group=group_of[src], tag=TAG_PAYLOAD)
+            while not work.is_completed():
+                time.sleep(20e-6)
+
+        while not self._closed.is_set():
+            idle = True
+            for p in peers:
+                if posted[p].is_completed():
+                    idle = False
+                    values = headers[p].tolist()
+                    posted[p] = None
+                    self._handle(p, values, recv_from)
+                    posted[p] = dist.irecv(headers[p], src=p, group=group_of[p], tag=TAG_HEADER)
+            if idle:
+                time.sleep(20e-6)
+
+    def _handle(self, src: int, h: list[int], recv_into) -> None:
+        self._last_heard_s[src] = time.monotonic()
+        kind = h[_H_KIND]
+        if h[_H_VERSION] != PROTOCOL_VERSION:
+            # The payload layout is unknown: the pair cannot be resynchronised. Say so loudly.
+            raise RuntimeError(
+                f"rank {src} speaks protocol {h[_H_VERSION]}, not {PROTOCOL_VERSION}"
+            )
+        if kind == KIND_HEARTBEAT:
+            self.counters["heartbeats_received"] += 1
+            return
+        if kind == KIND_CONTROL:
+            data = torch.empty(h[_H_PAYLOAD_BYTES], dtype=torch.uint8, device=self.wire_device)
+            recv_into(data, src)
+            try:
+                decoded = json.loads(bytes(data.cpu().numpy()).decode())
+                self._control.put(ControlMessage(src, decoded["kind"], decoded.get("body", {})))
+            except (ValueError, KeyError, TypeError) as exc:
+                self.counters["dropped_bad_control"] += 1
+                log.warning("rank %d: bad control message from rank %d: %s", self.rank, src, exc)
+            return
+        if kind != KIND_DATA:
+            raise RuntimeError(f"rank {src} sent unknown message kind {kind}")
+        s = self.shapes
+        agreed = (s.x_numel, s.h_tokens, s.h_dim, _DTYPE_CODES[s.h_dtype])
+        got = (h[_H_X_NUMEL], h[_H_H_ROWS], h[_H_H_COLS], h[_H_DTYPE])
+        if got != agreed:
+            raise RuntimeError(f"rank {src} sent shapes {got}, agreed {agreed}")
+        x, hidden = self._next_x, self._next_h
+        recv_into(x, src)
+        if h[_H_HAS_H]:
+            recv_into(hidden, src)
+        self.counters["received"] += 1
+        msg = Activation(
+            stream_id=h[_H_STREAM],
+            chunk=h[_H_CHUNK],
+            step=h[_H_STEP],
+            block=h[_H_BLOCK],
+            flags=h[_H_FLAGS],
+            x=x.to(self.device, non_blocking=True),
+            h=hidden.to(self.device, non_blocking=True) if h[_H_HAS_H] else None,
+            created_s=_bits_float(h[_H_CREATED]),
+        )
+        self._deliver(msg)
+        # Buffers for the next message, allocated while we wait for its header.
+        self._next_x = torch.empty_like(x)
+        if h[_H_HAS_H]:
+            self._next_h = torch.empty_like(hidden)
+
+
+def check_shapes_agree(shapes: ActivationShapes, device: torch.device) -> None:
+    """All ranks must agree on the activation shapes; one all-gather at start-up."""
+    mine = shapes.as_tensor().to(device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    for rank, theirs in enumerate(gathered):
+        if not torch.equal(theirs, mine):
+            raise RuntimeError(
+                f"rank {rank} has activation shapes {theirs.tolist()}, "
+                f"rank {dist.get_rank()} has {mine.tolist()} (x_numel, N, D, dtype, K)"
+            )
+
+
+def _drain(q: queue.SimpleQueue, timeout_s: float) -> list:
+    out = []
+    try:
+        out.append(q.get(timeout=timeout_s) if timeout_s > 0 else q.get_nowait())
+    except queue.Empty:
+        return out
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out

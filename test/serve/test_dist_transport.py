@@ -1,0 +1,166 @@
+"""TorchDistTransport between real processes (gloo): ordering, payloads, control, faults.
+
+Rank 0 is the test process; ranks 1..N-1 run ``relay_main`` below (this file run as a
+script): each adds its rank to x (and h) and passes the activation on, the last hop going
+to rank 0's sink. No engine is involved: this tests the wire alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from physis_ros.engine.transport import Activation
+from physis_ros.serve.dist_launch import free_port, rank_env, spawn_ranks, stop_ranks, tie_to_parent
+from physis_ros.serve.dist_transport import ActivationShapes, TorchDistTransport
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHAPES = ActivationShapes(x_numel=6, h_tokens=3, h_dim=4, steps=3)
+
+
+def relay_main() -> None:
+    tie_to_parent()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    transport = TorchDistTransport(shapes=SHAPES, device=torch.device("cpu"))
+    rank, world = transport.rank, transport.world_size
+    next_heartbeat_s = 0.0
+    while True:
+        if time.monotonic() >= next_heartbeat_s:
+            transport.send_heartbeat(0)
+            next_heartbeat_s = time.monotonic() + 0.2
+        if any(c.kind == "stop" for c in transport.recv_control()):
+            transport.send_control(0, "bye", {"rank": rank})
+            break
+        for msg in transport.recv(timeout_s=0.05):
+            h = (msg.h if msg.h is not None else torch.zeros(3, 4)) + rank
+            last = rank == world - 1
+            out = Activation(
+                stream_id=msg.stream_id,
+                chunk=msg.chunk,
+                step=SHAPES.steps if last else msg.step,
+                block=msg.block + 1,
+                flags=msg.flags,
+                x=msg.x + rank,
+                h=h,
+                created_s=msg.created_s,
+            )
+            transport.send(0 if last else rank + 1, out)
+    transport.close()
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def ranks(request):
+    """(transport of rank 0 in this process, child processes) for a world of N ranks."""
+    world = request.param
+    torch.set_num_threads(1)
+    port = free_port()
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    procs = spawn_ranks(world_size=world, master_port=port, argv=[__file__], extra_env=env)
+    os.environ.update(rank_env(rank=0, world_size=world, master_port=port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    transport = TorchDistTransport(shapes=SHAPES, device=torch.device("cpu"))
+    try:
+        yield transport, procs
+    finally:
+        for r in range(1, world):
+            transport.send_control(r, "stop")
+        transport.close()
+        codes = stop_ranks(procs, timeout_s=10.0)
+        dist.destroy_process_group()
+        assert all(p.poll() is not None for p in procs), "a rank outlived the test"
+        assert codes is not None
+
+
+def _wait_sink(transport, count, timeout_s=10.0):
+    got, deadline = [], time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got += transport.recv_sink(timeout_s=0.1)
+    return got
+
+
+@pytest.mark.parametrize("ranks", [2, 4], indirect=True)
+def test_relay_preserves_payload_order_and_metadata(ranks):
+    transport, _ = ranks
+    world = transport.world_size
+    created = time.monotonic() - 1.25
+    for chunk in range(6):
+        x = torch.arange(6, dtype=torch.float32) * (chunk + 1)
+        transport.send(
+            1,
+            Activation(
+                stream_id=7, chunk=chunk, step=0, block=0, flags=1, x=x, h=None, created_s=created
+            ),
+        )
+    got = _wait_sink(transport, 6)
+    assert [m.chunk for m in got] == list(range(6))  # per-pair FIFO survives every hop
+    rank_sum = sum(range(1, world))
+    for m in got:
+        assert (m.stream_id, m.step, m.block, m.flags) == (7, SHAPES.steps, world - 1, 1)
+        expected_x = torch.arange(6, dtype=torch.float32) * (m.chunk + 1) + rank_sum
+        assert torch.equal(m.x, expected_x)
+        assert torch.equal(m.h, torch.full((3, 4), float(rank_sum)))
+        assert m.created_s == created  # float64 stamp survives the int64 header bit-exactly
+    assert transport.counters["received"] == 6
+
+
+@pytest.mark.parametrize("ranks", [2], indirect=True)
+def test_bad_shape_is_refused_before_sending(ranks):
+    transport, _ = ranks
+    with pytest.raises(ValueError, match="x has 5 values"):
+        transport.send(
+            1, Activation(stream_id=0, chunk=0, step=0, block=0, flags=0, x=torch.zeros(5), h=None)
+        )
+    with pytest.raises(ValueError, match="h shape"):
+        transport.send(
+            1,
+            Activation(
+                stream_id=0,
+                chunk=0,
+                step=0,
+                block=0,
+                flags=0,
+                x=torch.zeros(6),
+                h=torch.zeros(2, 4),
+            ),
+        )
+    # the channel still works afterwards
+    transport.send(
+        1, Activation(stream_id=0, chunk=0, step=0, block=0, flags=0, x=torch.zeros(6), h=None)
+    )
+    assert len(_wait_sink(transport, 1)) == 1
+
+
+@pytest.mark.parametrize("ranks", [3], indirect=True)
+def test_killed_rank_is_seen_silent_and_others_keep_working(ranks):
+    transport, procs = ranks
+    time.sleep(0.5)
+    assert transport.seconds_since_heard(2) < 1.0
+    procs[1].send_signal(signal.SIGKILL)  # rank 2
+    procs[1].wait()
+    t0 = time.monotonic()
+    while transport.seconds_since_heard(2) < 1.0 and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    assert transport.seconds_since_heard(2) >= 1.0
+    assert transport.seconds_since_heard(1) < 1.0  # rank 1 still heartbeats
+    # A send to the dead rank fails fast and is counted, not hung.
+    transport.send(
+        2, Activation(stream_id=0, chunk=0, step=0, block=0, flags=0, x=torch.zeros(6), h=None)
+    )
+    deadline = time.monotonic() + 10
+    while 2 not in transport.failed_peers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert 2 in transport.failed_peers()
+
+
+if __name__ == "__main__":
+    sys.exit(relay_main())
