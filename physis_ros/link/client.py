@@ -1,0 +1,479 @@
+"""The robot-side link client: connect, open a stream, send the newest observation, receive
+predictions, keep the clock offset, reconnect after the server goes away.
+
+One background thread owns the connection; the caller only touches bounded, newest-wins
+slots and a bounded prediction queue, so nothing the caller does blocks on the network.
+numpy + grpc only (no torch, no rclpy).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from physis_ros.link.clock import ClockOffsetEstimator
+from physis_ros.link.proto_gen import physis_pb2 as pb
+from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
+from physis_ros.link.wire import (
+    AUTH_METADATA_KEY,
+    HOP_NAMES,
+    PROTOCOL_VERSION,
+    STREAM_ID_METADATA_KEY,
+    CameraImage,
+    Observation,
+    Prediction,
+    WireError,
+    observation_to_proto,
+    tensor_to_array,
+)
+
+__all__ = [
+    "CameraImage",
+    "LinkClient",
+    "LinkPromise",
+    "LinkStats",
+    "Observation",
+    "Prediction",
+]
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+STATES = ("connecting", "connected", "streaming", "disconnected")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkPromise:
+    """What the server promised this stream (from OpenStream)."""
+
+    stream_id: int
+    model: str
+    steps: int
+    blocks: int
+    expected_interval_ms: float
+    pipeline_depth: int
+    expected_response_latency_ms: float
+    chunk_frames: int
+    image_height: int
+    image_width: int
+    action_horizon: int
+    action_dim: int
+    max_observation_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkStats:
+    """A snapshot of the link, for diagnostics."""
+
+    state: str
+    """connecting | connected | streaming | disconnected."""
+    promise: LinkPromise | None
+    clock_offset_ms: float | None
+    """Server wall clock minus robot clock (None before the first probe)."""
+    clock_offset_uncertainty_ms: float | None
+    robot_time_ns: int
+    """Robot clock when this snapshot was taken."""
+    server_time_ns: int | None
+    """The server clock at that instant, estimated through the offset."""
+    observations_sent: int
+    drops: dict[str, int] = field(default_factory=dict)
+    """"client:<reason>" and "server:<reason>" -> count, over every connection so far."""
+    predictions_received: int = 0
+    connections: int = 0
+    """Streams opened so far (1 + reconnects)."""
+    last_error: str = ""
+
+
+class LinkClient:
+    """Robot-side client of ``physis-serve`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        seed: int = 0,
+        target_interval_ms: float = 0.0,
+        token: str | None = None,
+        root_cert_path: str | None = None,
+        client_cert_path: str | None = None,
+        client_key_path: str | None = None,
+        connect_timeout_s: float = 5.0,
+        reconnect_backoff_s: tuple[float, float] = (0.1, 2.0),
+        cond_seed: int = 0,
+        client_name: str = "",
+        clock_ns: Callable[[], int] = time.time_ns,
+        prediction_queue_size: int = 32,
+        ping_interval_s: float = 0.5,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls_server_name: str | None = None,
+    ) -> None:
+        """``clock_ns`` is the robot clock: it must be the clock of the capture stamps
+        (e.g. the ROS node's clock) so that capture-to-receive latencies mean something."""
+        lo, hi = reconnect_backoff_s
+        if not 0 < lo <= hi:
+            raise ValueError(
+                f"reconnect_backoff_s must be 0 < min <= max, got {reconnect_backoff_s}"
+            )
+        if connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
+        if target_interval_ms < 0:
+            raise ValueError(f"target_interval_ms must be >= 0, got {target_interval_ms}")
+        if prediction_queue_size < 1:
+            raise ValueError(f"prediction_queue_size must be >= 1, got {prediction_queue_size}")
+        if (client_cert_path is None) != (client_key_path is None):
+            raise ValueError("client_cert_path and client_key_path go together")
+        if client_cert_path is not None and root_cert_path is None:
+            raise ValueError("client certificates need TLS: give root_cert_path too")
+        self._target = target
+        self._spec = pb.StreamSpec(
+            protocol_version=PROTOCOL_VERSION,
+            seed=seed,
+            target_interval_ms=target_interval_ms,
+            cond_seed=cond_seed,
+            client_name=client_name,
+        )
+        self._metadata: tuple[tuple[str, str], ...] = (
+            ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        )
+        self._credentials = None
+        if root_cert_path is not None:
+            key = chain = None
+            if client_cert_path is not None:
+                with open(client_key_path, "rb") as f:
+                    key = f.read()
+                with open(client_cert_path, "rb") as f:
+                    chain = f.read()
+            with open(root_cert_path, "rb") as f:
+                self._credentials = grpc.ssl_channel_credentials(f.read(), key, chain)
+        self._channel_options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", int(lo * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(lo * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(hi * 1000)),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.enable_retries", 0),
+        ]
+        if tls_server_name:
+            self._channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
+        self._connect_timeout_s = connect_timeout_s
+        self._backoff_s = (lo, hi)
+        self._clock_ns = clock_ns
+        self._ping_interval_s = ping_interval_s
+        self._clock = ClockOffsetEstimator()
+
+        self._cv = threading.Condition()
+        self._pending: tuple[Observation, int] | None = None  # (obs, enqueue robot ns)
+        self._closing = False
+        self._session = 0  # bumped when a stream ends: stops its request generator
+        self._predictions: queue.Queue[Prediction] = queue.Queue(maxsize=prediction_queue_size)
+        self._stats_lock = threading.Lock()
+        self._state = "disconnected"
+        self._promise: LinkPromise | None = None
+        self._observations_sent = 0
+        self._predictions_received = 0
+        self._connections = 0
+        self._last_error = ""
+        self._client_drops: collections.Counter[str] = collections.Counter()
+        self._server_drops_past: collections.Counter[str] = collections.Counter()
+        self._server_drops_now: dict[str, int] = {}
+        self._stub: pb_grpc.PhysisStub | None = None
+        self._call = None
+        self._thread: threading.Thread | None = None
+
+    # ---- caller side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connects in the background (and keeps reconnecting); never raises."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="physis-link", daemon=True)
+        self._thread.start()
+
+    def send_observation(self, obs: Observation) -> None:
+        """Queues ``obs`` to be sent; an older one not yet sent is dropped (newest wins)."""
+        with self._cv:
+            if self._pending is not None:
+                self._count_client_drop("superseded")
+            self._pending = (obs, self._clock_ns())
+            self._cv.notify_all()
+
+    def get_prediction(self, timeout_s: float) -> Prediction | None:
+        """The oldest prediction not yet taken, waiting up to ``timeout_s``; None on timeout."""
+        try:
+            return self._predictions.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            return None
+
+    def stats(self) -> LinkStats:
+        now_ns = self._clock_ns()
+        best = self._clock.best()
+        with self._stats_lock:
+            drops = {f"client:{k}": v for k, v in self._client_drops.items()}
+            server = collections.Counter(self._server_drops_past)
+            server.update(self._server_drops_now)
+            drops.update({f"server:{k}": v for k, v in server.items() if v})
+            return LinkStats(
+                state=self._state,
+                promise=self._promise,
+                clock_offset_ms=None if best is None else best.offset_ns / 1e6,
+                clock_offset_uncertainty_ms=None if best is None else best.round_trip_ns / 2e6,
+                robot_time_ns=now_ns,
+                server_time_ns=None if best is None else now_ns + best.offset_ns,
+                observations_sent=self._observations_sent,
+                drops=drops,
+                predictions_received=self._predictions_received,
+                connections=self._connections,
+                last_error=self._last_error,
+            )
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Closes the stream on the server (CloseStream) and joins the thread."""
+        with self._cv:
+            self._closing = True
+            self._session += 1
+            self._cv.notify_all()
+        stub, promise, call = self._stub, self._promise, self._call
+        if stub is not None and promise is not None and self._state == "streaming":
+            try:
+                stub.CloseStream(
+                    pb.CloseStreamRequest(stream_id=promise.stream_id),
+                    metadata=self._metadata,
+                    timeout=min(timeout_s, 1.0),
+                )
+            except grpc.RpcError as exc:  # the server may already be gone: say so, go on
+                self._set_error(f"CloseStream: {_rpc_error_text(exc)}")
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    # ---- connection thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        lo, hi = self._backoff_s
+        backoff_s = lo
+        while not self._closing:
+            streamed = False
+            try:
+                streamed = self._run_stream()
+            except grpc.RpcError as exc:
+                self._set_error(_rpc_error_text(exc))
+            except grpc.FutureTimeoutError:
+                self._set_error(
+                    f"connect to {self._target}: no connection within {self._connect_timeout_s} s"
+                )
+            except WireError as exc:
+                self._set_error(f"bad reply from server: {exc}")
+            self._end_session()
+            if self._closing:
+                break
+            backoff_s = lo if streamed else min(backoff_s * 2, hi)
+            with self._cv:
+                self._cv.wait_for(lambda: self._closing, timeout=backoff_s)
+        self._set_state("disconnected")
+
+    def _run_stream(self) -> bool:
+        """One connection: connect, open, stream until it ends. True if it streamed."""
+        self._set_state("connecting")
+        if self._credentials is not None:
+            channel = grpc.secure_channel(self._target, self._credentials, self._channel_options)
+        else:
+            channel = grpc.insecure_channel(self._target, self._channel_options)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=self._connect_timeout_s)
+            stub = pb_grpc.PhysisStub(channel)
+            reply = stub.OpenStream(
+                self._spec, metadata=self._metadata, timeout=self._connect_timeout_s
+            )
+            if reply.protocol_version != PROTOCOL_VERSION:
+                raise WireError(
+                    "protocol_version",
+                    f"server speaks {reply.protocol_version}, client {PROTOCOL_VERSION}",
+                )
+            promise = _promise_from_proto(reply.promise)
+            with self._cv:
+                if self._closing:
+                    return False
+                session = self._session
+            self._clock.reset()  # a new server process may have another clock
+            with self._stats_lock:
+                self._stub, self._promise = stub, promise
+                self._connections += 1
+                self._server_drops_now = {}
+            self._set_state("connected")
+            call = stub.Stream(
+                self._requests(session, promise),
+                metadata=(*self._metadata, (STREAM_ID_METADATA_KEY, str(promise.stream_id))),
+            )
+            self._call = call
+            self._set_state("streaming")
+            for msg in call:
+                self._on_server_message(msg)
+            return True
+        finally:
+            self._call = None
+            channel.close()
+
+    def _end_session(self) -> None:
+        with self._cv:
+            self._session += 1
+            self._cv.notify_all()
+        with self._stats_lock:
+            self._server_drops_past.update(self._server_drops_now)
+            self._server_drops_now = {}
+            self._stub = None
+        self._set_state("disconnected")
+
+    def _requests(self, session: int, promise: LinkPromise) -> Iterator[pb.ClientMessage]:
+        """What the client sends on one stream: clock probes (a quick burst, then every
+        ping_interval_s) and the newest observation."""
+        burst = 8
+        next_ping_s = time.monotonic()
+        while True:
+            with self._cv:
+                item = None
+                while True:
+                    if self._closing or session != self._session:
+                        return
+                    if self._pending is not None:
+                        item, self._pending = self._pending, None
+                        break
+                    now_s = time.monotonic()
+                    if now_s >= next_ping_s:
+                        break
+                    self._cv.wait(timeout=next_ping_s - now_s)
+            if item is None:
+                next_ping_s = time.monotonic() + (0.01 if burst > 0 else self._ping_interval_s)
+                burst -= 1
+                yield pb.ClientMessage(
+                    protocol_version=PROTOCOL_VERSION,
+                    ping=pb.ClockPing(client_send_ns=self._clock_ns()),
+                )
+                continue
+            obs, _enqueued_ns = item
+            try:
+                msg = observation_to_proto(obs, send_stamp_ns=self._clock_ns())
+            except (WireError, ValueError, TypeError) as exc:
+                self._count_client_drop("bad_observation")
+                self._set_error(f"observation {obs.seq} not sent: {exc}")
+                continue
+            if msg.ByteSize() > promise.max_observation_bytes:
+                self._count_client_drop("oversized")
+                self._set_error(
+                    f"observation {obs.seq} not sent: {msg.ByteSize()} bytes > server maximum "
+                    f"{promise.max_observation_bytes}"
+                )
+                continue
+            with self._stats_lock:
+                self._observations_sent += 1
+            yield msg
+
+    def _on_server_message(self, msg: pb.ServerMessage) -> None:
+        received_ns = self._clock_ns()
+        kind = msg.WhichOneof("body")
+        if kind == "pong":
+            p = msg.pong
+            self._clock.add(p.client_send_ns, p.server_receive_ns, p.server_send_ns, received_ns)
+        elif kind == "stats":
+            self._take_counters(msg.stats)
+        elif kind == "prediction":
+            prediction = self._prediction_from_proto(msg.prediction, received_ns)
+            with self._stats_lock:
+                self._predictions_received += 1
+            while True:
+                try:
+                    self._predictions.put_nowait(prediction)
+                    break
+                except queue.Full:
+                    with contextlib.suppress(queue.Empty):
+                        self._predictions.get_nowait()
+                        self._count_client_drop("prediction_queue_full")
+
+    def _prediction_from_proto(self, p: pb.Prediction, received_ns: int) -> Prediction:
+        self._take_counters(p.counters)
+        times = {name: getattr(p.server_times, f"{name}_ns") for name in HOP_NAMES}
+        offset_ns = self._clock.offset_ns
+        hop_ms: dict[str, float] = {}
+
+        def span(name: str, start: int, end: int) -> None:
+            if start and end:
+                hop_ms[name] = (end - start) / 1e6
+
+        if offset_ns is not None and p.observation_send_stamp_ns:
+            span("uplink", p.observation_send_stamp_ns, times["received"] - offset_ns)
+        span("server_queue", times["received"], times["queued"])
+        span("pipeline_wait", times["queued"], times["entered"])
+        span("pipeline", times["entered"], times["left"])
+        span("decode", times["left"], times["decoded"])
+        span("server_send", times["decoded"], times["sent"])
+        if offset_ns is not None:
+            span("downlink", times["sent"] - offset_ns, received_ns)
+        if p.observation_seq >= 0:
+            span("capture_to_received", p.observation_stamp_ns, received_ns)
+        return Prediction(
+            stream_id=p.stream_id,
+            chunk_index=p.chunk_index,
+            frames=tensor_to_array(p.frames, name="frames") if p.HasField("frames") else None,
+            actions=tensor_to_array(p.actions, name="actions") if p.HasField("actions") else None,
+            observation_seq=p.observation_seq,
+            observation_stamp_ns=p.observation_stamp_ns,
+            server_times_ns=times,
+            received_ns=received_ns,
+            hop_ms=hop_ms,
+            server_drops=dict(p.counters.drops),
+        )
+
+    def _take_counters(self, counters: pb.StreamCounters) -> None:
+        with self._stats_lock:
+            self._server_drops_now = dict(counters.drops)
+            if counters.last_drop_detail:
+                self._last_error = f"server dropped: {counters.last_drop_detail}"
+
+    def _count_client_drop(self, reason: str) -> None:
+        with self._stats_lock:
+            self._client_drops[reason] += 1
+
+    def _set_state(self, state: str) -> None:
+        with self._stats_lock:
+            self._state = state
+
+    def _set_error(self, text: str) -> None:
+        with self._stats_lock:
+            self._last_error = text
+
+
+def _promise_from_proto(p: pb.StreamPromise) -> LinkPromise:
+    return LinkPromise(
+        stream_id=p.stream_id,
+        model=p.model,
+        steps=p.steps,
+        blocks=p.blocks,
+        expected_interval_ms=p.expected_interval_ms,
+        pipeline_depth=p.pipeline_depth,
+        expected_response_latency_ms=p.expected_response_latency_ms,
+        chunk_frames=p.chunk_frames,
+        image_height=p.image_height,
+        image_width=p.image_width,
+        action_horizon=p.action_horizon,
+        action_dim=p.action_dim,
+        max_observation_bytes=p.max_observation_bytes,
+    )
+
+
+def _rpc_error_text(exc: grpc.RpcError) -> str:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return f"{code.name if code is not None else 'RPC'}: {details}"
+
+
+def as_float32(actions: np.ndarray) -> np.ndarray:
+    """Commanded actions as the wire wants them (float32, C order)."""
+    return np.ascontiguousarray(actions, dtype=np.float32)

@@ -1,0 +1,238 @@
+"""The wire format's Python face: link dataclasses and their conversion to/from protobuf.
+
+Everything that turns an array into bytes or bytes into an array lives here, for both sides
+(the robot's client and the server's front end). Tensors travel as raw little-endian bytes
+with a dtype name and a shape; nothing is pickled. numpy + protobuf only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from physis_ros.link.proto_gen import physis_pb2 as pb
+
+PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
+"""Carried by every message; a peer with another version is refused or its message dropped."""
+
+RAW_ENCODINGS: dict[str, int] = {"rgb8": 3, "bgr8": 3, "mono8": 1, "rgba8": 4, "bgra8": 4}
+"""ROS image encodings accepted raw, with their bytes per pixel."""
+COMPRESSED_ENCODINGS = ("jpeg", "png")
+TENSOR_DTYPES = ("uint8", "int32", "int64", "float16", "float32", "float64")
+"""dtypes a Tensor may carry (little-endian); anything else is refused."""
+MAX_TENSOR_DIMS = 4
+
+STREAM_ID_METADATA_KEY = "x-physis-stream-id"
+"""Call metadata naming the stream a Stream call belongs to."""
+AUTH_METADATA_KEY = "authorization"
+
+
+class WireError(ValueError):
+    """A message that cannot be used. ``reason`` is the short key it is counted under."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, kw_only=True)
+class CameraImage:
+    """One camera frame as it came from the robot."""
+
+    encoding: str
+    """ROS encodings rgb8, bgr8, mono8, rgba8, bgra8; or "jpeg" / "png"."""
+    height: int
+    width: int
+    step: int
+    """Bytes per row (raw only; 0 for compressed)."""
+    data: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observation:
+    """What the robot saw and did at one instant."""
+
+    seq: int
+    """Strictly increasing per stream."""
+    capture_stamp_ns: int
+    """Robot clock (ROS time of the camera header), ns."""
+    image: CameraImage | None = None
+    wrench: np.ndarray | None = None
+    """[6] float: force xyz, torque xyz."""
+    joint_names: tuple[str, ...] = ()
+    joint_positions: np.ndarray | None = None
+    joint_velocities: np.ndarray | None = None
+    action: np.ndarray | None = None
+    """[A] or [H, A] commanded action, float32."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """One generated chunk as the robot receives it."""
+
+    stream_id: int
+    chunk_index: int
+    frames: np.ndarray | None
+    """[F, H, W, 3] uint8."""
+    actions: np.ndarray | None
+    """[H, A] float32."""
+    observation_seq: int
+    """Seq of the observation it is conditioned on (-1 if none yet)."""
+    observation_stamp_ns: int
+    """Capture stamp of that observation, robot clock (0 if none)."""
+    server_times_ns: dict[str, int]
+    """received, queued, entered, left, decoded, sent (server wall clock; 0: not applicable)."""
+    received_ns: int
+    """Robot clock when the client got it."""
+    hop_ms: dict[str, float]
+    """Per-hop latencies; the cross-host ones (uplink, downlink) corrected by the clock offset."""
+    server_drops: dict[str, int] = field(default_factory=dict)
+    """Server-side drop counts of this stream so far, by reason."""
+
+
+HOP_NAMES = ("received", "queued", "entered", "left", "decoded", "sent")
+
+
+def array_to_tensor(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tensor:
+    """numpy array -> Tensor (C order, little-endian)."""
+    arr = np.asarray(array)
+    if arr.dtype.name not in TENSOR_DTYPES:
+        raise WireError("bad_tensor", f"dtype {arr.dtype.name} is not one of {TENSOR_DTYPES}")
+    arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    msg = pb.Tensor() if out is None else out
+    msg.dtype = arr.dtype.name
+    msg.shape[:] = arr.shape
+    msg.data = arr.tobytes()
+    return msg
+
+
+def tensor_to_array(msg: pb.Tensor, *, name: str) -> np.ndarray:
+    """Tensor -> numpy array (a read-only view of the message bytes); checks dtype and size."""
+    if msg.dtype not in TENSOR_DTYPES:
+        raise WireError("bad_tensor", f"{name}: dtype {msg.dtype!r} is not one of {TENSOR_DTYPES}")
+    shape = tuple(msg.shape)
+    if len(shape) > MAX_TENSOR_DIMS or any(d < 0 for d in shape):
+        raise WireError("bad_tensor", f"{name}: shape {shape} is not allowed")
+    dtype = np.dtype(msg.dtype).newbyteorder("<")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(msg.data) != expected:
+        raise WireError(
+            "bad_tensor",
+            f"{name}: {len(msg.data)} bytes for shape {shape} {msg.dtype} (expected {expected})",
+        )
+    return np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+
+
+def observation_to_proto(obs: Observation, *, send_stamp_ns: int) -> pb.ClientMessage:
+    """Observation -> ClientMessage (send stamp: robot clock, taken just before sending)."""
+    msg = pb.ClientMessage(protocol_version=PROTOCOL_VERSION)
+    o = msg.observation
+    o.protocol_version = PROTOCOL_VERSION
+    o.seq = obs.seq
+    o.capture_stamp_ns = obs.capture_stamp_ns
+    o.send_stamp_ns = send_stamp_ns
+    if obs.image is not None:
+        img = obs.image
+        o.image.encoding = img.encoding
+        o.image.height = img.height
+        o.image.width = img.width
+        o.image.step = img.step
+        o.image.data = bytes(img.data)
+    if obs.wrench is not None:
+        array_to_tensor(obs.wrench, o.wrench)
+    o.joint_names.extend(obs.joint_names)
+    if obs.joint_positions is not None:
+        array_to_tensor(obs.joint_positions, o.joint_positions)
+    if obs.joint_velocities is not None:
+        array_to_tensor(obs.joint_velocities, o.joint_velocities)
+    if obs.action is not None:
+        array_to_tensor(np.asarray(obs.action, dtype=np.float32), o.action)
+    return msg
+
+
+def observation_from_proto(o: pb.Observation) -> Observation:
+    """Observation message -> dataclass; checks tensors and finiteness, not the image content."""
+    if o.protocol_version != PROTOCOL_VERSION:
+        raise WireError(
+            "protocol_version",
+            f"observation has version {o.protocol_version}, server speaks {PROTOCOL_VERSION}",
+        )
+
+    def opt(field_name: str, float_only: bool = True) -> np.ndarray | None:
+        if not o.HasField(field_name):
+            return None
+        arr = tensor_to_array(getattr(o, field_name), name=field_name)
+        if float_only and arr.dtype.kind != "f":
+            raise WireError("bad_tensor", f"{field_name}: dtype {arr.dtype.name} is not float")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise WireError("non_finite", f"{field_name} holds NaN or inf")
+        return arr
+
+    wrench = opt("wrench")
+    if wrench is not None and wrench.shape != (6,):
+        raise WireError("bad_tensor", f"wrench has shape {wrench.shape}, expected (6,)")
+    positions = opt("joint_positions")
+    velocities = opt("joint_velocities")
+    names = tuple(o.joint_names)
+    for label, arr in (("joint_positions", positions), ("joint_velocities", velocities)):
+        if arr is not None and (arr.ndim != 1 or (names and arr.shape[0] != len(names))):
+            raise WireError(
+                "bad_tensor", f"{label} has shape {arr.shape} for {len(names)} joint names"
+            )
+    action = opt("action")
+    if action is not None and action.ndim not in (1, 2):
+        raise WireError("bad_tensor", f"action has shape {action.shape}, expected [A] or [H, A]")
+    image = None
+    if o.HasField("image"):
+        img = o.image
+        image = CameraImage(
+            encoding=img.encoding, height=img.height, width=img.width, step=img.step, data=img.data
+        )
+    return Observation(
+        seq=o.seq,
+        capture_stamp_ns=o.capture_stamp_ns,
+        image=image,
+        wrench=wrench,
+        joint_names=names,
+        joint_positions=positions,
+        joint_velocities=velocities,
+        action=action,
+    )
+
+
+def raw_image_to_rgb(img: CameraImage) -> np.ndarray:
+    """A raw ROS image -> [H, W, 3] uint8 RGB (copy), honouring the row step."""
+    channels = RAW_ENCODINGS.get(img.encoding)
+    if channels is None:
+        raise WireError(
+            "image_encoding",
+            f"encoding {img.encoding!r} is not one of {sorted(RAW_ENCODINGS)} "
+            f"or {COMPRESSED_ENCODINGS}",
+        )
+    row_bytes = img.width * channels
+    if img.height <= 0 or img.width <= 0:
+        raise WireError("image_layout", f"image size {img.height}x{img.width}")
+    if img.step < row_bytes:
+        raise WireError("image_layout", f"step {img.step} < width*channels {row_bytes}")
+    if len(img.data) != img.step * img.height:
+        raise WireError(
+            "image_layout", f"{len(img.data)} bytes for step {img.step} x height {img.height}"
+        )
+    rows = np.frombuffer(img.data, dtype=np.uint8).reshape(img.height, img.step)
+    pixels = rows[:, :row_bytes].reshape(img.height, img.width, channels)
+    if img.encoding in ("rgb8", "rgba8"):
+        return np.ascontiguousarray(pixels[:, :, :3])
+    if img.encoding in ("bgr8", "bgra8"):
+        return np.ascontiguousarray(pixels[:, :, 2::-1])
+    return np.repeat(pixels, 3, axis=2)  # mono8
+
+
+def rgb_image(frame: np.ndarray) -> CameraImage:
+    """[H, W, 3] uint8 -> an rgb8 CameraImage (for tests, benchmarks and simulators)."""
+    arr = np.ascontiguousarray(frame, dtype=np.uint8)
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"expected [H, W, 3] uint8, got shape {arr.shape}")
+    h, w, _ = arr.shape
+    return CameraImage(encoding="rgb8", height=h, width=w, step=w * 3, data=arr.tobytes())

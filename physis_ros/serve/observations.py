@@ -1,0 +1,120 @@
+"""Server side checks of an incoming observation, and its conversion to engine input.
+
+Each check that fails raises ``WireError`` with the reason the observation is counted under
+(``image_size``, ``image_encoding``, ``image_decode``, ``non_finite``, ...), so the session
+can drop it, count it and tell the client. JPEG / PNG are decoded with Pillow here.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from physis_ros.link.wire import (
+    COMPRESSED_ENCODINGS,
+    CameraImage,
+    Observation,
+    WireError,
+    raw_image_to_rgb,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextInput:
+    """A checked observation, ready to enter the pipeline as a context chunk."""
+
+    seq: int
+    capture_stamp_ns: int
+    """Robot clock."""
+    send_stamp_ns: int
+    """Robot clock."""
+    received_ns: int
+    """Server wall clock, after parsing and checking."""
+    frames: np.ndarray
+    """[1, H, W, 3] uint8."""
+    actions: np.ndarray | None
+    """[H, A] float32 commanded actions, or None."""
+
+
+def decode_image(img: CameraImage, *, height: int, width: int) -> np.ndarray:
+    """CameraImage -> [H, W, 3] uint8 RGB; the size must be the model's (height, width)."""
+    if img.encoding in COMPRESSED_ENCODINGS:
+        rgb = _decode_compressed(img, height=height, width=width)
+    else:
+        if (img.height, img.width) != (height, width):
+            raise WireError(
+                "image_size", f"image is {img.height}x{img.width}, the model takes {height}x{width}"
+            )
+        rgb = raw_image_to_rgb(img)
+    if rgb.shape != (height, width, 3):
+        raise WireError(
+            "image_size", f"image is {rgb.shape[0]}x{rgb.shape[1]}, expected {height}x{width}"
+        )
+    return rgb
+
+
+def _decode_compressed(img: CameraImage, *, height: int, width: int) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            # A decompression-bomb warning is an image far too large: the size check refuses it.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            pil = Image.open(io.BytesIO(img.data))
+            if pil.format is None or pil.format.lower() != img.encoding.replace("jpg", "jpeg"):
+                raise WireError(
+                    "image_decode",
+                    f"data is {pil.format or 'unknown'}, encoding says {img.encoding}",
+                )
+            # Check the header's size before decoding pixels (no work for a wrong size).
+            if pil.size != (width, height):
+                raise WireError(
+                    "image_size",
+                    f"{img.encoding} image is {pil.size[1]}x{pil.size[0]}, the model takes "
+                    f"{height}x{width}",
+                )
+            return np.asarray(pil.convert("RGB"), dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError) as exc:
+        raise WireError("image_decode", f"{img.encoding} does not decode: {exc}") from exc
+
+
+def context_input(
+    obs: Observation,
+    *,
+    send_stamp_ns: int,
+    height: int,
+    width: int,
+    action_horizon: int,
+    action_dim: int,
+) -> ContextInput:
+    """Checks ``obs`` against the stream's promise and makes the engine's context input
+    (stamped ``received_ns`` once checked and decoded)."""
+    if obs.image is None:
+        raise WireError("no_image", f"observation {obs.seq} carries no image to condition on")
+    frame = decode_image(obs.image, height=height, width=width)
+    actions = None
+    if obs.action is not None and action_dim > 0:
+        action = np.asarray(obs.action, dtype=np.float32)
+        if action.shape == (action_dim,):
+            # One commanded action: it holds over the chunk's horizon.
+            actions = np.repeat(action[None, :], action_horizon, axis=0)
+        elif action.shape == (action_horizon, action_dim):
+            actions = np.array(action, copy=True)
+        else:
+            raise WireError(
+                "action_shape",
+                f"action has shape {action.shape}, the model takes ({action_dim},) or "
+                f"({action_horizon}, {action_dim})",
+            )
+    return ContextInput(
+        seq=obs.seq,
+        capture_stamp_ns=obs.capture_stamp_ns,
+        send_stamp_ns=send_stamp_ns,
+        received_ns=time.time_ns(),
+        frames=frame[None],
+        actions=actions,
+    )

@@ -1,0 +1,426 @@
+"""Per-stream pacing between the gRPC front end and the engine.
+
+``Session`` is one admitted stream: the gRPC reader thread offers it client messages (checked
+here; bad ones dropped and counted by reason), it keeps the newest checked observation in a
+one-slot buffer (newest wins), and it queues outgoing messages for the gRPC writer.
+
+``EngineLoop`` is the one thread that calls the engine (the gRPC threads never block on it):
+per stream it keeps ``pipeline_depth`` generate requests in flight (paced by the stream's
+target interval), puts the newest observation in as a context chunk right before a generate
+request (at most one context chunk per generated chunk, so observations cannot starve
+generation), polls the engine, and maps each finished chunk to a prediction that names the
+observation it is conditioned on.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import logging
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from physis_ros.engine.api import ChunkOutput, StreamEngine, StreamFailed, StreamPromise
+from physis_ros.link.proto_gen import physis_pb2 as pb
+from physis_ros.link.wire import (
+    PROTOCOL_VERSION,
+    WireError,
+    array_to_tensor,
+    observation_from_proto,
+)
+from physis_ros.serve.observations import ContextInput, context_input
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionLimits:
+    """Front-end limits that apply to every stream."""
+
+    max_observation_bytes: int = 8 * 1024 * 1024
+    """Larger observations are dropped ("oversized") and the stream goes on."""
+    outbound_queue: int = 16
+    """Messages waiting for a slow client; beyond it the oldest prediction is dropped."""
+    unattached_timeout_s: float = 10.0
+    """A stream opened but never attached to a Stream call is closed after this."""
+
+    def __post_init__(self) -> None:
+        if self.max_observation_bytes <= 0:
+            raise ValueError(f"max_observation_bytes must be > 0, got {self.max_observation_bytes}")
+        if self.outbound_queue < 2:
+            raise ValueError(f"outbound_queue must be >= 2, got {self.outbound_queue}")
+        if self.unattached_timeout_s <= 0:
+            raise ValueError(f"unattached_timeout_s must be > 0, got {self.unattached_timeout_s}")
+
+
+@dataclass(frozen=True)
+class SessionEnded:
+    """Put on the outbound queue when a stream ends: the writer ends the call with it."""
+
+    code: grpc.StatusCode
+    details: str
+
+
+def wall_ns_from_monotonic(mono_s: float) -> int:
+    """A time.monotonic() instant on the server's wall clock (what crosses the wire)."""
+    return time.time_ns() - time.monotonic_ns() + int(mono_s * 1e9)
+
+
+class Session:
+    """One admitted stream (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        promise: StreamPromise,
+        target_interval_ms: float,
+        limits: SessionLimits,
+        client_name: str = "",
+    ) -> None:
+        self.promise = promise
+        self.stream_id = promise.stream_id
+        self.limits = limits
+        self.client_name = client_name
+        self.interval_s = max(target_interval_ms, 0.0) / 1000.0
+        self.opened_s = time.monotonic()
+        self._lock = threading.Lock()
+        self._newest: ContextInput | None = None
+        self._last_seq: int | None = None
+        self._outbound: collections.deque[Any] = collections.deque()
+        self._outbound_ready = threading.Condition(self._lock)
+        self._stats_pending = False
+        self.attached = False
+        self.closed = False
+        self.on_end: Callable[[str], None] | None = None
+        """Called once when the stream ends (the front end forgets it)."""
+        self.observations_received = 0
+        self.observations_used = 0
+        self.predictions_sent = 0
+        self.drops: collections.Counter[str] = collections.Counter()
+        self.last_drop_detail = ""
+        # engine-thread state
+        self.inflight = 0
+        self.next_generate_s = 0.0
+        self.conditioning: tuple[ContextInput, int] | None = None  # (input, queued_ns)
+        self.chunk_conditioning: dict[int, tuple[ContextInput, int] | None] = {}
+        self.left_s: collections.deque[float] = collections.deque(maxlen=33)
+        self.chunks_out = 0
+
+    # ---- gRPC reader side --------------------------------------------------------------
+
+    def offer(self, raw: bytes, received_ns: int) -> None:
+        """One raw ClientMessage from the wire: answered, kept, or dropped and counted."""
+        if len(raw) > self.limits.max_observation_bytes:
+            self.drop(
+                "oversized",
+                f"{len(raw)} bytes > max_observation_bytes {self.limits.max_observation_bytes}",
+            )
+            return
+        try:
+            msg = pb.ClientMessage.FromString(raw)
+        except DecodeError as exc:
+            self.drop("malformed", f"not a ClientMessage ({len(raw)} bytes): {exc}")
+            return
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self.drop(
+                "protocol_version",
+                f"client message version {msg.protocol_version}, server speaks {PROTOCOL_VERSION}",
+            )
+            return
+        kind = msg.WhichOneof("body")
+        if kind == "ping":
+            pong = pb.ClockPong(
+                client_send_ns=msg.ping.client_send_ns, server_receive_ns=received_ns
+            )
+            self._push(pb.ServerMessage(protocol_version=PROTOCOL_VERSION, pong=pong))
+        elif kind == "observation":
+            self._offer_observation(msg.observation)
+        else:
+            self.drop("malformed", "client message with neither observation nor ping")
+
+    def _offer_observation(self, o: pb.Observation) -> None:
+        with self._lock:
+            self.observations_received += 1
+            last = self._last_seq
+            if last is not None and o.seq <= last:
+                reason = "duplicate_seq" if o.seq == last else "out_of_order_seq"
+                detail = f"seq {o.seq} after {last}"
+            else:
+                reason = None
+                self._last_seq = o.seq
+        if reason is not None:
+            self.drop(reason, detail)
+            return
+        p = self.promise
+        try:
+            ctx = context_input(
+                observation_from_proto(o),
+                send_stamp_ns=o.send_stamp_ns,
+                height=p.image_height,
+                width=p.image_width,
+                action_horizon=p.action_horizon,
+                action_dim=p.action_dim,
+            )
+        except WireError as exc:
+            self.drop(exc.reason, f"observation {o.seq}: {exc.detail}")
+            return
+        with self._lock:
+            superseded = self._newest
+            self._newest = ctx
+        if superseded is not None:
+            self.drop(
+                "superseded",
+                f"observation {superseded.seq} replaced by {ctx.seq} before "
+                "it entered the pipeline (client sends faster than the interval)",
+            )
+
+    def drop(self, reason: str, detail: str) -> None:
+        """Count a dropped message and tell the client (one stats message at a time)."""
+        with self._lock:
+            self.drops[reason] += 1
+            self.last_drop_detail = f"{reason}: {detail}"
+            send_stats = not self._stats_pending
+            self._stats_pending = True
+        log.debug("stream %d dropped %s: %s", self.stream_id, reason, detail)
+        if send_stats:
+            self._push("stats")  # filled in when sent, with the counts of that moment
+
+    # ---- outbound (gRPC writer side) ---------------------------------------------------
+
+    def _push(self, item: Any) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            if len(self._outbound) >= self.limits.outbound_queue:
+                # The client reads slower than we produce: drop its oldest prediction.
+                for i, old in enumerate(self._outbound):
+                    if isinstance(old, pb.ServerMessage) and old.HasField("prediction"):
+                        del self._outbound[i]
+                        self.drops["client_slow"] += 1
+                        self.last_drop_detail = (
+                            "client_slow: prediction dropped, client reads slower than the interval"
+                        )
+                        break
+            self._outbound.append(item)
+            self._outbound_ready.notify()
+
+    def next_outbound(self, timeout_s: float) -> pb.ServerMessage | SessionEnded | None:
+        """The next message to send (its ``sent`` / ``server_send`` stamp set now)."""
+        with self._lock:
+            if not self._outbound:
+                self._outbound_ready.wait(timeout_s)
+            if not self._outbound:
+                return None
+            item = self._outbound.popleft()
+            if item == "stats":
+                self._stats_pending = False
+                return pb.ServerMessage(protocol_version=PROTOCOL_VERSION, stats=self._counters())
+        if isinstance(item, pb.ServerMessage):
+            now_ns = time.time_ns()
+            if item.HasField("pong"):
+                item.pong.server_send_ns = now_ns
+            elif item.HasField("prediction"):
+                item.prediction.server_times.sent_ns = now_ns
+                with self._lock:
+                    self.predictions_sent += 1
+        return item
+
+    def end(self, code: grpc.StatusCode, details: str) -> None:
+        """Ends the stream: the writer sends what it has, then ends the call with ``code``."""
+        with self._lock:
+            if self.closed:
+                return
+            self._outbound.append(SessionEnded(code, details))
+            self.closed = True
+            self._outbound_ready.notify()
+        if self.on_end is not None:
+            self.on_end(details)
+
+    def counters(self) -> pb.StreamCounters:
+        with self._lock:
+            return self._counters()
+
+    def _counters(self) -> pb.StreamCounters:
+        return pb.StreamCounters(
+            observations_received=self.observations_received,
+            observations_used=self.observations_used,
+            drops=dict(self.drops),
+            predictions_sent=self.predictions_sent,
+            last_drop_detail=self.last_drop_detail,
+        )
+
+    # ---- engine thread side ------------------------------------------------------------
+
+    def take_newest(self) -> ContextInput | None:
+        with self._lock:
+            ctx, self._newest = self._newest, None
+            return ctx
+
+    def achieved_interval_ms(self) -> float:
+        left = list(self.left_s)
+        if len(left) < 2:
+            return 0.0
+        return statistics.median(b - a for a, b in itertools.pairwise(left)) * 1000.0
+
+    def prediction(self, out: ChunkOutput) -> pb.ServerMessage:
+        cond = self.chunk_conditioning.pop(out.chunk, None)
+        msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
+        p = msg.prediction
+        p.stream_id = self.stream_id
+        p.chunk_index = out.chunk
+        if out.frames is not None:
+            array_to_tensor(out.frames, p.frames)
+        if out.actions is not None:
+            array_to_tensor(out.actions, p.actions)
+        p.observation_seq = -1
+        if cond is not None:
+            ctx, queued_ns = cond
+            p.observation_seq = ctx.seq
+            p.observation_stamp_ns = ctx.capture_stamp_ns
+            p.observation_send_stamp_ns = ctx.send_stamp_ns
+            p.server_times.received_ns = ctx.received_ns
+            p.server_times.queued_ns = queued_ns
+        p.server_times.entered_ns = wall_ns_from_monotonic(out.entered_s)
+        p.server_times.left_ns = wall_ns_from_monotonic(out.left_s)
+        p.server_times.decoded_ns = wall_ns_from_monotonic(out.decoded_s)
+        p.counters.CopyFrom(self.counters())
+        return msg
+
+
+class EngineLoop:
+    """The one thread that talks to the engine (see the module docstring)."""
+
+    def __init__(
+        self, engine: StreamEngine, *, poll_timeout_s: float = 0.002, idle_wait_s: float = 0.02
+    ) -> None:
+        if poll_timeout_s <= 0 or idle_wait_s <= 0:
+            raise ValueError(
+                f"poll_timeout_s {poll_timeout_s} and idle_wait_s {idle_wait_s} must be > 0"
+            )
+        self.engine = engine
+        self._poll_timeout_s = poll_timeout_s
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sessions: dict[int, Session] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="physis-engine", daemon=True)
+        self.error = ""
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def call(self, fn: Callable[[StreamEngine], Any], timeout_s: float) -> Any:
+        """Runs ``fn(engine)`` on the engine thread and returns its result (or raises)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future.result(timeout=timeout_s)
+
+    def add(self, session: Session) -> None:
+        self._commands.put(
+            (lambda _e: self._sessions.__setitem__(session.stream_id, session), None)
+        )
+
+    def remove(self, session: Session) -> None:
+        """Forget the stream and free its KV slots (engine.close_stream), on the engine thread."""
+        self._commands.put((lambda _e: self._close(session), None))
+
+    def _close(self, session: Session) -> None:
+        if self._sessions.pop(session.stream_id, None) is None:
+            return
+        try:
+            self.engine.close_stream(session.stream_id)
+        except (StreamFailed, KeyError, ValueError) as exc:
+            log.warning("closing stream %d: %s", session.stream_id, exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands(block=not self._sessions)
+            for session in list(self._sessions.values()):
+                self._pump(session)
+            if not any(s.inflight for s in self._sessions.values()):
+                continue
+            try:
+                outputs = self.engine.poll(self._poll_timeout_s)
+            except StreamFailed as exc:
+                self.error = f"engine failed: {exc}"
+                log.error("%s", self.error)
+                for session in list(self._sessions.values()):
+                    session.end(grpc.StatusCode.UNAVAILABLE, self.error)
+                    self._close(session)
+                continue
+            for out in outputs:
+                session = self._sessions.get(out.stream_id)
+                if session is None:
+                    continue  # closed while its chunks were in flight
+                session.inflight -= 1
+                session.chunks_out += 1
+                session.left_s.append(out.left_s)
+                session._push(session.prediction(out))
+
+    def _run_commands(self, *, block: bool) -> None:
+        try:
+            item = (
+                self._commands.get(timeout=self._idle_wait_s)
+                if block
+                else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            if future is None:
+                fn(self.engine)
+            elif future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
+                    future.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _pump(self, session: Session) -> None:
+        """Keep the stream's pipeline full; newest observation goes in before a generate."""
+        if not session.attached:
+            if time.monotonic() - session.opened_s > session.limits.unattached_timeout_s:
+                session.end(grpc.StatusCode.DEADLINE_EXCEEDED, "stream was never attached")
+                self._close(session)
+            return
+        depth = max(session.promise.pipeline_depth, 1)
+        now_s = time.monotonic()
+        while session.inflight < depth and now_s >= session.next_generate_s:
+            try:
+                ctx = session.take_newest()
+                if ctx is not None:
+                    queued_ns = time.time_ns()
+                    self.engine.submit_context(session.stream_id, ctx.frames, ctx.actions)
+                    session.conditioning = (ctx, queued_ns)
+                    with session._lock:
+                        session.observations_used += 1
+                chunk = self.engine.submit_generate(session.stream_id, None)
+            except (StreamFailed, KeyError, ValueError) as exc:
+                session.end(grpc.StatusCode.UNAVAILABLE, f"stream failed in the engine: {exc}")
+                self._close(session)
+                return
+            session.chunk_conditioning[chunk] = session.conditioning
+            session.inflight += 1
+            if session.interval_s > 0:
+                session.next_generate_s = max(session.next_generate_s, now_s - session.interval_s)
+                session.next_generate_s += session.interval_s
+
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())

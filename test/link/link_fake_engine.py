@@ -1,0 +1,125 @@
+"""A StreamEngine that needs no model: for front-end tests that are about the link alone.
+
+It keeps the engine contract (admission, chunk order, close frees the slot) and computes
+each generated chunk from the newest context chunk before it (actions = that frame's mean
+pixel value / 255), so a test can tell which observation a prediction is conditioned on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from physis_ros.engine.api import (
+    AdmissionRefused,
+    ChunkOutput,
+    StreamPromise,
+    StreamSpec,
+)
+from physis_ros.serve.frontend import ServerDescription
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        slots: int = 2,
+        chunk_ms: float = 5.0,
+        height: int = 16,
+        width: int = 16,
+        action_horizon: int = 4,
+        action_dim: int = 4,
+    ) -> None:
+        self.slots = slots
+        self.chunk_s = chunk_ms / 1000.0
+        self.height, self.width = height, width
+        self.horizon, self.action_dim = action_horizon, action_dim
+        self._lock = threading.Lock()
+        self._streams: dict[int, dict] = {}
+        self._next_id = 1
+        self._ready: list[tuple[float, ChunkOutput]] = []
+        self.contexts: list[tuple[int, int, float]] = []  # (stream, chunk, mean pixel)
+
+    def open_stream(self, spec: StreamSpec) -> StreamPromise:
+        with self._lock:
+            if len(self._streams) >= self.slots:
+                raise AdmissionRefused("no free KV slot", resource="kv_slots", shortfall="1 slot")
+            sid = self._next_id
+            self._next_id += 1
+            self._streams[sid] = {"chunk": 0, "context": 0.0, "busy_until": 0.0}
+        return StreamPromise(
+            stream_id=sid,
+            model="fake",
+            steps=2,
+            blocks=2,
+            expected_interval_ms=self.chunk_s * 1e3,
+            pipeline_depth=2,
+            expected_response_latency_ms=3 * self.chunk_s * 1e3,
+            chunk_frames=1,
+            image_height=self.height,
+            image_width=self.width,
+            action_horizon=self.horizon,
+            action_dim=self.action_dim,
+        )
+
+    def close_stream(self, stream_id: int) -> None:
+        with self._lock:
+            self._streams.pop(stream_id, None)
+            self._ready = [r for r in self._ready if r[1].stream_id != stream_id]
+
+    def submit_context(self, stream_id, frames, actions=None) -> int:
+        assert frames.dtype == np.uint8 and frames.shape[1:] == (self.height, self.width, 3)
+        with self._lock:
+            s = self._streams[stream_id]
+            chunk = s["chunk"]
+            s["chunk"] += 1
+            s["context"] = float(frames.mean()) / 255.0
+            self.contexts.append((stream_id, chunk, s["context"]))
+        return chunk
+
+    def submit_generate(self, stream_id, actions=None) -> int:
+        now = time.monotonic()
+        with self._lock:
+            s = self._streams[stream_id]
+            chunk = s["chunk"]
+            s["chunk"] += 1
+            done = max(now, s["busy_until"]) + self.chunk_s
+            s["busy_until"] = done
+            out = ChunkOutput(
+                stream_id=stream_id,
+                chunk=chunk,
+                frames=np.full((1, self.height, self.width, 3), chunk % 256, np.uint8),
+                actions=np.full((self.horizon, self.action_dim), s["context"], np.float32),
+                entered_s=now,
+                left_s=done,
+                decoded_s=done,
+            )
+            self._ready.append((done, out))
+        return chunk
+
+    def poll(self, timeout_s: float) -> list[ChunkOutput]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                done = [o for t, o in self._ready if t <= now]
+                self._ready = [(t, o) for t, o in self._ready if t > now]
+            if done or now >= deadline:
+                return done
+            time.sleep(min(0.001, deadline - now))
+
+    def info(self) -> dict[str, str]:
+        with self._lock:
+            return {"free_slots": str(self.slots - len(self._streams)), "slots": str(self.slots)}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._streams.clear()
+
+
+def make(engine_section: dict) -> tuple[FakeEngine, ServerDescription]:
+    """physis-serve --engine-factory link_fake_engine:make (test/link on PYTHONPATH)"""
+    engine = FakeEngine(slots=int(engine_section.get("slots", 2)))
+    return engine, ServerDescription(model="fake", steps=2, blocks=2, placement="fake")
