@@ -15,6 +15,8 @@ from setuptools.command.build_py import build_py
 CONSOLE_SCRIPTS = [
     "physis-demo = physis_ros.demo:main",
     "physis-serve = physis_ros.serve.main:main",
+    "bridge = physis_ros.nodes.bridge:main",
+    "sim_robot = physis_ros.nodes.sim_robot:main",
 ]
 
 
