@@ -1,0 +1,478 @@
+"""``bridge``: the robot-side node between ROS 2 topics and the physis server.
+
+In: ``camera/image`` (``sensor_msgs/Image``) and/or a ``CompressedImage`` topic, ``wrench``
+(``WrenchStamped``), ``joint_states`` (``JointState``), sensor-data QoS by default. The
+callbacks validate and convert, pair by stamp (approximate time, bounded slop) and hand the
+newest observation to the link client, which is non-blocking: no network in callbacks.
+
+Out, at the rate the server delivers (published from the link's receive thread):
+``predicted/image`` (each frame stamped at its predicted time), ``predicted/side_by_side``
+(observed | predicted), ``action_chunk`` (``physis_ros/ActionChunk``), ``joint_trajectory``
+(for a joint_trajectory_controller), ``predicted/ee_path`` (MarkerArray, planar forward
+kinematics), once a second ``pipeline_stats`` and ``/diagnostics``.
+
+Safety (``safety.ActionGate``): stale rows are never published; when chunks stop arriving
+for the deadline, model actions stop, the ``hold``/``zeros`` fallback goes out once, and
+/diagnostics says ERROR until chunks arrive again; the link client reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray
+from geometry_msgs.msg import WrenchStamped
+from rclpy.executors import ExternalShutdownException
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import CompressedImage, Image, JointState
+from trajectory_msgs.msg import JointTrajectory
+from visualization_msgs.msg import MarkerArray
+
+from physis_ros.link.client import CameraImage, LinkClient, Observation, Prediction
+from physis_ros.msg import ActionChunk, PipelineStats
+from physis_ros.nodes import outputs
+from physis_ros.nodes.bridge_params import BridgeParams, declare_bridge_params
+from physis_ros.nodes.conversions import (
+    ConversionError,
+    compressed_msg_to_fields,
+    fields_to_rgb,
+    fill_image_msg,
+    image_msg_to_fields,
+    side_by_side,
+    validate_vector,
+)
+from physis_ros.nodes.pairing import ApproxTimePairer, PairedObservation, Sample
+from physis_ros.nodes.safety import ActionGate, SafetyConfig
+from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
+
+_OBSERVED_IMAGES_KEPT = 64  # observations a chunk may be conditioned on, for side-by-side
+
+
+def stamp_ns(header) -> int:
+    return header.stamp.sec * 1_000_000_000 + header.stamp.nanosec
+
+
+class Bridge(Node):
+    def __init__(self, *, client: LinkClient | None = None) -> None:
+        super().__init__("bridge")
+        self.p: BridgeParams = declare_bridge_params(self)
+        self.drops = DropCounter()
+        self.pairer = ApproxTimePairer(
+            slop_s=self.p.slop_s,
+            require_wrench=self.p.require_wrench,
+            require_joints=self.p.require_joints,
+            drops=self.drops,
+        )
+        self.gate = ActionGate(
+            SafetyConfig(
+                deadline_s=self.p.deadline_ms / 1000.0,
+                fallback=self.p.fallback,
+                max_observation_age_s=self.p.max_observation_age_s,
+            )
+        )
+        self.rates = {name: RateMeter() for name in ("image", "wrench", "joints")}
+        self.chunk_rate = RateMeter()
+        self.interval_ms = RollingWindow()
+        self.response_ms = RollingWindow()
+        self.obs_to_send_ms = RollingWindow()
+        self.receive_to_publish_ms = RollingWindow()
+        self.hop_ms: dict[str, RollingWindow] = {}
+        self.counts = dict.fromkeys(
+            (
+                "images",
+                "sent",
+                "chunks_received",
+                "chunks_published",
+                "chunks_expired",
+                "fallbacks",
+            ),
+            0,
+        )
+        self._seq = 0
+        self._observed: OrderedDict[int, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self._last_chunk_s: float | None = None
+        self._stream_id: int | None = None
+
+        self.client = client or self._make_client()
+        self._make_io()
+        self._running = True
+        self._receiver = threading.Thread(
+            target=self._receive_loop, name="bridge-receive", daemon=True
+        )
+        self.client.start()
+        self._receiver.start()
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def _make_client(self) -> LinkClient:
+        p = self.p
+        target = p.server
+        if p.server_port_file:
+            target = f"{p.server.rsplit(':', 1)[0]}:{_wait_for_port(p.server_port_file, 30.0)}"
+        return LinkClient(
+            target,
+            seed=p.seed,
+            target_interval_ms=p.target_interval_ms,
+            token=p.token or None,
+            root_cert_path=p.root_cert_path or None,
+            client_cert_path=p.client_cert_path or None,
+            client_key_path=p.client_key_path or None,
+            connect_timeout_s=p.connect_timeout_s,
+            client_name=self.get_fully_qualified_name(),
+            clock_ns=lambda: self.get_clock().now().nanoseconds,  # capture stamps are ROS time
+        )
+
+    def _make_io(self) -> None:
+        p = self.p
+        if p.input_reliability == "reliable":
+            in_qos = QoSProfile(depth=p.input_depth, reliability=ReliabilityPolicy.RELIABLE)
+        else:
+            in_qos = qos_profile_sensor_data
+        if p.image_topic:
+            self.create_subscription(Image, p.image_topic, self._on_image, in_qos)
+        if p.compressed_image_topic:
+            self.create_subscription(
+                CompressedImage, p.compressed_image_topic, self._on_compressed, in_qos
+            )
+        self.create_subscription(WrenchStamped, p.wrench_topic, self._on_wrench, in_qos)
+        self.create_subscription(JointState, p.joint_states_topic, self._on_joints, in_qos)
+
+        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        latest = QoSProfile(depth=2, reliability=ReliabilityPolicy.RELIABLE)
+        self.frame_pub = self.create_publisher(Image, "predicted/image", latest)
+        self.sbs_pub = self.create_publisher(Image, "predicted/side_by_side", latest)
+        self.chunk_pub = self.create_publisher(ActionChunk, "action_chunk", reliable)
+        self.traj_pub = self.create_publisher(JointTrajectory, "joint_trajectory", reliable)
+        self.marker_pub = self.create_publisher(MarkerArray, "predicted/ee_path", latest)
+        self.stats_pub = self.create_publisher(PipelineStats, "pipeline_stats", reliable)
+        self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", reliable)
+        self.create_timer(p.watchdog_period_s, self._on_watchdog)
+        self.create_timer(p.stats_period_s, self._on_stats_timer)
+
+    # ---- input callbacks: validate, convert, pair, enqueue -----------------------------
+
+    def _on_image(self, msg: Image) -> None:
+        self._take_image(msg, image_msg_to_fields)
+
+    def _on_compressed(self, msg: CompressedImage) -> None:
+        self._take_image(msg, compressed_msg_to_fields)
+
+    def _take_image(self, msg, convert) -> None:
+        t_cb = time.perf_counter()
+        self.rates["image"].tick()
+        self.counts["images"] += 1
+        try:
+            fields = convert(msg)
+        except ConversionError as exc:
+            self.drops.add(exc.reason)
+            self.get_logger().warn(f"image dropped: {exc}", throttle_duration_sec=2.0)
+            return
+        paired = self.pairer.add_image(
+            Sample(stamp_ns=stamp_ns(msg.header), value=fields, received_s=t_cb)
+        )
+        if paired is not None:
+            self._send(paired)
+
+    def _on_wrench(self, msg: WrenchStamped) -> None:
+        self.rates["wrench"].tick()
+        f, t = msg.wrench.force, msg.wrench.torque
+        try:
+            wrench = validate_vector([f.x, f.y, f.z, t.x, t.y, t.z], size=6, reason="nan_wrench")
+        except ConversionError as exc:
+            self.drops.add(exc.reason)
+            self.get_logger().warn(f"wrench dropped: {exc}", throttle_duration_sec=2.0)
+            return
+        self._take_aux("wrench", msg.header, wrench)
+
+    def _on_joints(self, msg: JointState) -> None:
+        self.rates["joints"].tick()
+        try:
+            positions = validate_vector(msg.position, size=len(msg.name), reason="bad_joints")
+            velocities = (
+                validate_vector(msg.velocity, size=len(msg.name), reason="bad_joints")
+                if len(msg.velocity)
+                else None
+            )
+        except ConversionError as exc:
+            self.drops.add(exc.reason)
+            self.get_logger().warn(f"joint state dropped: {exc}", throttle_duration_sec=2.0)
+            return
+        self._take_aux("joints", msg.header, (tuple(msg.name), positions, velocities))
+
+    def _take_aux(self, stream: str, header, value) -> None:
+        sample = Sample(stamp_ns=stamp_ns(header), value=value, received_s=time.perf_counter())
+        paired = self.pairer.add_aux(stream, sample)
+        if paired is not None:
+            self._send(paired)
+
+    def _send(self, paired: PairedObservation) -> None:
+        fields = paired.image.value
+        names, positions, velocities = paired.joints.value if paired.joints else ((), None, None)
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._observed[seq] = fields
+            while len(self._observed) > _OBSERVED_IMAGES_KEPT:
+                self._observed.popitem(last=False)
+        obs = Observation(
+            seq=seq,
+            capture_stamp_ns=paired.image.stamp_ns,
+            image=CameraImage(
+                encoding=fields.encoding,
+                height=fields.height,
+                width=fields.width,
+                step=fields.step,
+                data=fields.data,
+            ),
+            wrench=paired.wrench.value if paired.wrench else None,
+            joint_names=names,
+            joint_positions=positions,
+            joint_velocities=velocities,
+        )
+        self.client.send_observation(obs)  # non-blocking: newest wins inside the client
+        self.counts["sent"] += 1
+        self.obs_to_send_ms.add((time.perf_counter() - paired.image.received_s) * 1e3)
+
+    # ---- predictions: the receive thread publishes -------------------------------------
+
+    def _receive_loop(self) -> None:
+        while self._running:
+            prediction = self.client.get_prediction(timeout_s=0.05)
+            if prediction is None:
+                continue
+            t_got = time.perf_counter()
+            try:
+                self._publish_prediction(prediction)
+            except Exception as exc:  # noqa: BLE001 - a bad chunk must not kill the output thread
+                self.drops.add("bad_prediction")
+                self.get_logger().error(
+                    f"prediction {prediction.chunk_index} not published: {exc!r}"
+                )
+                continue
+            self.receive_to_publish_ms.add((time.perf_counter() - t_got) * 1e3)
+
+    def _interval_s(self) -> float:
+        promise = self.client.stats().promise
+        if promise is not None and promise.expected_interval_ms > 0:
+            return promise.expected_interval_ms / 1e3
+        measured = self.interval_ms.summary()["median"]
+        return measured / 1e3 if measured > 0 else 0.1
+
+    def _publish_prediction(self, pred: Prediction) -> None:
+        now_s = time.monotonic()
+        self.counts["chunks_received"] += 1
+        self.chunk_rate.tick(now_s)
+        if self._last_chunk_s is not None:
+            self.interval_ms.add((now_s - self._last_chunk_s) * 1e3)
+        self._last_chunk_s = now_s
+        for name, value in pred.hop_ms.items():
+            self.hop_ms.setdefault(name, RollingWindow()).add(value)
+        if "capture_to_received" in pred.hop_ms:
+            self.response_ms.add(pred.hop_ms["capture_to_received"])
+        if pred.stream_id != self._stream_id:  # a new stream (e.g. server restart) renumbers chunks
+            self._stream_id = pred.stream_id
+            self.gate.reset_stream()
+        interval_s = self._interval_s()
+        self.gate.set_interval(interval_s)
+        start_ns = pred.received_ns + int(self.p.action_lead_s * 1e9)
+        if pred.frames is not None and len(pred.frames):
+            self._publish_frames(pred, start_ns, interval_s / len(pred.frames))
+        if pred.actions is None:
+            # a world model without actions: only the deadline's bookkeeping
+            self.gate.on_chunk(
+                now_ns=self.now_ns(),
+                chunk_index=pred.chunk_index,
+                actions=np.zeros((1, 0)),
+                start_ns=start_ns,
+                dt_s=interval_s,
+                observation_stamp_ns=0,
+            )
+            return
+        actions = np.asarray(pred.actions, dtype=np.float32).reshape(len(pred.actions), -1)
+        dt_s = self.p.action_dt_s or interval_s / max(1, actions.shape[0])
+        decision = self.gate.on_chunk(
+            now_ns=self.now_ns(),
+            chunk_index=pred.chunk_index,
+            actions=actions,
+            start_ns=start_ns,
+            dt_s=dt_s,
+            observation_stamp_ns=pred.observation_stamp_ns if pred.observation_seq >= 0 else 0,
+        )
+        if not decision.publish:
+            self.counts["chunks_expired"] += 1
+            self.drops.add(f"chunk:{decision.reason}")
+            return
+        self._publish_actions(
+            decision.actions,
+            decision.start_ns,
+            dt_s,
+            ActionChunk.SOURCE_MODEL,
+            stream_id=pred.stream_id,
+            chunk_index=pred.chunk_index,
+            observation_seq=pred.observation_seq,
+            observation_stamp_ns=pred.observation_stamp_ns,
+        )
+        self.counts["chunks_published"] += 1
+
+    def _publish_frames(self, pred: Prediction, start_ns: int, frame_dt_s: float) -> None:
+        frames = np.asarray(pred.frames, dtype=np.uint8)
+        for j, frame in enumerate(frames):
+            msg = Image()
+            fill_image_msg(
+                msg,
+                frame,
+                stamp=outputs.time_msg(start_ns + int(j * frame_dt_s * 1e9)),
+                frame_id=self.p.camera_frame,
+            )
+            self.frame_pub.publish(msg)
+        with self._lock:
+            observed = self._observed.get(pred.observation_seq)
+        msg = Image()
+        fill_image_msg(
+            msg,
+            side_by_side(
+                fields_to_rgb(observed) if observed is not None else None,
+                frames[0],
+                height=self.p.side_by_side_height,
+            ),
+            stamp=outputs.time_msg(start_ns),
+            frame_id=self.p.camera_frame,
+        )
+        self.sbs_pub.publish(msg)
+
+    def _joint_names(self) -> list[str]:
+        if self.p.joint_names:
+            return list(self.p.joint_names)
+        latest = self.pairer.latest("joints")
+        return list(latest.value[0]) if latest is not None else []
+
+    def _publish_actions(
+        self, actions: np.ndarray, start_ns: int, dt_s: float, source: int, **ids
+    ) -> None:
+        joint_names = self._joint_names()
+        names = list(self.p.action_names) or [
+            joint_names[i] if i < len(joint_names) else f"action_{i}"
+            for i in range(actions.shape[1])
+        ]
+        self.chunk_pub.publish(
+            outputs.action_chunk_msg(
+                actions=actions,
+                start_ns=start_ns,
+                dt_s=dt_s,
+                names=names,
+                frame_id=self.p.action_frame,
+                source=source,
+                **ids,
+            )
+        )
+        traj_names = joint_names[: actions.shape[1]]
+        if traj_names:
+            self.traj_pub.publish(
+                outputs.trajectory_msg(
+                    actions=actions, start_ns=start_ns, dt_s=dt_s, joint_names=traj_names
+                )
+            )
+        if (
+            self.p.publish_markers
+            and actions.shape[1] > max(self.p.ee_joint_indices, default=-1) >= 0
+        ):
+            self.marker_pub.publish(
+                outputs.ee_path_markers(
+                    actions=actions,
+                    stamp_ns=start_ns,
+                    frame_id=self.p.marker_frame,
+                    joint_indices=list(self.p.ee_joint_indices),
+                    link_lengths_m=list(self.p.link_lengths_m),
+                    base_xy_m=list(self.p.arm_base_xy_m),
+                    source=source,
+                )
+            )
+
+    # ---- timers: deadline watchdog, stats and diagnostics ------------------------------
+
+    def now_ns(self) -> int:
+        return self.get_clock().now().nanoseconds
+
+    def _on_watchdog(self) -> None:
+        now_ns = self.now_ns()
+        if not self.gate.check_deadline(now_ns):
+            return
+        promise = self.client.stats().promise
+        horizon = promise.action_horizon if promise and promise.action_horizon else 1
+        latest = self.pairer.latest("joints")
+        held = latest.value[1] if latest is not None else None
+        dim = (
+            promise.action_dim
+            if promise and promise.action_dim
+            else (len(held) if held is not None else 0)
+        )
+        self.get_logger().error(
+            f"no chunk for {self.gate.deadline_s * 1e3:.0f} ms: model actions stopped, "
+            f"publishing the {self.p.fallback} fallback"
+        )
+        if dim == 0:
+            return
+        source = (
+            ActionChunk.SOURCE_FALLBACK_HOLD
+            if self.p.fallback == "hold"
+            else ActionChunk.SOURCE_FALLBACK_ZEROS
+        )
+        rows = self.gate.fallback_actions(horizon=horizon, dim=dim, held=held)
+        self._publish_actions(rows, now_ns, self.gate.deadline_s / horizon, source)
+        self.counts["fallbacks"] += 1
+
+    def _on_stats_timer(self) -> None:
+        from physis_ros.nodes.bridge_report import diagnostics_report, pipeline_stats_msg
+
+        link = self.client.stats()
+        now_ns = self.now_ns()
+        self.stats_pub.publish(pipeline_stats_msg(self, link, now_ns))
+        self.diag_pub.publish(
+            outputs.diagnostic_array(
+                stamp_ns=now_ns, node_name=self.get_name(), report=diagnostics_report(self, link)
+            )
+        )
+
+    def shutdown(self) -> None:
+        self._running = False
+        self._receiver.join(timeout=2.0)
+        self.client.close()
+
+
+def _wait_for_port(path: str, timeout_s: float) -> int:
+    """The port the server wrote to ``path`` (physis-serve --port-file), waiting for it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                return int(text)
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"no port in {path} after {timeout_s} s")
+
+
+def main(args=None) -> int:
+    try:
+        with rclpy.init(args=args):
+            node = Bridge()
+            try:
+                rclpy.spin(node)
+            finally:
+                node.shutdown()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The bridge node's ROS parameters: one table of (name, default, description, read-only),
+declared with ParameterDescriptors and read into a frozen, validated ``BridgeParams``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from rcl_interfaces.msg import ParameterDescriptor
+from rclpy.parameter import Parameter
+
+RELIABILITIES = ("best_effort", "reliable")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgeParams:
+    # inputs (topic names are relative, so namespaces and remapping work)
+    image_topic: str = "camera/image"
+    """sensor_msgs/Image camera topic ('' to disable)."""
+    compressed_image_topic: str = ""
+    """sensor_msgs/CompressedImage topic, jpeg or png ('' to disable)."""
+    wrench_topic: str = "wrench"
+    """geometry_msgs/WrenchStamped force/torque topic."""
+    joint_states_topic: str = "joint_states"
+    """sensor_msgs/JointState topic."""
+    input_reliability: str = "best_effort"
+    """best_effort (sensor-data QoS) or reliable, for all inputs."""
+    input_depth: int = 5
+    """History depth of the input subscriptions."""
+    slop_s: float = 0.02
+    """Largest stamp gap between an image and the wrench/joints it is paired with."""
+    require_wrench: bool = True
+    """Only send images that have a wrench within the slop."""
+    require_joints: bool = True
+    """Only send images that have joint states within the slop."""
+    # link
+    server: str = "127.0.0.1:50051"
+    """host:port of physis-serve."""
+    server_port_file: str = ""
+    """If set, wait for physis-serve --port-file and use the port written there."""
+    token: str = ""
+    """Bearer token the server expects ('' for none)."""
+    root_cert_path: str = ""
+    """CA bundle for TLS ('' for a plaintext link)."""
+    client_cert_path: str = ""
+    """Client certificate for mutual TLS."""
+    client_key_path: str = ""
+    """Client key for mutual TLS."""
+    connect_timeout_s: float = 5.0
+    """Deadline of one connection attempt."""
+    seed: int = 0
+    """Stream seed (initial noise of chunk c is seeded by (seed, c))."""
+    target_interval_ms: float = 0.0
+    """Interval the robot needs between chunks (0: as fast as the server can)."""
+    # actions
+    action_dt_s: float = 0.0
+    """Seconds between action rows (0: the stream's interval / horizon, chunks tile time)."""
+    action_lead_s: float = 0.02
+    """Row 0 of a chunk applies this long after the chunk was received."""
+    action_names: tuple[str, ...] = ()
+    """Names of the action dimensions (empty: the joint names, then action_<i>)."""
+    joint_names: tuple[str, ...] = ()
+    """Joints of the JointTrajectory, in action column order (empty: from joint_states)."""
+    action_frame: str = ""
+    """frame_id of ActionChunk headers."""
+    fallback: str = "hold"
+    """What to publish when chunks stop: hold (last joint positions) or zeros."""
+    deadline_ms: float = 0.0
+    """Stop model actions after this long without a chunk (0: two intervals)."""
+    max_observation_age_s: float = 2.0
+    """Never publish a chunk conditioned on an observation older than this (0: no limit)."""
+    # visualisation
+    camera_frame: str = "camera"
+    """frame_id of the predicted and side-by-side images."""
+    side_by_side_height: int = 240
+    """Rows of the observed|predicted image."""
+    publish_markers: bool = True
+    """Publish the predicted end-effector path (actions are joint positions of a planar arm)."""
+    marker_frame: str = "table"
+    """Frame of the end-effector path markers."""
+    ee_joint_indices: tuple[int, ...] = (0, 1)
+    """Action columns holding the planar arm's joint angles, base to tip."""
+    link_lengths_m: tuple[float, ...] = (0.38, 0.32)
+    """Link lengths of the planar arm (the sim's arm by default)."""
+    arm_base_xy_m: tuple[float, ...] = (0.0, -0.5)
+    """Arm base position in marker_frame."""
+    # timers
+    watchdog_period_s: float = 0.01
+    """How often the action deadline is checked."""
+    stats_period_s: float = 1.0
+    """How often pipeline_stats and /diagnostics are published."""
+
+    def __post_init__(self) -> None:
+        if self.input_reliability not in RELIABILITIES:
+            raise ValueError(
+                f"input_reliability {self.input_reliability!r} is not one of {RELIABILITIES}"
+            )
+        if not self.image_topic and not self.compressed_image_topic:
+            raise ValueError(
+                "image_topic and compressed_image_topic are both empty: no camera input"
+            )
+        for name in ("slop_s", "connect_timeout_s", "watchdog_period_s", "stats_period_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in (
+            "action_dt_s",
+            "action_lead_s",
+            "deadline_ms",
+            "max_observation_age_s",
+            "target_interval_ms",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.input_depth < 1 or self.side_by_side_height < 8:
+            raise ValueError(
+                f"input_depth {self.input_depth} must be >= 1 and "
+                f"side_by_side_height {self.side_by_side_height} >= 8"
+            )
+        if self.publish_markers and len(self.ee_joint_indices) != len(self.link_lengths_m):
+            raise ValueError(
+                f"ee_joint_indices {self.ee_joint_indices} and link_lengths_m "
+                f"{self.link_lengths_m} differ in length"
+            )
+        if len(self.arm_base_xy_m) != 2:
+            raise ValueError(f"arm_base_xy_m must be [x, y], got {self.arm_base_xy_m}")
+
+
+_READ_ONLY = {
+    "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic",
+    "input_reliability", "input_depth", "server", "server_port_file", "token", "root_cert_path",
+    "client_cert_path", "client_key_path", "seed", "target_interval_ms",
+}  # fmt: skip
+_ARRAY_TYPES = {
+    "action_names": Parameter.Type.STRING_ARRAY,
+    "joint_names": Parameter.Type.STRING_ARRAY,
+    "ee_joint_indices": Parameter.Type.INTEGER_ARRAY,
+    "link_lengths_m": Parameter.Type.DOUBLE_ARRAY,
+    "arm_base_xy_m": Parameter.Type.DOUBLE_ARRAY,
+}
+
+
+def parameter_docs() -> dict[str, str]:
+    """name -> description, from the field docstrings above (one source of truth)."""
+    import ast
+    import inspect
+    import itertools
+
+    tree = ast.parse(inspect.getsource(BridgeParams))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body
+    for node, following in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+            docs[node.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+def declare_bridge_params(node) -> BridgeParams:
+    docs = parameter_docs()
+    values = {}
+    for f in fields(BridgeParams):
+        descriptor = ParameterDescriptor(description=docs[f.name], read_only=f.name in _READ_ONLY)
+        if f.name in _ARRAY_TYPES:
+            default = list(f.default)
+            # an empty list has no type of its own: declare the type, read None as empty
+            param = node.declare_parameter(f.name, default or _ARRAY_TYPES[f.name], descriptor)
+            values[f.name] = tuple(param.value or ())
+        else:
+            values[f.name] = node.declare_parameter(f.name, f.default, descriptor).value
+    return BridgeParams(**values)

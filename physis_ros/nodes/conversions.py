@@ -1,0 +1,177 @@
+"""Conversions between ROS message fields and plain arrays, with validation.
+
+Camera messages become the link's ``CameraImage`` fields (raw rows packed, ``step``
+honoured; compressed images checked and measured from their headers), predicted frames
+become ``sensor_msgs/Image`` fields, and a side-by-side view is composed for rviz.
+Anything malformed raises ``ConversionError`` with a short ``reason`` that the node counts.
+Duck-typed on message attributes: no rclpy import, so this is testable without ROS.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+RAW_CHANNELS = {"rgb8": 3, "bgr8": 3, "mono8": 1, "rgba8": 4, "bgra8": 4}
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# JPEG start-of-frame markers carry the image size (C4 DHT, C8 JPG, CC DAC are not SOFs).
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+class ConversionError(ValueError):
+    """A message that cannot become an observation; ``reason`` names the drop counter."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageFields:
+    """Fields of the link's ``CameraImage`` (kept separate so this module needs no link)."""
+
+    encoding: str
+    height: int
+    width: int
+    step: int
+    data: bytes
+
+
+def image_msg_to_fields(msg) -> ImageFields:
+    """``sensor_msgs/Image`` -> packed raw image; rows are copied without their padding."""
+    encoding = msg.encoding.lower()
+    channels = RAW_CHANNELS.get(encoding)
+    if channels is None:
+        raise ConversionError(
+            "bad_encoding", f"encoding {msg.encoding!r} not in {sorted(RAW_CHANNELS)}"
+        )
+    height, width, step = int(msg.height), int(msg.width), int(msg.step)
+    if height <= 0 or width <= 0:
+        raise ConversionError("bad_size", f"image size {width}x{height}")
+    row_bytes = width * channels
+    if step < row_bytes:
+        raise ConversionError("bad_step", f"step {step} < width {width} x {channels} channels")
+    data = msg.data
+    if len(data) != step * height:
+        raise ConversionError(
+            "bad_size", f"data has {len(data)} bytes, step x height = {step * height}"
+        )
+    raw = data.tobytes() if hasattr(data, "tobytes") else bytes(data)
+    if step != row_bytes:
+        # Padded rows (e.g. aligned strides): keep only the pixels of each row.
+        raw = np.frombuffer(raw, np.uint8).reshape(height, step)[:, :row_bytes].tobytes()
+    return ImageFields(encoding=encoding, height=height, width=width, step=row_bytes, data=raw)
+
+
+def compressed_size(data: bytes, kind: str) -> tuple[int, int]:
+    """(height, width) read from a PNG or JPEG header; raises ConversionError if corrupt."""
+    if kind == "png":
+        if len(data) < 24 or not data.startswith(_PNG_MAGIC) or data[12:16] != b"IHDR":
+            raise ConversionError("bad_compressed", "not a PNG stream")
+        width, height = struct.unpack(">II", data[16:24])
+        return height, width
+    if len(data) < 4 or data[:2] != b"\xff\xd8":
+        raise ConversionError("bad_compressed", "not a JPEG stream")
+    pos = 2
+    while pos + 9 <= len(data):
+        if data[pos] != 0xFF:
+            raise ConversionError("bad_compressed", f"JPEG marker expected at byte {pos}")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        (length,) = struct.unpack(">H", data[pos + 2 : pos + 4])
+        if marker in _JPEG_SOF:
+            height, width = struct.unpack(">HH", data[pos + 5 : pos + 9])
+            return height, width
+        pos += 2 + length
+    raise ConversionError("bad_compressed", "JPEG without a start-of-frame header")
+
+
+def compressed_msg_to_fields(msg) -> ImageFields:
+    """``sensor_msgs/CompressedImage`` (jpeg or png, as image_transport writes ``format``)."""
+    fmt = msg.format.lower()
+    if "png" in fmt:
+        kind = "png"
+    elif "jpeg" in fmt or "jpg" in fmt:
+        kind = "jpeg"
+    else:
+        raise ConversionError(
+            "bad_encoding", f"compressed format {msg.format!r} is not jpeg or png"
+        )
+    data = msg.data
+    raw = data.tobytes() if hasattr(data, "tobytes") else bytes(data)
+    height, width = compressed_size(raw, kind)
+    if height <= 0 or width <= 0:
+        raise ConversionError("bad_size", f"compressed image size {width}x{height}")
+    return ImageFields(encoding=kind, height=height, width=width, step=0, data=raw)
+
+
+def fields_to_rgb(fields) -> np.ndarray | None:
+    """A raw image as [H, W, 3] uint8 rgb for viewing; None for compressed images."""
+    channels = RAW_CHANNELS.get(fields.encoding)
+    if channels is None:
+        return None
+    pixels = np.frombuffer(fields.data, np.uint8).reshape(fields.height, fields.width, channels)
+    if fields.encoding == "mono8":
+        return np.repeat(pixels, 3, axis=2)
+    if fields.encoding.startswith("bgr"):
+        return np.ascontiguousarray(pixels[:, :, 2::-1])
+    return np.ascontiguousarray(pixels[:, :, :3])
+
+
+def validate_vector(values, *, size: int | None, reason: str) -> np.ndarray:
+    """Finite float64 vector of the given size, else ConversionError(reason)."""
+    array = np.asarray(values, dtype=np.float64)
+    if size is not None and array.shape != (size,):
+        raise ConversionError(reason, f"expected {size} values, got shape {array.shape}")
+    if not np.all(np.isfinite(array)):
+        raise ConversionError(reason, f"non-finite values {array.tolist()}")
+    return array
+
+
+def resize_nearest(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Nearest-neighbour resize of [H, W, C] (keeps predicted pixels visibly blocky)."""
+    rows = (np.arange(height) * image.shape[0] // height).clip(0, image.shape[0] - 1)
+    cols = (np.arange(width) * image.shape[1] // width).clip(0, image.shape[1] - 1)
+    return image[rows][:, cols]
+
+
+def side_by_side(
+    observed: np.ndarray | None, predicted: np.ndarray, height: int = 240
+) -> np.ndarray:
+    """observed | predicted, both scaled to ``height`` rows, with a 2-pixel white divider.
+    Without an observed image, its half is black."""
+
+    def scaled(image: np.ndarray) -> np.ndarray:
+        width = max(1, round(image.shape[1] * height / image.shape[0]))
+        return resize_nearest(image, height, width)
+
+    right = scaled(predicted)
+    left = scaled(observed) if observed is not None else np.zeros_like(right)
+    divider = np.full((height, 2, 3), 255, np.uint8)
+    return np.ascontiguousarray(np.concatenate([left, divider, right], axis=1))
+
+
+def fill_image_msg(msg, rgb: np.ndarray, *, stamp, frame_id: str) -> None:
+    """Fill a ``sensor_msgs/Image`` with an [H, W, 3] uint8 rgb8 array."""
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise ValueError(f"expected [H, W, 3] uint8, got {rgb.dtype} {rgb.shape}")
+    msg.header.stamp = stamp
+    msg.header.frame_id = frame_id
+    msg.height, msg.width = int(rgb.shape[0]), int(rgb.shape[1])
+    msg.encoding = "rgb8"
+    msg.is_bigendian = 0
+    msg.step = int(rgb.shape[1]) * 3
+    msg.data = np.ascontiguousarray(rgb).tobytes()
+
+
+def planar_fk(joint_angles: np.ndarray, link_lengths_m, base_xy_m=(0.0, 0.0)) -> np.ndarray:
+    """End-effector [..., 2] xy of a planar serial arm: angles are relative, per link."""
+    angles = np.cumsum(np.asarray(joint_angles, dtype=np.float64), axis=-1)
+    lengths = np.asarray(link_lengths_m, dtype=np.float64)
+    x = base_xy_m[0] + np.sum(lengths * np.cos(angles), axis=-1)
+    y = base_xy_m[1] + np.sum(lengths * np.sin(angles), axis=-1)
+    return np.stack([x, y], axis=-1)

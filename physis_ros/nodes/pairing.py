@@ -1,0 +1,118 @@
+"""Approximate-time pairing of a camera with wrench and joint states, latest-only.
+
+The camera is the pivot: each image is paired with the wrench and joint sample nearest to
+its stamp within ``slop_s``. Auxiliary streams keep a short history (they run faster than
+the camera); at most one image waits for a partner, and a newer image replaces it (the
+older one is counted as ``unpaired``). Stamps must increase per stream: an older or equal
+stamp is dropped as ``out_of_order_stamp``. All drops go to the shared DropCounter.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    stamp_ns: int
+    value: Any
+    received_s: float
+    """time.perf_counter() when the callback got it (for callback -> send latency)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairedObservation:
+    image: Sample
+    wrench: Sample | None
+    joints: Sample | None
+
+
+class ApproxTimePairer:
+    """Pairs images with the nearest wrench/joint samples; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        slop_s: float,
+        require_wrench: bool,
+        require_joints: bool,
+        drops,
+        history: int = 64,
+    ) -> None:
+        if slop_s <= 0:
+            raise ValueError(f"slop_s must be positive, got {slop_s}")
+        if history <= 0:
+            raise ValueError(f"history must be positive, got {history}")
+        self._slop_ns = int(slop_s * 1e9)
+        self._require = {"wrench": require_wrench, "joints": require_joints}
+        self._drops = drops
+        self._aux: dict[str, deque[Sample]] = {
+            "wrench": deque(maxlen=history),
+            "joints": deque(maxlen=history),
+        }
+        self._last_stamp_ns: dict[str, int] = {}
+        self._pending: Sample | None = None
+        self._lock = threading.Lock()
+
+    def _accept_stamp(self, stream: str, stamp_ns: int) -> bool:
+        last = self._last_stamp_ns.get(stream)
+        if last is not None and stamp_ns <= last:
+            self._drops.add("out_of_order_stamp")
+            return False
+        self._last_stamp_ns[stream] = stamp_ns
+        return True
+
+    def _nearest(self, stream: str, stamp_ns: int) -> Sample | None:
+        best = None
+        for sample in self._aux[stream]:
+            gap = abs(sample.stamp_ns - stamp_ns)
+            if gap <= self._slop_ns and (best is None or gap < abs(best.stamp_ns - stamp_ns)):
+                best = sample
+        return best
+
+    def _try_pair(self, image: Sample) -> PairedObservation | None:
+        found = {name: self._nearest(name, image.stamp_ns) for name in self._aux}
+        if any(self._require[name] and found[name] is None for name in found):
+            return None
+        return PairedObservation(image=image, wrench=found["wrench"], joints=found["joints"])
+
+    def add_image(self, sample: Sample) -> PairedObservation | None:
+        """A paired observation if one is complete now, else None (image waits or dropped)."""
+        with self._lock:
+            if not self._accept_stamp("image", sample.stamp_ns):
+                return None
+            paired = self._try_pair(sample)
+            if paired is not None:
+                if self._pending is not None:
+                    self._drops.add("unpaired")
+                    self._pending = None
+                return paired
+            if self._pending is not None:
+                self._drops.add("unpaired")
+            self._pending = sample
+            return None
+
+    def add_aux(self, stream: str, sample: Sample) -> PairedObservation | None:
+        """Adds a wrench/joints sample; returns the waiting image if it is now complete."""
+        with self._lock:
+            if not self._accept_stamp(stream, sample.stamp_ns):
+                return None
+            self._aux[stream].append(sample)
+            if self._pending is None:
+                return None
+            paired = self._try_pair(self._pending)
+            if paired is not None:
+                self._pending = None
+                return paired
+            # The waiting image can no longer be matched once the partner is past the slop.
+            if sample.stamp_ns - self._pending.stamp_ns > self._slop_ns and self._require[stream]:
+                self._drops.add("unpaired")
+                self._pending = None
+            return None
+
+    def latest(self, stream: str) -> Sample | None:
+        with self._lock:
+            return self._aux[stream][-1] if self._aux[stream] else None

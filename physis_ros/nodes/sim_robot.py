@@ -1,0 +1,194 @@
+"""``sim_robot``: a simulated robot on ROS 2 topics, so the demo is a closed loop.
+
+Wraps ``physis_ros.sim.scene.PushScene`` (a planar 2-link arm pushing a box, top-down
+camera): publishes ``camera/image`` (rgb8 ``sensor_msgs/Image``), ``wrench``
+(``WrenchStamped``) and ``joint_states`` at their own rates, and executes the
+``joint_trajectory`` (``trajectory_msgs/JointTrajectory``) it receives. When no trajectory
+is fresh (none yet, or its last point ended ``trajectory_timeout_s`` ago) it falls back to
+the scene's scripted policy. Simulated time follows the wall clock; stamps are ROS time.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import rclpy
+from geometry_msgs.msg import WrenchStamped
+from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
+from rclpy.executors import ExternalShutdownException
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import Image, JointState
+from trajectory_msgs.msg import JointTrajectory
+
+from physis_ros.nodes.conversions import fill_image_msg
+from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
+
+
+def _rate(description: str) -> ParameterDescriptor:
+    return ParameterDescriptor(
+        description=description,
+        floating_point_range=[FloatingPointRange(from_value=0.1, to_value=1000.0)],
+    )
+
+
+class TrajectoryFollower:
+    """Joint targets from the last received trajectory, linearly interpolated in time."""
+
+    def __init__(self, joint_names: tuple[str, ...], timeout_s: float) -> None:
+        self._joint_names = joint_names
+        self._timeout_ns = int(timeout_s * 1e9)
+        self._times_ns: np.ndarray | None = None
+        self._points: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def set(self, start_ns: int, times_from_start_ns: list[int], points: np.ndarray) -> None:
+        with self._lock:
+            self._times_ns = start_ns + np.asarray(times_from_start_ns, dtype=np.int64)
+            self._points = points
+
+    def targets(self, now_ns: int) -> np.ndarray | None:
+        """Targets at ``now_ns``, or None when the trajectory is missing or has gone stale."""
+        with self._lock:
+            if self._times_ns is None or now_ns > self._times_ns[-1] + self._timeout_ns:
+                return None
+            times, points = self._times_ns, self._points
+        if now_ns <= times[0]:
+            return points[0]
+        return np.array([np.interp(now_ns, times, points[:, j]) for j in range(points.shape[1])])
+
+
+class SimRobot(Node):
+    def __init__(self) -> None:
+        super().__init__("sim_robot")
+        self.declare_parameter("camera_rate_hz", 30.0, _rate("camera images per second"))
+        self.declare_parameter(
+            "state_rate_hz", 100.0, _rate("physics steps, wrench and joint states per second")
+        )
+        self.declare_parameter(
+            "image_height",
+            64,
+            ParameterDescriptor(description="camera height in pixels", read_only=True),
+        )
+        self.declare_parameter(
+            "image_width",
+            64,
+            ParameterDescriptor(description="camera width in pixels", read_only=True),
+        )
+        self.declare_parameter(
+            "seed", 0, ParameterDescriptor(description="scene and policy seed", read_only=True)
+        )
+        self.declare_parameter(
+            "trajectory_timeout_s",
+            0.5,
+            _rate("use the scripted policy once the last trajectory ended this long ago"),
+        )
+        self.declare_parameter(
+            "camera_frame", "camera", ParameterDescriptor(description="frame_id of images")
+        )
+        self.declare_parameter(
+            "tool_frame", "tool", ParameterDescriptor(description="frame_id of the wrench")
+        )
+        p = {name: self.get_parameter(name).value for name in self._parameters}
+        self.scene = PushScene(
+            SceneConfig(
+                image_height=p["image_height"], image_width=p["image_width"], seed=p["seed"]
+            )
+        )
+        self.policy = ScriptedPolicy(p["seed"])
+        self.follower = TrajectoryFollower(self.scene.joint_names, p["trajectory_timeout_s"])
+        self._camera_frame, self._tool_frame = p["camera_frame"], p["tool_frame"]
+        self._state_period_s = 1.0 / p["state_rate_hz"]
+        self._t0_ns = self.get_clock().now().nanoseconds
+        self._lock = threading.Lock()
+        self.trajectories_received = 0
+        self.trajectories_rejected = 0
+        self.executing_trajectory = False
+
+        self.image_pub = self.create_publisher(Image, "camera/image", qos_profile_sensor_data)
+        self.wrench_pub = self.create_publisher(WrenchStamped, "wrench", qos_profile_sensor_data)
+        self.joints_pub = self.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
+        self.create_subscription(
+            JointTrajectory,
+            "joint_trajectory",
+            self._on_trajectory,
+            QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
+        )
+        self.create_timer(self._state_period_s, self._on_state_timer)
+        self.create_timer(1.0 / p["camera_rate_hz"], self._on_camera_timer)
+
+    def _on_trajectory(self, msg: JointTrajectory) -> None:
+        names = tuple(msg.joint_names)
+        columns = [names.index(n) for n in self.scene.joint_names if n in names]
+        if len(columns) != len(self.scene.joint_names) or not msg.points:
+            self.trajectories_rejected += 1
+            self.get_logger().warn(
+                f"trajectory for joints {names} with {len(msg.points)} points ignored; "
+                f"need {self.scene.joint_names}",
+                throttle_duration_sec=5.0,
+            )
+            return
+        points = np.array([[pt.positions[c] for c in columns] for pt in msg.points], np.float64)
+        if not np.all(np.isfinite(points)):
+            self.trajectories_rejected += 1
+            return
+        times = [
+            pt.time_from_start.sec * 1_000_000_000 + pt.time_from_start.nanosec for pt in msg.points
+        ]
+        start_ns = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
+        if start_ns == 0:  # JointTrajectory convention: zero stamp means "start now"
+            start_ns = self.get_clock().now().nanoseconds
+        self.follower.set(start_ns, times, points)
+        self.trajectories_received += 1
+
+    def _on_state_timer(self) -> None:
+        now = self.get_clock().now()
+        t_s = (now.nanoseconds - self._t0_ns) * 1e-9
+        with self._lock:
+            targets = self.follower.targets(now.nanoseconds)
+            self.executing_trajectory = targets is not None
+            if targets is None:
+                targets = self.policy.joint_targets(self.scene, t_s)
+            self.scene.step(self._state_period_s, np.asarray(targets, dtype=np.float64))
+            q, qd, wrench = (
+                self.scene.joint_positions(),
+                self.scene.joint_velocities(),
+                self.scene.wrench(),
+            )
+        stamp = now.to_msg()
+        joints = JointState()
+        joints.header.stamp = stamp
+        joints.name = list(self.scene.joint_names)
+        joints.position = q.tolist()
+        joints.velocity = qd.tolist()
+        self.joints_pub.publish(joints)
+        w = WrenchStamped()
+        w.header.stamp = stamp
+        w.header.frame_id = self._tool_frame
+        w.wrench.force.x, w.wrench.force.y, w.wrench.force.z = (float(v) for v in wrench[:3])
+        w.wrench.torque.x, w.wrench.torque.y, w.wrench.torque.z = (float(v) for v in wrench[3:])
+        self.wrench_pub.publish(w)
+
+    def _on_camera_timer(self) -> None:
+        stamp = self.get_clock().now().to_msg()
+        with self._lock:
+            rgb = self.scene.render()
+        msg = Image()
+        fill_image_msg(msg, rgb, stamp=stamp, frame_id=self._camera_frame)
+        self.image_pub.publish(msg)
+
+
+def main(args=None) -> int:
+    try:
+        with rclpy.init(args=args):
+            node = SimRobot()
+            rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

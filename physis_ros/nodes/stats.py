@@ -1,0 +1,96 @@
+"""Small thread-safe measurement helpers for the nodes: sliding-window percentiles, input
+rates, and drop counters with reasons. Plain Python and numpy; no ROS types here."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+
+import numpy as np
+
+
+class RollingWindow:
+    """The last ``size`` samples of one quantity (e.g. milliseconds) with median/p99/std."""
+
+    def __init__(self, size: int = 200) -> None:
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {size}")
+        self._samples: deque[float] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        with self._lock:
+            self._samples.append(float(value))
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def summary(self) -> dict[str, float]:
+        """median, p99, std and n; zeros when nothing was measured yet."""
+        with self._lock:
+            values = np.asarray(self._samples, dtype=np.float64)
+        if values.size == 0:
+            return {"median": 0.0, "p99": 0.0, "std": 0.0, "n": 0}
+        return {
+            "median": float(np.median(values)),
+            "p99": float(np.percentile(values, 99)),
+            "std": float(values.std()),
+            "n": int(values.size),
+        }
+
+
+class RateMeter:
+    """Events per second over the last ``window_s`` seconds (monotonic clock)."""
+
+    def __init__(self, window_s: float = 2.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self._window_s = window_s
+        self._times: deque[float] = deque()
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def tick(self, now_s: float | None = None) -> None:
+        now_s = time.monotonic() if now_s is None else now_s
+        with self._lock:
+            self._times.append(now_s)
+            self.total += 1
+            self._trim(now_s)
+
+    def _trim(self, now_s: float) -> None:
+        while self._times and self._times[0] < now_s - self._window_s:
+            self._times.popleft()
+
+    def rate_hz(self, now_s: float | None = None) -> float:
+        now_s = time.monotonic() if now_s is None else now_s
+        with self._lock:
+            self._trim(now_s)
+            count = len(self._times)
+        return count / self._window_s
+
+    def age_s(self, now_s: float | None = None) -> float | None:
+        """Seconds since the last event, None if there was none."""
+        now_s = time.monotonic() if now_s is None else now_s
+        with self._lock:
+            return None if not self._times else now_s - self._times[-1]
+
+
+class DropCounter:
+    """Counts dropped inputs by reason, so every drop is reported rather than silent."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, reason: str, count: int = 1) -> None:
+        with self._lock:
+            self._counts[reason] += count
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(sorted(self._counts.items()))
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
