@@ -1,0 +1,288 @@
+"""Replay recorded episodes through an engine and score what it predicted against what followed.
+
+What belongs here: cutting an episode into evaluation windows (``context_chunks`` observed
+chunks, then ``horizon_chunks`` predicted ones), feeding them to any ``StreamEngine`` (the
+in-process engine, or a client of the server) as fast as possible or at the recorded timing,
+collecting the outputs with their timing, and the per-horizon-step metrics against the
+copy-last-frame / hold baselines measured on the same windows. Reports and plots live in
+``report.py``; the command line in ``cli.py``. No torch, no rclpy: the engine is a protocol.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from physis_ros.engine.api import StreamEngine, StreamSpec
+from physis_ros.eval.bag import BagReadError, Episode, TopicChoice, read_episode
+from physis_ros.eval.metrics import mse, psnr, ssim
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """How episodes are cut into windows and replayed."""
+
+    context_chunks: int = 2
+    """Observed chunks fed as context before predicting."""
+    horizon_chunks: int = 4
+    """Chunks predicted after the context; horizon steps are their frames/actions."""
+    window_stride_chunks: int = 4
+    """Chunks between the starts of consecutive windows in an episode."""
+    max_windows_per_bag: int = 0
+    """0: every window that fits."""
+    frame_hz: float = 10.0
+    """Camera rate the model was trained at; faster bags are subsampled to it."""
+    realtime: bool = False
+    """Submit each context chunk at its recorded time (relative to the window start)."""
+    seed: int = 0
+    """Stream seed of window i is seed + i (initial noise)."""
+    poll_timeout_s: float = 60.0
+    """Longest wait for a window's predictions before it is counted as timed out."""
+
+    def __post_init__(self) -> None:
+        if self.context_chunks < 1:
+            raise ValueError(f"context_chunks must be >= 1, got {self.context_chunks}")
+        if self.horizon_chunks < 1:
+            raise ValueError(f"horizon_chunks must be >= 1, got {self.horizon_chunks}")
+        if self.window_stride_chunks < 1:
+            raise ValueError(f"window_stride_chunks must be >= 1, got {self.window_stride_chunks}")
+        if self.max_windows_per_bag < 0:
+            raise ValueError(f"max_windows_per_bag must be >= 0, got {self.max_windows_per_bag}")
+        if not self.frame_hz > 0:
+            raise ValueError(f"frame_hz must be > 0, got {self.frame_hz}")
+        if not self.poll_timeout_s > 0:
+            raise ValueError(f"poll_timeout_s must be > 0, got {self.poll_timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """What the evaluator needs to know about the served model."""
+
+    name: str
+    frames_per_chunk: int
+    image_height: int
+    image_width: int
+    action_horizon: int
+    action_dim: int
+    action_mode: str
+    """``none``, ``condition`` (fed the recorded commands) or ``predict`` (scored on them)."""
+
+
+@dataclass
+class WindowResult:
+    """Per-window metrics, indexed by horizon step (1-based in reports)."""
+
+    bag: str
+    start_frame: int
+    psnr: list[float]
+    ssim: list[float]
+    baseline_psnr: list[float]
+    baseline_ssim: list[float]
+    action_mse: list[float] | None
+    baseline_action_mse: list[float] | None
+    response_latency_ms: float
+    """Last context submitted -> first predicted chunk decoded."""
+    output_times_s: list[float]
+    """time.monotonic() at which each predicted chunk was decoded."""
+    chunk_latency_ms: list[float]
+    """Per predicted chunk: entered the pipeline -> decoded."""
+    observed: np.ndarray | None = None
+    """[F_ctx + F_pred, H, W, 3] recorded frames (dropped once the strip plot has them)."""
+    predicted: np.ndarray | None = None
+    """[F_pred, H, W, 3] predicted frames (dropped likewise)."""
+
+
+@dataclass
+class EvalResult:
+    """Everything a report needs."""
+
+    model: ModelInfo
+    config: EvalConfig
+    windows: list[WindowResult] = field(default_factory=list)
+    bags: list[dict] = field(default_factory=list)
+    """Per bag: path, storage, frames, windows, skipped messages with reasons, notes."""
+    skipped_bags: list[dict] = field(default_factory=list)
+    """Bags not evaluated at all: path and reason."""
+    skipped_windows: Counter = field(default_factory=Counter)
+    """reason -> windows not scored."""
+    strips: list[dict] = field(default_factory=list)
+    """A few windows' observed and predicted frames for the strip plot."""
+    wall_s: float = 0.0
+
+
+def _check_windows_shape(ep: Episode, model: ModelInfo) -> None:
+    h, w = ep.frames.shape[1:3]
+    if (h, w) != (model.image_height, model.image_width):
+        raise BagReadError(
+            f"{ep.path}: frames are {h}x{w}, "
+            f"the model needs {model.image_height}x{model.image_width}"
+        )
+
+
+def window_starts(n_frames: int, model: ModelInfo, cfg: EvalConfig) -> list[int]:
+    """First frame of each evaluation window that fits in ``n_frames``."""
+    f = model.frames_per_chunk
+    span = (cfg.context_chunks + cfg.horizon_chunks) * f
+    starts = list(range(0, n_frames - span + 1, cfg.window_stride_chunks * f))
+    return starts[: cfg.max_windows_per_bag] if cfg.max_windows_per_bag else starts
+
+
+def evaluate(
+    engine: StreamEngine,
+    model: ModelInfo,
+    bag_paths: list[str | Path],
+    cfg: EvalConfig,
+    *,
+    topics: TopicChoice | None = None,
+    progress: bool = True,
+    strip_windows: int = 3,
+) -> EvalResult:
+    """Evaluate every window of every bag; bags that cannot be read are skipped with the reason."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    result = EvalResult(model=model, config=cfg)
+    episodes: list[Episode] = []
+    for path in bag_paths:
+        try:
+            ep = read_episode(
+                path,
+                topics=topics or TopicChoice(),
+                image_size=(model.image_height, model.image_width),
+                require_commands=model.action_mode == "condition",
+            )
+            _check_windows_shape(ep, model)
+        except BagReadError as err:
+            result.skipped_bags.append({"path": str(path), "reason": str(err)})
+            continue
+        stride = max(1, round(ep.frame_hz / cfg.frame_hz)) if ep.frame_hz > 0 else 1
+        ep = ep.subsample(stride)
+        if ep.frame_hz and abs(ep.frame_hz - cfg.frame_hz) > 0.1 * cfg.frame_hz:
+            ep.notes.append(
+                f"camera at {ep.frame_hz:.2f} Hz, model trained at {cfg.frame_hz:.2f} Hz"
+            )
+        episodes.append(ep)
+    plan = [(ep, s) for ep in episodes for s in window_starts(len(ep.frames), model, cfg)]
+    per_bag_windows: Counter = Counter()
+    window_index = 0
+    for ep, start in tqdm(plan, desc="windows", unit="win", disable=not progress):
+        try:
+            win = _run_window(engine, model, cfg, ep, start, seed=cfg.seed + window_index)
+        except TimeoutError as err:
+            result.skipped_windows[f"timeout: {err}"] += 1
+            continue
+        finally:
+            window_index += 1
+        result.windows.append(win)
+        per_bag_windows[ep.path] += 1
+        if len(result.strips) < strip_windows and win.predicted is not None:
+            result.strips.append(
+                {
+                    "bag": ep.path,
+                    "start_frame": start,
+                    "observed": win.observed,
+                    "predicted": win.predicted,
+                }
+            )
+        win.observed = win.predicted = None  # keep memory flat over long runs
+    for ep in episodes:
+        n_windows = per_bag_windows[ep.path]
+        if n_windows == 0 and not window_starts(len(ep.frames), model, cfg):
+            need = (cfg.context_chunks + cfg.horizon_chunks) * model.frames_per_chunk
+            ep.notes.append(f"too short: {len(ep.frames)} frames, a window needs {need}")
+        result.bags.append(
+            {
+                "path": ep.path,
+                "storage": ep.storage,
+                "image_topic": ep.image_topic,
+                "command_topic": ep.command_topic,
+                "frames": len(ep.frames),
+                "frame_hz": round(ep.frame_hz, 3),
+                "source_size": list(ep.source_size),
+                "windows": n_windows,
+                "skipped_messages": {f"{t}: {r}": n for (t, r), n in sorted(ep.skipped.items())},
+                "notes": ep.notes,
+            }
+        )
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _run_window(
+    engine: StreamEngine, model: ModelInfo, cfg: EvalConfig, ep: Episode, start: int, *, seed: int
+) -> WindowResult:
+    f, h_act = model.frames_per_chunk, model.action_horizon
+    n_ctx, n_hor = cfg.context_chunks, cfg.horizon_chunks
+    has_actions = model.action_mode != "none" and ep.has_commands
+
+    def chunk_actions(c: int) -> np.ndarray | None:
+        if model.action_mode == "none" or not ep.has_commands:
+            return None
+        return ep.actions_for_chunk(start + c * f, f, h_act).astype(np.float32)
+
+    promise = engine.open_stream(StreamSpec(seed=seed))
+    sid = promise.stream_id
+    outputs = []
+    try:
+        t_window = time.monotonic()
+        stamp0 = int(ep.frame_stamps_ns[start])
+        for c in range(n_ctx):
+            first = start + c * f
+            if cfg.realtime:
+                # the chunk is observed once its last frame was captured
+                due_s = (int(ep.frame_stamps_ns[first + f - 1]) - stamp0) / 1e9
+                time.sleep(max(0.0, t_window + due_s - time.monotonic()))
+            ctx_actions = chunk_actions(c) if model.action_mode == "condition" else None
+            engine.submit_context(sid, ep.frames[first : first + f], ctx_actions)
+        t_submit = time.monotonic()
+        for c in range(n_ctx, n_ctx + n_hor):
+            engine.submit_generate(
+                sid, chunk_actions(c) if model.action_mode == "condition" else None
+            )
+        deadline = t_submit + cfg.poll_timeout_s
+        while len(outputs) < n_hor:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{len(outputs)}/{n_hor} chunks after {cfg.poll_timeout_s:.0f} s"
+                )
+            outputs.extend(o for o in engine.poll(min(remaining, 1.0)) if o.stream_id == sid)
+    finally:
+        engine.close_stream(sid)
+    outputs.sort(key=lambda o: o.chunk)
+    first_pred = start + n_ctx * f
+    observed = ep.frames[first_pred : first_pred + n_hor * f]
+    last_seen = ep.frames[first_pred - 1]
+    predicted = None
+    if outputs[0].frames is not None:
+        predicted = np.concatenate([o.frames[:f] for o in outputs])
+    res = WindowResult(
+        bag=ep.path,
+        start_frame=start,
+        psnr=[],
+        ssim=[],
+        baseline_psnr=[psnr(last_seen, obs) for obs in observed],
+        baseline_ssim=[ssim(last_seen, obs) for obs in observed],
+        action_mse=None,
+        baseline_action_mse=None,
+        response_latency_ms=(outputs[0].decoded_s - t_submit) * 1e3,
+        output_times_s=[o.decoded_s for o in outputs],
+        chunk_latency_ms=[(o.decoded_s - o.entered_s) * 1e3 for o in outputs],
+    )
+    if predicted is not None:
+        res.psnr = [psnr(p, o) for p, o in zip(predicted, observed, strict=True)]
+        res.ssim = [ssim(p, o) for p, o in zip(predicted, observed, strict=True)]
+    if has_actions:
+        recorded = np.concatenate([chunk_actions(c) for c in range(n_ctx, n_ctx + n_hor)])
+        held = chunk_actions(n_ctx - 1)[-1]
+        res.baseline_action_mse = [mse(held, a) for a in recorded]
+        if model.action_mode == "predict" and outputs[0].actions is not None:
+            pred_actions = np.concatenate([o.actions for o in outputs])
+            res.action_mse = [mse(p, a) for p, a in zip(pred_actions, recorded, strict=True)]
+    res.observed = ep.frames[start : first_pred + n_hor * f]
+    res.predicted = predicted
+    return res

@@ -1,0 +1,244 @@
+"""Turning an ``EvalResult`` into report.json, report.md and PNG plots.
+
+What belongs here: aggregation over windows per horizon step (model vs baseline, in the
+same run), latency and interval statistics, and the files a user reads. Keys of
+report.json's ``horizon`` entries: ``step`` (1-based), ``chunk``, ``time_ahead_s``, ``psnr``,
+``ssim``, ``baseline_psnr``, ``baseline_ssim``, ``psnr_gain_db``, ``action_mse``,
+``baseline_action_mse``, ``windows``. A metric that was not measured is null, and the
+report says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from physis_ros.eval.evaluate import EvalResult
+from physis_ros.eval.metrics import summarize
+from physis_ros.eval.plots import histogram, image_strips, line_chart
+
+
+def _mean_at(rows: list[list[float] | None], j: int) -> float | None:
+    vals = [r[j] for r in rows if r is not None and j < len(r)]
+    return float(np.mean(vals)) if vals else None
+
+
+def build_report(result: EvalResult) -> dict:
+    """The report.json content."""
+    m, cfg = result.model, result.config
+    wins = result.windows
+    n_frames = m.frames_per_chunk * cfg.horizon_chunks
+    n_actions = m.action_horizon * cfg.horizon_chunks if m.action_mode != "none" else 0
+    horizon = []
+    for j in range(max(n_frames, n_actions)):
+        entry = {
+            "step": j + 1,
+            "chunk": j // m.frames_per_chunk + 1 if j < n_frames else None,
+            "time_ahead_s": round((j + 1) / cfg.frame_hz, 6) if j < n_frames else None,
+            "psnr": _mean_at([w.psnr or None for w in wins], j),
+            "ssim": _mean_at([w.ssim or None for w in wins], j),
+            "baseline_psnr": _mean_at([w.baseline_psnr for w in wins], j),
+            "baseline_ssim": _mean_at([w.baseline_ssim for w in wins], j),
+            "action_mse": _mean_at([w.action_mse for w in wins], j),
+            "baseline_action_mse": _mean_at([w.baseline_action_mse for w in wins], j),
+            "windows": len(wins),
+        }
+        if entry["psnr"] is not None and entry["baseline_psnr"] is not None:
+            entry["psnr_gain_db"] = entry["psnr"] - entry["baseline_psnr"]
+        else:
+            entry["psnr_gain_db"] = None
+        horizon.append(entry)
+    by_chunk = []
+    for c in range(cfg.horizon_chunks):
+        rows = [e for e in horizon if e["chunk"] == c + 1]
+        mean = lambda key, rows=rows: (  # noqa: E731
+            float(np.mean([e[key] for e in rows]))
+            if rows and all(e[key] is not None for e in rows)
+            else None
+        )
+        entry = {"chunk": c + 1, "psnr": mean("psnr"), "baseline_psnr": mean("baseline_psnr")}
+        entry["ssim"], entry["baseline_ssim"] = mean("ssim"), mean("baseline_ssim")
+        entry["psnr_gain_db"] = (
+            entry["psnr"] - entry["baseline_psnr"] if entry["psnr"] is not None else None
+        )
+        by_chunk.append(entry)
+    intervals = [
+        (b - a) * 1e3
+        for w in wins
+        for a, b in zip(w.output_times_s, w.output_times_s[1:], strict=False)
+    ]
+    not_measured = {}
+    if m.action_mode == "condition":
+        not_measured["action_mse"] = (
+            "the model is conditioned on the recorded commands and predicts no actions"
+        )
+    elif m.action_mode == "none":
+        not_measured["action_mse"] = "the model has no actions"
+        not_measured["baseline_action_mse"] = "the model has no actions"
+    if wins and not wins[0].psnr:
+        not_measured["psnr"] = not_measured["ssim"] = "the model predicts no frames"
+    return {
+        "model": dataclasses.asdict(m),
+        "config": dataclasses.asdict(cfg),
+        "windows": len(wins),
+        "horizon": horizon,
+        "by_chunk": by_chunk,
+        "latency": {
+            "response_latency_ms": summarize([w.response_latency_ms for w in wins]),
+            "chunk_latency_ms": summarize([x for w in wins for x in w.chunk_latency_ms]),
+            "interval_ms": summarize(intervals),
+        },
+        "not_measured": not_measured,
+        "bags": result.bags,
+        "skipped_bags": result.skipped_bags,
+        "skipped_windows": dict(result.skipped_windows),
+        "wall_s": result.wall_s,
+    }
+
+
+def _f(v, digits: int = 2) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def render_markdown(report: dict) -> str:
+    m, cfg = report["model"], report["config"]
+    lines = [
+        f"# Evaluation: {m['name']}",
+        "",
+        f"{report['windows']} windows from {len(report['bags'])} bags "
+        f"({len(report['skipped_bags'])} bags skipped); each window: {cfg['context_chunks']} "
+        f"context chunks, then {cfg['horizon_chunks']} predicted chunks of {m['frames_per_chunk']} "
+        f"frames at {cfg['frame_hz']} Hz; replay "
+        f"{'at recorded timing' if cfg['realtime'] else 'as fast as possible'}. "
+        "Baselines (copy-last-frame, hold-last-command) are scored on the same windows.",
+        "",
+        "## Per predicted chunk",
+        "",
+        "| chunk | PSNR dB | copy-last PSNR dB | gain dB | SSIM | copy-last SSIM |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in report["by_chunk"]:
+        lines.append(
+            f"| {e['chunk']} | {_f(e['psnr'])} | {_f(e['baseline_psnr'])} "
+            f"| {_f(e['psnr_gain_db'])} | {_f(e['ssim'], 3)} | {_f(e['baseline_ssim'], 3)} |"
+        )
+    lines += [
+        "",
+        "## Per horizon step",
+        "",
+        "| step | chunk | ahead s | PSNR | copy-last PSNR | SSIM | copy-last SSIM "
+        "| action MSE | hold MSE |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in report["horizon"]:
+        lines.append(
+            f"| {e['step']} | {e['chunk'] or '–'} | {_f(e['time_ahead_s'])} | {_f(e['psnr'])} | "
+            f"{_f(e['baseline_psnr'])} | {_f(e['ssim'], 3)} | {_f(e['baseline_ssim'], 3)} | "
+            f"{_f(e['action_mse'], 4)} | {_f(e['baseline_action_mse'], 4)} |"
+        )
+    lat = report["latency"]
+    lines += [
+        "",
+        "## Latency and interval",
+        "",
+        "| quantity | median ms | p99 ms | count |",
+        "|---|---|---|---|",
+    ]
+    for key in ("response_latency_ms", "chunk_latency_ms", "interval_ms"):
+        s = lat[key]
+        lines.append(f"| {key} | {_f(s['median'])} | {_f(s['p99'])} | {s['count']} |")
+    if report["not_measured"]:
+        lines += ["", "## Not measured", ""]
+        lines += [f"- `{k}`: {v}" for k, v in report["not_measured"].items()]
+    lines += ["", "## Bags", ""]
+    for b in report["bags"]:
+        lines.append(
+            f"- `{b['path']}` ({b['storage']}, {b['image_topic']}, {b['frames']} frames at "
+            f"{b['frame_hz']} Hz): {b['windows']} windows"
+        )
+        for reason, n in b["skipped_messages"].items():
+            lines.append(f"  - skipped {n} message(s): {reason}")
+        for note in b["notes"]:
+            lines.append(f"  - note: {note}")
+    if report["skipped_bags"]:
+        lines += ["", "## Skipped bags", ""]
+        lines += [f"- `{b['path']}`: {b['reason']}" for b in report["skipped_bags"]]
+    if report["skipped_windows"]:
+        lines += ["", "## Skipped windows", ""]
+        lines += [f"- {n} window(s): {r}" for r, n in report["skipped_windows"].items()]
+    lines += [
+        "",
+        "Plots: strips.png, error_vs_horizon.png, latency_hist.png, interval_timeline.png",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_report(result: EvalResult, out_dir: Path | str) -> dict:
+    """Write report.json, report.md and the plots into ``out_dir``; returns the report."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = build_report(result)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(render_markdown(report))
+    steps = [e["step"] for e in report["horizon"]]
+    series = {
+        "model PSNR": (steps, [e["psnr"] for e in report["horizon"]]),
+        "copy-last-frame PSNR": (steps, [e["baseline_psnr"] for e in report["horizon"]]),
+    }
+    line_chart(
+        out / "error_vs_horizon.png",
+        series,
+        title="PSNR vs horizon",
+        xlabel="horizon step (frames ahead)",
+        ylabel="PSNR dB",
+    )
+    if any(e["baseline_action_mse"] is not None for e in report["horizon"]):
+        line_chart(
+            out / "action_error_vs_horizon.png",
+            {
+                "model action MSE": (steps, [e["action_mse"] for e in report["horizon"]]),
+                "hold MSE": (steps, [e["baseline_action_mse"] for e in report["horizon"]]),
+            },
+            title="Action MSE vs horizon",
+            xlabel="horizon step (actions ahead)",
+            ylabel="MSE rad^2",
+        )
+    wins = result.windows
+    histogram(
+        out / "latency_hist.png",
+        {
+            "chunk latency": [x for w in wins for x in w.chunk_latency_ms],
+            "response latency": [w.response_latency_ms for w in wins],
+        },
+        title="Latency",
+        xlabel="ms",
+    )
+    times = sorted(t for w in wins for t in w.output_times_s)
+    per_window = [
+        ((a - times[0]), (b - a) * 1e3)
+        for w in wins
+        for a, b in zip(w.output_times_s, w.output_times_s[1:], strict=False)
+    ]
+    per_window.sort()
+    line_chart(
+        out / "interval_timeline.png",
+        {"interval between chunks": ([t for t, _ in per_window], [v for _, v in per_window])},
+        title="Interval between consecutive chunks of a window",
+        xlabel="time since first output (s)",
+        ylabel="interval ms",
+        markers=True,
+    )
+    if result.strips:
+        rows = []
+        for s in result.strips:
+            n_ctx = len(s["observed"]) - (0 if s["predicted"] is None else len(s["predicted"]))
+            name = Path(s["bag"]).name
+            rows.append((f"{name}@{s['start_frame']} obs", list(s["observed"])))
+            pred = [None] * n_ctx + (list(s["predicted"]) if s["predicted"] is not None else [])
+            rows.append(("predicted", pred))
+        image_strips(out / "strips.png", rows, title="observed (context + future) vs predicted")
+    return report
