@@ -1,0 +1,456 @@
+"""The block-causal Wan-style diffusion transformer: weights, block math, full-sequence forward.
+
+What belongs here: the module tree (upstream Wan2.1 key names), the pure functions that embed a
+chunk, run one block and apply the head, and ``forward_sequence`` (the differentiable
+full-sequence block-causal forward used by the oracle and for training). How stages, KV rings
+and batching use these functions lives in ``stage.py``; the chunk layout in ``sampler.py``.
+
+Shapes: B batch (tasks or sequences), S segments per row (chunks), n tokens per chunk,
+D dim, H heads, d head dim, Lt conditioning tokens, P = C*pt*ph*pw values per video token.
+A chunk's state ``x`` is flat: video tokens [Nv, P] (feature order (c, pt, ph, pw), the
+Conv3d weight flattening) ++ action values [H_a, A] (``sampler.pack_chunk``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from physis_ros.engine.config import ModelConfig
+
+ROPE_THETA = 10000.0
+TIME_SCALE = 1000.0
+"""Wan2.1 is fed t = 1000 * sigma."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """q, k, v, o projections with RMSNorm on q and k over the full width (Wan2.1)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = RMSNorm(dim, eps)
+        self.norm_k = RMSNorm(dim, eps)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.dim
+        self.self_attn = Attention(d, cfg.eps)
+        self.norm3 = nn.LayerNorm(d, eps=cfg.eps, elementwise_affine=True)
+        self.cross_attn = Attention(d, cfg.eps)
+        self.ffn = nn.Sequential(
+            nn.Linear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, d)
+        )
+        self.modulation = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head = nn.Linear(cfg.dim, cfg.patch_dim)
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+
+def _seeded(seed: int, part: int, make: Callable[[], nn.Module]) -> nn.Module:
+    # Each part is initialised from its own seed on the CPU, so a worker that builds only
+    # blocks 10..19 gets exactly the weights the full model has there, on any device.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((seed * 1_000_003 + part + 7) % (2**63))
+        return make()
+
+
+class WanDiT(nn.Module):
+    """Wan2.1-style DiT. ``block_ids`` limits which blocks exist (the rest are None)."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, seed: int = 0, block_ids: set[int] | None = None
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, p = cfg.dim, cfg.patch_dim
+        stem = _seeded(seed, -1, lambda: _Stem(cfg))
+        # The stem's children become top-level modules so that the keys are upstream's.
+        self.patch_embedding = stem.patch_embedding
+        self.text_embedding = stem.text_embedding
+        self.time_embedding = stem.time_embedding
+        self.time_projection = stem.time_projection
+        self.head = stem.head
+        if cfg.action_mode == "predict":
+            self.action_embedding = stem.action_embedding
+            self.action_head = stem.action_head
+        elif cfg.action_mode == "condition":
+            self.action_cond = stem.action_cond
+        ids = set(range(cfg.num_blocks)) if block_ids is None else set(block_ids)
+        self.blocks = nn.ModuleList(
+            [
+                _seeded(seed, i, lambda: Block(cfg)) if i in ids else nn.Identity()
+                for i in range(cfg.num_blocks)
+            ]
+        )
+        self.block_ids = frozenset(ids)
+        # head output is laid out (pt, ph, pw, c) upstream; our tokens are (c, pt, ph, pw).
+        pt, ph, pw = cfg.patch
+        perm = torch.arange(p).view(pt, ph, pw, cfg.in_channels).permute(3, 0, 1, 2).flatten()
+        self.register_buffer("head_perm", perm, persistent=False)
+        # float64 and kept out of the buffers so that .to(bf16) cannot round it.
+        self._rope_inv = {torch.device("cpu"): rope_inv_freqs(cfg.head_dim)}
+        del d
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.head.weight.dtype
+
+    def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        """[d/2] float64 RoPE inverse frequencies on ``device`` (cached)."""
+        if device not in self._rope_inv:
+            self._rope_inv[device] = self._rope_inv[torch.device("cpu")].to(device)
+        return self._rope_inv[device]
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save_safetensors(self, path: str | Path) -> None:
+        """Write weights with upstream key names (patch_embedding as Conv3d [D, C, pt, ph, pw])."""
+        from safetensors.torch import save_file
+
+        save_file(to_upstream_state_dict(self), str(path))
+
+    def load_safetensors(self, path: str | Path, *, strict: bool = True) -> None:
+        """Load upstream-named weights (blocks this model does not hold are skipped)."""
+        from safetensors.torch import load_file
+
+        load_upstream_state_dict(self, load_file(str(path), device="cpu"), strict=strict)
+
+
+class _Stem(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.dim
+        self.patch_embedding = nn.Linear(cfg.patch_dim, d)
+        self.text_embedding = nn.Sequential(
+            nn.Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"), nn.Linear(d, d)
+        )
+        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, d), nn.SiLU(), nn.Linear(d, d))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
+        self.head = Head(cfg)
+        a = cfg.action_dim
+        if cfg.action_mode == "predict":
+            self.action_embedding = nn.Linear(a, d)
+            self.action_head = nn.Linear(d, a)
+        elif cfg.action_mode == "condition":
+            self.action_cond = nn.Sequential(
+                nn.Linear(cfg.action_horizon * a, d), nn.SiLU(), nn.Linear(d, d)
+            )
+
+
+def to_upstream_state_dict(model: WanDiT) -> dict[str, torch.Tensor]:
+    cfg = model.cfg
+    out = {}
+    for key, param in model.state_dict().items():
+        val = param.detach().contiguous().cpu()
+        if key == "patch_embedding.weight":
+            val = val.view(cfg.dim, cfg.in_channels, *cfg.patch).contiguous()
+        out[key] = val
+    return out
+
+
+def load_upstream_state_dict(
+    model: WanDiT, state: dict[str, torch.Tensor], *, strict: bool = True
+) -> None:
+    cfg = model.cfg
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    if strict and missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} keys, e.g. {missing[:5]}")
+    extra = [k for k in state if k not in own and not _is_absent_block(model, k)]
+    if strict and extra:
+        raise ValueError(f"checkpoint has {len(extra)} unknown keys, e.g. {extra[:5]}")
+    fixed = {}
+    for key, tensor in state.items():
+        if key not in own:
+            continue
+        val = tensor
+        if key == "patch_embedding.weight":
+            if tuple(val.shape) != (cfg.dim, cfg.in_channels, *cfg.patch):
+                raise ValueError(f"patch_embedding.weight has shape {tuple(val.shape)}")
+            val = val.reshape(cfg.dim, cfg.patch_dim)
+        if tuple(val.shape) != tuple(own[key].shape):
+            raise ValueError(
+                f"{key}: checkpoint shape {tuple(val.shape)} != model {tuple(own[key].shape)}"
+            )
+        fixed[key] = val
+    model.load_state_dict(fixed, strict=False)
+
+
+def _is_absent_block(model: WanDiT, key: str) -> bool:
+    parts = key.split(".")
+    return parts[0] == "blocks" and int(parts[1]) not in model.block_ids
+
+
+# ---- pure functions: embedding, RoPE, one block, head ----------------------------------------
+def sinusoidal(freq_dim: int, t: torch.Tensor) -> torch.Tensor:
+    """[...] timesteps -> [..., freq_dim] (cos ++ sin), computed in float64 as upstream."""
+    half = freq_dim // 2
+    pos = t.to(torch.float64)
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=t.device) / half)
+    arg = pos.unsqueeze(-1) * freqs
+    return torch.cat([torch.cos(arg), torch.sin(arg)], dim=-1)
+
+
+def time_embed(
+    model: WanDiT, sigma: torch.Tensor, x: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sigma [...] (and x [..., X] for action conditioning) -> e [..., D], e0 [..., 6, D]."""
+    cfg = model.cfg
+    dt = model.dtype
+    e = model.time_embedding(sinusoidal(cfg.freq_dim, sigma * TIME_SCALE).to(dt))
+    if cfg.action_mode == "condition":
+        assert x is not None
+        e = e + model.action_cond(x[..., cfg.video_tokens * cfg.patch_dim :].to(dt))
+    e0 = model.time_projection(e).unflatten(-1, (6, cfg.dim))
+    return e, e0
+
+
+def embed_tokens(model: WanDiT, x: torch.Tensor) -> torch.Tensor:
+    """x [..., X] -> h [..., n, D] (video tokens, then action tokens in predict mode)."""
+    cfg = model.cfg
+    nv, p = cfg.video_tokens, cfg.patch_dim
+    x = x.to(model.dtype)
+    h = model.patch_embedding(x[..., : nv * p].unflatten(-1, (nv, p)))
+    if cfg.action_mode == "predict":
+        act = x[..., nv * p :].unflatten(-1, (cfg.action_horizon, cfg.action_dim))
+        h = torch.cat([h, model.action_embedding(act)], dim=-2)
+    return h
+
+
+def head_velocity(model: WanDiT, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """h [..., n, D], e [..., D] -> v [..., X] float32 (zero on conditioning action values)."""
+    cfg = model.cfg
+    nv = cfg.video_tokens
+    shift, scale = (model.head.modulation + e.unsqueeze(-2)).unsqueeze(-2).unbind(-3)
+    y = F.layer_norm(h, (cfg.dim,), eps=cfg.eps) * (1 + scale) + shift
+    v = model.head.head(y[..., :nv, :])[..., model.head_perm].flatten(-2).float()
+    if cfg.action_mode == "predict":
+        v = torch.cat([v, model.action_head(y[..., nv:, :]).flatten(-2).float()], dim=-1)
+    elif cfg.action_mode == "condition":
+        v = torch.cat([v, v.new_zeros(*v.shape[:-1], cfg.action_horizon * cfg.action_dim)], -1)
+    return v
+
+
+def rope_inv_freqs(head_dim: int) -> torch.Tensor:
+    """[d/2] float64 inverse frequencies: temporal part, then h, then w (Wan's 3-D split)."""
+    part = head_dim // 6
+    dims = (head_dim - 4 * part, 2 * part, 2 * part)
+    return torch.cat(
+        [1.0 / ROPE_THETA ** (torch.arange(0, p, 2, dtype=torch.float64) / p) for p in dims]
+    )
+
+
+def token_positions(cfg: ModelConfig, chunk: torch.Tensor) -> torch.Tensor:
+    """chunk [...] int -> [..., n, 3] float64 (t, h, w) RoPE positions of a chunk's tokens.
+
+    Video token (t, i, j): t = chunk * T_grid + t (absolute frame index in the stream).
+    Action token j: (chunk's first frame, grid_h, j), which no video token has.
+    """
+    gt, gh, gw = cfg.grid
+    tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
+    base = torch.stack([tt, hh, ww], -1).reshape(-1, 3).to(torch.float64)
+    if cfg.action_tokens:
+        j = torch.arange(cfg.action_tokens, dtype=torch.float64)
+        act = torch.stack([torch.zeros_like(j), torch.full_like(j, gh), j], -1)
+        base = torch.cat([base, act])
+    base = base.to(chunk.device)
+    off = torch.zeros(*chunk.shape, 1, 3, dtype=torch.float64, device=chunk.device)
+    off[..., 0, 0] = chunk.to(torch.float64) * gt
+    return base + off
+
+
+def rope_cos_sin(model: WanDiT, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk [...] -> cos, sin [..., n, d/2] in the model dtype (angles in float64)."""
+    cfg = model.cfg
+    pos = token_positions(cfg, chunk)
+    part = cfg.head_dim // 6
+    half_t = (cfg.head_dim - 4 * part) // 2
+    sel = torch.cat(
+        [
+            torch.zeros(half_t, dtype=torch.long),
+            torch.ones(part, dtype=torch.long),
+            torch.full((part,), 2, dtype=torch.long),
+        ]
+    ).to(pos.device)
+    ang = pos[..., sel] * model.rope_inv_freq(pos.device)
+    return torch.cos(ang).to(model.dtype), torch.sin(ang).to(model.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., n, H, d] rotated in adjacent pairs (Wan's view_as_complex); cos/sin [..., n, d/2]."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+
+
+def cross_kv(model: WanDiT, block: int, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """context [..., Lt, D] (embedded conditioning) -> k, v [..., H, Lt, d] for ``block``."""
+    cfg = model.cfg
+    ca = model.blocks[block].cross_attn
+    k = ca.norm_k(ca.k(context)).unflatten(-1, (cfg.num_heads, cfg.head_dim)).transpose(-2, -3)
+    v = ca.v(context).unflatten(-1, (cfg.num_heads, cfg.head_dim)).transpose(-2, -3)
+    return k, v
+
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def block_forward(  # noqa: PLR0917 - the hot path takes its tensors positionally
+    model: WanDiT,
+    block: int,
+    h: torch.Tensor,
+    e0: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ck: torch.Tensor,
+    cv: torch.Tensor,
+    attend: AttendFn,
+) -> torch.Tensor:
+    """One Wan block. h [B, S, n, D]; e0 [B, S, 6, D]; cos/sin [B, S, n, d/2];
+    ck/cv [B, H, Lt, d]; attend(q, k, v) with [B, S, n, H, d] (k rotated) -> [B, S, n, H, d].
+    Weight GEMMs run on all B*S*n tokens at once; only ``attend`` sees task boundaries."""
+    cfg = model.cfg
+    blk = model.blocks[block]
+    b, s, n, d = h.shape
+    nh, hd = cfg.num_heads, cfg.head_dim
+    mod = (blk.modulation + e0).unsqueeze(-2)  # [B, S, 6, 1, D]
+    shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(2)  # each [B, S, 1, D]
+    sa = blk.self_attn
+    y = F.layer_norm(h, (d,), eps=cfg.eps) * (1 + scale1) + shift1
+    q = apply_rope(sa.norm_q(sa.q(y)).unflatten(-1, (nh, hd)), cos, sin)
+    k = apply_rope(sa.norm_k(sa.k(y)).unflatten(-1, (nh, hd)), cos, sin)
+    v = sa.v(y).unflatten(-1, (nh, hd))
+    o = attend(q, k, v)  # [B, S, n, H, d]
+    h = h + sa.o(o.flatten(-2)) * gate1
+    ca = blk.cross_attn
+    q = ca.norm_q(ca.q(blk.norm3(h))).reshape(b, s * n, nh, hd).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, ck, cv)  # [B, H, S*n, d]
+    h = h + ca.o(o.transpose(1, 2).reshape(b, s, n, d))
+    y = F.layer_norm(h, (d,), eps=cfg.eps) * (1 + scale2) + shift2
+    return h + blk.ffn(y) * gate2
+
+
+# ---- conditioning tokens and the full-sequence forward -----------------------------------------
+def make_cond(cfg: ModelConfig, cond_seed: int) -> torch.Tensor:
+    """[Lt, text_dim] float32 CPU stand-in for a prompt's text-encoder output, seeded."""
+    gen = torch.Generator().manual_seed(cond_seed % (2**63))
+    return torch.randn(cfg.text_len, cfg.text_dim, generator=gen)
+
+
+def embed_cond(model: WanDiT, cond: torch.Tensor) -> torch.Tensor:
+    """[..., Lt, text_dim] -> [..., Lt, D]."""
+    return model.text_embedding(cond.to(model.device, model.dtype))
+
+
+def window_mask(chunks: int, tokens: int, window: int, device: torch.device) -> torch.Tensor:
+    """[C*n, C*n] bool: token of chunk i may attend token of chunk j iff i-W <= j <= i."""
+    i = torch.arange(chunks, device=device)
+    ok = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window)
+    return ok.repeat_interleave(tokens, 0).repeat_interleave(tokens, 1)
+
+
+def forward_sequence(
+    model: WanDiT,
+    x_seq: torch.Tensor,
+    sigmas: torch.Tensor,
+    cond: torch.Tensor,
+    actions: torch.Tensor | None = None,
+    *,
+    window: int,
+    chunk_offset: int = 0,
+) -> torch.Tensor:
+    """Full-sequence block-causal forward (no KV cache); differentiable: the training forward.
+
+    x_seq [C, X] or [B, C, X] packed chunk states (``sampler.pack_chunk``); sigmas [C] or
+    [B, C] per-chunk noise level (0 for clean/context chunks); cond [Lt, text_dim] or
+    [B, Lt, text_dim] raw conditioning tokens; actions [(B,) C, H, A] if given replaces the
+    action values packed in x; chunk_offset: absolute index of the first chunk (RoPE).
+    Returns the velocity v with x_seq's shape (float32; zero on conditioning action values).
+    """
+    cfg = model.cfg
+    unbatched = x_seq.dim() == 2
+    if unbatched:
+        x_seq, sigmas, cond = x_seq[None], sigmas[None], cond[None]
+        actions = None if actions is None else actions[None]
+    b, c, xdim = x_seq.shape
+    if xdim != chunk_numel(cfg):
+        raise ValueError(
+            f"x_seq has {xdim} values per chunk; model {cfg.name} needs {chunk_numel(cfg)}"
+        )
+    if actions is not None:
+        nvp = cfg.video_tokens * cfg.patch_dim
+        x_seq = torch.cat([x_seq[..., :nvp], actions.reshape(b, c, -1).to(x_seq)], -1)
+    dev = model.device
+    x_seq = x_seq.to(dev)
+    sigmas = sigmas.to(dev)
+    n = cfg.tokens_per_chunk
+    e, e0 = time_embed(model, sigmas, x_seq)  # [B, C, D], [B, C, 6, D]
+    h = embed_tokens(model, x_seq)  # [B, C, n, D]
+    chunk_ids = torch.arange(c, device=dev) + chunk_offset
+    cos, sin = rope_cos_sin(model, chunk_ids)  # [C, n, d/2]
+    cos, sin = cos.expand(b, -1, -1, -1), sin.expand(b, -1, -1, -1)
+    ctx = embed_cond(model, cond)
+    mask = window_mask(c, n, window, dev)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (
+            t.reshape(b, c * n, cfg.num_heads, cfg.head_dim).transpose(1, 2) for t in (q, k, v)
+        )
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return o.transpose(1, 2).reshape(b, c, n, cfg.num_heads, cfg.head_dim)
+
+    for i in range(cfg.num_blocks):
+        ck, cv = cross_kv(model, i, ctx)
+        h = block_forward(model, i, h, e0, cos, sin, ck, cv, attend)
+    v = head_velocity(model, h, e)
+    return v[0] if unbatched else v
+
+
+def chunk_numel(cfg: ModelConfig) -> int:
+    """X: values in a packed chunk state (video tokens ++ action values if any)."""
+    extra = cfg.action_horizon * cfg.action_dim if cfg.action_mode != "none" else 0
+    return cfg.video_tokens * cfg.patch_dim + extra
+
+
+def build_model(
+    cfg: ModelConfig,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    block_ids: set[int] | None = None,
+) -> WanDiT:
+    """Random-init (by seed) model on ``device`` in ``dtype``, in eval mode."""
+    model = WanDiT(cfg, seed=seed, block_ids=block_ids)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,234 @@
+"""One batched block forward over tasks that share a block's weights, with per-task KV rings.
+
+What belongs here: the KV ring of one (stream, stage), the ``StageTask`` a worker hands to
+``run_block``, the small caches that keep per-task Python work off the hot path (RoPE tables
+per chunk, timestep embeddings per step), and ``measure_block_ms`` (per-block cost for the
+benchmark and for the pool's cost model). Scheduling lives in ``worker.py``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from physis_ros.engine import model as M
+from physis_ros.engine.model import WanDiT
+
+
+class KVRing:
+    """Rotated K and V of one stream at one stage: W + 1 slots of n tokens each.
+
+    Chunk number ``count`` writes slot ``count % (W+1)``, which holds the chunk that fell out
+    of the window, so the keys a chunk attends to (itself and the W before it) are always the
+    contiguous prefix ``[:, :m*n]``: no copy and no mask. ``keep=False`` (a generated chunk
+    under clean history) writes the slot without claiming it.
+    """
+
+    def __init__(  # noqa: PLR0917
+        self,
+        window: int,
+        heads: int,
+        tokens: int,
+        head_dim: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        self.slots = window + 1
+        self.tokens = tokens
+        self.k = torch.zeros(heads, self.slots * tokens, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.count = 0
+        """Chunks kept so far."""
+
+    def write(
+        self, k: torch.Tensor, v: torch.Tensor, *, keep: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [H, n, d] of the current chunk -> keys/values it attends to [H, m*n, d]."""
+        n = self.tokens
+        slot = self.count % self.slots
+        self.k[:, slot * n : (slot + 1) * n] = k
+        self.v[:, slot * n : (slot + 1) * n] = v
+        m = min(self.count + 1, self.slots)
+        if keep:
+            self.count += 1
+        return self.k[:, : m * n], self.v[:, : m * n]
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass
+class StageTask:
+    """One chunk of one stream at stage (step, block), with what the forward needs."""
+
+    chunk: int
+    step: int
+    is_context: bool
+    x: torch.Tensor
+    """[X] float32 on the worker's device."""
+    h: torch.Tensor | None
+    """[n, D] entering the block (None at block 0)."""
+    ring: KVRing
+    keep_kv: bool
+    cross_k: torch.Tensor
+    """[H, Lt, d] cached cross-attention keys of the stream at this block."""
+    cross_v: torch.Tensor
+
+
+class StageCaches:
+    """RoPE tables per chunk and timestep embeddings per noise level, on one device.
+
+    Both are pure functions of their keys; caching them removes a few small kernels per task."""
+
+    def __init__(self, model: WanDiT, sigmas: list[float], max_chunks: int = 256) -> None:
+        self.model = model
+        self.sigmas = sigmas
+        self.max_chunks = max_chunks
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._time: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, n, d/2]."""
+        missing = [c for c in chunks if c not in self._rope]
+        if missing:
+            if len(self._rope) + len(missing) > self.max_chunks:
+                self._rope.clear()
+            ids = torch.tensor(sorted(set(chunks)), device=self.model.device)
+            cos, sin = M.rope_cos_sin(self.model, ids)
+            for i, c in enumerate(ids.tolist()):
+                self._rope[c] = (cos[i], sin[i])
+        if len(chunks) == 1:
+            cos, sin = self._rope[chunks[0]]
+            return cos[None], sin[None]
+        pairs = [self._rope[c] for c in chunks]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def time(self, tasks: list[StageTask], xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """e [B, D], e0 [B, 6, D] of each task (sigma = 0 for context chunks)."""
+        sig = [0.0 if t.is_context else self.sigmas[t.step] for t in tasks]
+        if self.model.cfg.action_mode == "condition":  # depends on each chunk's actions
+            return M.time_embed(self.model, torch.tensor(sig, device=xs.device), xs)
+        for s in set(sig):
+            if s not in self._time:
+                e, e0 = M.time_embed(self.model, torch.tensor([s], device=xs.device))
+                self._time[s] = (e[0], e0[0])
+        if len(tasks) == 1:
+            e, e0 = self._time[sig[0]]
+            return e[None], e0[None]
+        return (
+            torch.stack([self._time[s][0] for s in sig]),
+            torch.stack([self._time[s][1] for s in sig]),
+        )
+
+
+@torch.inference_mode()
+def run_block(
+    model: WanDiT, block: int, tasks: list[StageTask], caches: StageCaches
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Batched forward of ``tasks`` (distinct (stream, stage) each) through ``block``.
+
+    Returns h [B, n, D], and at the last block v [B, X] float32 (else None). Weight GEMMs run
+    on all B*n tokens at once; attention runs per task against its own KV ring."""
+    cfg = model.cfg
+    xs = tasks[0].x[None] if len(tasks) == 1 else torch.stack([t.x for t in tasks])
+    e, e0 = caches.time(tasks, xs)
+    if block == 0:
+        h = M.embed_tokens(model, xs)
+    else:
+        h = tasks[0].h[None] if len(tasks) == 1 else torch.stack([t.h for t in tasks])
+    cos, sin = caches.rope([t.chunk for t in tasks])
+    if len(tasks) == 1:
+        ck, cv = tasks[0].cross_k[None], tasks[0].cross_v[None]
+    else:
+        ck = torch.stack([t.cross_k for t in tasks])
+        cv = torch.stack([t.cross_v for t in tasks])
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [B, 1, n, H, d] -> per task [H, n, d] against its ring [H, m*n, d]
+        outs = []
+        for i, t in enumerate(tasks):
+            kk, vv = t.ring.write(k[i, 0].transpose(0, 1), v[i, 0].transpose(0, 1), keep=t.keep_kv)
+            outs.append(F.scaled_dot_product_attention(q[i, 0].transpose(0, 1), kk, vv))
+        return torch.stack(outs).transpose(1, 2).unsqueeze(1)
+
+    h = M.block_forward(
+        model, block, h[:, None], e0[:, None], cos[:, None], sin[:, None], ck, cv, attend
+    )[:, 0]
+    if block == cfg.num_blocks - 1:
+        return h, M.head_velocity(model, h, e)
+    return h, None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_block_forward(
+    model: WanDiT,
+    history_chunks: list[int],
+    *,
+    block: int | None = None,
+    repeats: int = 20,
+    warmup: int = 3,
+    window: int | None = None,
+) -> list[float]:
+    """Wall times (ms) of one batched forward of ``block`` for tasks whose KV rings hold
+    ``history_chunks[i]`` previous chunks each (a batch of len(history_chunks) tasks).
+
+    Measured through ``run_block`` (the worker's hot path), device synchronised, warm-up
+    excluded. The rings are not advanced, so every repeat sees the same composition."""
+    cfg = model.cfg
+    if block is None:  # a middle block: no embedding and no head in the number
+        ids = sorted(model.block_ids)
+        block = ids[len(ids) // 2] if len(ids) >= 3 else ids[0]
+    if block not in model.block_ids:
+        raise ValueError(f"model does not hold block {block}")
+    if any(hc < 0 for hc in history_chunks) or not history_chunks:
+        raise ValueError(
+            f"history_chunks must be a non-empty list of counts >= 0, got {history_chunks}"
+        )
+    dev, dt = model.device, model.dtype
+    win = max(history_chunks) if window is None else window
+    caches = StageCaches(model, [1.0, 0.5, 0.0])
+    ctx = M.embed_cond(model, M.make_cond(cfg, 0))
+    ck, cv = M.cross_kv(model, block, ctx)
+    gen = torch.Generator().manual_seed(0)
+    tasks = []
+    for i, hist in enumerate(history_chunks):
+        ring = KVRing(win, cfg.num_heads, cfg.tokens_per_chunk, cfg.head_dim, dev, dt)
+        ring.count = hist
+        h = torch.randn(cfg.tokens_per_chunk, cfg.dim, generator=gen).to(dev, dt)
+        x = torch.randn(M.chunk_numel(cfg), generator=gen).to(dev)
+        tasks.append(
+            StageTask(
+                chunk=hist + i,
+                step=0,
+                is_context=False,
+                x=x,
+                h=None if block == 0 else h,
+                ring=ring,
+                keep_kv=False,
+                cross_k=ck,
+                cross_v=cv,
+            )
+        )
+    out = []
+    for r in range(warmup + repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        run_block(model, block, tasks, caches)
+        _sync(dev)
+        if r >= warmup:
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def measure_block_ms(model: WanDiT, history_chunks: list[int], **kw) -> float:
+    """Median ms of one batched block forward for this batch composition (see
+    ``time_block_forward``): the cost model's per-block time."""
+    return statistics.median(time_block_forward(model, history_chunks, **kw))

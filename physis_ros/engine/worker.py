@@ -1,0 +1,308 @@
+"""The worker: one device, the blocks of its stages, the KV rings of its virtual ranks.
+
+``run_once(timeout_s)`` is the whole event loop body: receive activations -> find ready tasks
+(the head of each (stream, stage) FIFO) -> pick the tasks that share one block's weights ->
+one batched forward -> send each result to the owner of its next stage (or to the sink).
+A worker talks to other workers only through its ``Transport``; the same class runs one per
+thread over ``InProcTransport`` here and one per torch.distributed rank in ``physis_ros.serve``.
+
+Controllers feed a chunk by sending ``Activation(step=0, block=0, h=None)`` to
+``placement.entry_rank(stream)``; finished chunks (``step == K``) arrive in ``worker.sink`` on
+``placement.sink_rank`` as ``(left_s, activation)`` (left_s: time.monotonic() when it left
+the last stage). Context chunks reach the sink too (flag set, x unchanged) so that a
+controller can count what is in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from physis_ros.engine import model as M
+from physis_ros.engine.config import SamplerConfig
+from physis_ros.engine.model import WanDiT
+from physis_ros.engine.placement import Layout, Placement, blocks_share_worker, validate_layout
+from physis_ros.engine.sampler import sigmas as make_sigmas
+from physis_ros.engine.stage import KVRing, StageCaches, StageTask, run_block
+from physis_ros.engine.transport import Activation, Transport
+
+HISTORIES = ("noisy", "clean")
+
+
+@dataclass
+class _StreamState:
+    layout: Layout
+    history: str
+    rings: dict[tuple[int, int], KVRing] = field(default_factory=dict)
+    cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    last_chunk: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerStats:
+    tasks: int = 0
+    batches: int = 0
+    busy_s: float = 0.0
+    drops: collections.Counter = field(default_factory=collections.Counter)
+    """reason -> activations dropped."""
+
+
+class Worker:
+    """Runs the stages that ``placement`` puts on ``transport.rank``."""
+
+    def __init__(
+        self,
+        model: WanDiT,
+        sampler: SamplerConfig,
+        transport: Transport,
+        placement: Placement,
+        *,
+        batching: bool = True,
+        max_batch: int = 0,
+    ) -> None:
+        if placement.steps != sampler.steps or placement.blocks != model.cfg.num_blocks:
+            raise ValueError(
+                f"placement is K={placement.steps} L={placement.blocks} but sampler K="
+                f"{sampler.steps}, model L={model.cfg.num_blocks}"
+            )
+        if max_batch < 0:
+            raise ValueError(f"max_batch must be >= 0 (0: no limit), got {max_batch}")
+        self.model = model
+        self.cfg = model.cfg
+        self.sampler = sampler
+        self.transport = transport
+        self.rank = transport.rank
+        self.placement = placement
+        self.batching = batching
+        self.max_batch = max_batch
+        self.sigmas = make_sigmas(sampler)
+        self.steps, self.blocks = sampler.steps, model.cfg.num_blocks
+        self.device, self.dtype = model.device, model.dtype
+        self.caches = StageCaches(model, self.sigmas)
+        self.sink: queue.SimpleQueue[tuple[float, Activation]] = queue.SimpleQueue()
+        self.stats = WorkerStats()
+        self._streams: dict[int, _StreamState] = {}
+        self._queues: dict[tuple[int, int, int], collections.deque[Activation]] = {}
+        self._nonempty: set[tuple[int, int, int]] = set()
+        self._control: queue.SimpleQueue = queue.SimpleQueue()
+
+    # ---- streams (thread-safe: applied by the worker's own loop) ---------------------------
+    def open_stream(
+        self,
+        stream_id: int,
+        *,
+        layout: Layout | None = None,
+        cond_seed: int = 0,
+        history: str = "noisy",
+    ) -> None:
+        """Allocate the stream's KV rings and cross-attention K/V for the stages on this rank.
+        Must be called (on every rank) before the stream's first chunk is sent."""
+        layout = layout if layout is not None else self.placement.layouts[stream_id]
+        validate_layout(layout, self.steps, self.blocks, self.placement.num_workers)
+        if history not in HISTORIES:
+            raise ValueError(f"history {history!r} is not one of {HISTORIES}")
+        if history == "clean" and not blocks_share_worker(layout):
+            raise ValueError(
+                "clean history shares each block's cache over all steps: every "
+                "block's stages must be on one worker (use layout_by_block)"
+            )
+        self._control.put(("open", stream_id, layout, cond_seed, history))
+
+    def close_stream(self, stream_id: int) -> None:
+        """Free the stream's rings; its activations still in flight are dropped and counted."""
+        self._control.put(("close", stream_id))
+
+    def _apply_control(self) -> None:
+        while True:
+            try:
+                cmd = self._control.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "close":
+                self._streams.pop(cmd[1], None)
+                for key in [k for k in self._queues if k[0] == cmd[1]]:
+                    self.stats.drops["stream closed"] += len(self._queues.pop(key))
+                    self._nonempty.discard(key)
+                continue
+            _, sid, layout, cond_seed, history = cmd
+            if sid in self._streams:
+                raise ValueError(f"stream {sid} is already open on rank {self.rank}")
+            self._streams[sid] = self._allocate(layout, cond_seed, history)
+
+    @torch.inference_mode()
+    def _allocate(self, layout: Layout, cond_seed: int, history: str) -> _StreamState:
+        cfg = self.cfg
+        st = _StreamState(layout=layout, history=history)
+        mine = [
+            (k, blk)
+            for k in range(self.steps)
+            for blk in range(self.blocks)
+            if layout[k][blk] == self.rank
+        ]
+        missing = {blk for _, blk in mine} - self.model.block_ids
+        if missing:
+            raise ValueError(f"rank {self.rank} hosts blocks {sorted(missing)} its model lacks")
+        ctx = M.embed_cond(self.model, M.make_cond(cfg, cond_seed)) if mine else None
+        for k, blk in mine:
+            key = (0, blk) if history == "clean" else (k, blk)
+            if key not in st.rings:
+                st.rings[key] = KVRing(
+                    self.sampler.window,
+                    cfg.num_heads,
+                    cfg.tokens_per_chunk,
+                    cfg.head_dim,
+                    self.device,
+                    self.dtype,
+                )
+            if blk not in st.cross:
+                st.cross[blk] = M.cross_kv(self.model, blk, ctx)
+        return st
+
+    def kv_bytes(self) -> int:
+        return sum(r.nbytes() for st in self._streams.values() for r in st.rings.values())
+
+    # ---- the event loop --------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._nonempty)
+
+    def run_once(self, timeout_s: float = 0.0) -> int:
+        """Receive, then run at most one batch. Returns the number of tasks run."""
+        msgs = self.transport.recv(0.0 if self._nonempty else timeout_s)
+        self._apply_control()
+        for msg in msgs:
+            self._accept(msg)
+        if not self._nonempty:
+            return 0
+        keys = self._pick()
+        t0 = time.perf_counter()
+        self._run(keys)
+        self.stats.busy_s += time.perf_counter() - t0
+        self.stats.tasks += len(keys)
+        self.stats.batches += 1
+        return len(keys)
+
+    def _accept(self, msg: Activation) -> None:
+        if msg.step == self.steps:
+            if self.rank == self.placement.sink_rank:
+                self.sink.put((time.monotonic(), msg))
+            else:
+                self.stats.drops["finished chunk at a rank that is not the sink"] += 1
+            return
+        st = self._streams.get(msg.stream_id)
+        if st is None:
+            self.stats.drops["unknown or closed stream"] += 1
+            return
+        if not (0 <= msg.step < self.steps and 0 <= msg.block < self.blocks):
+            self.stats.drops["stage out of range"] += 1
+            return
+        if st.layout[msg.step][msg.block] != self.rank:
+            self.stats.drops["stage placed on another rank"] += 1
+            return
+        if msg.x.device != self.device:
+            msg.x = msg.x.to(self.device)
+        if msg.h is not None and (msg.h.device != self.device or msg.h.dtype != self.dtype):
+            msg.h = msg.h.to(self.device, self.dtype)
+        self._enqueue(msg)
+
+    def _enqueue(self, msg: Activation) -> None:
+        key = (msg.stream_id, msg.step, msg.block)
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = collections.deque()
+        q.append(msg)
+        self._nonempty.add(key)
+
+    def _pick(self) -> list[tuple[int, int, int]]:
+        """Ready tasks to run now: the heads of the (stream, stage) FIFOs (arrival order is
+        chunk order, so the head's predecessor is done). Without batching: the most
+        downstream one. With batching: the block with most ready tasks (ties: downstream),
+        its most downstream ``max_batch`` tasks."""
+        L = self.blocks
+
+        def depth(key: tuple[int, int, int]) -> tuple[int, int]:
+            return (key[1] * L + key[2], -key[0])
+
+        if not self.batching:
+            return [max(self._nonempty, key=depth)]
+        groups: dict[int, list[tuple[int, int, int]]] = {}
+        for key in self._nonempty:
+            groups.setdefault(key[2], []).append(key)
+        best = max(groups.values(), key=lambda g: (len(g), max(depth(k) for k in g)))
+        if self.max_batch and len(best) > self.max_batch:
+            best = sorted(best, key=depth, reverse=True)[: self.max_batch]
+        return best
+
+    def _run(self, keys: list[tuple[int, int, int]]) -> None:
+        block = keys[0][2]
+        tasks, msgs = [], []
+        for key in keys:
+            q = self._queues[key]
+            msg = q.popleft()
+            if not q:
+                self._nonempty.discard(key)
+            sid, k, blk = key
+            st = self._streams[sid]
+            clean = st.history == "clean"
+            last = st.last_chunk.get((k, blk), -1)
+            # FIFO per stage keeps chunk order; a gap would mean attending to the wrong KV.
+            ok = msg.chunk >= last if clean else msg.chunk == last + 1
+            if not ok:
+                raise RuntimeError(
+                    f"stream {sid} stage ({k},{blk}): chunk {msg.chunk} after {last}"
+                )
+            st.last_chunk[(k, blk)] = msg.chunk
+            ring = st.rings[(0, blk) if clean else (k, blk)]
+            cross_k, cross_v = st.cross[blk]
+            tasks.append(
+                StageTask(
+                    chunk=msg.chunk,
+                    step=k,
+                    is_context=msg.is_context,
+                    x=msg.x,
+                    h=msg.h,
+                    ring=ring,
+                    keep_kv=msg.is_context or not clean,
+                    cross_k=cross_k,
+                    cross_v=cross_v,
+                )
+            )
+            msgs.append(msg)
+        h, v = run_block(self.model, block, tasks, self.caches)
+        for i, msg in enumerate(msgs):
+            self._forward(msg, h[i], None if v is None else v[i])
+
+    def _forward(self, msg: Activation, h: torch.Tensor, v: torch.Tensor | None) -> None:
+        k, blk = msg.step, msg.block
+        st = self._streams[msg.stream_id]
+        if v is None:
+            nxt = Activation(
+                msg.stream_id, msg.chunk, k, blk + 1, msg.flags, msg.x, h, msg.created_s
+            )
+        else:
+            x = msg.x
+            if not msg.is_context:  # Euler step; the context chunk stays clamped at sigma 0
+                x = x + (self.sigmas[k + 1] - self.sigmas[k]) * v
+            # A clean-history context chunk only fills the (step-shared) caches at step 0.
+            done = k + 1 == self.steps or (msg.is_context and st.history == "clean")
+            nxt = Activation(
+                msg.stream_id,
+                msg.chunk,
+                self.steps if done else k + 1,
+                0,
+                msg.flags,
+                x,
+                None,
+                msg.created_s,
+            )
+        dst = self.placement.sink_rank if nxt.step == self.steps else st.layout[nxt.step][nxt.block]
+        if dst == self.rank:
+            if nxt.step == self.steps:
+                self.sink.put((time.monotonic(), nxt))
+            else:
+                self._enqueue(nxt)
+        else:
+            self.transport.send(dst, nxt)
