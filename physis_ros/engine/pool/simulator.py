@@ -1,0 +1,388 @@
+"""Discrete-event simulator of a device pool running many streams under a placement.
+
+It follows the workers' scheduling rules:
+- a task (stream, chunk, stage) is ready when the chunk has arrived at the stage's device and
+  the stream's previous chunk has been processed at that stage (per-stage, per-stream FIFO);
+- an idle device takes the block (model, block) of its oldest ready task and runs every
+  ready task of that block (any step, chunk or stream; up to ``max_batch``) as one batched
+  forward costing ``cost.group_ms(model, sampler, tasks)``;
+- a finished task's activation moves to the next stage's device: no delay on the same device,
+  one hop (``cost.hop_ms``) otherwise; hops out of a device are serialised on its link, and
+  when communication does not overlap compute the device is busy while it sends.
+
+Sources: a stream with a target interval T releases chunk c at ``phase + c * T`` (the robot
+asks for one chunk per interval); a stream with T = 0 keeps ``max_inflight`` chunks in the
+pipeline (as fast as it goes). Time is in milliseconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from physis_ros.engine.pool.costmodel import CostModel
+from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.plan import StreamPlan
+
+PRIORITIES = ("oldest_chunk", "ready_first")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimStream:
+    plan: StreamPlan
+    phase_ms: float = 0.0
+    """Release time of chunk 0."""
+    latency_budget_ms: float = math.inf
+    """The promised response latency: a chunk leaving later than release + budget counts as
+    a latency-promise miss (reported; the target that admission guarantees is the interval)."""
+    max_inflight: int = 0
+    """Chunks kept in flight when the plan's target interval is 0."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    num_devices: int
+    chunks: int = 16
+    """Chunks simulated per stream."""
+    warmup_chunks: int = 4
+    """Chunks per stream excluded from the statistics (pipeline fill)."""
+    cooldown_chunks: int = 2
+    """Last chunks per stream excluded too: once other streams finish, the pool is emptier
+    than in steady state."""
+    max_batch: int = 8
+    batching: bool = True
+    priority: str = "oldest_chunk"
+    """Which ready task picks the next block: ``oldest_chunk`` (earliest released chunk, so
+    late chunks catch up) or ``ready_first`` (the task that became ready first)."""
+    interval_tolerance: float = 0.01
+    """A stream meets its target when its median interval is within this of T and it
+    misses no deadline."""
+    jitter_tolerance: float = 0.10
+    """Deadline of chunk c: the stream's output clock, first measured chunk out + (c - c0) * T,
+    plus this fraction of T (a consumer that plays chunks at the target rate)."""
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1:
+            raise ValueError(f"num_devices must be >= 1, got {self.num_devices}")
+        if self.warmup_chunks < 0 or self.cooldown_chunks < 0:
+            raise ValueError("warmup_chunks and cooldown_chunks must be >= 0")
+        if self.chunks < self.warmup_chunks + self.cooldown_chunks + 3:
+            raise ValueError(
+                f"chunks ({self.chunks}) must exceed warmup_chunks ({self.warmup_chunks}) + "
+                f"cooldown_chunks ({self.cooldown_chunks}) by >= 3"
+            )
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority {self.priority!r} is not one of {PRIORITIES}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamReport:
+    stream_id: int
+    model: str
+    target_interval_ms: float
+    interval_p50_ms: float
+    interval_p99_ms: float
+    interval_mean_ms: float
+    latency_p50_ms: float
+    """Release (observation in) -> chunk out; with T = 0, first stage start -> out."""
+    latency_p99_ms: float
+    deadline_misses: int
+    """Chunks out later than their slot on the output clock (+ jitter tolerance)."""
+    latency_promise_misses: int
+    """Chunks out later than release + the promised response latency."""
+    chunks_measured: int
+    meets_target: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceReport:
+    device: int
+    utilization: float
+    """Busy fraction over the measured window."""
+    mean_batch: float
+    memory: dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimReport:
+    streams: tuple[StreamReport, ...]
+    devices: tuple[DeviceReport, ...]
+    window_ms: float
+    tasks: int
+
+    @property
+    def all_meet_target(self) -> bool:
+        return all(s.meets_target for s in self.streams)
+
+    def to_json(self) -> dict:
+        return {
+            "all_meet_target": self.all_meet_target,
+            "window_ms": round(self.window_ms, 3),
+            "tasks": self.tasks,
+            "streams": [asdict(s) for s in self.streams],
+            "devices": [asdict(d) for d in self.devices],
+        }
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+
+
+_RELEASE, _ARRIVE, _DONE = 0, 1, 2
+
+
+def simulate(
+    streams: list[SimStream],
+    cost: CostModel,
+    config: SimConfig,
+    memory: MemoryModel | None = None,
+) -> SimReport:
+    """Run the pool until every stream has produced ``config.chunks`` chunks."""
+    G = config.num_devices
+    for s in streams:
+        if max(s.plan.stage_devices) >= G:
+            raise ValueError(f"stream {s.plan.stream_id} uses a device >= num_devices {G}")
+        if s.plan.target_interval_ms == 0 and s.max_inflight < 1:
+            raise ValueError(f"stream {s.plan.stream_id}: T = 0 needs max_inflight >= 1")
+    n = len(streams)
+    C = config.chunks
+    plans = [s.plan for s in streams]
+    keys = [(p.model.name, p.sampler.steps, p.sampler.window) for p in plans]
+    group_cache: dict[tuple, float] = {}
+
+    def group_ms(si: int, tasks: int) -> float:
+        k = (keys[si], tasks)
+        if k not in group_cache:
+            group_cache[k] = cost.group_ms(plans[si].model, plans[si].sampler, tasks)
+        return group_cache[k]
+
+    hop_cache: dict[tuple, float] = {}
+
+    def hop_ms(si: int, a: int, b: int) -> float:
+        k = (keys[si][0], a, b)
+        if k not in hop_cache:
+            hop_cache[k] = cost.hop_ms(plans[si].model, a, b)
+        return hop_cache[k]
+
+    release = [[math.nan] * C for _ in range(n)]
+    start = [[math.nan] * C for _ in range(n)]
+    done = [[math.nan] * C for _ in range(n)]
+    in_service: list[list[bool]] = [[False] * p.num_stages for p in plans]
+    pending: list[list[deque]] = [[deque() for _ in range(p.num_stages)] for p in plans]
+    # per device: block key -> deque of (seq, stream, stage, chunk); heap of (ready_ms, seq, key)
+    ready: list[dict[tuple, deque]] = [{} for _ in range(G)]
+    ready_heap: list[list] = [[] for _ in range(G)]
+    busy = [False] * G
+    link_free = [0.0] * G
+    busy_spans: list[list[tuple[float, float]]] = [[] for _ in range(G)]
+    batches = [[0, 0] for _ in range(G)]  # groups, tasks
+    heap: list = []
+    seq = 0
+    released = [0] * n
+    completed = [0] * n
+    tasks_run = 0
+    dirty: set[int] = set()
+
+    def push(t: float, kind: int, a: int, b: int, c: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, kind, a, b, c))
+
+    def try_ready(t: float, si: int, stage: int) -> None:
+        nonlocal seq
+        q = pending[si][stage]
+        if in_service[si][stage] or not q:
+            return
+        chunk = q.popleft()
+        in_service[si][stage] = True
+        plan = plans[si]
+        d = plan.stage_devices[stage]
+        key = (keys[si], stage % plan.model.num_blocks)
+        seq += 1
+        ready[d].setdefault(key, deque()).append((seq, si, stage, chunk))
+        prio = release[si][chunk] if config.priority == "oldest_chunk" else t
+        heapq.heappush(ready_heap[d], (prio, seq, key))
+        dirty.add(d)
+
+    def arrive(t: float, si: int, stage: int, chunk: int) -> None:
+        pending[si][stage].append(chunk)
+        try_ready(t, si, stage)
+
+    def do_release(t: float, si: int) -> None:
+        c = released[si]
+        released[si] += 1
+        release[si][c] = t
+        arrive(t, si, 0, c)
+
+    def dispatch(t: float, d: int) -> None:
+        nonlocal tasks_run
+        if busy[d]:
+            return
+        rh = ready_heap[d]
+        while rh:
+            _, sq, key = rh[0]
+            dq = ready[d].get(key)
+            if not dq or dq[0][0] > sq:
+                heapq.heappop(rh)  # stale: that task already ran in an earlier batch
+                continue
+            break
+        else:
+            return
+        _, _, key = heapq.heappop(rh)
+        dq = ready[d][key]
+        limit = config.max_batch if config.batching else 1
+        group = [dq.popleft() for _ in range(min(limit, len(dq)))]
+        si0 = group[0][1]
+        dur = group_ms(si0, len(group))
+        end = t + dur
+        if not cost.comm_overlaps_compute:
+            for _, si, stage, _ in group:
+                nxt = stage + 1
+                if nxt < plans[si].num_stages and plans[si].stage_devices[nxt] != d:
+                    end += hop_ms(si, d, plans[si].stage_devices[nxt])
+        for _, si, stage, chunk in group:
+            if stage == 0:
+                start[si][chunk] = t
+        busy[d] = True
+        busy_spans[d].append((t, end))
+        batches[d][0] += 1
+        batches[d][1] += len(group)
+        tasks_run += len(group)
+        push(end, _DONE, d, len(group_store), 0)
+        group_store.append(group)
+
+    group_store: list[list] = []
+
+    def finish(t: float, d: int, group: list) -> None:
+        busy[d] = False
+        dirty.add(d)
+        for _, si, stage, chunk in group:
+            in_service[si][stage] = False
+            try_ready(t, si, stage)
+            plan = plans[si]
+            nxt = stage + 1
+            if nxt == plan.num_stages:
+                done[si][chunk] = t
+                completed[si] += 1
+                if plan.target_interval_ms == 0 and released[si] < C:
+                    do_release(t, si)
+                continue
+            dst = plan.stage_devices[nxt]
+            if dst == d:
+                arrive(t, si, nxt, chunk)
+            else:
+                h = hop_ms(si, d, dst)
+                if cost.comm_overlaps_compute:
+                    send_start = max(t, link_free[d])
+                    link_free[d] = send_start + h
+                    push(send_start + h, _ARRIVE, si, nxt, chunk)
+                else:  # the device sent serially before it became free; sends are done
+                    push(t, _ARRIVE, si, nxt, chunk)
+
+    for si, s in enumerate(streams):
+        if s.plan.target_interval_ms > 0:
+            for c in range(C):
+                push(s.phase_ms + c * s.plan.target_interval_ms, _RELEASE, si, 0, 0)
+        else:
+            for _ in range(min(C, s.max_inflight)):
+                push(s.phase_ms, _RELEASE, si, 0, 0)
+
+    while heap:
+        t = heap[0][0]
+        while heap and heap[0][0] == t:
+            _, _, kind, a, b, c = heapq.heappop(heap)
+            if kind == _RELEASE:
+                do_release(t, a)
+            elif kind == _ARRIVE:
+                arrive(t, a, b, c)
+            else:
+                group = group_store[b]
+                group_store[b] = []
+                finish(t, a, group)
+        for d in sorted(dirty):
+            dispatch(t, d)
+        dirty.clear()
+
+    return _report(
+        streams,
+        config,
+        memory,
+        release=release,
+        start=start,
+        done=done,
+        busy_spans=busy_spans,
+        batches=batches,
+        tasks_run=tasks_run,
+    )
+
+
+def _report(streams, config, memory, *, release, start, done, busy_spans, batches, tasks_run):
+    W, C = config.warmup_chunks, config.chunks - config.cooldown_chunks
+    stream_reports = []
+    for si, s in enumerate(streams):
+        plan = s.plan
+        T = plan.target_interval_ms
+        out = done[si]
+        if any(math.isnan(x) for x in out):
+            raise RuntimeError(f"internal: stream {plan.stream_id} did not finish every chunk")
+        intervals = [out[c] - out[c - 1] for c in range(W + 1, C)]
+        ref = release[si] if T > 0 else start[si]
+        lat = [out[c] - ref[c] for c in range(W, C)]
+        promise_misses = sum(
+            1 for c in range(W, C) if out[c] - release[si][c] > s.latency_budget_ms
+        )
+        misses = 0
+        if T > 0:
+            # Output clock anchored at the earliest slot the stream ever reached (a consumer
+            # that starts playing as soon as it can and then plays one chunk per T).
+            anchor = min(out[c] - c * T for c in range(W, C))
+            slack = config.jitter_tolerance * T
+            misses = sum(1 for c in range(W, C) if out[c] > anchor + c * T + slack)
+        p50 = _pct(intervals, 0.5)
+        meets = T == 0 or (p50 <= T * (1 + config.interval_tolerance) and misses == 0)
+        stream_reports.append(
+            StreamReport(
+                stream_id=plan.stream_id,
+                model=plan.model.name,
+                target_interval_ms=T,
+                interval_p50_ms=round(p50, 4),
+                interval_p99_ms=round(_pct(intervals, 0.99), 4),
+                interval_mean_ms=round(sum(intervals) / len(intervals), 4),
+                latency_p50_ms=round(_pct(lat, 0.5), 4),
+                latency_p99_ms=round(_pct(lat, 0.99), 4),
+                deadline_misses=misses,
+                latency_promise_misses=promise_misses,
+                chunks_measured=C - W,
+                meets_target=meets,
+            )
+        )
+    t0 = min(done[si][W] for si in range(len(streams)))
+    t1 = max(done[si][C - 1] for si in range(len(streams)))
+    window = max(t1 - t0, 1e-9)
+    plans = [s.plan for s in streams]
+    device_reports = []
+    for d in range(config.num_devices):
+        busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in busy_spans[d])
+        groups, tasks = batches[d]
+        mem = memory.device_usage(plans, d).gib() if memory is not None else {}
+        device_reports.append(
+            DeviceReport(
+                device=d,
+                utilization=round(busy / window, 4),
+                mean_batch=round(tasks / groups, 3) if groups else 0.0,
+                memory=mem,
+            )
+        )
+    return SimReport(
+        streams=tuple(stream_reports),
+        devices=tuple(device_reports),
+        window_ms=window,
+        tasks=tasks_run,
+    )
