@@ -1,0 +1,86 @@
+"""Codecs between camera frames (uint8 [F, H, W, 3]) and a chunk's latent [C, T, h, w].
+
+``pixel`` (tiny, small): exact space-to-depth of the [-1, 1]-scaled image; decode(encode(f))
+== f bit for bit. ``vae_standin`` (Wan presets): the Wan VAE's shapes and strides (temporal x4,
+spatial x8 or x16, 16 or 48 channels) as strided space-to-depth plus a fixed random projection,
+so that benchmarks can time a codec of the right shapes apart from the DiT. It is not a VAE:
+its images mean nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from physis_ros.engine.config import ModelConfig
+
+
+class Codec:
+    """Image <-> latent for one model config."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, device: str | torch.device = "cpu", seed: int = 0
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        st, sh, sw = cfg.codec_stride
+        self.block = 3 * st * sh * sw
+        """Values of one space-to-depth cell."""
+        if cfg.codec == "pixel":
+            if self.block != cfg.in_channels:
+                raise ValueError(
+                    f"pixel codec with stride {cfg.codec_stride} gives {self.block} channels, "
+                    f"model {cfg.name} has {cfg.in_channels}"
+                )
+            self.proj = None
+        else:
+            gen = torch.Generator().manual_seed(seed)
+            proj = torch.randn(self.block, cfg.in_channels, generator=gen) / self.block**0.5
+            self.proj = proj.to(self.device)
+            self.unproj = torch.linalg.pinv(proj).to(self.device)
+
+    @property
+    def frames(self) -> int:
+        return self.cfg.frames_per_chunk
+
+    def check_frames(self, frames: np.ndarray) -> np.ndarray:
+        """Validate [F, H, W, 3] uint8 with F <= frames per chunk; pad with the newest frame."""
+        h, w = self.cfg.image_size
+        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
+            raise ValueError(f"frames must be a uint8 numpy array, got {type(frames).__name__}")
+        if frames.ndim != 4 or frames.shape[1:] != (h, w, 3) or frames.shape[0] < 1:
+            raise ValueError(
+                f"frames have shape {frames.shape}, model {self.cfg.name} needs "
+                f"[F<={self.frames}, {h}, {w}, 3]"
+            )
+        if frames.shape[0] > self.frames:
+            raise ValueError(f"{frames.shape[0]} frames, a chunk holds at most {self.frames}")
+        if frames.shape[0] < self.frames:
+            pad = np.repeat(frames[-1:], self.frames - frames.shape[0], axis=0)
+            frames = np.concatenate([frames, pad])
+        return frames
+
+    def encode(self, frames: np.ndarray) -> torch.Tensor:
+        """[F, H, W, 3] uint8 -> latent [C, T, h, w] float32 on the codec's device."""
+        frames = self.check_frames(frames)
+        cfg = self.cfg
+        st, sh, sw = cfg.codec_stride
+        x = torch.from_numpy(frames).to(self.device).float() / 127.5 - 1.0  # [F, H, W, 3]
+        f, hh, ww, _ = x.shape
+        x = x.reshape(f // st, st, hh // sh, sh, ww // sw, sw, 3)
+        x = x.permute(0, 2, 4, 6, 1, 3, 5).reshape(f // st, hh // sh, ww // sw, self.block)
+        if self.proj is not None:
+            x = x @ self.proj
+        return x.permute(3, 0, 1, 2).contiguous()
+
+    def decode(self, latent: torch.Tensor) -> np.ndarray:
+        """latent [C, T, h, w] -> [F, H, W, 3] uint8."""
+        cfg = self.cfg
+        st, sh, sw = cfg.codec_stride
+        x = latent.to(self.device, torch.float32).permute(1, 2, 3, 0)  # [T, h, w, C]
+        if self.proj is not None:
+            x = x @ self.unproj
+        t, hh, ww, _ = x.shape
+        x = x.reshape(t, hh, ww, 3, st, sh, sw).permute(0, 4, 1, 5, 2, 6, 3)
+        x = x.reshape(t * st, hh * sh, ww * sw, 3)
+        return ((x + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()

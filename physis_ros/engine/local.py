@@ -1,0 +1,250 @@
+"""``LocalEngine``: the ``StreamEngine`` of one process (workers in threads, InProcTransport).
+
+The front end calls ``open_stream``/``submit_*``/``poll`` from its own threads; a driver thread
+collects finished chunks from the sink, decodes them with the codec and queues them for
+``poll``. Images and actions cross this boundary as numpy arrays only.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+
+from physis_ros.engine.api import (
+    AdmissionRefused,
+    ChunkOutput,
+    StreamFailed,
+    StreamPromise,
+    StreamSpec,
+)
+from physis_ros.engine.codec import Codec
+from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
+from physis_ros.engine.model import build_model
+from physis_ros.engine.placement import Layout, layout_even
+from physis_ros.engine.runtime import MODES, ChunkResult, InProcRuntime
+from physis_ros.engine.sampler import pack_chunk, unpack_chunk
+from physis_ros.engine.stage import measure_block_ms
+
+
+class LocalEngine:
+    """In-process engine: ``workers`` workers in threads, one shared model, one codec."""
+
+    def __init__(
+        self,
+        model: str | ModelConfig = "tiny",
+        *,
+        steps: int = 4,
+        window: int = 2,
+        shift: float = 5.0,
+        mode: str = "pipelined",
+        workers: int = 1,
+        layout: Layout | None = None,
+        batching: bool = True,
+        max_in_flight: int = 0,
+        max_streams: int = 64,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        checkpoint: str | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+        self.cfg = get_preset(model) if isinstance(model, str) else model
+        self.sampler = SamplerConfig(steps=steps, window=window, shift=shift)
+        self.mode = mode
+        self.max_in_flight = max_in_flight
+        self.max_streams = max_streams
+        self.model = build_model(self.cfg, seed=seed, device=device, dtype=dtype)
+        if checkpoint is not None:
+            self.model.load_safetensors(checkpoint)
+        self.codec = Codec(self.cfg, device=device)
+        L = self.cfg.num_blocks
+        if layout is None:
+            layout = layout_even(steps, L, workers)
+        self.runtime = InProcRuntime(self.model, self.sampler, layout, batching=batching)
+        self.workers = self.runtime.placement.num_workers
+        # One measured block forward calibrates what the promise says.
+        self.block_ms = measure_block_ms(self.model, [window], repeats=5, warmup=2)
+        self._lock = threading.Lock()
+        self._outputs: queue.SimpleQueue[ChunkOutput] = queue.SimpleQueue()
+        self._closed: set[int] = set()
+        self._next_stream = 0
+        self._stop = threading.Event()
+        self._failure: BaseException | None = None
+        self.drops: collections.Counter = collections.Counter()
+        self.runtime.start_threads()
+        self._driver = threading.Thread(target=self._drive, name="engine-driver", daemon=True)
+        self._driver.start()
+
+    # ---- StreamEngine ------------------------------------------------------------------------
+    def open_stream(self, spec: StreamSpec) -> StreamPromise:
+        self._check_alive()
+        cfg, k, L = self.cfg, self.sampler.steps, self.cfg.num_blocks
+        per_chunk_ms = k * L * self.block_ms
+        if self.mode == "pipelined":
+            interval_ms, depth = per_chunk_ms / self.workers, self.workers
+        else:
+            interval_ms, depth = (
+                per_chunk_ms + (L * self.block_ms if self.mode == "sequential-clean" else 0.0),
+                1,
+            )
+        with self._lock:
+            open_now = len(self.runtime.controller.streams)
+            if open_now >= self.max_streams:
+                raise AdmissionRefused(
+                    f"{open_now} streams open, the engine takes {self.max_streams}",
+                    resource="streams",
+                    shortfall="1 stream",
+                )
+            interval_ms *= open_now + 1  # streams share the same workers
+            if spec.target_interval_ms and interval_ms > spec.target_interval_ms:
+                raise AdmissionRefused(
+                    f"expected interval {interval_ms:.1f} ms exceeds target "
+                    f"{spec.target_interval_ms:.1f} ms",
+                    resource="compute",
+                    shortfall=f"{interval_ms - spec.target_interval_ms:.1f} ms per chunk",
+                )
+            sid = self._next_stream
+            self._next_stream += 1
+            self.runtime.open_stream(
+                sid,
+                seed=spec.seed,
+                cond_seed=spec.cond_seed,
+                mode=self.mode,
+                max_in_flight=self.max_in_flight,
+            )
+        return StreamPromise(
+            stream_id=sid,
+            model=cfg.name,
+            steps=k,
+            blocks=L,
+            expected_interval_ms=interval_ms,
+            pipeline_depth=depth,
+            expected_response_latency_ms=per_chunk_ms,
+            chunk_frames=cfg.frames_per_chunk,
+            image_height=cfg.image_size[0],
+            image_width=cfg.image_size[1],
+            action_horizon=cfg.action_horizon if cfg.action_mode != "none" else 0,
+            action_dim=cfg.action_dim if cfg.action_mode != "none" else 0,
+        )
+
+    def close_stream(self, stream_id: int) -> None:
+        with self._lock:
+            if stream_id not in self.runtime.controller.streams:
+                raise ValueError(f"stream {stream_id} is not open")
+            self.runtime.close_stream(stream_id)
+            self._closed.add(stream_id)
+
+    def submit_context(
+        self, stream_id: int, frames: np.ndarray, actions: np.ndarray | None = None
+    ) -> int:
+        self._check_alive()
+        latent = self.codec.encode(frames)
+        act = (
+            self._actions(actions) if self.cfg.action_mode != "none" else self._no_actions(actions)
+        )
+        x = pack_chunk(self.cfg, latent.cpu(), act)
+        with self._lock:
+            c = self.runtime.controller.submit_context(stream_id, x)
+            self.runtime.controller.pump()
+        return c
+
+    def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
+        self._check_alive()
+        if self.cfg.action_mode == "condition":
+            act = self._actions(actions)
+        else:
+            act = self._no_actions(actions)
+        with self._lock:
+            c = self.runtime.controller.submit_generate(stream_id, act)
+            self.runtime.controller.pump()
+        return c
+
+    def poll(self, timeout_s: float) -> list[ChunkOutput]:
+        out = []
+        try:
+            out.append(
+                self._outputs.get(timeout=timeout_s)
+                if timeout_s > 0
+                else self._outputs.get_nowait()
+            )
+            while True:
+                out.append(self._outputs.get_nowait())
+        except queue.Empty:
+            pass  # nothing more finished yet: what we have is the answer
+        self._check_alive()
+        return [o for o in out if o.stream_id not in self._closed]
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._driver.join(timeout=10.0)
+        self.runtime.stop_threads()
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _actions(self, actions: np.ndarray | None) -> torch.Tensor | None:
+        if actions is None:
+            return None
+        arr = np.asarray(actions, dtype=np.float32)
+        shape = (self.cfg.action_horizon, self.cfg.action_dim)
+        if arr.shape != shape:
+            raise ValueError(f"actions have shape {arr.shape}, model {self.cfg.name} needs {shape}")
+        if not np.isfinite(arr).all():
+            raise ValueError("actions contain NaN or inf")
+        return torch.from_numpy(arr.copy())
+
+    def _no_actions(self, actions: np.ndarray | None) -> None:
+        if actions is not None:
+            raise ValueError(
+                f"model {self.cfg.name} (action_mode {self.cfg.action_mode!r}) "
+                "takes no commanded actions here"
+            )
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise StreamFailed(f"engine stopped: {self._failure!r}") from self._failure
+        if self.runtime.errors:
+            raise StreamFailed(
+                f"a worker failed: {self.runtime.errors[0]!r}"
+            ) from self.runtime.errors[0]
+
+    def _drive(self) -> None:
+        sink = self.runtime.sink
+        try:
+            while not self._stop.is_set():
+                try:
+                    item = sink.get(timeout=0.01)
+                except queue.Empty:
+                    continue
+                with self._lock:
+                    res = self.runtime.controller.finished(*item)
+                    self.runtime.controller.pump()
+                if res is not None:
+                    self._outputs.put(self._decode(res))
+        except BaseException as err:  # noqa: BLE001 - surfaced to callers by _check_alive
+            self._failure = err
+
+    def _decode(self, res: ChunkResult) -> ChunkOutput:
+        latent, actions = unpack_chunk(self.cfg, res.x.float().cpu())
+        frames = self.codec.decode(latent)
+        return ChunkOutput(
+            stream_id=res.stream_id,
+            chunk=res.chunk,
+            frames=frames,
+            actions=actions.numpy().copy() if self.cfg.action_mode == "predict" else None,
+            entered_s=res.created_s,
+            left_s=res.left_s,
+            decoded_s=time.monotonic(),
+        )
