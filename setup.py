@@ -17,6 +17,8 @@ CONSOLE_SCRIPTS = [
     "physis-serve = physis_ros.serve.main:main",
     "bridge = physis_ros.nodes.bridge:main",
     "sim_robot = physis_ros.nodes.sim_robot:main",
+    "physis-sim = physis_ros.engine.pool.sim_cli:main",
+    "physis-profile = physis_ros.engine.pool.profile_cli:main",
 ]
 
 
