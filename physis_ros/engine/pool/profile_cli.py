@@ -1,0 +1,129 @@
+"""``physis-profile``: measure per-block time vs batch composition on this device -> JSON.
+
+It builds the engine's model (random weights by seed) on ``--device`` and times one batched
+forward of a middle block through the worker's hot path (``stage.time_block_forward``:
+device synchronised, warm-up excluded) for batches of 1, 2, 4, ... tasks whose KV windows
+are full (W previous chunks). It also times one activation hop through the in-process
+transport of the engine (``--hop inproc``) so that the profile carries a measured hop. The
+output is the ``Profile`` JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from physis_ros.engine.pool.costmodel import Profile, ProfileEntry
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="physis-profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="model preset")
+    p.add_argument("--steps", type=int, default=4, help="K (recorded; the block cost ignores it)")
+    p.add_argument("--window", type=int, default=2, help="W: previous chunks in every KV ring")
+    p.add_argument("--batches", default="1,2,4,8", help="batch sizes (tasks), comma separated")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--repeats", type=int, default=30, help="timed repeats per batch size")
+    p.add_argument("--warmup", type=int, default=5, help="untimed repeats per batch size")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out", help="write the JSON here too")
+    return p
+
+
+def _p99(values: list[float]) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(0.99 * len(v)))]
+
+
+def measure(args: argparse.Namespace) -> Profile:
+    import torch
+
+    from physis_ros.engine.config import get_preset
+    from physis_ros.engine.model import build_model
+    from physis_ros.engine.stage import time_block_forward
+
+    try:
+        batches = sorted({int(b) for b in args.batches.split(",")})
+    except ValueError:
+        raise ValueError(f"--batches must be integers, got {args.batches!r}") from None
+    if not batches or batches[0] < 1:
+        raise ValueError(f"--batches must be >= 1, got {args.batches!r}")
+    if args.repeats < 3 or args.warmup < 0:
+        raise ValueError("--repeats must be >= 3 and --warmup >= 0")
+    torch.set_num_threads(args.threads)
+    cfg = get_preset(args.model)
+    model = build_model(cfg, device=args.device, dtype=getattr(torch, args.dtype))
+    entries = []
+    for b in batches:
+        times = time_block_forward(
+            model,
+            [args.window] * b,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            window=args.window,
+        )
+        entries.append(ProfileEntry(tasks=b, ms_p50=statistics.median(times), ms_p99=_p99(times)))
+    return Profile(
+        device=_device_name(args.device),
+        model=cfg.name,
+        steps=args.steps,
+        window=args.window,
+        dtype=args.dtype,
+        entries=tuple(entries),
+        hop_ms=_inproc_hop_ms(cfg, args.device),
+        comm_overlaps_compute=False,
+    )
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu x{torch.get_num_threads()} threads"
+
+
+def _inproc_hop_ms(cfg, device: str, repeats: int = 200) -> float:
+    """Median time of one Activation through InProcTransport (send -> recv)."""
+    import torch
+
+    from physis_ros.engine.model import chunk_numel
+    from physis_ros.engine.transport import Activation, InProcTransport
+
+    a, b = InProcTransport.group(2)
+    x = torch.zeros(chunk_numel(cfg), device=device)
+    h = torch.zeros(cfg.tokens_per_chunk, cfg.dim, device=device)
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        a.send(1, Activation(0, i, 0, 1, 0, x, h))
+        got = b.recv(1.0)
+        times.append((time.perf_counter() - t0) * 1e3)
+        if len(got) != 1:
+            raise RuntimeError("in-process hop lost an activation")
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        profile = measure(args)
+    except ValueError as err:
+        print(f"physis-profile: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(profile.to_json(), indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
