@@ -13,9 +13,10 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -86,6 +87,8 @@ class ServerDescription:
     steps: int
     blocks: int
     placement: str = ""
+    engine_info: Callable[[], dict[str, Any]] | None = None
+    """What the engine reports about itself (workers, open streams / slots), on demand."""
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -343,7 +346,7 @@ class Frontend:
                 counters=s.counters(),
                 client_name=s.client_name,
             )
-        describe = getattr(self._loop.engine, "info", None)
+        describe = d.engine_info or getattr(self._loop.engine, "info", None)
         if callable(describe):
             info.engine.update({str(k): str(v) for k, v in describe().items()})
         if self._loop.error:

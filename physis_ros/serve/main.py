@@ -64,16 +64,28 @@ def frontend_config(section: dict[str, Any], **overrides: Any) -> FrontendConfig
 
 
 def build_local_engine(engine_section: dict[str, Any]) -> tuple[StreamEngine, ServerDescription]:
-    """The in-process engine described by the YAML ``engine`` section."""
+    """The in-process engine described by the YAML ``engine`` section (LocalEngine's keyword
+    arguments: model, steps, window, workers, mode, max_streams, checkpoint, ...)."""
     from physis_ros.engine.local import LocalEngine
 
-    engine = LocalEngine.from_config(**engine_section)
-    describe = getattr(engine, "describe", None)
+    engine = LocalEngine(**engine_section)
+
+    def engine_info() -> dict[str, Any]:
+        return {
+            "kind": "LocalEngine",
+            "mode": engine.mode,
+            "workers": engine.workers,
+            "open_streams": len(engine.runtime.controller.streams),
+            "max_streams": engine.max_streams,
+            "block_ms": f"{engine.block_ms:.3f}",
+        }
+
     return engine, ServerDescription(
-        model=engine.model_config.name,
-        steps=engine.sampler_config.steps,
-        blocks=engine.model_config.num_blocks,
-        placement=str(describe()) if callable(describe) else "",
+        model=engine.cfg.name,
+        steps=engine.sampler.steps,
+        blocks=engine.cfg.num_blocks,
+        placement=str(engine.runtime.placement),
+        engine_info=engine_info,
     )
 
 

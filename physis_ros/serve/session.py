@@ -70,11 +70,6 @@ class SessionEnded:
     details: str
 
 
-def wall_ns_from_monotonic(mono_s: float) -> int:
-    """A time.monotonic() instant on the server's wall clock (what crosses the wire)."""
-    return time.time_ns() - time.monotonic_ns() + int(mono_s * 1e9)
-
-
 class Session:
     """One admitted stream (see the module docstring)."""
 
@@ -289,9 +284,11 @@ class Session:
             p.observation_send_stamp_ns = ctx.send_stamp_ns
             p.server_times.received_ns = ctx.received_ns
             p.server_times.queued_ns = queued_ns
-        p.server_times.entered_ns = wall_ns_from_monotonic(out.entered_s)
-        p.server_times.left_ns = wall_ns_from_monotonic(out.left_s)
-        p.server_times.decoded_ns = wall_ns_from_monotonic(out.decoded_s)
+        # One wall-minus-monotonic offset for all three, so their order is kept exactly.
+        wall_minus_mono_ns = time.time_ns() - time.monotonic_ns()
+        p.server_times.entered_ns = wall_minus_mono_ns + int(out.entered_s * 1e9)
+        p.server_times.left_ns = wall_minus_mono_ns + int(out.left_s * 1e9)
+        p.server_times.decoded_ns = wall_minus_mono_ns + int(out.decoded_s * 1e9)
         p.counters.CopyFrom(self.counters())
         return msg
 
