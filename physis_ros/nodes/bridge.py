@@ -24,10 +24,8 @@ import time
 from collections import OrderedDict
 
 import numpy as np
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import WrenchStamped
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
@@ -48,6 +46,7 @@ from physis_ros.nodes.conversions import (
     validate_vector,
 )
 from physis_ros.nodes.pairing import ApproxTimePairer, PairedObservation, Sample
+from physis_ros.nodes.run import run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
 
@@ -462,16 +461,7 @@ def _wait_for_port(path: str, timeout_s: float) -> int:
 
 
 def main(args=None) -> int:
-    try:
-        with rclpy.init(args=args):
-            node = Bridge()
-            try:
-                rclpy.spin(node)
-            finally:
-                node.shutdown()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    return 0
+    return run_node(Bridge, args)
 
 
 if __name__ == "__main__":

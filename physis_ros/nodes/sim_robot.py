@@ -14,16 +14,15 @@ import sys
 import threading
 
 import numpy as np
-import rclpy
 from geometry_msgs.msg import WrenchStamped
 from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 
 from physis_ros.nodes.conversions import fill_image_msg
+from physis_ros.nodes.run import run_node
 from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
 
 
@@ -181,13 +180,7 @@ class SimRobot(Node):
 
 
 def main(args=None) -> int:
-    try:
-        with rclpy.init(args=args):
-            node = SimRobot()
-            rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    return 0
+    return run_node(SimRobot, args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""The closed-loop demo on one machine: sim_robot + physis-serve (CPU, tiny) + bridge,
+optionally rviz with config/physis.rviz. Without ``ros2 launch``, ``physis-demo`` (make demo)
+starts the same processes itself.
+
+    ros2 launch physis_ros demo.launch.py rviz:=true
+"""
+
+import os
+
+from ament_index_python.packages import get_package_share_directory
+from launch.actions import DeclareLaunchArgument, ExecuteProcess, SetEnvironmentVariable
+from launch.conditions import IfCondition
+from launch.substitutions import LaunchConfiguration
+from launch_ros.actions import Node
+
+from launch import LaunchDescription
+
+
+def generate_launch_description():
+    share = get_package_share_directory("physis_ros")
+    config = os.path.join(share, "config")
+    return LaunchDescription(
+        [
+            DeclareLaunchArgument(
+                "model", default_value="tiny", description="model preset physis-serve runs"
+            ),
+            DeclareLaunchArgument(
+                "port", default_value="50051", description="port of the local physis-serve"
+            ),
+            DeclareLaunchArgument(
+                "rviz", default_value="false", description="start rviz2 with physis.rviz"
+            ),
+            DeclareLaunchArgument(
+                "fastdds_profile",
+                default_value=os.path.join(config, "fastdds.xml"),
+                description="Fast DDS XML profile (shared-memory segment sized for images)",
+            ),
+            SetEnvironmentVariable(
+                "FASTDDS_DEFAULT_PROFILES_FILE", LaunchConfiguration("fastdds_profile")
+            ),
+            ExecuteProcess(
+                cmd=[
+                    "physis-serve",
+                    "--config",
+                    os.path.join(config, "serve.yaml"),
+                    "--model",
+                    LaunchConfiguration("model"),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    LaunchConfiguration("port"),
+                ],
+                output="screen",
+            ),
+            Node(
+                package="physis_ros",
+                executable="sim_robot",
+                name="sim_robot",
+                output="screen",
+                parameters=[os.path.join(config, "sim_robot.yaml")],
+            ),
+            Node(
+                package="physis_ros",
+                executable="bridge",
+                name="bridge",
+                output="screen",
+                parameters=[
+                    os.path.join(config, "bridge.yaml"),
+                    {"server": ["127.0.0.1:", LaunchConfiguration("port")]},
+                ],
+            ),
+            Node(
+                package="rviz2",
+                executable="rviz2",
+                name="rviz2",
+                arguments=["-d", os.path.join(config, "physis.rviz")],
+                condition=IfCondition(LaunchConfiguration("rviz")),
+            ),
+        ]
+    )
