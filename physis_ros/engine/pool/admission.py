@@ -335,13 +335,22 @@ class AdmissionController:
                 block = i % L
                 fits, short = [], []
                 for d in candidates:
-                    if d == cur or budget[d] < s_ms:
+                    if budget[d] < s_ms:  # cur lands here only when its memory is short
                         continue
-                    need = charges[d].cost(i, i > 0)
+                    need = charges[d].cost(i, i > 0 and d != cur)
                     (fits if need <= free[d] else short).append((d, need))
                 if not fits:
                     return None, self._stuck(
-                        i, L, s_ms, S, T, short=short, budget=budget, free=free
+                        i,
+                        L,
+                        s_ms,
+                        S,
+                        T,
+                        short=short,
+                        budget=budget,
+                        free=free,
+                        charges=charges,
+                        cur=cur,
                     )
                 d, _ = max(fits, key=lambda dn: (charges[dn[0]].holds(block), budget[dn[0]]))
             inbound = cur is not None and d != cur
@@ -363,17 +372,23 @@ class AdmissionController:
         return plan, _Failure("", "", "")
 
     @staticmethod
-    def _stuck(i, L, s_ms, S, T, *, short, budget, free) -> _Failure:
-        """Why stage i found no device: memory (where compute was left) or compute."""
+    def _stuck(i, L, s_ms, S, T, *, short, budget, free, charges, cur) -> _Failure:
+        """Why stage i found no device: memory (where compute was left) or compute.
+
+        The memory shortfall is what the device with the most spare compute lacks to hold
+        all remaining stages (i..S-1) of the stream."""
         if short:
-            d, need = max(short, key=lambda dn: budget[dn[0]])
+            d, _ = max(short, key=lambda dn: budget[dn[0]])
+            rest = charges[d].clone()
+            need = sum(rest.add(j, j == i and cur is not None and d != cur) for j in range(i, S))
             gap = (need - free[d]) / GIB
             step, blk = divmod(i, L)
             return _Failure(
                 resource="memory",
                 reason=(
-                    f"memory on device {d} short by {gap:.3f} GiB: stage ({step},{blk}) "
-                    f"needs {need / GIB:.3f} GiB, {max(free[d], 0) / GIB:.3f} GiB free"
+                    f"memory on device {d} short by {gap:.3f} GiB: stages ({step},{blk}).. "
+                    f"of the stream need {need / GIB:.3f} GiB, "
+                    f"{max(free[d], 0) / GIB:.3f} GiB free"
                 ),
                 shortfall=f"{gap:.3f} GiB",
             )

@@ -132,6 +132,19 @@ class StageCharge:
         self._workspace_now = workspace_now
         self.added = 0
 
+    def clone(self) -> StageCharge:
+        other = StageCharge(
+            mem=self.mem,
+            cfg=self.cfg,
+            sampler=self.sampler,
+            held_blocks=self._held_blocks,
+            held_edges=self._held_edges,
+            workspace_now=self._workspace_now,
+        )
+        other._stream_blocks = set(self._stream_blocks)
+        other.added = self.added
+        return other
+
     def holds(self, block: int) -> bool:
         """True when the block's weights are already on the device (no weight charge)."""
         return (self.cfg.name, block) in self._held_blocks

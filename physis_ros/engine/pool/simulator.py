@@ -26,7 +26,7 @@ from physis_ros.engine.pool.costmodel import CostModel
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.plan import StreamPlan
 
-PRIORITIES = ("oldest_chunk", "ready_first")
+PRIORITIES = ("oldest_chunk", "ready_first", "engine")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +55,9 @@ class SimConfig:
     batching: bool = True
     priority: str = "oldest_chunk"
     """Which ready task picks the next block: ``oldest_chunk`` (earliest released chunk, so
-    late chunks catch up) or ``ready_first`` (the task that became ready first)."""
+    late chunks catch up), ``ready_first`` (the task that became ready first) or ``engine``
+    (``Worker._pick``: the block with most ready tasks, ties and cuts to the most downstream
+    stages; without batching the most downstream task)."""
     interval_tolerance: float = 0.01
     """A stream meets its target when its median interval is within this of T and it
     misses no deadline."""
@@ -207,8 +209,9 @@ def simulate(
         key = (keys[si], stage % plan.model.num_blocks)
         seq += 1
         ready[d].setdefault(key, deque()).append((seq, si, stage, chunk))
-        prio = release[si][chunk] if config.priority == "oldest_chunk" else t
-        heapq.heappush(ready_heap[d], (prio, seq, key))
+        if config.priority != "engine":
+            prio = release[si][chunk] if config.priority == "oldest_chunk" else t
+            heapq.heappush(ready_heap[d], (prio, seq, key))
         dirty.add(d)
 
     def arrive(t: float, si: int, stage: int, chunk: int) -> None:
@@ -222,8 +225,13 @@ def simulate(
         arrive(t, si, 0, c)
 
     def dispatch(t: float, d: int) -> None:
-        nonlocal tasks_run
         if busy[d]:
+            return
+        if config.priority == "engine":
+            group = _engine_pick(ready[d], plans, config)
+            if not group:
+                return
+            run(t, d, group)
             return
         rh = ready_heap[d]
         while rh:
@@ -239,6 +247,10 @@ def simulate(
         dq = ready[d][key]
         limit = config.max_batch if config.batching else 1
         group = [dq.popleft() for _ in range(min(limit, len(dq)))]
+        run(t, d, group)
+
+    def run(t: float, d: int, group: list) -> None:
+        nonlocal tasks_run
         si0 = group[0][1]
         dur = group_ms(si0, len(group))
         end = t + dur
@@ -321,6 +333,28 @@ def simulate(
         batches=batches,
         tasks_run=tasks_run,
     )
+
+
+def _engine_pick(ready_d: dict, plans: list[StreamPlan], config: SimConfig) -> list:
+    """The engine worker's rule (physis_ros.engine.worker.Worker._pick)."""
+
+    def depth(task) -> tuple[int, int]:
+        _, si, stage, _ = task
+        return (stage, -plans[si].stream_id)
+
+    nonempty = [(key, dq) for key, dq in ready_d.items() if dq]
+    if not nonempty:
+        return []
+    if not config.batching:
+        _, dq = max(nonempty, key=lambda kd: max(depth(task) for task in kd[1]))
+        best = max(dq, key=depth)
+        dq.remove(best)
+        return [best]
+    _, dq = max(nonempty, key=lambda kd: (len(kd[1]), max(depth(task) for task in kd[1])))
+    chosen = sorted(dq, key=depth, reverse=True)[: config.max_batch]
+    for task in chosen:
+        dq.remove(task)
+    return chosen
 
 
 def _report(streams, config, memory, *, release, start, done, busy_spans, batches, tasks_run):
