@@ -13,6 +13,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 CONSOLE_SCRIPTS = [
+    "physis-bench = physis_ros.bench.cli:main",
     "physis-demo = physis_ros.demo:main",
     "physis-serve = physis_ros.serve.main:main",
     "bridge = physis_ros.nodes.bridge:main",
