@@ -209,15 +209,25 @@ class InProcRuntime:
         self.controller.pump()
         return out
 
-    def run_inline(self, max_rounds: int = 10_000_000) -> list[ChunkResult]:
-        """Drive every worker in turn in this thread until all released chunks are done."""
+    def run_inline(
+        self,
+        max_rounds: int = 10_000_000,
+        on_output: Callable[[ChunkResult], None] | None = None,
+    ) -> list[ChunkResult]:
+        """Drive every worker in turn in this thread until all released chunks are done.
+        ``on_output`` runs in the loop after each finished chunk (e.g. interleaved timing)."""
         if self._threads:
             raise RuntimeError("workers are running in threads; use wait_idle")
         out = self.drain()
         for _ in range(max_rounds):
             for w in self.workers:
                 w.run_once(0.0)
-            out += self.drain()
+            new = self.drain()
+            if new:
+                out += new
+                if on_output is not None:
+                    for res in new:
+                        on_output(res)
             if self.controller.idle():
                 return out
         raise RuntimeError(f"pipeline not idle after {max_rounds} rounds")
@@ -274,6 +284,7 @@ def run_plan(
     max_in_flight: int = 0,
     threads: bool = False,
     timeout_s: float = 600.0,
+    on_output: Callable[[ChunkResult], None] | None = None,
 ) -> dict[int, dict[int, ChunkResult]]:
     """Open one stream per plan, submit every item (``("context", x)`` or
     ``("generate", actions_or_None)``), run to completion; results per stream per chunk."""
@@ -301,7 +312,7 @@ def run_plan(
         finally:
             runtime.stop_threads()
     else:
-        results = runtime.run_inline()
+        results = runtime.run_inline(on_output=on_output)
     out: dict[int, dict[int, ChunkResult]] = {sid: {} for sid in plans}
     for r in results:
         out[r.stream_id][r.chunk] = r

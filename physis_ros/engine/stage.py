@@ -152,7 +152,9 @@ def run_block(
         outs = []
         for i, t in enumerate(tasks):
             kk, vv = t.ring.write(k[i, 0].transpose(0, 1), v[i, 0].transpose(0, 1), keep=t.keep_kv)
-            outs.append(F.scaled_dot_product_attention(q[i, 0].transpose(0, 1), kk, vv))
+            # 4-D inputs: 3-D ones fall back to the slow math kernel on the CPU
+            qi = q[i, 0].transpose(0, 1)[None]
+            outs.append(F.scaled_dot_product_attention(qi, kk[None], vv[None])[0])
         return torch.stack(outs).transpose(1, 2).unsqueeze(1)
 
     h = M.block_forward(
@@ -168,20 +170,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_block_forward(
-    model: WanDiT,
-    history_chunks: list[int],
-    *,
-    block: int | None = None,
-    repeats: int = 20,
-    warmup: int = 3,
-    window: int | None = None,
-) -> list[float]:
-    """Wall times (ms) of one batched forward of ``block`` for tasks whose KV rings hold
+class BlockTimer:
+    """Times one batched forward of ``block`` for tasks whose KV rings hold
     ``history_chunks[i]`` previous chunks each (a batch of len(history_chunks) tasks).
 
-    Measured through ``run_block`` (the worker's hot path), device synchronised, warm-up
-    excluded. The rings are not advanced, so every repeat sees the same composition."""
+    Measured through ``run_block`` (the worker's hot path), device synchronised. The rings
+    are not advanced, so every sample sees the same composition; ``sample()`` can be
+    interleaved with a run to see the same machine load."""
+
+    def __init__(
+        self,
+        model: WanDiT,
+        history_chunks: list[int],
+        *,
+        block: int | None = None,
+        window: int | None = None,
+    ) -> None:
+        self.model = model
+        self.block, self.tasks, self.caches = _timing_tasks(model, history_chunks, block, window)
+
+    def sample(self) -> float:
+        dev = self.model.device
+        _sync(dev)
+        t0 = time.perf_counter()
+        run_block(self.model, self.block, self.tasks, self.caches)
+        _sync(dev)
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _timing_tasks(
+    model: WanDiT, history_chunks: list[int], block: int | None, window: int | None
+) -> tuple[int, list[StageTask], StageCaches]:
     cfg = model.cfg
     if block is None:  # a middle block: no embedding and no head in the number
         ids = sorted(model.block_ids)
@@ -217,15 +236,22 @@ def time_block_forward(
                 cross_v=cv,
             )
         )
-    out = []
-    for r in range(warmup + repeats):
-        _sync(dev)
-        t0 = time.perf_counter()
-        run_block(model, block, tasks, caches)
-        _sync(dev)
-        if r >= warmup:
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
+    return block, tasks, caches
+
+
+def time_block_forward(
+    model: WanDiT,
+    history_chunks: list[int],
+    *,
+    block: int | None = None,
+    repeats: int = 20,
+    warmup: int = 3,
+    window: int | None = None,
+) -> list[float]:
+    """Wall times (ms) of ``repeats`` forwards (after ``warmup``): see ``BlockTimer``."""
+    timer = BlockTimer(model, history_chunks, block=block, window=window)
+    samples = [timer.sample() for _ in range(warmup + repeats)]
+    return samples[warmup:]
 
 
 def measure_block_ms(model: WanDiT, history_chunks: list[int], **kw) -> float:

@@ -1,0 +1,322 @@
+"""``physis-bench engine``: interval, latency and scheduler efficiency of the in-process engine.
+
+Each mode runs S streams of C generated chunks (plus an observation at chunk 0 and one in the
+middle) through the same workers. The interval is the median gap between consecutive outputs
+of a stream in steady state (the first ``--skip`` outputs and any gap spanning an observation
+excluded); ``block_ms`` is the median of one block forward of one task with a full window,
+measured in the same run through the same code (``stage.measure_block_ms``);
+``ideal_interval_ms = streams * K * L * block_ms / workers``; ``efficiency = ideal / interval``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from physis_ros.engine.codec import Codec
+from physis_ros.engine.config import PRESETS, SamplerConfig, get_preset
+from physis_ros.engine.model import build_model, param_count
+from physis_ros.engine.oracle import sample as oracle_sample
+from physis_ros.engine.placement import layout_by_block, layout_even
+from physis_ros.engine.runtime import MODES, InProcRuntime, run_plan
+from physis_ros.engine.sampler import pack_chunk
+from physis_ros.engine.stage import BlockTimer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="physis-bench engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--steps", "-K", type=int, default=4, help="denoising steps K")
+    p.add_argument("--window", "-W", type=int, default=2, help="history window W (chunks)")
+    p.add_argument("--chunks", "-C", type=int, default=20, help="generated chunks per stream")
+    p.add_argument("--streams", "-S", type=int, default=1)
+    p.add_argument("--workers", "-N", type=int, default=1)
+    p.add_argument("--mode", default="pipelined", choices=[*MODES, "all"])
+    p.add_argument("--no-batching", action="store_true", help="one task per forward")
+    p.add_argument(
+        "--compare-batching",
+        action="store_true",
+        help="also run pipelined with the other batching setting; report both",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=-1,
+        help="chunks of a stream in flight in pipelined mode (-1: K*min(N, L))",
+    )
+    p.add_argument("--skip", type=int, default=-1, help="outputs excluded as fill (-1: K)")
+    p.add_argument("--check-oracle", action="store_true", help="compare with the offline sampler")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _plans(cfg, args, codec: Codec) -> dict[int, list]:
+    rng = np.random.default_rng(args.seed)
+    h, w = cfg.image_size
+    plans = {}
+    for s in range(args.streams):
+
+        def obs() -> tuple[str, torch.Tensor]:
+            frames = rng.integers(0, 256, (cfg.frames_per_chunk, h, w, 3), dtype=np.uint8)
+            return ("context", pack_chunk(cfg, codec.encode(frames).cpu()))
+
+        plan = [obs()]
+        for c in range(args.chunks):
+            if c == args.chunks // 2:
+                plan.append(obs())  # a mid-stream observation: measures response latency
+            plan.append(("generate", None))
+        plans[s] = plan
+    return plans
+
+
+def _run_mode(model, sampler, args, plans, *, mode: str, batching: bool, timer: BlockTimer) -> dict:
+    cfg = model.cfg
+    K, L, N = sampler.steps, cfg.num_blocks, args.workers
+    if mode == "sequential-clean" and N > 1:
+        if N > L:
+            return {
+                "error": f"sequential-clean needs every block on one worker; {N} workers > L={L}"
+            }
+        base, extra = divmod(L, N)
+        layout = layout_by_block(K, L, [base + (i < extra) for i in range(N)])
+    else:
+        layout = layout_even(K, L, N)
+    in_flight = args.max_in_flight if args.max_in_flight >= 0 else K * min(N, L)
+    rt = InProcRuntime(model, sampler, layout, batching=batching)
+    # One worker runs inline; then a block-time sample is taken after every output, so that
+    # block_ms sees the same machine load as the run. The sampling time is cut out of every
+    # measured span (``paused``).
+    samples: list[float] = []
+    pauses: list[tuple[float, float]] = []
+
+    def sample(_res) -> None:
+        t = time.monotonic()
+        samples.append(timer.sample())
+        pauses.append((t, time.monotonic() - t))
+
+    def span_ms(t0: float, t1: float) -> float:
+        return (t1 - t0 - sum(d for s, d in pauses if t0 <= s < t1)) * 1e3
+
+    t0 = time.monotonic()
+    out = run_plan(
+        rt,
+        plans,
+        mode=mode,
+        max_in_flight=in_flight,
+        threads=N > 1,
+        seeds={s: args.seed + s for s in plans},
+        cond_seeds={s: 100 + s for s in plans},
+        on_output=None if N > 1 else sample,
+    )
+    wall_s = time.monotonic() - t0
+    skip = args.skip if args.skip >= 0 else K
+    gaps, fills, responses = [], [], []
+    for sid, plan in plans.items():
+        res = out[sid]
+        gen = [c for c, (kind, _) in enumerate(plan) if kind == "generate"]
+        ctx = [c for c, (kind, _) in enumerate(plan) if kind == "context"]
+        fills.append(span_ms(res[gen[0]].created_s, res[gen[0]].left_s))
+        for a, b in zip(gen[skip:], gen[skip + 1 :], strict=False):
+            if b == a + 1:  # no observation in between
+                gaps.append(span_ms(res[a].left_s, res[b].left_s))
+        for c in ctx[1:]:
+            after = [g for g in gen if g > c]
+            if after:
+                entered = rt.controller.streams[sid].context_entered_s[c]
+                responses.append(span_ms(entered, res[after[0]].left_s))
+    if not gaps:
+        return {"error": f"no steady-state gaps: raise --chunks above --skip ({skip})"}
+    tasks = sum(w.stats.tasks for w in rt.workers)
+    batches = sum(w.stats.batches for w in rt.workers)
+    drops = sum(sum(w.stats.drops.values()) for w in rt.workers)
+    return {
+        "interval_ms": statistics.median(gaps),
+        "interval_p99_ms": float(np.percentile(gaps, 99)),
+        "interval_samples": len(gaps),
+        "fill_latency_ms": statistics.median(fills),
+        "response_latency_ms": statistics.median(responses) if responses else None,
+        "mean_batch": tasks / max(batches, 1),
+        "tasks": tasks,
+        "drops": drops,
+        "wall_s": wall_s,
+        "max_in_flight": in_flight,
+        "outputs": out,
+        "block_samples": samples,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    cfg = get_preset(args.model)
+    sampler = SamplerConfig(steps=args.steps, window=args.window)
+    dtype = DTYPES[args.dtype]
+    model = build_model(cfg, seed=args.seed, device=args.device, dtype=dtype)
+    codec = Codec(cfg, device=args.device)
+    K, L, N, S = sampler.steps, cfg.num_blocks, args.workers, args.streams
+    plans = _plans(cfg, args, codec)
+    batching = not args.no_batching
+    modes = list(MODES) if args.mode == "all" else [args.mode]
+    # warm-up (excluded): allocator, kernels, caches
+    warm = {0: plans[0][: 2 + min(K, args.chunks)]}
+    run_plan(
+        InProcRuntime(model, sampler, layout_even(K, L, 1), batching=batching),
+        warm,
+        mode="pipelined",
+    )
+    timer = BlockTimer(model, [args.window])
+    block_before = [timer.sample() for _ in range(25)][5:]
+    results = {
+        m: _run_mode(model, sampler, args, plans, mode=m, batching=batching, timer=timer)
+        for m in modes
+    }
+    block_after = [timer.sample() for _ in range(20)]
+    interleaved = [x for r in results.values() for x in r.get("block_samples", [])]
+    # interleaved samples saw the run's load; with threads (N > 1) only before/after exist
+    block_ms = statistics.median(interleaved or block_before + block_after)
+    ideal = S * K * L * block_ms / N
+    main_mode = "pipelined" if "pipelined" in results else modes[0]
+    main = results[main_mode]
+    report = {
+        "model": cfg.name,
+        "params": param_count(model),
+        "mode": args.mode,
+        "main_mode": main_mode,
+        "K": K,
+        "L": L,
+        "window": args.window,
+        "workers": N,
+        "streams": S,
+        "chunks": args.chunks,
+        "batching": batching,
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "tokens_per_chunk": cfg.tokens_per_chunk,
+        "block_ms": block_ms,
+        "block_ms_before": statistics.median(block_before),
+        "block_ms_after": statistics.median(block_after),
+        "block_ms_interleaved_samples": len(interleaved),
+        "ideal_interval_ms": ideal,
+    }
+    for key in (
+        "interval_ms",
+        "interval_p99_ms",
+        "fill_latency_ms",
+        "response_latency_ms",
+        "mean_batch",
+        "max_in_flight",
+        "drops",
+        "error",
+    ):
+        if key in main:
+            report[key] = main[key]
+    if "interval_ms" in main:
+        report["efficiency"] = ideal / main["interval_ms"]
+    for m, r in results.items():
+        report[m.replace("-", "_") + "_interval_ms"] = r.get("interval_ms")
+        if "error" in r:
+            report[m.replace("-", "_") + "_error"] = r["error"]
+    if "sequential-clean" in results and results["sequential-clean"].get("interval_ms"):
+        report["speedup_vs_clean"] = (
+            results["sequential-clean"]["interval_ms"] / main["interval_ms"]
+        )
+    if args.compare_batching:
+        other = _run_mode(
+            model, sampler, args, plans, mode="pipelined", batching=not batching, timer=timer
+        )
+        on, off = (main, other) if batching else (other, main)
+        report["interval_batched_ms"] = on.get("interval_ms")
+        report["interval_unbatched_ms"] = off.get("interval_ms")
+        report["mean_batch_batched"] = on.get("mean_batch")
+        if on.get("interval_ms") and off.get("interval_ms"):
+            report["batching_speedup"] = off["interval_ms"] / on["interval_ms"]
+    # the codec, timed apart from the DiT (as published DiT numbers are)
+    frames = np.zeros((cfg.frames_per_chunk, *cfg.image_size, 3), np.uint8)
+    enc, dec = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        lat = codec.encode(frames)
+        t1 = time.perf_counter()
+        codec.decode(lat)
+        dec.append((time.perf_counter() - t1) * 1e3)
+        enc.append((t1 - t0) * 1e3)
+    report["codec"] = cfg.codec
+    report["codec_encode_ms"] = statistics.median(enc)
+    report["codec_decode_ms"] = statistics.median(dec)
+    if args.check_oracle:
+        diffs = []
+        for m, r in results.items():
+            if "outputs" not in r:
+                continue
+            for sid, plan in plans.items():
+                ref = oracle_sample(
+                    model, sampler, plan, mode=m, seed=args.seed + sid, cond_seed=100 + sid
+                )
+                diffs += [
+                    (r["outputs"][sid][c].x.float().cpu() - ref[c].float().cpu()).abs().max().item()
+                    for c in ref
+                ]
+        report["oracle_max_abs_diff"] = max(diffs)
+    return report
+
+
+def _table(rep: dict) -> str:
+    rows = [
+        ("model", rep["model"]),
+        ("K x L", f"{rep['K']} x {rep['L']}"),
+        ("workers / streams", f"{rep['workers']} / {rep['streams']}"),
+        ("batching", rep["batching"]),
+        ("block_ms", f"{rep['block_ms']:.3f}"),
+        ("ideal_interval_ms", f"{rep['ideal_interval_ms']:.2f}"),
+    ]
+    for key in (
+        "interval_ms",
+        "interval_p99_ms",
+        "efficiency",
+        "fill_latency_ms",
+        "response_latency_ms",
+        "sequential_noisy_interval_ms",
+        "sequential_clean_interval_ms",
+        "speedup_vs_clean",
+        "interval_batched_ms",
+        "interval_unbatched_ms",
+        "batching_speedup",
+        "oracle_max_abs_diff",
+    ):
+        if rep.get(key) is not None:
+            val = rep[key]
+            rows.append((key, f"{val:.4g}" if isinstance(val, float) else str(val)))
+    return "\n".join(f"{k:32s} {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.streams < 1 or args.workers < 1 or args.chunks < 2 or args.threads < 1:
+        print(
+            "physis-bench engine: --streams, --workers, --threads must be >= 1 and --chunks >= 2",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        rep = run(args)
+    except ValueError as err:
+        print(f"physis-bench engine: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(rep) if args.json else _table(rep))
+    return 0
