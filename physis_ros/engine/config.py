@@ -220,6 +220,27 @@ PRESETS: dict[str, ModelConfig] = {
         action_horizon=16,
         action_mode="predict",
     ),
+    # The demo scene's world model (physis_ros/weights): 32x32 camera at 10 Hz, 2 frames per
+    # chunk (32 video tokens), conditioned on the 2 joint position targets of each frame.
+    "push-wm": ModelConfig(
+        name="push-wm",
+        num_blocks=4,
+        dim=128,
+        num_heads=4,
+        ffn_dim=512,
+        freq_dim=64,
+        text_dim=16,
+        text_len=4,
+        in_channels=48,
+        latent_frames=2,
+        latent_height=8,
+        latent_width=8,
+        codec="pixel",
+        codec_stride=(1, 4, 4),
+        action_dim=2,
+        action_horizon=2,
+        action_mode="condition",
+    ),
     # Wan2.1 T2V 1.3B at 480x832: 1560 tokens per latent frame, 3 latent frames per chunk.
     "wan2.1-1.3b": _wan("wan2.1-1.3b", num_blocks=30, dim=1536, num_heads=12, ffn_dim=8960),
     # Wan2.2 TI2V 5B at 704x1280: VAE 4x16x16, 48 latent channels, 880 tokens per frame.
