@@ -136,7 +136,7 @@ class TorchDistTransport:
         # Tensors cross the wire on the compute device with NCCL, on the CPU with gloo.
         self.wire_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self._inbox: queue.SimpleQueue[Activation] = queue.SimpleQueue()
-        self._sink: queue.SimpleQueue[Activation] = queue.SimpleQueue()
+        self._sink: queue.SimpleQueue[tuple[float, Activation]] = queue.SimpleQueue()
         self._control: queue.SimpleQueue[ControlMessage] = queue.SimpleQueue()
         self._send_queues: dict[int, queue.SimpleQueue] = {}
         self._send_threads: dict[int, threading.Thread] = {}
@@ -149,6 +149,9 @@ class TorchDistTransport:
         """Messages and drops by reason (``sent``, ``received``, ``dropped_<reason>``)."""
         self.recv_error: str | None = None
         """Why the receive thread stopped, if it stopped on an error."""
+        self._byes_from: set[int] = set()
+        self._final_byes: set[int] | None = None
+        self._got_shutdown = False
         self._groups_by_direction: tuple | None = None
         if self.backend == "nccl":
             # Collective at construction: every rank builds its transport at start-up.
@@ -160,7 +163,8 @@ class TorchDistTransport:
             self._last_heard_s[peer] = now
         target = self._recv_loop_nccl if self.backend == "nccl" else self._recv_loop_gloo
         self._recv_thread = threading.Thread(target=target, name="dist-recv", daemon=True)
-        self._recv_thread.start()
+        if self.world_size > 1:
+            self._recv_thread.start()
 
     # ---------------------------------------------------------------- public API
     def send(self, dst: int, msg: Activation) -> None:
@@ -186,9 +190,14 @@ class TorchDistTransport:
         """Every activation that arrived for this rank's stages; waits up to ``timeout_s``."""
         return _drain(self._inbox, timeout_s)
 
-    def recv_sink(self, timeout_s: float) -> list[Activation]:
-        """Finished chunks (``step == K``) that reached this rank (the controller)."""
+    def recv_sink(self, timeout_s: float) -> list[tuple[float, Activation]]:
+        """Finished chunks (``step == K``) that reached this rank (the controller), each with
+        time.monotonic() of its arrival here."""
         return _drain(self._sink, timeout_s)
+
+    def put_sink(self, left_s: float, msg: Activation) -> None:
+        """Hand a chunk that finished on this rank itself to ``recv_sink``."""
+        self._sink.put((left_s, msg))
 
     def send_control(self, dst: int, kind: str, body: dict | None = None) -> None:
         """Send a JSON control message; to ``dst == rank`` it is delivered locally."""
@@ -218,12 +227,28 @@ class TorchDistTransport:
     def pending_sends(self) -> int:
         return sum(q.qsize() for q in self._send_queues.values())
 
+    def expect_final_byes(self, ranks) -> None:
+        """Rank 0 at shutdown: the receive thread ends once each of ``ranks`` said ``bye``
+        (a worker's receive thread ends on ``shutdown``). Call before sending ``shutdown``."""
+        self._final_byes = set(ranks)
+
+    def join_recv(self, timeout_s: float) -> bool:
+        """Wait for the receive thread to end; True if it did (or never ran)."""
+        if self._recv_thread.is_alive():
+            self._recv_thread.join(timeout=timeout_s)
+        return not self._recv_thread.is_alive()
+
+    def _recv_done(self) -> bool:
+        if self._got_shutdown or self._closed.is_set():
+            return True
+        return self._final_byes is not None and self._final_byes <= self._byes_from
+
     def close(self, flush_timeout_s: float = 2.0) -> None:
         """Flush queued sends (up to ``flush_timeout_s``) and stop the send threads.
 
-        The receive thread is a daemon blocked in a wait with no portable way to cancel it
-        (gloo has no abort for an any-source receive); it ends with the process or when the
-        peer's last message arrives. destroy_process_group is safe with it pending.
+        The receive thread cannot be cancelled (gloo has no abort for a posted any-source
+        receive): it ends after the last message of the shutdown protocol (``shutdown`` on a
+        worker, every expected ``bye`` on rank 0); see ``join_recv``.
         """
         deadline = time.monotonic() + flush_timeout_s
         while self.pending_sends() and time.monotonic() < deadline:
@@ -309,7 +334,7 @@ class TorchDistTransport:
 
     def _deliver(self, msg: Activation) -> None:
         if msg.step >= self.shapes.steps:
-            self._sink.put(msg)
+            self._sink.put((time.monotonic(), msg))
         else:
             self._inbox.put(msg)
 
@@ -321,6 +346,8 @@ class TorchDistTransport:
                 work.wait()
                 src = work._source_rank()
                 self._handle(src, header.tolist(), lambda t, s=src: dist.irecv(t, s, tag=1).wait())
+                if self._recv_done():
+                    return
             except RuntimeError as exc:
                 # The process-group timeout expired with no message from anyone (rank 0's
                 # heartbeat stopped) or the group was destroyed: nothing more will arrive.
@@ -355,6 +382,8 @@ class TorchDistTransport:
                     values = headers[p].tolist()
                     posted[p] = None
                     self._handle(p, values, recv_from)
+                    if self._recv_done():
+                        return
                     posted[p] = dist.irecv(headers[p], src=p, group=group_of[p], tag=TAG_HEADER)
             if idle:
                 time.sleep(20e-6)
@@ -375,7 +404,12 @@ class TorchDistTransport:
             recv_into(data, src)
             try:
                 decoded = json.loads(bytes(data.cpu().numpy()).decode())
-                self._control.put(ControlMessage(src, decoded["kind"], decoded.get("body", {})))
+                kind_name = decoded["kind"]
+                self._control.put(ControlMessage(src, kind_name, decoded.get("body", {})))
+                if kind_name == "shutdown":
+                    self._got_shutdown = True
+                elif kind_name == "bye":
+                    self._byes_from.add(src)
             except (ValueError, KeyError, TypeError) as exc:
                 self.counters["dropped_bad_control"] += 1
                 log.warning("rank %d: bad control message from rank %d: %s", self.rank, src, exc)

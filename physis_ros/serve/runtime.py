@@ -1,0 +1,409 @@
+"""The per-rank runtime: configuration, the worker loop of ranks 1..N-1, control, shutdown.
+
+Every rank runs one engine ``Worker`` (``StageHost`` below) on its device over a
+``TorchDistTransport``. Rank 0 is also the controller (``physis_ros.serve.dist_engine``):
+it places streams and sends control messages; the other ranks run ``run_worker_rank``:
+
+    loop: apply control messages -> worker.run_once(poll_interval_s) -> heartbeat to rank 0
+
+Control messages (JSON on the p2p channel, kind -> body):
+  rank 0 -> worker: ``open`` {stream_id, seed, cond_seed, layout}, ``close`` {stream_id},
+                    ``shutdown`` {}
+  worker -> rank 0: ``ready`` {rank, blocks}, ``error`` {rank, error}, ``bye`` {rank, reason}
+No barrier on the data path: an activation that reaches a worker before its stream's
+``open`` (it came from another rank) waits in ``StageHost`` until the ``open`` arrives.
+
+Faults: a worker exits (code 3) when it hears nothing from rank 0 for ``fault_timeout_s``;
+rank 0 detects a silent worker the same way (see dist_engine). SIGINT/SIGTERM end the loop,
+say ``bye`` and leave the process group.
+
+Run as ``python -m physis_ros.serve.runtime [flags]`` under the torchrun environment (the
+programmatic launcher ``dist_launch.spawn_ranks`` sets the same variables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
+from physis_ros.engine.placement import (
+    Layout,
+    layout_even,
+    layout_groups,
+    layout_one_stage_per_worker,
+    layout_single,
+    validate_layout,
+)
+from physis_ros.serve.dist_launch import RankContext, init_from_env, tie_to_parent
+from physis_ros.serve.dist_transport import (
+    ActivationShapes,
+    TorchDistTransport,
+    check_shapes_agree,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXIT_CONTROLLER_LOST = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """What every rank must agree on (rank 0 passes it to the others as flags)."""
+
+    model: str = "tiny"
+    """Model preset name (``physis_ros.engine.config.PRESETS``)."""
+    steps: int = 4
+    """K: denoising steps."""
+    window: int = 2
+    """W: history window in chunks."""
+    shift: float = 5.0
+    """Schedule shift."""
+    weights_seed: int = 0
+    """Random-init seed of the weights (when ``weights_path`` is empty)."""
+    weights_path: str = ""
+    """Safetensors checkpoint with upstream key names; empty: random weights."""
+    dtype: str = "float32"
+    """Compute dtype: float32 or bfloat16."""
+    device: str = "auto"
+    """``auto`` (cuda:LOCAL_RANK if CUDA exists, else cpu), ``cpu`` or ``cuda``."""
+    placement: str = "even"
+    """Default layout of a stream over the ranks: ``even``, ``single``, ``one-stage``, or
+    ``groups:a,b,...`` (contiguous groups of a, b, ... stages in pipeline order)."""
+    batching: bool = True
+    """Batch ready tasks that share block weights."""
+    threads: int = 1
+    """torch intra-op threads per rank."""
+    heartbeat_interval_s: float = 0.25
+    """How often every rank tells rank 0 it is alive (and rank 0 tells every rank)."""
+    fault_timeout_s: float = 5.0
+    """A rank silent for this long is dead or hung: its streams fail."""
+    comm_timeout_s: float = 60.0
+    """torch.distributed process-group timeout: no wait lasts longer."""
+    startup_timeout_s: float = 120.0
+    """Time for every rank to load weights and report ready."""
+    poll_interval_s: float = 0.002
+    """Longest a worker waits for an activation before checking control and heartbeats."""
+
+    def __post_init__(self) -> None:
+        get_preset(self.model)  # raises ValueError naming an unknown preset
+        SamplerConfig(steps=self.steps, window=self.window, shift=self.shift)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device {self.device!r} is not auto, cpu or cuda")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        for name in (
+            "heartbeat_interval_s",
+            "fault_timeout_s",
+            "comm_timeout_s",
+            "poll_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.fault_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"fault_timeout_s {self.fault_timeout_s} must exceed two heartbeats "
+                f"({2 * self.heartbeat_interval_s} s)"
+            )
+        if self.comm_timeout_s <= self.fault_timeout_s:
+            raise ValueError(
+                f"comm_timeout_s {self.comm_timeout_s} must exceed fault_timeout_s "
+                f"{self.fault_timeout_s} so faults are reported before waits give up"
+            )
+        parse_placement(self.placement, self.steps, 1 + self.steps * 1000, check_workers=False)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return get_preset(self.model)
+
+    @property
+    def sampler_config(self) -> SamplerConfig:
+        return SamplerConfig(steps=self.steps, window=self.window, shift=self.shift)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def shapes(self) -> ActivationShapes:
+        from physis_ros.engine.model import chunk_numel
+
+        cfg = self.model_config
+        return ActivationShapes(
+            x_numel=chunk_numel(cfg),
+            h_tokens=cfg.tokens_per_chunk,
+            h_dim=cfg.dim,
+            h_dtype=self.torch_dtype,
+            steps=self.steps,
+        )
+
+    def to_argv(self) -> list[str]:
+        """Flags that rebuild this config in another rank (``from_argv``)."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            else:
+                out += [flag, str(value)]
+        return out
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                parser.add_argument(
+                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None
+                )
+            else:
+                kind = {"int": int, "float": float}.get(str(f.type), str)
+                parser.add_argument(flag, dest=f.name, type=kind, default=None)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace, **base) -> RuntimeConfig:
+        """Flags given on the command line override ``base`` (e.g. from YAML)."""
+        values = dict(base)
+        for f in dataclasses.fields(cls):
+            if getattr(ns, f.name, None) is not None:
+                values[f.name] = getattr(ns, f.name)
+        return cls(**values)
+
+
+def parse_placement(spec: str, steps: int, blocks: int, workers: int = 1, *, check_workers=True):
+    """The layout named by ``spec`` (see ``RuntimeConfig.placement``) for ``workers`` ranks."""
+    if spec == "single":
+        return layout_single(steps, blocks)
+    if spec == "even":
+        return layout_even(steps, blocks, workers) if check_workers else None
+    if spec == "one-stage":
+        layout = layout_one_stage_per_worker(steps, blocks)
+        if check_workers:
+            validate_layout(layout, steps, blocks, workers)
+        return layout
+    if spec.startswith("groups:"):
+        try:
+            sizes = [int(s) for s in spec[len("groups:") :].split(",")]
+        except ValueError:
+            raise ValueError(
+                f"placement {spec!r}: groups must be integers, e.g. groups:3,5"
+            ) from None
+        if not check_workers:
+            return None
+        if len(sizes) > workers:
+            raise ValueError(f"placement {spec!r} needs {len(sizes)} ranks, the job has {workers}")
+        return layout_groups(steps, blocks, sizes)
+    raise ValueError(f"placement {spec!r} is not even, single, one-stage or groups:a,b,...")
+
+
+class StageHost:
+    """One rank's engine worker, plus what the runtime adds around it: streams opened and
+    closed by control messages, and activations held back until their stream is open.
+
+    The engine ``Worker`` pulls from ``self`` as its transport (``recv``), so activations of
+    streams this rank does not know yet are held here, and those of closed streams dropped
+    (counted)."""
+
+    def __init__(
+        self, cfg: RuntimeConfig, ctx: RankContext, transport: TorchDistTransport, blocks: set[int]
+    ) -> None:
+        from physis_ros.engine.model import build_model
+        from physis_ros.engine.placement import Placement
+        from physis_ros.engine.worker import Worker
+
+        self.cfg = cfg
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.transport = transport
+        self.blocks = set(blocks)
+        self.model = build_model(
+            cfg.model_config,
+            seed=cfg.weights_seed,
+            device=ctx.device,
+            dtype=cfg.torch_dtype,
+            block_ids=self.blocks,
+        )
+        if cfg.weights_path:
+            self.model.load_safetensors(cfg.weights_path, strict=False)
+        self.open_streams: set[int] = set()
+        self.closed_streams: set[int] = set()
+        self._held: list = []
+        self.dropped: dict[str, int] = {}
+        # Streams arrive later with their own layouts; finished chunks go to rank 0.
+        placement = Placement(
+            steps=cfg.steps,
+            blocks=cfg.model_config.num_blocks,
+            num_workers=ctx.world_size,
+            layouts={},
+            sink_rank=0,
+        )
+        self.worker = Worker(self.model, cfg.sampler_config, self, placement, batching=cfg.batching)
+
+    # Transport interface seen by the engine Worker --------------------------------------
+    def send(self, dst: int, msg) -> None:
+        self.transport.send(dst, msg)
+
+    def recv(self, timeout_s: float) -> list:
+        out = []
+        held, self._held = self._held, []
+        for msg in held + self.transport.recv(timeout_s if not held else 0.0):
+            if msg.stream_id in self.open_streams:
+                out.append(msg)
+            elif msg.stream_id in self.closed_streams:
+                self.dropped["closed_stream"] = self.dropped.get("closed_stream", 0) + 1
+            else:
+                self._held.append(msg)
+        return out
+
+    # Control --------------------------------------------------------------------------------
+    def open_stream(self, body: dict) -> None:
+        stream_id = int(body["stream_id"])
+        layout: Layout = tuple(tuple(int(r) for r in row) for row in body["layout"])
+        needed = {blk for row in layout for blk, r in enumerate(row) if r == self.rank}
+        missing = needed - self.blocks
+        if missing:
+            raise ValueError(f"rank {self.rank} does not hold blocks {sorted(missing)}")
+        self.worker.open_stream(
+            stream_id,
+            layout=layout,
+            cond_seed=int(body.get("cond_seed", 0)),
+            history=str(body.get("history", "noisy")),
+        )
+        self.closed_streams.discard(stream_id)
+        self.open_streams.add(stream_id)
+
+    def close_stream(self, stream_id: int) -> None:
+        if stream_id in self.open_streams:
+            self.worker.close_stream(stream_id)
+        self.open_streams.discard(stream_id)
+        self.closed_streams.add(stream_id)
+        self._held = [m for m in self._held if m.stream_id != stream_id]
+
+    def run_once(self, timeout_s: float) -> int:
+        return self.worker.run_once(timeout_s)
+
+
+def blocks_for_rank(cfg: RuntimeConfig, rank: int, world_size: int) -> set[int]:
+    """Blocks whose weights ``rank`` loads: those of its stages under the default layout
+    (``single`` puts everything on rank 0, so every rank then loads every block to let
+    streams be placed anywhere)."""
+    blocks = cfg.model_config.num_blocks
+    layout = parse_placement(cfg.placement, cfg.steps, blocks, world_size)
+    if cfg.placement == "single":
+        return set(range(blocks))
+    return {blk for row in layout for blk, r in enumerate(row) if r == rank}
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM (main thread) or by a shutdown message."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            self.event.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum, _frame):
+            self.set(signal.Signals(signum).name)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int:
+    """The loop of ranks 1..N-1 (rank 0 runs its host inside DistEngine). Returns exit code."""
+    shapes = cfg.shapes()
+    transport = TorchDistTransport(shapes=shapes, device=ctx.device)
+    check_shapes_agree(shapes, ctx.device if ctx.backend == "nccl" else torch.device("cpu"))
+    host = None
+    code = 0
+    try:
+        host = StageHost(cfg, ctx, transport, blocks_for_rank(cfg, ctx.rank, ctx.world_size))
+        transport.send_control(0, "ready", {"rank": ctx.rank, "blocks": sorted(host.blocks)})
+        next_heartbeat_s = 0.0
+        while not stop.event.is_set():
+            for ctl in transport.recv_control():
+                if ctl.kind == "open":
+                    host.open_stream(ctl.body)
+                elif ctl.kind == "close":
+                    host.close_stream(int(ctl.body["stream_id"]))
+                elif ctl.kind == "shutdown":
+                    stop.set("shutdown from rank 0")
+                elif ctl.kind == "recv_stopped":
+                    stop.set(f"receive loop stopped: {ctl.body.get('error')}")
+                    code = EXIT_CONTROLLER_LOST
+            host.run_once(cfg.poll_interval_s)
+            now = time.monotonic()
+            if now >= next_heartbeat_s:
+                transport.send_heartbeat(0)
+                next_heartbeat_s = now + cfg.heartbeat_interval_s
+            if transport.seconds_since_heard(0) > cfg.fault_timeout_s:
+                stop.set(f"rank 0 silent for {transport.seconds_since_heard(0):.1f} s")
+                code = EXIT_CONTROLLER_LOST
+    except Exception as exc:  # report to rank 0 which rank failed and why, then exit non-zero
+        log.exception("rank %d failed", ctx.rank)
+        transport.send_control(
+            0, "error", {"rank": ctx.rank, "error": f"{type(exc).__name__}: {exc}"}
+        )
+        stop.set(f"error: {exc}")
+        code = 1
+    transport.send_control(0, "bye", {"rank": ctx.rank, "reason": stop.reason})
+    transport.close(flush_timeout_s=2.0)
+    # Left on our own (signal, lost controller): rank 0's ``shutdown`` may still come and
+    # end the receive thread; if not, only exiting the process drops its posted receive.
+    if not transport.join_recv(timeout_s=cfg.fault_timeout_s if code == 0 else 0.0):
+        log.warning("rank %d: receive still posted; exiting without destroying the group", ctx.rank)
+        exit_now(code)
+    dist.destroy_process_group()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry of a worker rank (torchrun or spawn_ranks): ``python -m physis_ros.serve.runtime``."""
+    tie_to_parent()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    RuntimeConfig.add_arguments(parser)
+    cfg = RuntimeConfig.from_namespace(parser.parse_args(argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
+    torch.set_num_threads(cfg.threads)
+    stop = StopFlag()
+    stop.install_signal_handlers()
+    ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
+    if ctx.rank == 0:
+        raise SystemExit("rank 0 is the controller: run physis-serve (or DistEngine), not this")
+    code = run_worker_rank(cfg, ctx, stop)
+    exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """End a worker rank once its own cleanup is done. Interpreter finalisation can hang in
+    gloo's destructors when the job has more than two ranks (seen with torch 2.13), and there
+    is nothing left to finalise: flush and leave."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

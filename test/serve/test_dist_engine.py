@@ -1,0 +1,162 @@
+"""DistEngine over real gloo ranks (child processes; this test process is rank 0).
+
+Output equals the offline oracle for 2 and 4 ranks, several placements, 2 streams; a killed
+rank fails exactly the streams placed on it, within the fault timeout, naming the rank;
+shutdown leaves no process and no bound port behind.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from physis_ros.engine.api import StreamFailed, StreamSpec
+from physis_ros.engine.model import build_model, chunk_numel
+from physis_ros.engine.oracle import sample_noisy
+from physis_ros.serve.dist_engine import DistEngine
+from physis_ros.serve.runtime import RuntimeConfig
+
+torch.set_num_threads(1)
+TOL = 1e-5
+
+
+def _cfg(**kw) -> RuntimeConfig:
+    base = dict(
+        model="tiny",
+        steps=4,
+        window=2,
+        heartbeat_interval_s=0.2,
+        fault_timeout_s=3.0,
+        comm_timeout_s=30.0,
+        startup_timeout_s=60.0,
+    )
+    base.update(kw)
+    return RuntimeConfig(**base)
+
+
+def _plan(seed: int, chunks: int, context_at: tuple[int, ...] = (0,)):
+    cfg = _cfg().model_config
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return [
+        ("context", torch.randn(chunk_numel(cfg), generator=gen) * 0.5)
+        if c in context_at
+        else ("generate", None)
+        for c in range(chunks)
+    ]
+
+
+def _run(engine: DistEngine, streams: dict, timeout_s: float = 60.0):
+    """streams: sid -> plan, already opened. Submits all, returns sid -> chunk -> x."""
+    expected = 0
+    for sid, plan in streams.items():
+        for kind, val in plan:
+            if kind == "context":
+                engine.submit_context_x(sid, val)
+            else:
+                engine.submit_generate(sid)
+                expected += 1
+    got: dict[int, dict[int, torch.Tensor]] = {sid: {} for sid in streams}
+    deadline = time.monotonic() + timeout_s
+    while sum(len(v) for v in got.values()) < expected:
+        assert time.monotonic() < deadline, f"only {got} of {expected} chunks came back"
+        for res in engine.poll_results(0.1):
+            got[res.stream_id][res.chunk] = res.x.cpu()
+    return got
+
+
+def _check_oracle(cfg: RuntimeConfig, plans: dict, specs: dict, got: dict) -> float:
+    model = build_model(cfg.model_config, seed=cfg.weights_seed)
+    worst = 0.0
+    for sid, plan in plans.items():
+        ref = sample_noisy(
+            model, cfg.sampler_config, plan, seed=specs[sid].seed, cond_seed=specs[sid].cond_seed
+        )
+        assert sorted(got[sid]) == sorted(ref)
+        for c, x in ref.items():
+            worst = max(worst, (got[sid][c] - x).abs().max().item())
+    return worst
+
+
+def _assert_clean_exit(engine: DistEngine) -> None:
+    port = int(__import__("os").environ["MASTER_PORT"])
+    assert [p.poll() for p in engine.procs] == [0] * len(engine.procs)
+    with socket.socket() as sock:  # the store's port is free again
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+
+
+# (world size, default placement, per-stream layouts: None = the default placement)
+CASES = {
+    "2 ranks, even, 2 streams": (2, "even", [None, None]),
+    "2 ranks, uneven groups + all on rank 1": (2, "groups:3,5", [None, ((1, 1),) * 4]),
+    "4 ranks, even + interleaved": (
+        4,
+        "even",
+        [None, tuple(tuple((k + blk) % 4 for blk in range(2)) for k in range(4))],
+    ),
+    "4 ranks, uneven groups + one block per rank pair": (
+        4,
+        "groups:1,3,2,2",
+        [None, ((0, 1), (2, 3), (0, 1), (2, 3))],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dist_output_equals_oracle(case):
+    world, placement, layouts = CASES[case]
+    cfg = _cfg(placement=placement)
+    specs = {}
+    plans = {}
+    with DistEngine.launch_local(cfg, world) as engine:
+        for i, layout in enumerate(layouts):
+            spec = StreamSpec(seed=11 + i, cond_seed=200 + i)
+            promise = engine.open_stream(spec, layout=layout)
+            assert promise.steps == 4 and promise.blocks == 2
+            specs[promise.stream_id] = spec
+            plans[promise.stream_id] = _plan(i, 5, context_at=(0, 3))
+        got = _run(engine, plans)
+    _assert_clean_exit(engine)
+    assert _check_oracle(cfg, plans, specs, got) <= TOL
+
+
+def test_killed_rank_fails_its_streams_within_timeout_and_others_finish():
+    cfg = _cfg(placement="even")
+    layout_a = ((0, 1),) * 4  # ranks 0 and 1
+    layout_b = ((0, 2),) * 4  # ranks 0 and 2
+    with DistEngine.launch_local(cfg, 3) as engine:
+        spec_a, spec_b = StreamSpec(seed=1, cond_seed=5), StreamSpec(seed=2, cond_seed=6)
+        sid_a = engine.open_stream(spec_a, layout=layout_a).stream_id
+        sid_b = engine.open_stream(spec_b, layout=layout_b).stream_id
+        # warm both streams up, then kill rank 2 mid-stream
+        first = _run(engine, {sid_a: [("generate", None)], sid_b: [("generate", None)]})
+        assert first[sid_a] and first[sid_b]
+        for _ in range(4):
+            engine.submit_generate(sid_b)
+        victim = engine.procs[1]  # rank 2
+        victim.send_signal(signal.SIGKILL)
+        killed_s = time.monotonic()
+        failure = None
+        while failure is None and time.monotonic() - killed_s < cfg.fault_timeout_s + 5.0:
+            try:
+                engine.poll_results(0.1)
+            except StreamFailed as err:
+                failure = err
+        detected_s = time.monotonic() - killed_s
+        assert failure is not None, "the killed rank was never reported"
+        assert failure.rank == 2 and failure.stream_id == sid_b
+        assert "rank 2" in str(failure)
+        assert detected_s < cfg.fault_timeout_s + 2 * cfg.heartbeat_interval_s + 1.0
+        with pytest.raises(StreamFailed, match="rank 2"):
+            engine.submit_generate(sid_b)
+        # stream A (ranks 0, 1) is untouched and still matches the oracle
+        plan_a = [("generate", None)] * 4
+        rest = _run(engine, {sid_a: plan_a[1:]})
+    assert [p.poll() is not None for p in engine.procs] == [True, True]
+    assert engine.procs[0].returncode == 0
+    got_a = {**first[sid_a], **rest[sid_a]}
+    assert _check_oracle(cfg, {sid_a: plan_a}, {sid_a: spec_a}, {sid_a: got_a}) <= TOL
