@@ -1,4 +1,4 @@
-"""A StreamEngine that needs no model: for front-end tests that are about the link alone.
+"""A StreamEngine that needs no model, for in-process tests of the front end's pacing.
 
 It keeps the engine contract (admission, chunk order, close frees the slot) and computes
 each generated chunk from the newest context chunk before it (actions = that frame's mean

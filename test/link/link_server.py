@@ -21,11 +21,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def engine_args() -> list[str]:
-    """Real `tiny` LocalEngine once it exists; the link-only fake engine until then."""
-    try:
-        import physis_ros.engine.local  # noqa: F401
-    except ImportError:
-        return ["--engine-factory", "link_fake_engine:make"]
+    """The real in-process engine with the `tiny` model."""
     return ["--model", "tiny"]
 
 
