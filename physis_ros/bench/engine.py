@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="run over N torch.distributed ranks (physis_ros.bench.engine_dist); 0: in-process",
+    )
     return p
 
 
@@ -314,7 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        rep = run(args)
+        if args.ranks:
+            from physis_ros.bench.engine_dist import run as run_dist
+
+            rep = run_dist(args)
+        else:
+            rep = run(args)
     except ValueError as err:
         print(f"physis-bench engine: {err}", file=sys.stderr)
         return 2
