@@ -42,6 +42,7 @@ from physis_ros.nodes.conversions import (
     fields_to_rgb,
     fill_image_msg,
     image_msg_to_fields,
+    resize_fields,
     side_by_side,
     validate_vector,
 )
@@ -50,7 +51,8 @@ from physis_ros.nodes.run import run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
 
-_OBSERVED_IMAGES_KEPT = 64  # observations a chunk may be conditioned on, for side-by-side
+_OBSERVED_IMAGES_KEPT = 16  # recent observed images (full size), for the side-by-side view
+_MEASURED_INTERVAL_MIN_SAMPLES = 10
 
 
 def stamp_ns(header) -> int:
@@ -98,6 +100,7 @@ class Bridge(Node):
         self._lock = threading.Lock()
         self._last_chunk_s: float | None = None
         self._stream_id: int | None = None
+        self._promise = None  # the link's promise, refreshed by the receive thread and timers
 
         self.client = client or self._make_client()
         self._make_io()
@@ -212,12 +215,16 @@ class Bridge(Node):
             self._send(paired)
 
     def _send(self, paired: PairedObservation) -> None:
-        fields = paired.image.value
+        observed = paired.image.value
+        fields = observed
+        promise = self._promise
+        if self.p.resize_to_model and promise is not None and promise.image_height > 0:
+            fields = resize_fields(observed, promise.image_height, promise.image_width)
         names, positions, velocities = paired.joints.value if paired.joints else ((), None, None)
         with self._lock:
             self._seq += 1
             seq = self._seq
-            self._observed[seq] = fields
+            self._observed[seq] = observed
             while len(self._observed) > _OBSERVED_IMAGES_KEPT:
                 self._observed.popitem(last=False)
         obs = Observation(
@@ -257,15 +264,23 @@ class Bridge(Node):
                 continue
             self.receive_to_publish_ms.add((time.perf_counter() - t_got) * 1e3)
 
-    def _interval_s(self) -> float:
-        promise = self.client.stats().promise
+    def interval_s(self) -> float:
+        """The interval chunks come at: the pacing asked of the server if any, else the
+        measured median once there are enough samples, else the server's promise."""
+        if self.p.target_interval_ms > 0:
+            return self.p.target_interval_ms / 1e3
+        measured = self.interval_ms.summary()
+        if measured["n"] >= _MEASURED_INTERVAL_MIN_SAMPLES:
+            return measured["median"] / 1e3
+        promise = self._promise
         if promise is not None and promise.expected_interval_ms > 0:
             return promise.expected_interval_ms / 1e3
-        measured = self.interval_ms.summary()["median"]
-        return measured / 1e3 if measured > 0 else 0.1
+        return 0.1
 
     def _publish_prediction(self, pred: Prediction) -> None:
         now_s = time.monotonic()
+        if pred.stream_id != self._stream_id or self._promise is None:
+            self._promise = self.client.stats().promise
         self.counts["chunks_received"] += 1
         self.chunk_rate.tick(now_s)
         if self._last_chunk_s is not None:
@@ -278,7 +293,7 @@ class Bridge(Node):
         if pred.stream_id != self._stream_id:  # a new stream (e.g. server restart) renumbers chunks
             self._stream_id = pred.stream_id
             self.gate.reset_stream()
-        interval_s = self._interval_s()
+        interval_s = self.interval_s()
         self.gate.set_interval(interval_s)
         start_ns = pred.received_ns + int(self.p.action_lead_s * 1e9)
         if pred.frames is not None and len(pred.frames):
@@ -403,7 +418,7 @@ class Bridge(Node):
         now_ns = self.now_ns()
         if not self.gate.check_deadline(now_ns):
             return
-        promise = self.client.stats().promise
+        promise = self._promise
         horizon = promise.action_horizon if promise and promise.action_horizon else 1
         latest = self.pairer.latest("joints")
         held = latest.value[1] if latest is not None else None
@@ -431,6 +446,7 @@ class Bridge(Node):
         from physis_ros.nodes.bridge_report import diagnostics_report, pipeline_stats_msg
 
         link = self.client.stats()
+        self._promise = link.promise
         now_ns = self.now_ns()
         self.stats_pub.publish(pipeline_stats_msg(self, link, now_ns))
         self.diag_pub.publish(

@@ -32,6 +32,8 @@ class BridgeParams:
     """Only send images that have a wrench within the slop."""
     require_joints: bool = True
     """Only send images that have joint states within the slop."""
+    resize_to_model: bool = True
+    """Downscale raw images to the model's image size before sending (less to send)."""
     # link
     server: str = "127.0.0.1:50051"
     """host:port of physis-serve."""
@@ -71,8 +73,8 @@ class BridgeParams:
     # visualisation
     camera_frame: str = "camera"
     """frame_id of the predicted and side-by-side images."""
-    side_by_side_height: int = 240
-    """Rows of the observed|predicted image."""
+    side_by_side_height: int = 0
+    """Rows of the observed|predicted image (0: the camera image's height)."""
     publish_markers: bool = True
     """Publish the predicted end-effector path (actions are joint positions of a planar arm)."""
     marker_frame: str = "table"
@@ -110,10 +112,10 @@ class BridgeParams:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.input_depth < 1 or self.side_by_side_height < 8:
+        if self.input_depth < 1 or self.side_by_side_height < 0:
             raise ValueError(
                 f"input_depth {self.input_depth} must be >= 1 and "
-                f"side_by_side_height {self.side_by_side_height} >= 8"
+                f"side_by_side_height {self.side_by_side_height} >= 0"
             )
         if self.publish_markers and len(self.ee_joint_indices) != len(self.link_lengths_m):
             raise ValueError(

@@ -18,7 +18,8 @@ def pipeline_stats_msg(node, link, now_ns: int) -> PipelineStats:
         msg.model = promise.model
         msg.steps, msg.blocks = int(promise.steps), int(promise.blocks)
         msg.pipeline_depth = int(promise.pipeline_depth)
-        msg.target_interval_ms = float(promise.expected_interval_ms)
+        msg.promised_interval_ms = float(promise.expected_interval_ms)
+    msg.target_interval_ms = node.interval_s() * 1e3 if node.counts["chunks_received"] else 0.0
     interval = node.interval_ms.summary()
     msg.interval_median_ms, msg.interval_p99_ms = interval["median"], interval["p99"]
     msg.interval_jitter_ms = interval["std"]
@@ -74,11 +75,12 @@ def diagnostics_report(node, link) -> dict:
     inputs_values.update(obs_to_send_median_ms=obs["median"], obs_to_send_p99_ms=obs["p99"])
 
     promise = link.promise
-    target_ms = float(promise.expected_interval_ms) if promise is not None else 0.0
+    target_ms = node.interval_s() * 1e3 if node.counts["chunks_received"] else 0.0
     interval = node.interval_ms.summary()
     response = node.response_ms.summary()
     output_values = {
         "target_interval_ms": target_ms,
+        "promised_interval_ms": float(promise.expected_interval_ms) if promise else 0.0,
         "interval_median_ms": interval["median"],
         "interval_p99_ms": interval["p99"],
         "interval_jitter_ms": interval["std"],

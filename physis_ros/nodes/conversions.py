@@ -133,26 +133,36 @@ def validate_vector(values, *, size: int | None, reason: str) -> np.ndarray:
 
 
 def resize_nearest(image: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Nearest-neighbour resize of [H, W, C] (keeps predicted pixels visibly blocky)."""
-    rows = (np.arange(height) * image.shape[0] // height).clip(0, image.shape[0] - 1)
-    cols = (np.arange(width) * image.shape[1] // width).clip(0, image.shape[1] - 1)
-    return image[rows][:, cols]
+    """Nearest-neighbour resize of [H, W, C] (keeps predicted pixels visibly blocky);
+    whole-number upscales are plain repeats, the common and cheap case."""
+    in_h, in_w = image.shape[:2]
+    if (in_h, in_w) == (height, width):
+        return image
+    if height % in_h == 0 and width % in_w == 0:
+        return np.repeat(np.repeat(image, height // in_h, axis=0), width // in_w, axis=1)
+    rows = (np.arange(height) * in_h // height).clip(0, in_h - 1)
+    cols = (np.arange(width) * in_w // width).clip(0, in_w - 1)
+    return np.take(np.take(image, rows, axis=0), cols, axis=1)
 
 
-def side_by_side(
-    observed: np.ndarray | None, predicted: np.ndarray, height: int = 240
-) -> np.ndarray:
-    """observed | predicted, both scaled to ``height`` rows, with a 2-pixel white divider.
+def side_by_side(observed: np.ndarray | None, predicted: np.ndarray, height: int = 0) -> np.ndarray:
+    """observed | predicted, both scaled to ``height`` rows (0: the observed image's height,
+    so only the prediction is scaled), with a 2-pixel white divider between them.
     Without an observed image, its half is black."""
+    if height <= 0:
+        height = observed.shape[0] if observed is not None else predicted.shape[0]
 
-    def scaled(image: np.ndarray) -> np.ndarray:
-        width = max(1, round(image.shape[1] * height / image.shape[0]))
-        return resize_nearest(image, height, width)
+    def width_at(image: np.ndarray) -> int:
+        return max(1, round(image.shape[1] * height / image.shape[0]))
 
-    right = scaled(predicted)
-    left = scaled(observed) if observed is not None else np.zeros_like(right)
-    divider = np.full((height, 2, 3), 255, np.uint8)
-    return np.ascontiguousarray(np.concatenate([left, divider, right], axis=1))
+    right_w = width_at(predicted)
+    left_w = width_at(observed) if observed is not None else right_w
+    view = np.zeros((height, left_w + 2 + right_w, 3), np.uint8)
+    if observed is not None:
+        view[:, :left_w] = resize_nearest(observed, height, left_w)
+    view[:, left_w : left_w + 2] = 255
+    view[:, left_w + 2 :] = resize_nearest(predicted, height, right_w)
+    return view
 
 
 def fill_image_msg(msg, rgb: np.ndarray, *, stamp, frame_id: str) -> None:
@@ -175,3 +185,34 @@ def planar_fk(joint_angles: np.ndarray, link_lengths_m, base_xy_m=(0.0, 0.0)) ->
     x = base_xy_m[0] + np.sum(lengths * np.cos(angles), axis=-1)
     y = base_xy_m[1] + np.sum(lengths * np.sin(angles), axis=-1)
     return np.stack([x, y], axis=-1)
+
+
+def resize_area_sampled(image: np.ndarray, height: int, width: int, taps: int = 4) -> np.ndarray:
+    """Downscale [H, W, C] uint8 by averaging ``taps`` x ``taps`` samples spread over each
+    output pixel's footprint: close to an area filter at a small fraction of its cost
+    (a 640x480 frame costs well under a millisecond, so it can run in a callback)."""
+    in_h, in_w = image.shape[:2]
+    if (in_h, in_w) == (height, width):
+        return image
+    rows = ((np.arange(height * taps) + 0.5) * in_h / (height * taps)).astype(np.intp)
+    cols = ((np.arange(width * taps) + 0.5) * in_w / (width * taps)).astype(np.intp)
+    grid = image[rows][:, cols].astype(np.uint16)
+    channels = image.shape[2]
+    summed = grid.reshape(height, taps, width, taps, channels).sum(axis=(1, 3))
+    return ((summed + taps * taps // 2) // (taps * taps)).astype(np.uint8)
+
+
+def resize_fields(fields: ImageFields, height: int, width: int) -> ImageFields:
+    """A raw image resized to (height, width) in its own encoding; compressed ones as is."""
+    channels = RAW_CHANNELS.get(fields.encoding)
+    if channels is None or (fields.height, fields.width) == (height, width):
+        return fields
+    pixels = np.frombuffer(fields.data, np.uint8).reshape(fields.height, fields.width, channels)
+    small = resize_area_sampled(pixels, height, width)
+    return ImageFields(
+        encoding=fields.encoding,
+        height=height,
+        width=width,
+        step=width * channels,
+        data=small.tobytes(),
+    )
