@@ -1,0 +1,29 @@
+"""Engine tests: one torch thread (the machine is shared), tiny models built once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from physis_ros.engine.config import get_preset
+from physis_ros.engine.model import build_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The tiny world-action model (action_mode="predict")."""
+    return build_model(get_preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_condition():
+    """A tiny world model conditioned on commanded actions per chunk."""
+    return build_model(get_preset("tiny", action_mode="condition"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_video():
+    """A tiny video-only world model (no actions)."""
+    return build_model(get_preset("tiny", action_mode="none"), seed=2)
