@@ -273,6 +273,7 @@ class Frontend:
             daemon=True,
         )
         reader.start()
+        self._loop.wake()
         try:
             while context.is_active():
                 item = session.next_outbound(0.1)

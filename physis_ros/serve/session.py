@@ -325,6 +325,10 @@ class EngineLoop:
         self._commands.put((fn, future))
         return future.result(timeout=timeout_s)
 
+    def wake(self) -> None:
+        """Look at the streams now (e.g. one was just attached) instead of after a wait."""
+        self._commands.put((lambda _e: None, None))
+
     def add(self, session: Session) -> None:
         self._commands.put(
             (lambda _e: self._sessions.__setitem__(session.stream_id, session), None)
@@ -343,12 +347,19 @@ class EngineLoop:
             log.warning("closing stream %d: %s", session.stream_id, exc)
 
     def _run(self) -> None:
+        wait_s = 0.0
         while not self._stop.is_set():
-            self._run_commands(block=not self._sessions)
+            self._run_commands(timeout_s=wait_s)
             for session in list(self._sessions.values()):
                 self._pump(session)
             if not any(s.inflight for s in self._sessions.values()):
+                # Nothing to poll: sleep on the command queue until the next paced generate
+                # is due (never spin: the gRPC threads need the GIL to move bytes).
+                now_s = time.monotonic()
+                due_s = [s.next_generate_s - now_s for s in self._sessions.values() if s.attached]
+                wait_s = min([self._idle_wait_s, *due_s])
                 continue
+            wait_s = 0.0
             try:
                 outputs = self.engine.poll(self._poll_timeout_s)
             except StreamFailed as exc:
@@ -367,11 +378,11 @@ class EngineLoop:
                 session.left_s.append(out.left_s)
                 session._push(session.prediction(out))
 
-    def _run_commands(self, *, block: bool) -> None:
+    def _run_commands(self, *, timeout_s: float) -> None:
         try:
             item = (
-                self._commands.get(timeout=self._idle_wait_s)
-                if block
+                self._commands.get(timeout=timeout_s)
+                if timeout_s > 0
                 else self._commands.get_nowait()
             )
         except queue.Empty:
