@@ -75,11 +75,7 @@ def test_bad_activations_are_dropped_and_counted(tiny):
     t0.send(0, Activation(9, 0, 0, 0, 0, x, None))  # never opened
     t0.send(0, Activation(0, 0, K + 1, 0, 0, x, None))  # no such step
     assert w.run_once(0.0) == 0
-    assert (
-        w.stats.drops
-        == {"unknown or closed stream": 1, "finished chunk at a rank that is not the sink": 0}
-        or w.stats.drops["unknown or closed stream"] == 2
-    )
+    assert w.stats.drops == {"unknown or closed stream": 2}
     w.open_stream(0, cond_seed=1)
     t0.send(0, Activation(0, 0, 5, 0, 0, x, None))
     w.run_once(0.0)
