@@ -87,6 +87,8 @@ class ServerDescription:
     steps: int
     blocks: int
     placement: str = ""
+    action_mode: str = "none"
+    """The model's action_mode; "condition": generate requests carry commanded actions."""
     engine_info: Callable[[], dict[str, Any]] | None = None
     """What the engine reports about itself (workers, open streams / slots), on demand."""
 

@@ -85,6 +85,7 @@ def build_local_engine(engine_section: dict[str, Any]) -> tuple[StreamEngine, Se
         steps=engine.sampler.steps,
         blocks=engine.cfg.num_blocks,
         placement=str(engine.runtime.placement),
+        action_mode=engine.cfg.action_mode,
         engine_info=engine_info,
     )
 
@@ -99,7 +100,11 @@ def run_frontend(
     loop_options: dict[str, float] | None = None,
 ) -> int:
     """Serves ``engine`` until ``stop`` is set; writes the bound port to ``port_file``."""
-    loop = EngineLoop(engine, **(loop_options or {}))
+    loop = EngineLoop(
+        engine,
+        generate_with_actions=description.action_mode == "condition",
+        **(loop_options or {}),
+    )
     loop.start()
     handle = start_server(loop, config=config, description=description)
     log.info(

@@ -297,8 +297,15 @@ class EngineLoop:
     """The one thread that talks to the engine (see the module docstring)."""
 
     def __init__(
-        self, engine: StreamEngine, *, poll_timeout_s: float = 0.002, idle_wait_s: float = 0.02
+        self,
+        engine: StreamEngine,
+        *,
+        poll_timeout_s: float = 0.002,
+        idle_wait_s: float = 0.02,
+        generate_with_actions: bool = False,
     ) -> None:
+        """``generate_with_actions``: pass the newest commanded actions [H, A] with each
+        generate request (world models with action_mode "condition")."""
         if poll_timeout_s <= 0 or idle_wait_s <= 0:
             raise ValueError(
                 f"poll_timeout_s {poll_timeout_s} and idle_wait_s {idle_wait_s} must be > 0"
@@ -306,6 +313,7 @@ class EngineLoop:
         self.engine = engine
         self._poll_timeout_s = poll_timeout_s
         self._idle_wait_s = idle_wait_s
+        self._generate_with_actions = generate_with_actions
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sessions: dict[int, Session] = {}
         self._stop = threading.Event()
@@ -419,7 +427,12 @@ class EngineLoop:
                     session.conditioning = (ctx, queued_ns)
                     with session._lock:
                         session.observations_used += 1
-                chunk = self.engine.submit_generate(session.stream_id, None)
+                # A world model conditioned on actions gets the newest commanded actions
+                # (held until an observation brings new ones).
+                actions = None
+                if self._generate_with_actions and session.conditioning is not None:
+                    actions = session.conditioning[0].actions
+                chunk = self.engine.submit_generate(session.stream_id, actions)
             except (StreamFailed, KeyError, ValueError) as exc:
                 session.end(grpc.StatusCode.UNAVAILABLE, f"stream failed in the engine: {exc}")
                 self._close(session)

@@ -41,6 +41,7 @@ class FakeEngine:
         self._next_id = 1
         self._ready: list[tuple[float, ChunkOutput]] = []
         self.contexts: list[tuple[int, int, float]] = []  # (stream, chunk, mean pixel)
+        self.generate_actions: list[np.ndarray | None] = []  # as submit_generate got them
 
     def open_stream(self, spec: StreamSpec) -> StreamPromise:
         with self._lock:
@@ -85,6 +86,7 @@ class FakeEngine:
             s = self._streams[stream_id]
             chunk = s["chunk"]
             s["chunk"] += 1
+            self.generate_actions.append(None if actions is None else np.array(actions))
             done = max(now, s["busy_until"]) + self.chunk_s
             s["busy_until"] = done
             out = ChunkOutput(

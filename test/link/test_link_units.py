@@ -212,3 +212,45 @@ def test_predictions_name_the_observation_they_are_conditioned_on():
         handle.stop()
         loop.stop()
     assert engine.info()["free_slots"] == "2"
+
+
+def test_action_conditioned_model_gets_the_newest_commanded_actions():
+    engine = FakeEngine(slots=1, chunk_ms=3.0, action_horizon=4, action_dim=2)
+    loop = EngineLoop(engine, generate_with_actions=True)
+    loop.start()
+    handle = start_server(
+        loop,
+        config=FrontendConfig(port=0),
+        description=ServerDescription(model="fake", steps=2, blocks=2, action_mode="condition"),
+    )
+    client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
+    client.start()
+    try:
+        wait_for(lambda: client.stats().state == "streaming", 10, what="streaming")
+        frame = np.zeros((16, 16, 3), np.uint8)
+        client.send_observation(
+            Observation(
+                seq=1,
+                capture_stamp_ns=time.time_ns(),
+                image=rgb_image(frame),
+                action=np.array([0.5, -1.0], np.float32),
+            )
+        )
+        wait_for(
+            lambda: any(a is not None for a in engine.generate_actions),
+            10,
+            what="a generate request with actions",
+        )
+        first = next(i for i, a in enumerate(engine.generate_actions) if a is not None)
+        np.testing.assert_array_equal(
+            engine.generate_actions[first], np.tile([[0.5, -1.0]], (4, 1))
+        )
+        # Before the observation: no actions; after it: the same actions held.
+        assert all(a is None for a in engine.generate_actions[:first])
+        time.sleep(0.05)
+        for a in engine.generate_actions[first:]:
+            np.testing.assert_array_equal(a, np.tile([[0.5, -1.0]], (4, 1)))
+    finally:
+        client.close()
+        handle.stop()
+        loop.stop()

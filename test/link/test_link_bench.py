@@ -1,0 +1,51 @@
+"""`physis-bench link --json` runs end to end (short) and reports what it promises."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from link_server import REPO_ROOT, child_env
+
+CHILD = """
+import contextlib, io, json, sys
+from physis_ros.bench.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    rc = main(["link", "--json", "--samples", "40", "--warmup", "5", "--rate-hz", "50"])
+print(json.dumps({"rc": rc, "result": json.loads(out.getvalue()),
+                  "torch_loaded": "torch" in sys.modules}))
+"""
+
+
+def test_bench_link_json():
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        cwd=REPO_ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["rc"] == 0
+    assert not report["torch_loaded"], "the link bench must not need torch"
+    result = report["result"]
+    for payload, nbytes in (
+        ("observation_rgb8_640x480", 640 * 480 * 3),
+        ("actions_16x7", 16 * 7 * 4),
+    ):
+        r = result[payload]
+        assert r["payload_bytes"] == nbytes
+        assert r["samples"] >= 20
+        for key in ("added_ms_median", "added_ms_p99", "inproc_ms_median"):
+            assert math.isfinite(r[key]), (payload, key, r)
+        assert r["inproc_ms_median"] > 0
+        # The link path contains the in-process work, plus the wire: never faster than it.
+        assert r["link_ms_median"] > r["inproc_ms_median"]
+        assert r["added_ms_p99"] >= r["added_ms_median"] > 0
+    assert isinstance(result["meets_target"], bool)
