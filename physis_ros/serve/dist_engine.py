@@ -32,8 +32,11 @@ from physis_ros.engine.api import (
     StreamPromise,
     StreamSpec,
 )
+from physis_ros.engine.codec import Codec
 from physis_ros.engine.placement import Layout, Placement, validate_layout
 from physis_ros.engine.runtime import ChunkResult, Controller
+from physis_ros.engine.sampler import pack_chunk, unpack_chunk
+from physis_ros.engine.transport import Activation
 from physis_ros.serve.dist_launch import (
     RankContext,
     free_port,
@@ -43,7 +46,13 @@ from physis_ros.serve.dist_launch import (
     stop_ranks,
 )
 from physis_ros.serve.dist_transport import TorchDistTransport, check_shapes_agree
-from physis_ros.serve.runtime import RuntimeConfig, StageHost, blocks_for_rank, parse_placement
+from physis_ros.serve.runtime import (
+    ECHO_STREAM_ID,
+    RuntimeConfig,
+    StageHost,
+    blocks_for_rank,
+    parse_placement,
+)
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -80,12 +89,15 @@ class DistEngine:
         self.host = StageHost(cfg, ctx, self.transport, blocks_for_rank(cfg, 0, ctx.world_size))
         self.model_cfg = cfg.model_config
         self.controller = Controller(self.host.model, cfg.sampler_config, self.transport.send)
+        self.codec = Codec(self.model_cfg, device=ctx.device)
         self._lock = threading.RLock()
         self._host_control: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._shutting_down = False
         self.rank_blocks: dict[int, set[int]] = {0: set(self.host.blocks)}
         self.failed_ranks: dict[int, str] = {}
+        self.rank_stats: dict[int, dict] = {}
+        """Per worker rank, what it reported when it left (tasks, busy_s, cpu_s, drops)."""
         self._byes: set[int] = set()
         self._streams: dict[int, _StreamInfo] = {}
         self._failed_streams: dict[int, StreamFailed] = {}
@@ -176,6 +188,7 @@ class DistEngine:
                     self._fail_rank(ctl.src, f"reported an error: {ctl.body.get('error')}")
                 elif ctl.kind == "bye":
                     self._byes.add(ctl.src)
+                    self.rank_stats[ctl.src] = ctl.body.get("stats", {})
                     if not self._shutting_down:
                         self._fail_rank(ctl.src, f"left the job ({ctl.body.get('reason')})")
                 elif ctl.kind == "recv_stopped" and not self._shutting_down:
@@ -205,9 +218,15 @@ class DistEngine:
 
     # ---------------------------------------------------------------- StreamEngine
     def open_stream(
-        self, spec: StreamSpec, *, layout: Layout | None = None, mode: str = "pipelined"
+        self,
+        spec: StreamSpec,
+        *,
+        layout: Layout | None = None,
+        mode: str = "pipelined",
+        max_in_flight: int = 0,
     ) -> StreamPromise:
-        """Admit a stream with ``layout`` (default: the configured placement)."""
+        """Admit a stream with ``layout`` (default: the configured placement); ``mode`` and
+        ``max_in_flight`` (0: no limit) as in the engine's ``Controller``."""
         K, L = self.cfg.steps, self.model_cfg.num_blocks
         if layout is None:
             layout = parse_placement(self.cfg.placement, K, L, self.world_size)
@@ -243,7 +262,9 @@ class DistEngine:
                 if r not in self.failed_ranks:
                     self.transport.send_control(r, "open", body)
             self._host_control.put(("open", body))
-            self.controller.open_stream(sid, seed=spec.seed, mode=mode, entry_rank=layout[0][0])
+            self.controller.open_stream(
+                sid, seed=spec.seed, mode=mode, entry_rank=layout[0][0], max_in_flight=max_in_flight
+            )
             self._streams[sid] = _StreamInfo(spec=spec, layout=layout, ranks=ranks)
         return self._promise(sid, layout)
 
@@ -305,18 +326,38 @@ class DistEngine:
     def submit_context(
         self, stream_id: int, frames: np.ndarray, actions: np.ndarray | None = None
     ) -> int:
-        from physis_ros.engine.codec import encode_context
-
-        x = encode_context(self.model_cfg, frames, actions)
+        """Encode an observation with the codec and append it as a context chunk."""
+        allowed = self.model_cfg.action_mode != "none"
+        latent = self.codec.encode(frames).cpu()
+        x = pack_chunk(self.model_cfg, latent, self._actions(actions, allowed=allowed))
         return self.submit_context_x(stream_id, x)
 
     def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
+        act = self._actions(actions, allowed=self.model_cfg.action_mode == "condition")
         with self._lock:
             self._check_stream(stream_id)
-            act = None if actions is None else torch.as_tensor(np.asarray(actions, np.float32))
             c = self.controller.submit_generate(stream_id, act)
             self.controller.pump()
             return c
+
+    def _actions(self, actions: np.ndarray | None, *, allowed: bool) -> torch.Tensor | None:
+        cfg = self.model_cfg
+        if actions is None:
+            return None
+        if not allowed:
+            raise ValueError(
+                f"model {cfg.name} (action_mode {cfg.action_mode!r}) takes no "
+                "commanded actions here"
+            )
+        arr = np.asarray(actions, dtype=np.float32)
+        if arr.shape != (cfg.action_horizon, cfg.action_dim):
+            raise ValueError(
+                f"actions have shape {arr.shape}, model {cfg.name} needs "
+                f"{(cfg.action_horizon, cfg.action_dim)}"
+            )
+        if not np.isfinite(arr).all():
+            raise ValueError("actions contain NaN or inf")
+        return torch.from_numpy(arr.copy())
 
     def poll_results(self, timeout_s: float) -> list[ChunkResult]:
         """Finished generated chunks as packed states, in per-stream chunk order. Raises
@@ -335,23 +376,44 @@ class DistEngine:
         return out
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
-        from physis_ros.engine.codec import decode_chunk
-
         outputs = []
+        predict = self.model_cfg.action_mode == "predict"
         for res in self.poll_results(timeout_s):
-            frames, actions = decode_chunk(self.model_cfg, res.x)
+            latent, actions = unpack_chunk(self.model_cfg, res.x.float().cpu())
             outputs.append(
                 ChunkOutput(
                     stream_id=res.stream_id,
                     chunk=res.chunk,
-                    frames=frames,
-                    actions=actions,
+                    frames=self.codec.decode(latent),
+                    actions=actions.numpy().copy() if predict else None,
                     entered_s=res.created_s,
                     left_s=res.left_s,
                     decoded_s=time.monotonic(),
                 )
             )
         return outputs
+
+    def measure_hop_ms(self, peer: int = 1, rounds: int = 30, warmup: int = 5) -> list[float]:
+        """One activation hop (x and h of this model) rank 0 -> ``peer``, measured as half
+        the round trip through the transports and ``peer``'s worker loop (which echoes
+        ``ECHO_STREAM_ID``). Call while no stream is running."""
+        cfg = self.model_cfg
+        dev, dtype = self.ctx.device, self.cfg.torch_dtype
+        x = torch.zeros(self.transport.shapes.x_numel, device=dev)
+        h = torch.zeros(cfg.tokens_per_chunk, cfg.dim, device=dev, dtype=dtype)
+        out = []
+        for i in range(warmup + rounds):
+            t0 = time.perf_counter()
+            self.transport.send(peer, Activation(ECHO_STREAM_ID, i, 0, 1, 0, x, h))
+            got = []
+            while not got:
+                arrived = self.transport.recv_sink(1.0)
+                got = [a for _, a in arrived if a.stream_id == ECHO_STREAM_ID]
+                if not got and time.perf_counter() - t0 > self.cfg.fault_timeout_s:
+                    raise TimeoutError(f"rank {peer} did not echo in {self.cfg.fault_timeout_s} s")
+            if i >= warmup:
+                out.append((time.perf_counter() - t0) * 1e3 / 2)
+        return out
 
     def failed_streams(self) -> dict[int, str]:
         with self._lock:
@@ -381,6 +443,17 @@ class DistEngine:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
+        for ctl in self.transport.recv_control():  # goodbyes the monitor did not read
+            if ctl.kind == "bye":
+                self.rank_stats[ctl.src] = ctl.body.get("stats", {})
+        ws = self.host.worker.stats
+        self.rank_stats[0] = {
+            "cpu_s": time.process_time(),
+            "tasks": ws.tasks,
+            "batches": ws.batches,
+            "busy_s": ws.busy_s,
+            "transport": dict(self.transport.counters),
+        }
         self.transport.close(flush_timeout_s=1.0)
         if not self.transport.join_recv(timeout_s=self.cfg.fault_timeout_s):
             log.warning("rank 0: a receive is still posted (no rank left to answer it)")

@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXIT_CONTROLLER_LOST = 3
+ECHO_STREAM_ID = -1
+"""Activations of this stream id are sent straight back to rank 0's sink (hop timing)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,7 +263,10 @@ class StageHost:
         out = []
         held, self._held = self._held, []
         for msg in held + self.transport.recv(timeout_s if not held else 0.0):
-            if msg.stream_id in self.open_streams:
+            if msg.stream_id == ECHO_STREAM_ID:
+                msg.step = self.cfg.steps  # to rank 0's sink, untouched
+                self.transport.send(0, msg)
+            elif msg.stream_id in self.open_streams:
                 out.append(msg)
             elif msg.stream_id in self.closed_streams:
                 self.dropped["closed_stream"] = self.dropped.get("closed_stream", 0) + 1
@@ -365,7 +370,16 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
         )
         stop.set(f"error: {exc}")
         code = 1
-    transport.send_control(0, "bye", {"rank": ctx.rank, "reason": stop.reason})
+    stats = {"cpu_s": time.process_time(), "transport": dict(transport.counters)}
+    if host is not None:
+        ws = host.worker.stats
+        stats.update(
+            tasks=ws.tasks,
+            batches=ws.batches,
+            busy_s=ws.busy_s,
+            drops={**dict(ws.drops), **host.dropped},
+        )
+    transport.send_control(0, "bye", {"rank": ctx.rank, "reason": stop.reason, "stats": stats})
     transport.close(flush_timeout_s=2.0)
     # Left on our own (signal, lost controller): rank 0's ``shutdown`` may still come and
     # end the receive thread; if not, only exiting the process drops its posted receive.

@@ -1,0 +1,190 @@
+"""``physis-bench engine --ranks N``: the engine benchmark over N torch.distributed ranks.
+
+This process becomes rank 0 (controller + a worker); ranks 1..N-1 are child processes started
+the way torchrun starts them (``DistEngine.launch_local``). The same S streams of C chunks as
+the in-process bench (``physis_ros.bench.engine._plans``) run twice in this run: on 1 rank
+(the baseline) and on N ranks (stages placed evenly), every rank on ``--threads`` threads.
+Reported on top of the in-process keys: ``ranks``, ``backend``, ``comm_ms`` (median of one
+activation hop rank 0 -> rank 1, half a measured round trip of x and h through both
+transports), ``interval_1_rank_ms`` and ``speedup_vs_1_rank``; the outputs of both runs are
+compared with the offline oracle (``oracle_max_abs_diff``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from physis_ros.engine.api import StreamSpec
+from physis_ros.engine.codec import Codec
+from physis_ros.engine.config import get_preset
+from physis_ros.engine.model import build_model, param_count
+from physis_ros.engine.oracle import sample_noisy
+from physis_ros.engine.stage import measure_block_ms
+from physis_ros.serve.dist_engine import DistEngine
+from physis_ros.serve.runtime import RuntimeConfig
+
+
+def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
+    return RuntimeConfig(
+        model=args.model,
+        steps=args.steps,
+        window=args.window,
+        weights_seed=args.seed,
+        dtype=args.dtype,
+        device="cpu" if args.device == "cpu" else "auto",
+        placement="even",
+        batching=not args.no_batching,
+        threads=args.threads,
+    )
+
+
+def _collect(engine: DistEngine, expected: int, timeout_s: float) -> list:
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < expected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(out)} of {expected} chunks after {timeout_s} s")
+        out += engine.poll_results(0.05)
+    return out
+
+
+def _block_ms(engine: DistEngine, window: int, repeats: int) -> list[float]:
+    blocks = sorted(engine.host.blocks)
+    block = blocks[len(blocks) // 2]
+    return [
+        measure_block_ms(engine.host.model, [window], block=block, repeats=1, warmup=0)
+        for _ in range(repeats)
+    ]
+
+
+def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int) -> dict:
+    """Run ``plans`` on ``ranks`` ranks; timings and the outputs."""
+    cfg = _runtime_config(args)
+    K = args.steps
+    with DistEngine.launch_local(cfg, ranks) as engine:
+        hops = engine.measure_hop_ms() if ranks > 1 else []
+        # warm-up (excluded): allocator, kernels, caches on every rank
+        warm = engine.open_stream(StreamSpec(seed=999), max_in_flight=in_flight).stream_id
+        warm_plan = plans[0][: 2 + min(K, args.chunks)]
+        for kind, val in warm_plan:
+            if kind == "context":
+                engine.submit_context_x(warm, val)
+            else:
+                engine.submit_generate(warm)
+        _collect(engine, sum(k == "generate" for k, _ in warm_plan), 600.0)
+        engine.close_stream(warm)
+        block_before = _block_ms(engine, args.window, 20)
+        sids = {}
+        for s in plans:
+            spec = StreamSpec(seed=args.seed + s, cond_seed=100 + s)
+            sids[s] = engine.open_stream(spec, max_in_flight=in_flight).stream_id
+        expected = 0
+        t0 = time.monotonic()
+        for s, plan in plans.items():
+            for kind, val in plan:
+                if kind == "context":
+                    engine.submit_context_x(sids[s], val)
+                else:
+                    engine.submit_generate(sids[s])
+                    expected += 1
+        results = _collect(engine, expected, 600.0)
+        wall_s = time.monotonic() - t0
+        entered = {s: dict(engine.controller.streams[sids[s]].context_entered_s) for s in plans}
+        block_after = _block_ms(engine, args.window, 20)
+        backend = engine.ctx.backend
+        drops = sum(engine.host.worker.stats.drops.values())
+        batches = engine.host.worker.stats.batches
+        tasks = engine.host.worker.stats.tasks
+    by_stream = {s: {r.chunk: r for r in results if r.stream_id == sids[s]} for s in plans}
+    skip = args.skip if args.skip >= 0 else K
+    gaps, fills, responses = [], [], []
+    for s, plan in plans.items():
+        res = by_stream[s]
+        gen = [c for c, (kind, _) in enumerate(plan) if kind == "generate"]
+        ctx = [c for c, (kind, _) in enumerate(plan) if kind == "context"]
+        fills.append((res[gen[0]].left_s - res[gen[0]].created_s) * 1e3)
+        for a, b in zip(gen[skip:], gen[skip + 1 :], strict=False):
+            if b == a + 1:  # no observation in between
+                gaps.append((res[b].left_s - res[a].left_s) * 1e3)
+        for c in ctx[1:]:
+            after = [g for g in gen if g > c]
+            if after:
+                responses.append((res[after[0]].left_s - entered[s][c]) * 1e3)
+    if not gaps:
+        raise ValueError(f"no steady-state gaps: raise --chunks above --skip ({skip})")
+    return {
+        "interval_ms": statistics.median(gaps),
+        "interval_p99_ms": float(np.percentile(gaps, 99)),
+        "interval_samples": len(gaps),
+        "fill_latency_ms": statistics.median(fills),
+        "response_latency_ms": statistics.median(responses) if responses else None,
+        "comm_ms": statistics.median(hops) if hops else None,
+        "comm_p99_ms": float(np.percentile(hops, 99)) if hops else None,
+        "block_ms": statistics.median(block_before + block_after),
+        "backend": backend,
+        "wall_s": wall_s,
+        "drops_rank0": drops,
+        "mean_batch_rank0": tasks / max(batches, 1),
+        "outputs": {s: {c: r.x.float().cpu() for c, r in by_stream[s].items()} for s in plans},
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The JSON report of ``physis-bench engine --ranks N``."""
+    from physis_ros.bench.engine import _plans
+
+    if args.mode not in ("pipelined",):
+        raise ValueError("--ranks runs the pipelined mode only")
+    torch.set_num_threads(args.threads)
+    cfg = get_preset(args.model)
+    K, L, N, S = args.steps, cfg.num_blocks, args.ranks, args.streams
+    plans = _plans(cfg, args, Codec(cfg))
+    in_flight = args.max_in_flight if args.max_in_flight >= 0 else K * min(N, L)
+    base = measure(args, plans, 1, in_flight=in_flight)
+    multi = measure(args, plans, N, in_flight=in_flight)
+    block_ms = statistics.median([base["block_ms"], multi["block_ms"]])
+    ideal = S * K * L * block_ms / N
+    model = build_model(cfg, seed=args.seed)
+    sampler = _runtime_config(args).sampler_config
+    diffs = []
+    for s, plan in plans.items():
+        ref = sample_noisy(model, sampler, plan, seed=args.seed + s, cond_seed=100 + s)
+        for run_ in (base, multi):
+            diffs += [(run_["outputs"][s][c] - ref[c]).abs().max().item() for c in ref]
+    report = {
+        "model": cfg.name,
+        "params": param_count(model),
+        "mode": "pipelined",
+        "main_mode": "pipelined",
+        "K": K,
+        "L": L,
+        "window": args.window,
+        "workers": N,
+        "ranks": N,
+        "backend": multi["backend"],
+        "streams": S,
+        "chunks": args.chunks,
+        "batching": not args.no_batching,
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "tokens_per_chunk": cfg.tokens_per_chunk,
+        "block_ms": block_ms,
+        "ideal_interval_ms": ideal,
+        "max_in_flight": in_flight,
+    }
+    for key in ("interval_ms", "interval_p99_ms", "fill_latency_ms", "response_latency_ms"):
+        report[key] = multi[key]
+    report["efficiency"] = ideal / multi["interval_ms"]
+    report["comm_ms"] = multi["comm_ms"]
+    report["comm_p99_ms"] = multi["comm_p99_ms"]
+    report["interval_1_rank_ms"] = base["interval_ms"]
+    report["speedup_vs_1_rank"] = base["interval_ms"] / multi["interval_ms"]
+    report["wall_s_1_rank"] = base["wall_s"]
+    report["wall_s"] = multi["wall_s"]
+    report["oracle_max_abs_diff"] = max(diffs)
+    return report
