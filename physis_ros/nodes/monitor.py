@@ -88,7 +88,8 @@ class Monitor:
 
     def published_types(self, topic: str) -> set[str]:
         """Types offered by the publishers of ``topic`` other than this monitor."""
-        return {info.topic_type for info in self.node.get_publishers_info_by_topic(topic)}
+        name = topic if topic.startswith("/") else "/" + topic  # graph queries want full names
+        return {info.topic_type for info in self.node.get_publishers_info_by_topic(name)}
 
     def wait_for(self, predicate, timeout_s: float, poll_s: float = 0.05) -> bool:
         deadline = time.monotonic() + timeout_s
