@@ -1,0 +1,102 @@
+"""``physis-serve`` under torchrun: rank 0 serves the front end over a ``DistEngine``; every
+other rank runs a worker loop (``runtime.run_worker_rank``).
+
+One node, 4 GPUs (or 4 CPU ranks with gloo)::
+
+    torchrun --nproc-per-node 4 -m physis_ros.serve.main --config config/serve.yaml --port 50051
+
+Two nodes, 8 GPUs each (run on both machines; HOST0 is reachable from the other on PORT and
+the gloo/NCCL interfaces; rank 0, and so the gRPC front end, lands on one of them)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
+        --rdzv-id physis-1 -m physis_ros.serve.main --config config/serve.yaml --host 0.0.0.0
+
+(or statically: ``--nnodes 2 --node-rank {0,1} --master-addr HOST0 --master-port 29500``).
+Set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` when the hosts have several interfaces.
+The ``distributed`` section of the YAML file configures the runtime (``RuntimeConfig``);
+``engine.model/steps/window`` choose the model. Every rank reads the same file and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+import torch
+
+from physis_ros.serve.runtime import RuntimeConfig, StopFlag, exit_now, run_worker_rank
+
+log = logging.getLogger("physis-serve")
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or spawn_ranks)."""
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def runtime_config(config: dict[str, Any], model: str | None = None) -> RuntimeConfig:
+    """RuntimeConfig from the YAML ``engine`` (model, steps, window) and ``distributed``
+    sections; ``model`` (the --model flag) overrides."""
+    engine = config.get("engine", {}) or {}
+    section = dict(config.get("distributed", {}) or {})
+    for key in ("model", "steps", "window"):
+        if key in engine and key not in section:
+            section[key] = engine[key]
+    if model is not None:
+        section["model"] = model
+    known = {f for f in RuntimeConfig.__dataclass_fields__}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ValueError(f"unknown distributed keys {unknown}; known: {sorted(known)}")
+    return RuntimeConfig(**section)
+
+
+def serve_torchrun(args: argparse.Namespace) -> int:
+    """Entry of every rank of ``torchrun ... -m physis_ros.serve.main``."""
+    from physis_ros.serve.dist_launch import init_from_env
+    from physis_ros.serve.main import load_config, serve_single_process
+
+    cfg = runtime_config(load_config(args.config), args.model)
+    torch.set_num_threads(args.threads if args.threads is not None else cfg.threads)
+    rank = int(os.environ["RANK"])
+    if rank != 0:
+        stop = StopFlag()
+        stop.install_signal_handlers()
+        ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
+        exit_now(run_worker_rank(cfg, ctx, stop))
+
+    def factory(_engine_section: dict[str, Any]):
+        from physis_ros.serve.dist_engine import DistEngine
+        from physis_ros.serve.frontend import ServerDescription
+
+        ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
+        engine = DistEngine(cfg, ctx)
+
+        def engine_info() -> dict[str, Any]:
+            return {
+                "kind": "DistEngine",
+                "ranks": str(engine.world_size),
+                "backend": engine.ctx.backend,
+                "placement": cfg.placement,
+                "open_streams": str(len(engine.controller.streams)),
+                "failed_ranks": str(engine.failed_ranks),
+            }
+
+        mc = cfg.model_config
+        return engine, ServerDescription(
+            model=mc.name,
+            steps=cfg.steps,
+            blocks=mc.num_blocks,
+            placement=f"{cfg.placement} over {engine.world_size} ranks ({ctx.backend})",
+            action_mode=mc.action_mode,
+            engine_info=engine_info,
+        )
+
+    code = serve_single_process(args, engine_factory=factory)
+    log.info("rank 0 done")
+    exit_now(code)
+    return code
