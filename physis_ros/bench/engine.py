@@ -23,7 +23,7 @@ from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import PRESETS, SamplerConfig, get_preset
 from physis_ros.engine.model import build_model, param_count
 from physis_ros.engine.oracle import sample as oracle_sample
-from physis_ros.engine.placement import layout_by_block, layout_even
+from physis_ros.engine.placement import layout_by_block_even, layout_even
 from physis_ros.engine.runtime import MODES, InProcRuntime, run_plan
 from physis_ros.engine.sampler import pack_chunk
 from physis_ros.engine.stage import BlockTimer
@@ -99,8 +99,7 @@ def _run_mode(model, sampler, args, plans, *, mode: str, batching: bool, timer: 
             return {
                 "error": f"sequential-clean needs every block on one worker; {N} workers > L={L}"
             }
-        base, extra = divmod(L, N)
-        layout = layout_by_block(K, L, [base + (i < extra) for i in range(N)])
+        layout = layout_by_block_even(K, L, N)
     else:
         layout = layout_even(K, L, N)
     in_flight = args.max_in_flight if args.max_in_flight >= 0 else K * min(N, L)

@@ -25,7 +25,7 @@ from physis_ros.engine.api import (
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
 from physis_ros.engine.model import build_model
-from physis_ros.engine.placement import Layout, layout_even
+from physis_ros.engine.placement import Layout, layout_by_block_even, layout_even
 from physis_ros.engine.runtime import MODES, ChunkResult, InProcRuntime
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 from physis_ros.engine.stage import measure_block_ms
@@ -66,7 +66,9 @@ class LocalEngine:
             self.model.load_safetensors(checkpoint)
         self.codec = Codec(self.cfg, device=device)
         L = self.cfg.num_blocks
-        if layout is None:
+        if layout is None and mode == "sequential-clean":
+            layout = layout_by_block_even(steps, L, workers)  # caches shared over steps
+        elif layout is None:
             layout = layout_even(steps, L, workers)
         self.runtime = InProcRuntime(self.model, self.sampler, layout, batching=batching)
         self.workers = self.runtime.placement.num_workers

@@ -73,6 +73,14 @@ def layout_by_block(steps: int, blocks: int, sizes: list[int] | tuple[int, ...])
     return tuple(row for _ in range(steps))
 
 
+def layout_by_block_even(steps: int, blocks: int, workers: int) -> Layout:
+    """``layout_by_block`` with the L blocks split as evenly as possible over ``workers``."""
+    if workers > blocks:
+        raise ValueError(f"{workers} workers but only {blocks} blocks to split")
+    base, extra = divmod(blocks, workers)
+    return layout_by_block(steps, blocks, [base + (i < extra) for i in range(workers)])
+
+
 def validate_layout(layout: Layout, steps: int, blocks: int, workers: int) -> None:
     if len(layout) != steps or any(len(row) != blocks for row in layout):
         raise ValueError(f"layout is not {steps}x{blocks}")

@@ -1,0 +1,97 @@
+"""physis-bench: the engine subcommand's JSON, and lazy dispatch (robot side never needs torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _bench(*args: str, timeout_s: float = 240.0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "physis_ros.bench.cli", *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, env=ENV, cwd=REPO, check=False
+    )
+
+
+def test_engine_bench_json_has_the_reported_keys():
+    proc = _bench(
+        "engine",
+        "--model",
+        "tiny",
+        "--mode",
+        "all",
+        "--chunks",
+        "6",
+        "--steps",
+        "2",
+        "--check-oracle",
+        "--compare-batching",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    for key in (
+        "model",
+        "K",
+        "L",
+        "workers",
+        "streams",
+        "interval_ms",
+        "interval_p99_ms",
+        "fill_latency_ms",
+        "response_latency_ms",
+        "block_ms",
+        "ideal_interval_ms",
+        "efficiency",
+        "sequential_clean_interval_ms",
+        "sequential_noisy_interval_ms",
+        "speedup_vs_clean",
+        "oracle_max_abs_diff",
+        "interval_batched_ms",
+        "interval_unbatched_ms",
+    ):
+        assert rep.get(key) is not None, key
+    assert rep["model"] == "tiny" and (rep["K"], rep["L"], rep["workers"]) == (2, 2, 1)
+    assert rep["oracle_max_abs_diff"] <= 1e-5
+    assert rep["ideal_interval_ms"] == rep["block_ms"] * 2 * 2
+    assert 0 < rep["efficiency"] <= 2 and rep["interval_ms"] > 0
+    assert rep["drops"] == 0
+
+
+def test_engine_bench_threads_and_human_table():
+    proc = _bench(
+        "engine",
+        "--model",
+        "tiny",
+        "--chunks",
+        "5",
+        "--steps",
+        "2",
+        "--workers",
+        "2",
+        "--streams",
+        "2",
+        "--check-oracle",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "interval_ms" in proc.stdout and "oracle_max_abs_diff" in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("oracle_max_abs_diff"))
+    assert float(line.split()[1]) <= 1e-5
+
+
+def test_cli_usage_and_errors():
+    assert _bench().returncode == 2
+    assert _bench("nope").returncode == 2
+    bad = _bench("engine", "--model", "tiny", "--chunks", "1")
+    assert bad.returncode == 2 and "--chunks" in bad.stderr
+
+
+def test_cli_imports_no_torch():
+    code = "import sys, physis_ros.bench.cli; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=ENV, cwd=REPO, timeout=60)
