@@ -82,6 +82,9 @@ class WindowResult:
     ssim: list[float]
     baseline_psnr: list[float]
     baseline_ssim: list[float]
+    frame_mse: list[float]
+    """Per horizon step: pixel MSE (0..255 units) of the prediction."""
+    baseline_frame_mse: list[float]
     action_mse: list[float] | None
     baseline_action_mse: list[float] | None
     response_latency_ms: float
@@ -267,6 +270,8 @@ def _run_window(
         ssim=[],
         baseline_psnr=[psnr(last_seen, obs) for obs in observed],
         baseline_ssim=[ssim(last_seen, obs) for obs in observed],
+        frame_mse=[],
+        baseline_frame_mse=[mse(last_seen, obs) for obs in observed],
         action_mse=None,
         baseline_action_mse=None,
         response_latency_ms=(outputs[0].decoded_s - t_submit) * 1e3,
@@ -276,6 +281,7 @@ def _run_window(
     if predicted is not None:
         res.psnr = [psnr(p, o) for p, o in zip(predicted, observed, strict=True)]
         res.ssim = [ssim(p, o) for p, o in zip(predicted, observed, strict=True)]
+        res.frame_mse = [mse(p, o) for p, o in zip(predicted, observed, strict=True)]
     if has_actions:
         recorded = np.concatenate([chunk_actions(c) for c in range(n_ctx, n_ctx + n_hor)])
         held = chunk_actions(n_ctx - 1)[-1]

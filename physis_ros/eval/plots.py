@@ -86,7 +86,7 @@ class _Axes:
             self.draw.line(
                 [self.right - 190, y, self.right - 165, y], fill=COLORS[i % len(COLORS)], width=3
             )
-            self.draw.text((self.right - 160, y), name, fill="black", font=f, anchor="lm")
+            self.draw.text((self.right - 200, y), name, fill="black", font=f, anchor="lm")
 
     def save(self, path: Path | str) -> None:
         self.img.save(str(path))

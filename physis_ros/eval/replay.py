@@ -1,0 +1,224 @@
+"""``physis-replay BAG``: publish a bag's topics into live ROS 2 at the recorded timing.
+
+The ``ros2 bag play`` this machine lacks: messages are published as the raw CDR bytes the bag
+holds (no deserialisation), paced by the bag's receive times (scaled by ``--rate``). By default
+header stamps are shifted so that the first message carries "now" (ROS wall clock) and the
+spacing is kept — nodes that drop stale observations accept a replay; ``--keep-stamps``
+publishes them as recorded. The only module of physis_ros.eval that imports rclpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import signal
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HEADER_TYPE = "std_msgs/msg/Header"
+
+
+@dataclass
+class ReplayStats:
+    published: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    """'topic: reason' -> messages not published."""
+    late_ms_max: float = 0.0
+    """Largest delay of a publish behind its scheduled time."""
+    wall_s: float = 0.0
+
+
+def message_class(msgtype: str):
+    """The generated Python class of ``pkg/msg/Name`` (ImportError/AttributeError if absent)."""
+    pkg, kind, name = msgtype.split("/")
+    return getattr(importlib.import_module(f"{pkg}.{kind}"), name)
+
+
+def restamp(raw: bytes, offset_ns: int) -> bytes:
+    """CDR of a message whose first field is a std_msgs/Header, with the stamp moved by
+    ``offset_ns``. Layout: 4-byte encapsulation (byte 1: 0 big-, 1 little-endian), then
+    stamp.sec int32 and stamp.nanosec uint32 at offsets 4 and 8."""
+    if len(raw) < 12:
+        raise ValueError(f"message of {len(raw)} bytes is too short to carry a header")
+    endian = "<" if raw[1] & 1 else ">"
+    sec, nsec = struct.unpack_from(f"{endian}iI", raw, 4)
+    total = sec * 1_000_000_000 + nsec + offset_ns
+    if total < 0:
+        raise ValueError("restamped time would be negative")
+    sec, nsec = divmod(total, 1_000_000_000)
+    if sec > 2**31 - 1:
+        raise ValueError("restamped time overflows int32 seconds")
+    out = bytearray(raw)
+    struct.pack_into(f"{endian}iI", out, 4, sec, nsec)
+    return bytes(out)
+
+
+def _has_header(store, msgtype: str) -> bool:
+    try:
+        fields = store.get_msgdef(msgtype).fields
+    except KeyError:
+        return False
+    return bool(fields) and fields[0][1][1] == HEADER_TYPE
+
+
+def replay(
+    bag: Path,
+    *,
+    rate: float = 1.0,
+    topics: list[str] | None = None,
+    remap: dict[str, str] | None = None,
+    keep_stamps: bool = False,
+    wait_subscribers_s: float = 0.0,
+    reliable: bool = False,
+    loops: int = 1,
+) -> ReplayStats:
+    """Publish ``bag`` once (or ``loops`` times); returns what was published and skipped."""
+    import rclpy
+    from rclpy._rclpy_pybind11 import RCLError
+    from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+    from rosbags.rosbag2 import Reader
+
+    from physis_ros.sim.record import typestore
+
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    store = typestore()
+    stats = ReplayStats()
+    remap = remap or {}
+    with Reader(bag) as reader:
+        conns = [c for c in reader.connections if topics is None or c.topic in topics]
+        if topics:
+            missing = sorted(set(topics) - {c.topic for c in reader.connections})
+            for t in missing:
+                stats.skipped[f"{t}: not in the bag"] = 0
+        rclpy.init()
+        node = rclpy.create_node("physis_replay")
+        try:
+            qos = (
+                QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+                if reliable
+                else qos_profile_sensor_data
+            )
+            pubs, headers = {}, {}
+            for c in conns:
+                try:
+                    cls = message_class(c.msgtype)
+                except (ImportError, AttributeError, ValueError):
+                    stats.skipped[f"{c.topic}: no Python class for {c.msgtype}"] = c.msgcount
+                    continue
+                pubs[c.id] = node.create_publisher(cls, remap.get(c.topic, c.topic), qos)
+                headers[c.id] = _has_header(store, c.msgtype)
+            deadline = time.monotonic() + wait_subscribers_s
+            while wait_subscribers_s and time.monotonic() < deadline:
+                if all(p.get_subscription_count() > 0 for p in pubs.values()):
+                    break
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            for _ in range(loops):
+                start_wall = time.monotonic()
+                first_log_ns = None
+                offset_ns = None
+                for c, log_ns, raw in reader.messages(
+                    connections=[c for c in conns if c.id in pubs]
+                ):
+                    if first_log_ns is None:
+                        first_log_ns = log_ns
+                        offset_ns = time.time_ns() - log_ns
+                    due = start_wall + (log_ns - first_log_ns) / 1e9 / rate
+                    delay = due - time.monotonic()
+                    if delay > 0:
+                        time.sleep(delay)
+                    else:
+                        stats.late_ms_max = max(stats.late_ms_max, -delay * 1e3)
+                    data = bytes(raw)
+                    if headers[c.id] and not keep_stamps:
+                        try:
+                            data = restamp(data, offset_ns)
+                        except ValueError as err:
+                            key = f"{c.topic}: {err}"
+                            stats.skipped[key] = stats.skipped.get(key, 0) + 1
+                            continue
+                    try:
+                        pubs[c.id].publish(data)
+                    except RCLError as err:  # reliable publish under overload: count it, go on
+                        key = f"{c.topic}: publish failed ({err})"
+                        stats.skipped[key] = stats.skipped.get(key, 0) + 1
+                        continue
+                    stats.published[c.topic] = stats.published.get(c.topic, 0) + 1
+            stats.wall_s = time.monotonic() - t0
+        finally:
+            node.destroy_node()
+            rclpy.try_shutdown()
+    return stats
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="physis-replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("bag", type=Path, help="rosbag2 folder, or a .mcap / .db3 file")
+    parser.add_argument("--rate", type=float, default=1.0, help="speed factor (2: twice as fast)")
+    parser.add_argument("--topics", nargs="*", default=None, help="only these topics")
+    parser.add_argument("--remap", nargs="*", default=[], help="FROM:=TO topic remaps")
+    parser.add_argument(
+        "--keep-stamps", action="store_true", help="publish header stamps as recorded"
+    )
+    parser.add_argument(
+        "--wait-subscribers-s",
+        type=float,
+        default=2.0,
+        help="wait this long for a subscriber on every topic",
+    )
+    parser.add_argument(
+        "--reliable", action="store_true", help="reliable QoS (default: sensor data, best effort)"
+    )
+    parser.add_argument("--loop", type=int, default=1, help="play the bag this many times")
+    args = parser.parse_args(argv)
+    remap = {}
+    for item in args.remap:
+        if ":=" not in item:
+            parser.error(f"--remap {item!r} is not FROM:=TO")
+        src, dst = item.split(":=", 1)
+        remap[src] = dst
+    if not args.bag.exists():
+        parser.error(f"bag {args.bag} does not exist")
+    if args.loop < 1:
+        parser.error(f"--loop must be >= 1, got {args.loop}")
+    # SIGTERM ends the replay like Ctrl-C does (clean rclpy shutdown)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        stats = replay(
+            args.bag,
+            rate=args.rate,
+            topics=args.topics,
+            remap=remap,
+            keep_stamps=args.keep_stamps,
+            wait_subscribers_s=args.wait_subscribers_s,
+            reliable=args.reliable,
+            loops=args.loop,
+        )
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as err:
+        parser.error(str(err))
+    print(
+        json.dumps(
+            {
+                "published": stats.published,
+                "skipped": stats.skipped,
+                "late_ms_max": round(stats.late_ms_max, 3),
+                "wall_s": round(stats.wall_s, 3),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Training data: recorded episodes in memory, and sequences of chunks sampled from them.
+
+What belongs here: loading bags (through ``physis_ros.eval.bag``, the same reader and the same
+action alignment that evaluation uses), and drawing training sequences — ``chunks`` chunks of
+``frames_per_chunk`` frames each, with each chunk's commanded actions — packed into the
+engine's chunk layout by the engine's own codec. Sampling is reproducible from a seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from physis_ros.engine.codec import Codec
+from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.sampler import pack_chunk
+from physis_ros.eval.bag import BagReadError, Episode, read_episode
+
+
+@dataclass
+class Dataset:
+    """Episodes at the model's image size and frame rate."""
+
+    episodes: list[Episode]
+    skipped: list[str]
+    """Bags not used, with the reason."""
+
+    @property
+    def frames(self) -> int:
+        return sum(len(ep.frames) for ep in self.episodes)
+
+
+def find_bags(paths: list[str | Path]) -> list[Path]:
+    """Bag directories (holding metadata.yaml) given directly or found under the paths."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if (p / "metadata.yaml").exists() or p.suffix in (".mcap", ".db3"):
+            found.append(p)
+        elif p.is_dir():
+            found.extend(sorted(m.parent for m in p.rglob("metadata.yaml")))
+        else:
+            raise FileNotFoundError(f"{p} is neither a bag nor a folder of bags")
+    return found
+
+
+def load_dataset(
+    paths: list[str | Path], cfg: ModelConfig, *, frame_hz: float, progress: bool = True
+) -> Dataset:
+    """Read every bag under ``paths`` at the model's image size, subsampled to ``frame_hz``."""
+    from tqdm import tqdm
+
+    height, width = cfg.image_size
+    episodes, skipped = [], []
+    for bag in tqdm(find_bags(paths), desc="loading bags", unit="bag", disable=not progress):
+        try:
+            ep = read_episode(bag, image_size=(height, width), require_commands=True)
+        except BagReadError as err:
+            skipped.append(str(err))
+            continue
+        stride = max(1, round(ep.frame_hz / frame_hz)) if ep.frame_hz > 0 else 1
+        ep = ep.subsample(stride)
+        if abs(ep.frame_hz - frame_hz) > 0.1 * frame_hz:
+            skipped.append(
+                f"{bag}: camera at {ep.frame_hz:.2f} Hz cannot be brought to {frame_hz} Hz"
+            )
+            continue
+        if len(ep.commands) and ep.commands.shape[1] != cfg.action_dim:
+            skipped.append(
+                f"{bag}: {ep.commands.shape[1]} joints, the model takes {cfg.action_dim}"
+            )
+            continue
+        episodes.append(ep)
+    if not episodes:
+        raise ValueError(f"no usable episode under {[str(p) for p in paths]}: {skipped}")
+    return Dataset(episodes, skipped)
+
+
+class SequenceSampler:
+    """Draws packed sequences [B, C, X] and their chunks' actions from a dataset."""
+
+    def __init__(self, data: Dataset, cfg: ModelConfig, *, chunks: int, seed: int) -> None:
+        f = cfg.frames_per_chunk
+        self.cfg = cfg
+        self.codec = Codec(cfg)
+        self.chunks = chunks
+        self.span = chunks * f
+        self.episodes = [ep for ep in data.episodes if len(ep.frames) >= self.span]
+        if not self.episodes:
+            raise ValueError(
+                f"no episode has the {self.span} frames a sequence of {chunks} chunks needs"
+            )
+        starts = np.array([len(ep.frames) - self.span + 1 for ep in self.episodes], np.float64)
+        self.weights = starts / starts.sum()
+        self.rng = np.random.default_rng(seed)
+
+    def sequence(self, ep: Episode, start: int) -> torch.Tensor:
+        """[C, X] packed chunks of ``ep`` from frame ``start`` (actions included)."""
+        f, h = self.cfg.frames_per_chunk, self.cfg.action_horizon
+        xs = []
+        for c in range(self.chunks):
+            first = start + c * f
+            latent = self.codec.encode(ep.frames[first : first + f])
+            actions = torch.from_numpy(ep.actions_for_chunk(first, f, h))
+            xs.append(pack_chunk(self.cfg, latent, actions))
+        return torch.stack(xs)
+
+    def batch(self, size: int) -> torch.Tensor:
+        """[size, C, X] packed sequences from random episodes and start frames."""
+        idx = self.rng.choice(len(self.episodes), size=size, p=self.weights)
+        seqs = []
+        for i in idx:
+            ep = self.episodes[i]
+            start = int(self.rng.integers(0, len(ep.frames) - self.span + 1))
+            seqs.append(self.sequence(ep, start))
+        return torch.stack(seqs)

@@ -1,0 +1,308 @@
+"""``physis-train``: noisy-history training of the engine's model on recorded episodes.
+
+The recipe is the one the sampling contract implies (DESIGN.md §3). A training example is a
+sequence of C chunks from an episode. Its first 1..``max_context`` chunks are clean context
+(sigma 0: observations); every later chunk is noised with ONE noise level sigma shared by all
+of them (noisy history: at sampling step k, chunk c attends to chunks < c at the same sigma_k),
+x_sigma = (1 - sigma) x0 + sigma eps. The model, with block-causal attention over window W and
+the commanded actions of each chunk as conditioning, predicts the flow-matching velocity
+eps - x0; the loss is its mean squared error over the noised chunks' video values. The forward
+is ``engine.model.forward_sequence``, the same function the oracle samples with.
+
+Reproducible: the same seed, data and step count give the same weights (one CPU thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from physis_ros.engine.config import get_preset
+from physis_ros.engine.model import build_model, forward_sequence, make_cond, to_upstream_state_dict
+from physis_ros.train.data import SequenceSampler, load_dataset
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that determines the trained weights (with the data)."""
+
+    model: str = "push-wm"
+    """Model preset; its action_mode must be ``condition`` or ``none``."""
+    steps: int = 1200
+    """Optimizer steps."""
+    batch_size: int = 16
+    chunks: int = 6
+    """Chunks per training sequence (context + noised)."""
+    max_context: int = 2
+    """Each sequence starts with 1..max_context clean context chunks."""
+    window: int = 2
+    """W: previous chunks each chunk attends to; sampling must use the same W."""
+    shift: float = 3.0
+    """Training sigmas are shift*u / (1 + (shift-1)*u), u ~ U(0, 1) — the schedule's shape."""
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    frame_hz: float = 10.0
+    """Camera rate the model learns (bags are subsampled to it)."""
+    seed: int = 0
+    threads: int = 1
+    """torch CPU threads (1: bit-reproducible, and fastest on a shared 2-core machine)."""
+    val_every: int = 50
+    max_minutes: float = 0.0
+    """0: no limit; otherwise stop after this many minutes (the metadata says where it stopped)."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "steps": self.steps >= 1,
+            "batch_size": self.batch_size >= 1,
+            "chunks": self.chunks >= 2,
+            "max_context": 1 <= self.max_context < self.chunks,
+            "window": self.window >= 1,
+            "shift": self.shift > 0,
+            "lr": self.lr > 0,
+            "warmup_steps": self.warmup_steps >= 0,
+            "weight_decay": self.weight_decay >= 0,
+            "grad_clip": self.grad_clip > 0,
+            "frame_hz": self.frame_hz > 0,
+            "seed": self.seed >= 0,
+            "threads": self.threads >= 1,
+            "val_every": self.val_every >= 1,
+            "max_minutes": self.max_minutes >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} has an invalid value: {getattr(self, name)!r}")
+        cfg = get_preset(self.model)
+        if cfg.action_mode == "predict":
+            raise ValueError(
+                f"model {self.model!r} predicts actions; physis-train trains world models"
+            )
+
+
+def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
+    return shift * u / (1.0 + (shift - 1.0) * u)
+
+
+def noisy_history_loss(
+    model,
+    *,
+    x0: torch.Tensor,
+    n_context: torch.Tensor,
+    sigma: torch.Tensor,
+    eps: torch.Tensor,
+    cond,
+    window: int,
+) -> torch.Tensor:
+    """x0 [B, C, X] packed clean chunks; n_context [B]; sigma [B] shared by each row's noised
+    chunks; eps [B, C, Xv] noise. Mean squared velocity error over the noised video values."""
+    cfg = model.cfg
+    c = x0.shape[1]
+    nvp = cfg.video_tokens * cfg.patch_dim
+    noised = torch.arange(c)[None, :] >= n_context[:, None]  # [B, C]
+    sig = torch.where(noised, sigma[:, None], torch.zeros(()))  # [B, C]
+    video = x0[..., :nvp]
+    x_in = x0.clone()
+    x_in[..., :nvp] = (1 - sig[..., None]) * video + sig[..., None] * eps
+    v = forward_sequence(model, x_in, sig, cond, window=window)[..., :nvp]
+    err = (v - (eps - video)).pow(2).mean(-1)  # [B, C]
+    return (err * noised).sum() / noised.sum()
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _val_batch(sampler: SequenceSampler, cfg: TrainConfig, size: int):
+    """A fixed validation batch: 2 context chunks, sigmas spread over (0, 1], fixed noise."""
+    gen = torch.Generator().manual_seed(cfg.seed + 99)
+    x0 = sampler.batch(size)
+    n_ctx = torch.full((size,), min(2, cfg.max_context))
+    sigma = torch.linspace(0.2, 1.0, size)
+    nvp = sampler.cfg.video_tokens * sampler.cfg.patch_dim
+    eps = torch.randn(size, cfg.chunks, nvp, generator=gen)
+    return x0, n_ctx, sigma, eps
+
+
+def train(
+    cfg: TrainConfig,
+    data_paths: list[str | Path],
+    out_dir: str | Path,
+    *,
+    val_paths: list[str | Path] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train, write ``weights.safetensors``, ``train_log.json`` and ``loss_curve.png`` into
+    ``out_dir``; returns the log."""
+    from tqdm import tqdm
+
+    from physis_ros.eval.plots import line_chart
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    mcfg = get_preset(cfg.model)
+    data = load_dataset(data_paths, mcfg, frame_hz=cfg.frame_hz, progress=progress)
+    sampler = SequenceSampler(data, mcfg, chunks=cfg.chunks, seed=cfg.seed)
+    val_sampler = None
+    if val_paths:
+        val_data = load_dataset(val_paths, mcfg, frame_hz=cfg.frame_hz, progress=progress)
+        val_sampler = SequenceSampler(val_data, mcfg, chunks=cfg.chunks, seed=cfg.seed + 1)
+    val = _val_batch(val_sampler, cfg, 32) if val_sampler else None
+    model = build_model(mcfg, seed=cfg.seed).train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
+    )
+    noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    nvp = mcfg.video_tokens * mcfg.patch_dim
+    log: dict = {"train_loss": [], "val_loss": [], "config": asdict(cfg)}
+    t0 = time.perf_counter()
+    stopped_early = False
+    bar = tqdm(range(cfg.steps), desc="train", unit="step", disable=not progress)
+    for step in bar:
+        x0 = sampler.batch(cfg.batch_size)
+        n_ctx = torch.randint(1, cfg.max_context + 1, (cfg.batch_size,), generator=noise_gen)
+        sigma = shifted(torch.rand(cfg.batch_size, generator=noise_gen), cfg.shift)
+        eps = torch.randn(cfg.batch_size, cfg.chunks, nvp, generator=noise_gen)
+        cond = make_cond(mcfg, 0).expand(cfg.batch_size, -1, -1)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss = noisy_history_loss(
+            model, x0=x0, n_context=n_ctx, sigma=sigma, eps=eps, cond=cond, window=cfg.window
+        )
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower --lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        log["train_loss"].append(round(loss.item(), 6))
+        if val is not None and (step % cfg.val_every == 0 or step == cfg.steps - 1):
+            model.eval()
+            with torch.no_grad():
+                vx0, vctx, vsig, veps = val
+                vcond = make_cond(mcfg, 0).expand(len(vx0), -1, -1)
+                vloss = noisy_history_loss(
+                    model,
+                    x0=vx0,
+                    n_context=vctx,
+                    sigma=vsig,
+                    eps=veps,
+                    cond=vcond,
+                    window=cfg.window,
+                ).item()
+            model.train()
+            log["val_loss"].append([step, round(vloss, 6)])
+            bar.set_postfix(loss=f"{loss.item():.4f}", val=f"{vloss:.4f}")
+        if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+            stopped_early = True
+            break
+    model.eval()
+    wall_s = time.perf_counter() - t0
+    steps_done = len(log["train_loss"])
+    meta = {
+        "format": "physis_ros world model",
+        "model": cfg.model,
+        "window": str(cfg.window),
+        "frame_hz": str(cfg.frame_hz),
+        "image_size": f"{mcfg.image_size[0]}x{mcfg.image_size[1]}",
+        "action_names": "shoulder,elbow",
+        "cond_seed": "0",
+        "train_config": json.dumps(asdict(cfg)),
+        "steps_done": str(steps_done),
+        "train_wall_s": f"{wall_s:.1f}",
+        "train_frames": str(data.frames),
+        "train_episodes": str(len(data.episodes)),
+        "torch": torch.__version__,
+    }
+    from safetensors.torch import save_file
+
+    save_file(to_upstream_state_dict(model), str(out / "weights.safetensors"), metadata=meta)
+    log.update(
+        steps_done=steps_done,
+        stopped_early=stopped_early,
+        wall_s=wall_s,
+        train_episodes=len(data.episodes),
+        train_frames=data.frames,
+        skipped_bags=data.skipped,
+        platform=platform.platform(),
+        final_train_loss_mean_last50=float(np.mean(log["train_loss"][-50:])),
+        final_val_loss=log["val_loss"][-1][1] if log["val_loss"] else None,
+    )
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    steps_axis = list(range(steps_done))
+    smooth = _ema(log["train_loss"], 0.95)
+    series = {"train loss (EMA 0.95)": (steps_axis, smooth)}
+    if log["val_loss"]:
+        series["held-out loss"] = ([s for s, _ in log["val_loss"]], [v for _, v in log["val_loss"]])
+    line_chart(
+        out / "loss_curve.png",
+        series,
+        title=f"physis-train {cfg.model}: velocity MSE",
+        xlabel="step",
+        ylabel="loss",
+        markers=False,
+    )
+    return log
+
+
+def _ema(values: list[float], decay: float) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else decay * acc + (1 - decay) * v
+        out.append(acc)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="physis-train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", nargs="+", help="bags or folders of bags to train on")
+    parser.add_argument("--out", required=True, type=Path, help="output folder")
+    parser.add_argument(
+        "--val", nargs="*", default=None, help="held-out bags for the validation loss"
+    )
+    defaults = TrainConfig()
+    for name, val in asdict(defaults).items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=type(val), default=val, help=f"(default {val})"
+        )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    fields = {k: getattr(args, k) for k in asdict(defaults)}
+    try:
+        cfg = TrainConfig(**fields)
+    except ValueError as err:
+        parser.error(str(err))
+    log = train(cfg, args.data, args.out, val_paths=args.val, progress=not args.quiet)
+    summary = {
+        k: log[k]
+        for k in (
+            "steps_done",
+            "stopped_early",
+            "wall_s",
+            "train_episodes",
+            "train_frames",
+            "final_train_loss_mean_last50",
+            "final_val_loss",
+        )
+    }
+    summary["weights"] = str(args.out / "weights.safetensors")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The shipped weights: the push scene's world model, the embedded default that demos serve.
+
+What belongs here: the path of the default checkpoint, reading a checkpoint's metadata (the
+safetensors header, parsed without torch so the robot side can read it too), and the engine
+arguments the checkpoint was trained for. ``push_wm.safetensors`` comes from ``physis-train``
+(see its metadata ``train_config`` for the exact command's settings).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "push_wm.safetensors"
+DEFAULT_STEPS = 4
+"""Denoising steps the default model is served with (measured in its eval report)."""
+DEFAULT_SHIFT = 3.0
+"""Schedule shift the default model is served with (the shift it was trained with)."""
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (empty if it has none)."""
+    path = Path(path)
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (size,) = struct.unpack("<Q", head)
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: safetensors header of {size} bytes is implausible")
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: safetensors header is not JSON: {err}") from err
+    meta = header.get("__metadata__") or {}
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def engine_kwargs(path: str | Path = DEFAULT_WEIGHTS) -> dict:
+    """``LocalEngine`` arguments for a checkpoint written by physis-train: model preset,
+    checkpoint, attention window, and the default steps and shift."""
+    meta = read_metadata(path)
+    if "model" not in meta or "window" not in meta:
+        raise ValueError(f"{path}: no physis-train metadata (model, window); pass them explicitly")
+    train_cfg = json.loads(meta.get("train_config", "{}"))
+    return {
+        "model": meta["model"],
+        "checkpoint": str(path),
+        "window": int(meta["window"]),
+        "steps": DEFAULT_STEPS,
+        "shift": float(train_cfg.get("shift", DEFAULT_SHIFT)),
+    }

@@ -1,0 +1,66 @@
+"""Child process for test_replay.py: receive raw messages on the recorder's topics.
+
+replay_sub.py N_IMAGES TIMEOUT_S: subscribes (reliable, raw CDR) to the camera, wrench, joint
+state and command topics; once N_IMAGES images arrived (or after TIMEOUT_S) prints one JSON
+line: per topic count, and per image its receive time (time.monotonic) and header stamp (ns).
+"""
+
+import json
+import struct
+import sys
+import time
+
+import rclpy
+from geometry_msgs.msg import WrenchStamped
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import Image, JointState
+from trajectory_msgs.msg import JointTrajectory
+
+TOPICS = {
+    "/camera/image_raw": Image,
+    "/wrench": WrenchStamped,
+    "/joint_states": JointState,
+    "/joint_command": JointTrajectory,
+}
+
+
+def stamp_ns(raw: bytes) -> int:
+    endian = "<" if raw[1] & 1 else ">"
+    sec, nsec = struct.unpack_from(f"{endian}iI", raw, 4)
+    return sec * 1_000_000_000 + nsec
+
+
+def main() -> int:
+    want, timeout_s = int(sys.argv[1]), float(sys.argv[2])
+    rclpy.init()
+    node = rclpy.create_node("replay_sub")
+    counts = dict.fromkeys(TOPICS, 0)
+    images = []
+
+    def on_msg(topic):
+        def cb(raw):
+            counts[topic] += 1
+            if topic == "/camera/image_raw":
+                images.append((time.monotonic(), stamp_ns(raw)))
+
+        return cb
+
+    qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+    for topic, cls in TOPICS.items():
+        node.create_subscription(cls, topic, on_msg(topic), qos, raw=True)
+    print("ready", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while len(images) < want and time.monotonic() < deadline:
+        rclpy.spin_once(node, timeout_sec=0.05)
+    # a little longer for the other topics' last messages
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        rclpy.spin_once(node, timeout_sec=0.05)
+    print(json.dumps({"counts": counts, "images": images, "now_ns": time.time_ns()}), flush=True)
+    node.destroy_node()
+    rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
