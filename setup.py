@@ -20,6 +20,10 @@ CONSOLE_SCRIPTS = [
     "sim_robot = physis_ros.nodes.sim_robot:main",
     "physis-sim = physis_ros.engine.pool.sim_cli:main",
     "physis-profile = physis_ros.engine.pool.profile_cli:main",
+    "physis-record = physis_ros.sim.record:main",
+    "physis-train = physis_ros.train.train:main",
+    "physis-eval = physis_ros.eval.cli:main",
+    "physis-replay = physis_ros.eval.replay:main",
 ]
 
 
@@ -43,7 +47,11 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=PACKAGES,
-    package_data={"physis_ros": ["py.typed"], "physis_ros.link.proto_gen": ["*.pyi"]},
+    package_data={
+        "physis_ros": ["py.typed"],
+        "physis_ros.link.proto_gen": ["*.pyi"],
+        "physis_ros.weights": ["*.safetensors"],
+    },
     cmdclass={"build_py": BuildPyWithProto},
     install_requires=["numpy", "PyYAML"],
     extras_require={
