@@ -48,8 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-batching",
         action="store_true",
-        help="also run pipelined with the other batching setting; report both",
+        help="also run pipelined with and without batching in alternating A/B rounds",
     )
+    p.add_argument("--ab-rounds", type=int, default=3, help="A/B rounds of --compare-batching")
     p.add_argument(
         "--max-in-flight",
         type=int,
@@ -163,6 +164,7 @@ def _run_mode(model, sampler, args, plans, *, mode: str, batching: bool, timer: 
         "max_in_flight": in_flight,
         "outputs": out,
         "block_samples": samples,
+        "gaps": gaps,
     }
 
 
@@ -242,15 +244,24 @@ def run(args: argparse.Namespace) -> dict:
             results["sequential-clean"]["interval_ms"] / main["interval_ms"]
         )
     if args.compare_batching:
-        other = _run_mode(
-            model, sampler, args, plans, mode="pipelined", batching=not batching, timer=timer
-        )
-        on, off = (main, other) if batching else (other, main)
-        report["interval_batched_ms"] = on.get("interval_ms")
-        report["interval_unbatched_ms"] = off.get("interval_ms")
-        report["mean_batch_batched"] = on.get("mean_batch")
-        if on.get("interval_ms") and off.get("interval_ms"):
-            report["batching_speedup"] = off["interval_ms"] / on["interval_ms"]
+        # A/B rounds alternate the order, so that drift in the machine's load hits both
+        gaps: dict[bool, list[float]] = {True: [], False: []}
+        batch_sizes = []
+        for r in range(args.ab_rounds):
+            for setting in (True, False) if r % 2 == 0 else (False, True):
+                res = _run_mode(
+                    model, sampler, args, plans, mode="pipelined", batching=setting, timer=timer
+                )
+                gaps[setting] += res.get("gaps", [])
+                if setting:
+                    batch_sizes.append(res.get("mean_batch", 0.0))
+        if gaps[True] and gaps[False]:
+            on, off = statistics.median(gaps[True]), statistics.median(gaps[False])
+            report["interval_batched_ms"] = on
+            report["interval_unbatched_ms"] = off
+            report["batching_speedup"] = off / on
+            report["mean_batch_batched"] = statistics.mean(batch_sizes)
+            report["ab_rounds"] = args.ab_rounds
     # the codec, timed apart from the DiT (as published DiT numbers are)
     frames = np.zeros((cfg.frames_per_chunk, *cfg.image_size, 3), np.uint8)
     enc, dec = [], []
