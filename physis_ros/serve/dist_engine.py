@@ -433,12 +433,23 @@ class DistEngine:
         if self._stop.is_set():
             return
         self._shutting_down = True
-        alive = [r for r in range(1, self.world_size) if r not in self.failed_ranks]
-        self.transport.expect_final_byes(alive)
-        for r in alive:
+        # Every rank whose process may still run gets "shutdown", also one that already said
+        # "bye" (on its own SIGTERM it waits for this message to end its receive thread).
+        reachable = [
+            r
+            for r in range(1, self.world_size)
+            if r not in self.transport.failed_peers()
+            and self.transport.seconds_since_heard(r) < self.cfg.fault_timeout_s
+        ]
+        waiting = [r for r in reachable if r not in self.transport.byes_from()]
+        self.transport.expect_final_byes(waiting)
+        for r in reachable:
             self.transport.send_control(r, "shutdown")
         deadline = time.monotonic() + self.cfg.fault_timeout_s
-        while any(r not in self._byes for r in alive) and time.monotonic() < deadline:
+        while (
+            any(r not in self.transport.byes_from() for r in waiting)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         self._stop.set()
         for thread in self._threads:
@@ -455,7 +466,7 @@ class DistEngine:
             "transport": dict(self.transport.counters),
         }
         self.transport.close(flush_timeout_s=1.0)
-        if not self.transport.join_recv(timeout_s=self.cfg.fault_timeout_s):
+        if waiting and not self.transport.join_recv(timeout_s=self.cfg.fault_timeout_s):
             log.warning("rank 0: a receive is still posted (no rank left to answer it)")
         dist.destroy_process_group()
         if self.procs:

@@ -64,9 +64,9 @@ def serve_torchrun(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads if args.threads is not None else cfg.threads)
     rank = int(os.environ["RANK"])
     if rank != 0:
-        stop = StopFlag()
-        stop.install_signal_handlers()
         ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
+        stop = StopFlag()  # after init: until then SIGTERM ends the process at once
+        stop.install_signal_handlers()
         exit_now(run_worker_rank(cfg, ctx, stop))
 
     def factory(_engine_section: dict[str, Any]):

@@ -232,6 +232,10 @@ class TorchDistTransport:
         (a worker's receive thread ends on ``shutdown``). Call before sending ``shutdown``."""
         self._final_byes = set(ranks)
 
+    def byes_from(self) -> set[int]:
+        """Ranks whose ``bye`` arrived."""
+        return set(self._byes_from)
+
     def join_recv(self, timeout_s: float) -> bool:
         """Wait for the receive thread to end; True if it did (or never ran)."""
         if self._recv_thread.is_alive():

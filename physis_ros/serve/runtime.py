@@ -399,9 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RuntimeConfig.from_namespace(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
     torch.set_num_threads(cfg.threads)
-    stop = StopFlag()
-    stop.install_signal_handlers()
     ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
+    stop = StopFlag()  # installed after init: until then SIGTERM ends the process at once
+    stop.install_signal_handlers()
     if ctx.rank == 0:
         raise SystemExit("rank 0 is the controller: run physis-serve (or DistEngine), not this")
     code = run_worker_rank(cfg, ctx, stop)
