@@ -15,6 +15,7 @@ thread (torch releases the GIL inside ops).
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -199,10 +200,19 @@ class InProcRuntime:
             w.close_stream(stream_id)
         self.placement = self.placement.without_stream(stream_id)
 
-    def drain(self) -> list[ChunkResult]:
+    def drain(self, wait_s: float = 0.0) -> list[ChunkResult]:
+        """Account for every finished chunk in the sink (waiting up to ``wait_s`` for the
+        first), then release what the modes allow."""
         out = []
+        items = []
+        if wait_s > 0:
+            try:
+                items.append(self.sink.get(timeout=wait_s))
+            except queue.Empty:
+                return out
         while not self.sink.empty():
-            left_s, act = self.sink.get()
+            items.append(self.sink.get())
+        for left_s, act in items:
             res = self.controller.finished(left_s, act)
             if res is not None:
                 out.append(res)
@@ -252,7 +262,7 @@ class InProcRuntime:
             self.errors.append(err)
             self._stop.set()
 
-    def wait_idle(self, timeout_s: float, poll_s: float = 0.0005) -> list[ChunkResult]:
+    def wait_idle(self, timeout_s: float, poll_s: float = 0.01) -> list[ChunkResult]:
         """Collect finished chunks until everything released is done (threads running)."""
         deadline = time.monotonic() + timeout_s
         out = self.drain()
@@ -261,8 +271,7 @@ class InProcRuntime:
                 raise RuntimeError(f"a worker failed: {self.errors[0]!r}") from self.errors[0]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"pipeline not idle after {timeout_s} s")
-            time.sleep(poll_s)
-            out += self.drain()
+            out += self.drain(wait_s=poll_s)  # blocks on the sink: no busy polling
         return out
 
     def stop_threads(self) -> None:
