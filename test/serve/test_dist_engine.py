@@ -7,6 +7,7 @@ shutdown leaves no process and no bound port behind.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -22,10 +23,13 @@ from physis_ros.serve.runtime import RuntimeConfig
 
 torch.set_num_threads(1)
 TOL = 1e-5
+DEVICE = os.environ.get("PHYSIS_TEST_DEVICE", "cpu")
+"""``cuda`` on a GPU machine (benchmarks/gpu_check.sh): every rank computes on the GPU."""
 
 
 def _cfg(**kw) -> RuntimeConfig:
     base = dict(
+        device=DEVICE,
         model="tiny",
         steps=4,
         window=2,
@@ -69,7 +73,9 @@ def _run(engine: DistEngine, streams: dict, timeout_s: float = 60.0):
 
 
 def _check_oracle(cfg: RuntimeConfig, plans: dict, specs: dict, got: dict) -> float:
-    model = build_model(cfg.model_config, seed=cfg.weights_seed)
+    model = build_model(
+        cfg.model_config, seed=cfg.weights_seed, device="cuda" if DEVICE == "cuda" else "cpu"
+    )
     worst = 0.0
     for sid, plan in plans.items():
         ref = sample_noisy(
@@ -77,12 +83,12 @@ def _check_oracle(cfg: RuntimeConfig, plans: dict, specs: dict, got: dict) -> fl
         )
         assert sorted(got[sid]) == sorted(ref)
         for c, x in ref.items():
-            worst = max(worst, (got[sid][c] - x).abs().max().item())
+            worst = max(worst, (got[sid][c] - x.cpu()).abs().max().item())
     return worst
 
 
 def _assert_clean_exit(engine: DistEngine) -> None:
-    port = int(__import__("os").environ["MASTER_PORT"])
+    port = int(os.environ["MASTER_PORT"])
     assert [p.poll() for p in engine.procs] == [0] * len(engine.procs)
     with socket.socket() as sock:  # the store's port is free again
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
