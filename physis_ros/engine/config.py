@@ -222,12 +222,13 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # The demo scene's world model (physis_ros/weights): 32x32 camera at 10 Hz, 2 frames per
     # chunk (32 video tokens), conditioned on the 2 joint position targets of each frame.
+    # dim > patch_dim (192): the velocity eps - x0 must carry the input noise through.
     "push-wm": ModelConfig(
         name="push-wm",
-        num_blocks=4,
-        dim=128,
+        num_blocks=3,
+        dim=256,
         num_heads=4,
-        ffn_dim=512,
+        ffn_dim=768,
         freq_dim=64,
         text_dim=16,
         text_len=4,
