@@ -49,6 +49,9 @@ class WorkerStats:
     busy_s: float = 0.0
     drops: collections.Counter = field(default_factory=collections.Counter)
     """reason -> activations dropped."""
+    block_times: list[tuple[int, int, int, float]] | None = None
+    """(block, batch size, smallest chunk index, ms) of every forward, when recording
+    (``Worker.record_block_times``; synchronises the device, so off by default)."""
 
 
 class Worker:
@@ -162,6 +165,10 @@ class Worker:
                 st.cross[blk] = M.cross_kv(self.model, blk, ctx)
         return st
 
+    def record_block_times(self, on: bool = True) -> None:
+        """Record the wall time of every batched forward in ``stats.block_times``."""
+        self.stats.block_times = [] if on else None
+
     def kv_bytes(self) -> int:
         return sum(r.nbytes() for st in self._streams.values() for r in st.rings.values())
 
@@ -271,7 +278,15 @@ class Worker:
                 )
             )
             msgs.append(msg)
-        h, v = run_block(self.model, block, tasks, self.caches)
+        if self.stats.block_times is None:
+            h, v = run_block(self.model, block, tasks, self.caches)
+        else:
+            t0 = time.perf_counter()
+            h, v = run_block(self.model, block, tasks, self.caches)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            ms = (time.perf_counter() - t0) * 1e3
+            self.stats.block_times.append((block, len(tasks), min(t.chunk for t in tasks), ms))
         for i, msg in enumerate(msgs):
             self._forward(msg, h[i], None if v is None else v[i])
 
