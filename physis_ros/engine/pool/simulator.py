@@ -181,6 +181,7 @@ def simulate(
     # per device: block key -> deque of (seq, stream, stage, chunk); heap of (ready_ms, seq, key)
     ready: list[dict[tuple, deque]] = [{} for _ in range(G)]
     ready_heap: list[list] = [[] for _ in range(G)]
+    prio_of: dict[int, float] = {}  # seq of a ready task not yet run -> its priority
     busy = [False] * G
     link_free = [0.0] * G
     busy_spans: list[list[tuple[float, float]]] = [[] for _ in range(G)]
@@ -211,6 +212,7 @@ def simulate(
         ready[d].setdefault(key, deque()).append((seq, si, stage, chunk))
         if config.priority != "engine":
             prio = release[si][chunk] if config.priority == "oldest_chunk" else t
+            prio_of[seq] = prio
             heapq.heappush(ready_heap[d], (prio, seq, key))
         dirty.add(d)
 
@@ -234,19 +236,19 @@ def simulate(
             run(t, d, group)
             return
         rh = ready_heap[d]
-        while rh:
-            _, sq, key = rh[0]
-            dq = ready[d].get(key)
-            if not dq or dq[0][0] > sq:
-                heapq.heappop(rh)  # stale: that task already ran in an earlier batch
-                continue
-            break
-        else:
+        while rh and rh[0][1] not in prio_of:
+            heapq.heappop(rh)  # stale: that task already ran in an earlier batch
+        if not rh:
             return
         _, _, key = heapq.heappop(rh)
         dq = ready[d][key]
         limit = config.max_batch if config.batching else 1
-        group = [dq.popleft() for _ in range(min(limit, len(dq)))]
+        # The key's most urgent tasks (the popped one is the most urgent on the device).
+        group = sorted(dq, key=lambda task: (prio_of[task[0]], task[0]))[:limit]
+        taken = {task[0] for task in group}
+        ready[d][key] = deque(task for task in dq if task[0] not in taken)
+        for sq in taken:
+            del prio_of[sq]
         run(t, d, group)
 
     def run(t: float, d: int, group: list) -> None:
@@ -397,8 +399,15 @@ def _report(streams, config, memory, *, release, start, done, busy_spans, batche
                 meets_target=meets,
             )
         )
-    t0 = min(done[si][W] for si in range(len(streams)))
-    t1 = max(done[si][C - 1] for si in range(len(streams)))
+    # Utilization window: every stream past warm-up, and no stream's source exhausted yet
+    # (after the last release, upstream devices drain and would read as idle).
+    n = len(streams)
+    t0 = max(done[si][W] for si in range(n))
+    last_release = min(release[si][-1] for si in range(n))
+    t1 = min(max(done[si][C - 1] for si in range(n)), last_release)
+    if t1 <= t0:  # too few chunks for such a window: fall back to the measured span
+        t0 = min(done[si][W] for si in range(n))
+        t1 = max(done[si][C - 1] for si in range(n))
     window = max(t1 - t0, 1e-9)
     plans = [s.plan for s in streams]
     device_reports = []

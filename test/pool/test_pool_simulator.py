@@ -1,0 +1,235 @@
+"""Discrete-event simulator: scheduling rules, intervals, latency, misses; the experiments."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, Profile, ProfileCostModel
+from physis_ros.engine.pool.costmodel import ProfileEntry as E
+from physis_ros.engine.pool.experiments import depth, pool24
+from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.plan import StreamPlan
+from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
+
+from conftest import REPO_ROOT
+
+TINY = get_preset("tiny")  # L = 2
+K2 = SamplerConfig(steps=2, window=2)
+
+
+def _cost(batch_ms=(1.0, 1.5, 2.0, 3.0), hop_ms=0.25, overlap=True):
+    entries = tuple(
+        E(tasks=b, ms_p50=t, ms_p99=t) for b, t in zip((1, 2, 4, 8), batch_ms, strict=True)
+    )
+    return ProfileCostModel(
+        Profile(
+            device="test",
+            model="tiny",
+            steps=2,
+            window=2,
+            dtype="float32",
+            entries=entries,
+            hop_ms=hop_ms,
+            comm_overlaps_compute=overlap,
+        )
+    )
+
+
+def _plan(sid, devices, target_ms=0.0):
+    return StreamPlan(
+        stream_id=sid,
+        model=TINY,
+        sampler=K2,
+        target_interval_ms=target_ms,
+        stage_devices=tuple(devices),
+    )
+
+
+def test_one_stream_one_device_as_fast_as_it_goes():
+    rep = simulate(
+        [SimStream(plan=_plan(0, [0] * 4), max_inflight=8)],
+        _cost(),
+        SimConfig(num_devices=1, chunks=20, warmup_chunks=6),
+    )
+    s = rep.streams[0]
+    # 4 stages of 1 ms each per chunk, but with several chunks in flight the worker batches
+    # stages of the same block across chunks: the interval is at most 4 ms.
+    assert s.interval_p50_ms <= 4.0 + 1e-9
+    unbatched = simulate(
+        [SimStream(plan=_plan(0, [0] * 4), max_inflight=8)],
+        _cost(),
+        SimConfig(num_devices=1, chunks=20, warmup_chunks=6, batching=False),
+    )
+    assert unbatched.streams[0].interval_p50_ms == pytest.approx(4.0)
+    assert unbatched.devices[0].mean_batch == 1.0
+    assert rep.devices[0].mean_batch > 1.0
+
+
+def test_pipeline_over_devices_interval_is_the_slowest_device_and_latency_adds_hops():
+    # 4 stages on 4 devices, one chunk in flight at a time: latency = 4 stages + 3 hops.
+    one = simulate(
+        [SimStream(plan=_plan(0, [0, 1, 2, 3]), max_inflight=1)],
+        _cost(),
+        SimConfig(num_devices=4, chunks=10, warmup_chunks=2),
+    )
+    assert one.streams[0].latency_p50_ms == pytest.approx(4 * 1.0 + 3 * 0.25)
+    # enough chunks in flight: one chunk per stage time
+    full = simulate(
+        [SimStream(plan=_plan(0, [0, 1, 2, 3]), max_inflight=8)],
+        _cost(),
+        SimConfig(num_devices=4, chunks=30, warmup_chunks=10, batching=False),
+    )
+    assert full.streams[0].interval_p50_ms == pytest.approx(1.0)
+    assert all(d.utilization == pytest.approx(1.0, abs=0.02) for d in full.devices)
+    # uneven split: device 0 holds 3 stages -> interval 3 ms, device 1 idle 2/3 of the time
+    uneven = simulate(
+        [SimStream(plan=_plan(0, [0, 0, 0, 1]), max_inflight=8)],
+        _cost(),
+        SimConfig(num_devices=2, chunks=30, warmup_chunks=10, batching=False),
+    )
+    assert uneven.streams[0].interval_p50_ms == pytest.approx(3.0)
+    assert uneven.devices[1].utilization == pytest.approx(1 / 3, abs=0.03)
+
+
+def test_sends_that_block_compute_lengthen_the_interval():
+    plan = _plan(0, [0, 0, 1, 1])
+    cfg = SimConfig(num_devices=2, chunks=30, warmup_chunks=10, batching=False)
+    overl = simulate([SimStream(plan=plan, max_inflight=8)], _cost(overlap=True), cfg)
+    block = simulate([SimStream(plan=plan, max_inflight=8)], _cost(overlap=False), cfg)
+    assert overl.streams[0].interval_p50_ms == pytest.approx(2.0)
+    assert block.streams[0].interval_p50_ms == pytest.approx(2.25)
+
+
+def test_paced_streams_meet_a_feasible_target_and_miss_an_infeasible_one():
+    cost = _cost(batch_ms=(1.0, 2.0, 4.0, 8.0))  # no batching gain
+    streams = [
+        SimStream(plan=_plan(i, [0] * 4, target_ms=10.0), phase_ms=2.5 * i) for i in range(2)
+    ]
+    ok = simulate(streams, cost, SimConfig(num_devices=1, chunks=30))
+    assert ok.all_meet_target
+    for s in ok.streams:
+        assert s.interval_p50_ms == pytest.approx(10.0) and s.deadline_misses == 0
+    assert ok.devices[0].utilization == pytest.approx(0.8, abs=0.05)
+    # three streams need 12 ms per 10 ms interval: they fall behind
+    over = [SimStream(plan=_plan(i, [0] * 4, target_ms=10.0), phase_ms=i) for i in range(3)]
+    bad = simulate(over, cost, SimConfig(num_devices=1, chunks=30))
+    assert not bad.all_meet_target
+    assert max(s.interval_p50_ms for s in bad.streams) > 10.0
+    assert sum(s.deadline_misses for s in bad.streams) > 0
+
+
+def test_latency_promise_misses_are_counted():
+    plan = _plan(0, [0] * 4, target_ms=10.0)
+    rep = simulate(
+        [SimStream(plan=plan, latency_budget_ms=3.0)], _cost(), SimConfig(num_devices=1, chunks=12)
+    )
+    s = rep.streams[0]
+    assert s.latency_p50_ms == pytest.approx(4.0)
+    assert s.latency_promise_misses == s.chunks_measured and s.meets_target
+
+
+@pytest.mark.parametrize("priority", ["oldest_chunk", "ready_first", "engine"])
+def test_every_priority_rule_keeps_per_stage_fifo_and_finishes(priority):
+    streams = [
+        SimStream(plan=_plan(i, [i % 2, 0, 1, i % 2], target_ms=6.0), phase_ms=i * 0.7)
+        for i in range(3)
+    ]
+    rep = simulate(streams, _cost(), SimConfig(num_devices=2, chunks=16, priority=priority))
+    assert rep.tasks == 3 * 16 * 4
+    assert all(s.interval_mean_ms == pytest.approx(6.0, rel=0.15) for s in rep.streams)
+
+
+def test_simulator_rejects_bad_input():
+    with pytest.raises(ValueError, match="device >= num_devices"):
+        simulate(
+            [SimStream(plan=_plan(0, [0, 0, 0, 5]), max_inflight=1)],
+            _cost(),
+            SimConfig(num_devices=2),
+        )
+    with pytest.raises(ValueError, match="max_inflight"):
+        simulate([SimStream(plan=_plan(0, [0] * 4))], _cost(), SimConfig(num_devices=1))
+    with pytest.raises(ValueError, match="priority"):
+        SimConfig(num_devices=1, priority="random")
+    with pytest.raises(ValueError, match="chunks"):
+        SimConfig(num_devices=1, chunks=5, warmup_chunks=4)
+
+
+def test_memory_is_reported_per_device():
+    cfg = get_preset("wan2.1-1.3b")
+    plan = StreamPlan(
+        stream_id=0,
+        model=cfg,
+        sampler=SamplerConfig(steps=4, window=2),
+        target_interval_ms=1600.0,
+        stage_devices=(0,) * 60 + (1,) * 60,
+    )
+    rep = simulate(
+        [SimStream(plan=plan)],
+        AnalyticCostModel(H200),
+        SimConfig(num_devices=3, chunks=10),
+        MemoryModel(),
+    )
+    assert rep.devices[0].memory["weights_gib"] > 2.0
+    assert rep.devices[1].memory["buffers_gib"] > 0
+    assert rep.devices[2].memory["total_gib"] == 0.0
+
+
+def test_depth_experiment_interval_is_one_stage_and_latency_the_whole_pipe():
+    out = depth()
+    assert out["gpus"] == 200
+    assert out["interval_ms"] == pytest.approx(out["stage_ms"], rel=1e-6)
+    assert out["hops_intra_node"] + out["hops_inter_node"] == 199
+    pipe = (
+        200 * out["stage_ms"]
+        + out["hops_intra_node"] * out["hop_ms_intra_node"]
+        + (out["hops_inter_node"] * out["hop_ms_inter_node"])
+    )
+    assert out["pipeline_latency_ms"] == pytest.approx(pipe, abs=0.01)  # rounded inputs
+    assert out["response_latency_ms"] == pytest.approx(pipe + out["interval_ms"], abs=0.01)
+    assert out["published_interval_ms"] == 4.083
+
+
+@pytest.mark.slow
+def test_pool24_shared_verified_at_least_static_for_every_backbone():
+    out = pool24()
+    assert [r["backbone"] for r in out["rows"]] == [
+        "wan2.1-1.3b",
+        "wan2.2-ti2v-5b",
+        "wan2.1-14b",
+        "dit-22b",
+        "dit-33b",
+    ]
+    for row in out["rows"]:
+        assert row["static"] >= 1
+        assert row["shared"] >= row["static"], row
+        assert row["ratio"] == pytest.approx(row["shared"] / row["static"], abs=1e-3)
+        d = out["details"][row["backbone"]]
+        assert d["shared"]["verified"] <= d["shared"]["admitted"]
+    a = out["assumptions"]
+    assert a["target_interval_ms"] == 1600.0 and a["devices"] == 24
+    assert a["K"] == 4 and a["W"] == 2 and a["device"]["peak_flops"] == 989e12
+
+
+def test_physis_sim_cli_depth_json_and_bad_input():
+    run = subprocess.run(
+        [sys.executable, "-m", "physis_ros.engine.pool.sim_cli", "--experiment", "depth", "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    out = json.loads(run.stdout)
+    assert {"interval_ms", "response_latency_ms", "assumptions"} <= set(out)
+    bad = subprocess.run(
+        [sys.executable, "-m", "physis_ros.engine.pool.sim_cli", "--model", "nope"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2 and "unknown model preset 'nope'" in bad.stderr
