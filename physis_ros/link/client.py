@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 
 from physis_ros.link.clock import ClockOffsetEstimator
 from physis_ros.link.proto_gen import physis_pb2 as pb
@@ -32,6 +31,7 @@ from physis_ros.link.wire import (
     Prediction,
     WireError,
     observation_to_proto,
+    serialize_with_payload,
     tensor_to_array,
 )
 
@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+STREAM_METHOD = "/physis.v1.Physis/Stream"
 STATES = ("connecting", "connected", "streaming", "disconnected")
 
 
@@ -154,6 +155,10 @@ class LinkClient:
         self._channel_options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # Large windows and frames: a camera image goes out without waiting for window
+            # updates.
+            ("grpc.http2.lookahead_bytes", max_message_bytes),
+            ("grpc.http2.max_frame_size", (1 << 24) - 1),
             ("grpc.initial_reconnect_backoff_ms", int(lo * 1000)),
             ("grpc.min_reconnect_backoff_ms", int(lo * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(hi * 1000)),
@@ -309,7 +314,13 @@ class LinkClient:
                 self._connections += 1
                 self._server_drops_now = {}
             self._set_state("connected")
-            call = stub.Stream(
+            # Requests go out pre-serialised (see wire.serialize_with_payload).
+            stream = channel.stream_stream(
+                STREAM_METHOD,
+                request_serializer=None,
+                response_deserializer=pb.ServerMessage.FromString,
+            )
+            call = stream(
                 self._requests(session, promise),
                 metadata=(*self._metadata, (STREAM_ID_METADATA_KEY, str(promise.stream_id))),
             )
@@ -332,7 +343,7 @@ class LinkClient:
             self._stub = None
         self._set_state("disconnected")
 
-    def _requests(self, session: int, promise: LinkPromise) -> Iterator[pb.ClientMessage]:
+    def _requests(self, session: int, promise: LinkPromise) -> Iterator[bytes]:
         """What the client sends on one stream: clock probes (a quick burst, then every
         ping_interval_s) and the newest observation."""
         burst = 8
@@ -356,25 +367,26 @@ class LinkClient:
                 yield pb.ClientMessage(
                     protocol_version=PROTOCOL_VERSION,
                     ping=pb.ClockPing(client_send_ns=self._clock_ns()),
-                )
+                ).SerializeToString()
                 continue
             obs, _enqueued_ns = item
             try:
                 msg = observation_to_proto(obs, send_stamp_ns=self._clock_ns())
+                raw = serialize_with_payload(msg, ("observation", "image", "data"))
             except (WireError, ValueError, TypeError) as exc:
                 self._count_client_drop("bad_observation")
                 self._set_error(f"observation {obs.seq} not sent: {exc}")
                 continue
-            if msg.ByteSize() > promise.max_observation_bytes:
+            if len(raw) > promise.max_observation_bytes:
                 self._count_client_drop("oversized")
                 self._set_error(
-                    f"observation {obs.seq} not sent: {msg.ByteSize()} bytes > server maximum "
+                    f"observation {obs.seq} not sent: {len(raw)} bytes > server maximum "
                     f"{promise.max_observation_bytes}"
                 )
                 continue
             with self._stats_lock:
                 self._observations_sent += 1
-            yield msg
+            yield raw
 
     def _on_server_message(self, msg: pb.ServerMessage) -> None:
         received_ns = self._clock_ns()
@@ -472,8 +484,3 @@ def _rpc_error_text(exc: grpc.RpcError) -> str:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
     return f"{code.name if code is not None else 'RPC'}: {details}"
-
-
-def as_float32(actions: np.ndarray) -> np.ndarray:
-    """Commanded actions as the wire wants them (float32, C order)."""
-    return np.ascontiguousarray(actions, dtype=np.float32)

@@ -94,6 +94,52 @@ class Prediction:
 
 HOP_NAMES = ("received", "queued", "entered", "left", "decoded", "sent")
 
+LARGE_PAYLOAD_BYTES = 64 * 1024
+"""Bytes fields at least this large are appended to the serialized message by hand."""
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def serialize_with_payload(msg, path: tuple[str, ...]) -> bytes:
+    """``msg.SerializeToString()``, fast when the bytes field at ``path`` is large.
+
+    upb serialises a message holding a large nested bytes field slowly (~1.5 ms for a
+    640x480 rgb8 image here, measured; plus as much again for ByteSize). Instead the field is
+    cleared, the rest serialised, and the field appended as its own length-delimited record
+    nested in the same parents: protobuf parsers merge repeated occurrences of an embedded
+    message, so the bytes decode to the same message. ``msg`` loses that field's value.
+    """
+    parents = [msg]
+    for name in path[:-1]:
+        parents.append(getattr(parents[-1], name))
+    data = getattr(parents[-1], path[-1])
+    if len(data) < LARGE_PAYLOAD_BYTES:
+        return msg.SerializeToString()
+    setattr(parents[-1], path[-1], b"")
+    head = msg.SerializeToString()
+    numbers = [
+        parent.DESCRIPTOR.fields_by_name[name].number
+        for parent, name in zip(parents, path, strict=True)
+    ]
+    # Innermost first: each header is tag (wire type 2) + length of everything inside it.
+    headers: list[bytes] = []
+    length = len(data)
+    for number in reversed(numbers):
+        header = _varint(number << 3 | 2) + _varint(length)
+        headers.append(header)
+        length += len(header)
+    return b"".join([head, *reversed(headers), data])
+
 
 def array_to_tensor(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tensor:
     """numpy array -> Tensor (C order, little-endian)."""

@@ -24,12 +24,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from physis_ros.engine.api import AdmissionRefused, StreamFailed, StreamSpec
 from physis_ros.link.proto_gen import physis_pb2 as pb
-from physis_ros.link.wire import AUTH_METADATA_KEY, PROTOCOL_VERSION, STREAM_ID_METADATA_KEY
+from physis_ros.link.wire import (
+    AUTH_METADATA_KEY,
+    PROTOCOL_VERSION,
+    STREAM_ID_METADATA_KEY,
+    serialize_with_payload,
+)
 from physis_ros.serve.session import EngineLoop, Session, SessionEnded, SessionLimits
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "physis.v1.Physis"
+HTTP2_MAX_FRAME_BYTES = (1 << 24) - 1
+"""The largest HTTP/2 frame the protocol allows."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +148,6 @@ class Frontend:
         self.refusals: Counter[str] = Counter()
 
     def handler(self) -> grpc.GenericRpcHandler:
-        serialize = pb.ServerMessage.SerializeToString
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
@@ -149,7 +155,7 @@ class Frontend:
                     self.open_stream, response_serializer=pb.OpenStreamReply.SerializeToString
                 ),
                 "Stream": grpc.stream_stream_rpc_method_handler(
-                    self.stream, response_serializer=serialize
+                    self.stream  # yields bytes, serialised by the writer
                 ),
                 "CloseStream": grpc.unary_unary_rpc_method_handler(
                     self.close_stream, response_serializer=pb.CloseStreamReply.SerializeToString
@@ -243,7 +249,7 @@ class Frontend:
 
     # ---- Stream ------------------------------------------------------------------------
 
-    def stream(self, request_iterator, context) -> Iterator[pb.ServerMessage]:
+    def stream(self, request_iterator, context) -> Iterator[bytes]:
         metadata = dict(context.invocation_metadata())
         raw_id = metadata.get(STREAM_ID_METADATA_KEY)
         try:
@@ -285,7 +291,7 @@ class Frontend:
                     if item.code != grpc.StatusCode.OK:
                         context.abort(item.code, item.details)
                     return
-                yield item
+                yield serialize_with_payload(item, ("prediction", "frames", "data"))
         finally:
             self._finish(session, "writer ended")
 
@@ -394,6 +400,10 @@ def start_server(
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Large windows and frames: a camera image crosses in one go, without waiting
+            # for window updates (measured ~0.1-0.2 ms less per 0.9 MB on loopback).
+            ("grpc.http2.lookahead_bytes", config.max_message_bytes),
+            ("grpc.http2.max_frame_size", HTTP2_MAX_FRAME_BYTES),
         ],
         maximum_concurrent_rpcs=config.worker_threads - 2,
     )

@@ -254,3 +254,37 @@ def test_action_conditioned_model_gets_the_newest_commanded_actions():
         client.close()
         handle.stop()
         loop.stop()
+
+
+@pytest.mark.parametrize("size", [10, 70_000, 921_600])
+def test_serialize_with_payload_decodes_to_the_same_message(size):
+    from physis_ros.link.wire import serialize_with_payload
+
+    rng = np.random.default_rng(size)
+    frames = rng.integers(0, 255, size, dtype=np.uint8)
+    msg = pb.ServerMessage(protocol_version=1)
+    msg.prediction.stream_id = 3
+    msg.prediction.chunk_index = 300
+    array_to_tensor(frames, msg.prediction.frames)
+    array_to_tensor(np.ones((16, 7), np.float32), msg.prediction.actions)
+    msg.prediction.counters.drops["x"] = 2
+    expected = pb.ServerMessage()
+    expected.CopyFrom(msg)
+    raw = serialize_with_payload(msg, ("prediction", "frames", "data"))
+    assert pb.ServerMessage.FromString(raw) == expected
+    obs = Observation(
+        seq=1,
+        capture_stamp_ns=2,
+        image=CameraImage(
+            encoding="rgb8",
+            height=1,
+            width=size // 3,
+            step=size // 3 * 3,
+            data=bytes(frames[: size // 3 * 3]),
+        ),
+    )
+    ref = observation_to_proto(obs, send_stamp_ns=3)
+    raw = serialize_with_payload(
+        observation_to_proto(obs, send_stamp_ns=3), ("observation", "image", "data")
+    )
+    assert pb.ClientMessage.FromString(raw) == ref
