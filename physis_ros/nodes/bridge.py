@@ -218,6 +218,8 @@ class Bridge(Node):
         observed = paired.image.value
         fields = observed
         promise = self._promise
+        if promise is None:  # until the stream opens; then the receive thread keeps it fresh
+            promise = self._promise = self.client.stats().promise
         if self.p.resize_to_model and promise is not None and promise.image_height > 0:
             fields = resize_fields(observed, promise.image_height, promise.image_width)
         names, positions, velocities = paired.joints.value if paired.joints else ((), None, None)
