@@ -2,8 +2,8 @@
 
 What belongs here: pure numpy functions on uint8 images ([H, W, 3] or [N, H, W, 3]) and
 float actions. SSIM follows Wang et al. 2004 (11x11 Gaussian window, sigma 1.5, K1 0.01,
-K2 0.03, data range 255), computed per channel on the valid region and averaged — the
-definition scikit-image uses with ``gaussian_weights=True``.
+K2 0.03, data range 255, unbiased window covariances), computed per channel on the valid
+region (no padding) and averaged over channels and positions.
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ class TrainConfig:
 
     model: str = "push-wm"
     """Model preset; its action_mode must be ``condition`` or ``none``."""
-    steps: int = 1200
+    steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 16
-    chunks: int = 6
+    chunks: int = 5
     """Chunks per training sequence (context + noised)."""
     max_context: int = 2
     """Each sequence starts with 1..max_context clean context chunks."""
