@@ -60,6 +60,9 @@ class TrainConfig:
     val_every: int = 50
     max_minutes: float = 0.0
     """0: no limit; otherwise stop after this many minutes (the metadata says where it stopped)."""
+    stop_after_steps: int = 0
+    """0: run all ``steps``; else stop after this many, with the learning-rate schedule of
+    ``steps`` — reproduces exactly a run that ``max_minutes`` cut short at that step."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -78,6 +81,7 @@ class TrainConfig:
             "threads": self.threads >= 1,
             "val_every": self.val_every >= 1,
             "max_minutes": self.max_minutes >= 0,
+            "stop_after_steps": 0 <= self.stop_after_steps <= self.steps,
         }
         for name, ok in checks.items():
             if not ok:
@@ -207,6 +211,9 @@ def train(
             model.train()
             log["val_loss"].append([step, round(vloss, 6)])
             bar.set_postfix(loss=f"{loss.item():.4f}", val=f"{vloss:.4f}")
+        if cfg.stop_after_steps and step + 1 >= cfg.stop_after_steps:
+            stopped_early = True
+            break
         if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
             stopped_early = True
             break
