@@ -1,4 +1,16 @@
 """Engine: the block-causal denoising model, its stages, KV caches, scheduler and placement.
 
-Imports torch; never rclpy.
+Imports torch; never rclpy. Modules (pool/ is the shared-pool admission and simulator):
+  config     presets (tiny, small, Wan2.1/2.2 backbones, 22B/33B) and the sampler config
+  model      Wan2.1-style DiT (upstream key names), block math, forward_sequence (training)
+  sampler    shifted flow-matching sigmas, seeded initial noise, packed chunk layout
+  codec      image <-> latent: exact pixel space-to-depth, or a VAE-shaped stand-in
+  oracle     offline full-sequence samplers (noisy and clean history) every mode must equal
+  stage      KV rings, one batched block forward over tasks (run_block), block timing
+  placement  stages (k, l) -> virtual ranks -> worker ranks; printable
+  worker     Worker.run_once: receive -> ready tasks -> group by block -> forward -> send
+  transport  Activation and the Transport interface (InProcTransport here)
+  runtime    Controller (pipelined / sequential-noisy / sequential-clean) + in-process drivers
+  local      LocalEngine: the StreamEngine of one process
+  api        what the server front end asks of an engine
 """
