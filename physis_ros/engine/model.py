@@ -70,24 +70,31 @@ class Head(nn.Module):
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
 
-def _seeded(seed: int, part: int, make: Callable[[], nn.Module]) -> nn.Module:
+def _seeded(seed: int, part: int, make: Callable[[], nn.Module], device, dtype) -> nn.Module:
     # Each part is initialised from its own seed on the CPU, so a worker that builds only
-    # blocks 10..19 gets exactly the weights the full model has there, on any device.
+    # blocks 10..19 gets exactly the weights the full model has there, on any device; each
+    # part moves to the device at once, so a 14B model never sits whole in host memory.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((seed * 1_000_003 + part + 7) % (2**63))
-        return make()
+        return make().to(device=device, dtype=dtype)
 
 
 class WanDiT(nn.Module):
     """Wan2.1-style DiT. ``block_ids`` limits which blocks exist (the rest are None)."""
 
     def __init__(
-        self, cfg: ModelConfig, *, seed: int = 0, block_ids: set[int] | None = None
+        self,
+        cfg: ModelConfig,
+        *,
+        seed: int = 0,
+        block_ids: set[int] | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         d, p = cfg.dim, cfg.patch_dim
-        stem = _seeded(seed, -1, lambda: _Stem(cfg))
+        stem = _seeded(seed, -1, lambda: _Stem(cfg), device, dtype)
         # The stem's children become top-level modules so that the keys are upstream's.
         self.patch_embedding = stem.patch_embedding
         self.text_embedding = stem.text_embedding
@@ -102,7 +109,7 @@ class WanDiT(nn.Module):
         ids = set(range(cfg.num_blocks)) if block_ids is None else set(block_ids)
         self.blocks = nn.ModuleList(
             [
-                _seeded(seed, i, lambda: Block(cfg)) if i in ids else nn.Identity()
+                _seeded(seed, i, lambda: Block(cfg), device, dtype) if i in ids else nn.Identity()
                 for i in range(cfg.num_blocks)
             ]
         )
@@ -448,8 +455,8 @@ def build_model(
     block_ids: set[int] | None = None,
 ) -> WanDiT:
     """Random-init (by seed) model on ``device`` in ``dtype``, in eval mode."""
-    model = WanDiT(cfg, seed=seed, block_ids=block_ids)
-    return model.to(device=device, dtype=dtype).eval()
+    model = WanDiT(cfg, seed=seed, block_ids=block_ids, device=device, dtype=dtype)
+    return model.to(device=device).eval()  # the head_perm buffer
 
 
 def param_count(model: nn.Module) -> int:
