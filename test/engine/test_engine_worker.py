@@ -133,3 +133,17 @@ def test_block_timing_for_batch_compositions(tiny):
     assert measure_block_ms(tiny, [0, 1, 2], repeats=3, warmup=1) > 0
     with pytest.raises(ValueError, match="history_chunks"):
         measure_block_ms(tiny, [])
+
+
+def test_bfloat16_pipeline_runs_and_tracks_its_oracle(tiny):
+    """dtype support: h and weights in bf16, x and the Euler update in float32."""
+    from physis_ros.engine.model import build_model
+
+    model = build_model(tiny.cfg, seed=0, dtype=torch.bfloat16)
+    rt = InProcRuntime(model, SAMPLER, layout_groups(K, L, [2, 4]))
+    plan = plan_for(tiny, 0)
+    out = run_plan(rt, {0: plan}, mode="pipelined", seeds={0: 3}, cond_seeds={0: 4})
+    ref = oracle.sample(model, SAMPLER, plan, mode="pipelined", seed=3, cond_seed=4)
+    for c, x in ref.items():
+        assert out[0][c].x.dtype == torch.float32
+        assert (out[0][c].x - x).abs().max().item() < 0.1  # bf16 round-off, not a bug
