@@ -1,5 +1,6 @@
 """physis-serve under torchrun: a robot client gets predictions through rank 0's front end
-over 2 gloo ranks; SIGTERM to torchrun stops every rank and leaves no process behind."""
+over 2 gloo ranks; a hung rank is reported to the client within the fault timeout; SIGTERM to
+torchrun stops every rank and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
+FAULT_TIMEOUT_S = 2.0
+CONFIG = f"""
+engine: {{model: tiny}}
+distributed:
+  heartbeat_interval_s: 0.2
+  fault_timeout_s: {FAULT_TIMEOUT_S}
+  comm_timeout_s: 30.0
+"""
+
+pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not in this venv")
 
 
 def _children(pid: int) -> set[int]:
@@ -31,25 +42,33 @@ def _children(pid: int) -> set[int]:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
         return False
-    return (
-        Path(f"/proc/{pid}").exists()
-        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
-    )
+    return state != "Z"
 
 
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed in this venv")
-def test_torchrun_serves_predictions_and_stops_every_rank(tmp_path):
-    from physis_ros.link.client import CameraImage, LinkClient, Observation
+def _rank_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the ranks under the torchrun agent."""
+    out = {}
+    for pid in _children(agent_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                out[int(item[5:])] = pid
+    return out
 
+
+@pytest.fixture
+def server(tmp_path):
+    """(port, torchrun process, rank -> pid); stops everything and checks nothing is left."""
     port_file = tmp_path / "port"
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    )
+    (tmp_path / "serve.yaml").write_text(CONFIG)
+    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
     cmd = [
         str(TORCHRUN),
         "--standalone",
@@ -57,63 +76,93 @@ def test_torchrun_serves_predictions_and_stops_every_rank(tmp_path):
         "2",
         "-m",
         "physis_ros.serve.main",
-        "--model",
-        "tiny",
+        "--config",
+        str(tmp_path / "serve.yaml"),
         "--port",
         "0",
         "--port-file",
         str(port_file),
     ]
-    log = open(tmp_path / "torchrun.log", "wb")  # noqa: SIM115 - closed below
+    log_path = tmp_path / "torchrun.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    ranks: set[int] = set()
+    ranks: dict[int, int] = {}
     try:
         deadline = time.monotonic() + 90
         while not port_file.exists():
-            assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-3000:]
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "physis-serve under torchrun never served"
             time.sleep(0.2)
-        ranks = _children(proc.pid)
-        assert len(ranks) >= 2  # two ranks (python) under the torchrun agent
-        client = LinkClient(f"127.0.0.1:{port_file.read_text().strip()}", seed=3)
-        client.start()
-        image = np.full((16, 16, 3), 80, np.uint8)
-        got, seq = [], 0
-        deadline = time.monotonic() + 60
-        while len(got) < 4 and time.monotonic() < deadline:
-            seq += 1
-            client.send_observation(
-                Observation(
-                    seq=seq,
-                    capture_stamp_ns=time.time_ns(),
-                    image=CameraImage(
-                        encoding="rgb8", height=16, width=16, step=48, data=image.tobytes()
-                    ),
-                )
-            )
-            pred = client.get_prediction(0.2)
-            if pred is not None:
-                got.append(pred)
-        stats = client.stats()
-        client.close()
-        assert len(got) == 4, stats
-        assert stats.promise.model == "tiny" and stats.promise.steps == 4
-        assert got[-1].frames.shape == (2, 16, 16, 3) and got[-1].actions.shape == (4, 4)
-        assert np.isfinite(got[-1].actions).all()
+        ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1]
+        yield int(port_file.read_text()), proc, ranks
     finally:
         term_s = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
-            stop_s = time.monotonic() - term_s
         finally:
             if proc.poll() is None:
                 proc.kill()
             log.close()
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in ranks if _alive(p)], "a rank outlived torchrun"
-    text = (tmp_path / "torchrun.log").read_text(errors="replace")
-    assert "rank 0 done" in text  # rank 0 went through DistEngine.shutdown
-    assert stop_s < 15.0, f"SIGTERM to exit took {stop_s:.1f} s"
+        stop_s = time.monotonic() - term_s
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in ranks.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks.values() if _alive(p)], "a rank outlived torchrun"
+        assert "rank 0 done" in log_path.read_text(errors="replace")  # DistEngine.shutdown ran
+        assert stop_s < 15.0, f"SIGTERM to exit took {stop_s:.1f} s"
+
+
+def _stream(port: int, count: int, timeout_s: float):
+    from physis_ros.link.client import CameraImage, LinkClient, Observation
+
+    client = LinkClient(f"127.0.0.1:{port}", seed=3)
+    client.start()
+    image = np.full((16, 16, 3), 80, np.uint8)
+    got, seq = [], 0
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        seq += 1
+        client.send_observation(
+            Observation(
+                seq=seq,
+                capture_stamp_ns=time.time_ns(),
+                image=CameraImage(
+                    encoding="rgb8", height=16, width=16, step=48, data=image.tobytes()
+                ),
+            )
+        )
+        pred = client.get_prediction(0.2)
+        if pred is not None:
+            got.append(pred)
+    return client, got
+
+
+def test_torchrun_serves_predictions_and_stops_every_rank(server):
+    port, _, _ = server
+    client, got = _stream(port, 4, 60)
+    stats = client.stats()
+    client.close()
+    assert len(got) == 4, stats
+    assert stats.promise.model == "tiny" and stats.promise.steps == 4
+    assert got[-1].frames.shape == (2, 16, 16, 3) and got[-1].actions.shape == (4, 4)
+    assert np.isfinite(got[-1].actions).all()
+
+
+def test_hung_rank_is_reported_to_the_client_within_the_timeout(server):
+    port, _, ranks = server
+    client, got = _stream(port, 2, 60)
+    assert len(got) == 2
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        hung_s = time.monotonic()
+        while "rank 1" not in client.stats().last_error and time.monotonic() - hung_s < 15:
+            client.get_prediction(0.1)
+        reported_s = time.monotonic() - hung_s
+        error = client.stats().last_error
+        client.close()
+        assert "rank 1" in error, error
+        assert reported_s < FAULT_TIMEOUT_S + 3.0, f"reported after {reported_s:.1f} s: {error}"
+    finally:
+        os.kill(ranks[1], signal.SIGKILL)  # a stopped process cannot act on SIGTERM
