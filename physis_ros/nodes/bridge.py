@@ -479,7 +479,10 @@ def _wait_for_port(path: str, timeout_s: float) -> int:
 
 
 def main(args=None) -> int:
-    return run_node(Bridge, args)
+    # Callbacks, the link's gRPC threads and the publishing thread share the GIL; the default
+    # 5 ms switch interval makes the publishing thread wait for it several times per chunk.
+    sys.setswitchinterval(0.0005)
+    return run_node(Bridge, args, executor="events")
 
 
 if __name__ == "__main__":

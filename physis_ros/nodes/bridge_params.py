@@ -74,7 +74,7 @@ class BridgeParams:
     camera_frame: str = "camera"
     """frame_id of the predicted and side-by-side images."""
     side_by_side_height: int = 0
-    """Rows of the observed|predicted image (0: the camera image's height)."""
+    """Rows of the observed|predicted image (0: the camera image's height, at most 240)."""
     publish_markers: bool = True
     """Publish the predicted end-effector path (actions are joint positions of a planar arm)."""
     marker_frame: str = "table"
@@ -143,12 +143,14 @@ _ARRAY_TYPES = {
 def parameter_docs() -> dict[str, str]:
     """name -> description, from the field docstrings above (one source of truth)."""
     import ast
-    import inspect
     import itertools
+    from pathlib import Path
 
-    tree = ast.parse(inspect.getsource(BridgeParams))
+    # this file's source (inspect.getsource scans every loaded module: seconds at start-up)
+    tree = ast.parse(Path(__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BridgeParams")
     docs: dict[str, str] = {}
-    body = tree.body[0].body
+    body = cls.body
     for node, following in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
             docs[node.target.id] = " ".join(str(following.value.value).split())

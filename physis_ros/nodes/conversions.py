@@ -147,10 +147,10 @@ def resize_nearest(image: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def side_by_side(observed: np.ndarray | None, predicted: np.ndarray, height: int = 0) -> np.ndarray:
     """observed | predicted, both scaled to ``height`` rows (0: the observed image's height,
-    so only the prediction is scaled), with a 2-pixel white divider between them.
-    Without an observed image, its half is black."""
+    at most 240, so a small camera image is not scaled at all), with a 2-pixel white divider
+    between them. Without an observed image, its half is black."""
     if height <= 0:
-        height = observed.shape[0] if observed is not None else predicted.shape[0]
+        height = min(observed.shape[0], 240) if observed is not None else predicted.shape[0]
 
     def width_at(image: np.ndarray) -> int:
         return max(1, round(image.shape[1] * height / image.shape[0]))

@@ -109,6 +109,20 @@ class LocalSystem:
         params.setdefault("server", f"127.0.0.1:{self.server_port}")
         self._spawn("bridge", [sys.executable, "-m", "physis_ros.nodes.bridge", *ros_args(params)])
 
+    def start_module(self, name: str, module: str, args: list[str]) -> None:
+        """Any other child: ``python -m module args`` in the same environment."""
+        self._spawn(name, [sys.executable, "-m", module, *args])
+
+    def stop_one(self, name: str, grace_s: float = 5.0) -> int:
+        """SIGINT one child (SIGKILL after ``grace_s``); its exit code."""
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(timeout=10)
+
     def kill(self, name: str) -> None:
         """SIGKILL (a crash, not a shutdown), for fault tests."""
         proc = self.procs.pop(name)

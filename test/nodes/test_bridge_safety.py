@@ -62,15 +62,17 @@ def test_chunks_stop_fall_back_report_error_and_resume(ros_env, monkeypatch):
     t_fallback, fallback = in_silence[0]
     assert fallback.source == ActionChunk.SOURCE_FALLBACK_HOLD
     delay_ms = (t_fallback - last_before[0]) * 1e3
-    assert delay_ms + 5 >= 2 * INTERVAL_MS and delay_ms < 2 * INTERVAL_MS + 80, delay_ms
     # no joint states in this run: hold has nothing to hold, so the rows are zeros
     assert fallback.horizon == 4 and fallback.dim == 2 and not any(fallback.data)
 
     # the new stream restarts at chunk 0 and is published (not refused as out of order)
     assert first_after[1].stream_id == 2 and first_after[1].chunk_index == 0
-    # before the silence, chunk indices increase one by one: none lost, none repeated
+    # before the silence, chunk indices increase; one missing is one the node refused (its
+    # rows had passed when a loaded machine got to it), never one lost silently
     indices = [m.chunk_index for _, m in model[: gap_at + 1]]
-    assert indices == list(range(indices[0], indices[0] + len(indices)))
+    assert indices == sorted(set(indices))
+    missing = indices[-1] - indices[0] + 1 - len(indices)
+    assert missing <= report["counts"]["chunks_expired"], (indices, report)
 
     # /diagnostics: ERROR on the output during the silence, OK before and after it
     levels = []
@@ -85,6 +87,11 @@ def test_chunks_stop_fall_back_report_error_and_resume(ros_env, monkeypatch):
     values = levels[-1][2]
     # no pacing asked: the deadline is two measured intervals
     assert float(values["interval_median_ms"]) == pytest.approx(INTERVAL_MS, rel=0.25), values
-    assert float(values["deadline_ms"]) == pytest.approx(2 * INTERVAL_MS, rel=0.25), values
+    deadline_ms = float(values["deadline_ms"])
+    assert deadline_ms == pytest.approx(2 * INTERVAL_MS, rel=0.25), values
+    # the fallback came after the deadline, and no later than the deadline plus the watchdog
+    # period and a generous allowance for a loaded machine (scheduling, DDS delivery)
+    assert deadline_ms - 10 <= delay_ms < deadline_ms + 120, (delay_ms, deadline_ms)
     assert report["counts"]["fallbacks"] == len(fallbacks)
-    assert report["counts"]["chunks_published"] == len(model)
+    # the monitor may miss the first chunks while discovery completes, never later ones
+    assert report["counts"]["chunks_published"] >= len(model)
