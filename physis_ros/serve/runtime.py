@@ -126,7 +126,7 @@ class RuntimeConfig:
                 f"comm_timeout_s {self.comm_timeout_s} must exceed fault_timeout_s "
                 f"{self.fault_timeout_s} so faults are reported before waits give up"
             )
-        parse_placement(self.placement, self.steps, 1 + self.steps * 1000, check_workers=False)
+        check_placement_spec(self.placement)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -186,30 +186,39 @@ class RuntimeConfig:
         return cls(**values)
 
 
-def parse_placement(spec: str, steps: int, blocks: int, workers: int = 1, *, check_workers=True):
-    """The layout named by ``spec`` (see ``RuntimeConfig.placement``) for ``workers`` ranks."""
+def _group_sizes(spec: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in spec[len("groups:") :].split(",")]
+    except ValueError:
+        raise ValueError(f"placement {spec!r}: groups must be integers, e.g. groups:3,5") from None
+    if any(size < 1 for size in sizes):
+        raise ValueError(f"placement {spec!r}: every group needs at least one stage")
+    return sizes
+
+
+def check_placement_spec(spec: str) -> None:
+    """Raise ValueError naming ``spec`` unless it is a placement name this runtime knows."""
+    if spec.startswith("groups:"):
+        _group_sizes(spec)
+    elif spec not in ("even", "single", "one-stage"):
+        raise ValueError(f"placement {spec!r} is not even, single, one-stage or groups:a,b,...")
+
+
+def parse_placement(spec: str, steps: int, blocks: int, workers: int) -> Layout:
+    """The layout named by ``spec`` (see ``RuntimeConfig.placement``) over ``workers`` ranks."""
+    check_placement_spec(spec)
     if spec == "single":
         return layout_single(steps, blocks)
     if spec == "even":
-        return layout_even(steps, blocks, workers) if check_workers else None
+        return layout_even(steps, blocks, workers)
     if spec == "one-stage":
         layout = layout_one_stage_per_worker(steps, blocks)
-        if check_workers:
-            validate_layout(layout, steps, blocks, workers)
+        validate_layout(layout, steps, blocks, workers)
         return layout
-    if spec.startswith("groups:"):
-        try:
-            sizes = [int(s) for s in spec[len("groups:") :].split(",")]
-        except ValueError:
-            raise ValueError(
-                f"placement {spec!r}: groups must be integers, e.g. groups:3,5"
-            ) from None
-        if not check_workers:
-            return None
-        if len(sizes) > workers:
-            raise ValueError(f"placement {spec!r} needs {len(sizes)} ranks, the job has {workers}")
-        return layout_groups(steps, blocks, sizes)
-    raise ValueError(f"placement {spec!r} is not even, single, one-stage or groups:a,b,...")
+    sizes = _group_sizes(spec)
+    if len(sizes) > workers:
+        raise ValueError(f"placement {spec!r} needs {len(sizes)} ranks, the job has {workers}")
+    return layout_groups(steps, blocks, sizes)
 
 
 class StageHost:
