@@ -86,8 +86,12 @@ def test_topics_appear_with_their_declared_types(system):
         assert monitor.wait_for(lambda t=topic: monitor.count(t) > 0, timeout_s=10), topic
     frame = monitor.get("predicted/image")
     assert (frame.height, frame.width, frame.encoding) == (16, 16, "rgb8")
-    view = monitor.get("predicted/side_by_side")
-    assert view.height == 64 and view.width == 64 + 2 + 64  # camera 64x64 | prediction scaled
+    # once chunks are conditioned on observations: camera 64x64 | prediction scaled to 64 rows
+    # (the first chunks, before any observation, show only the prediction at 16 rows)
+    assert monitor.wait_for(
+        lambda: monitor.get("predicted/side_by_side").height == 64, timeout_s=10
+    )
+    assert monitor.get("predicted/side_by_side").width == 64 + 2 + 64
     chunk = monitor.get("action_chunk")
     assert chunk.horizon == 4 and chunk.dim == 4 and len(chunk.data) == 16
     assert list(chunk.action_names[:2]) == ["shoulder", "elbow"]
