@@ -226,3 +226,42 @@ def test_meters():
         meter.tick(10.0 + i / 30)
     assert meter.rate_hz(now_s=11.0) == pytest.approx(29, abs=1)
     assert meter.rate_hz(now_s=13.0) == 0
+
+
+def test_area_resize_averages_and_keeps_the_encoding():
+    from physis_ros.nodes.conversions import ImageFields, resize_area_sampled, resize_fields
+
+    # a 640x480 checkerboard of 40x30 tiles: each output pixel of a 16x16 image is one tile
+    tiles = (np.add.outer(np.arange(480) // 30, np.arange(640) // 40) % 2 * 200).astype(np.uint8)
+    image = np.repeat(tiles[:, :, None], 3, axis=2)
+    small = resize_area_sampled(image, 16, 16)
+    np.testing.assert_array_equal(
+        small[:, :, 0], (np.add.outer(np.arange(16), np.arange(16)) % 2) * 200
+    )
+    # a fine stripe pattern averages to grey instead of aliasing
+    stripes = np.zeros((64, 64, 3), np.uint8)
+    stripes[:, ::2] = 255
+    assert np.all(np.abs(resize_area_sampled(stripes, 16, 16).astype(int) - 128) <= 1)
+    bgr = ImageFields(encoding="bgr8", height=480, width=640, step=1920, data=image.tobytes())
+    out = resize_fields(bgr, 16, 16)
+    assert (out.encoding, out.height, out.width, out.step, len(out.data)) == (
+        "bgr8",
+        16,
+        16,
+        48,
+        768,
+    )
+    png = ImageFields(encoding="png", height=4, width=4, step=0, data=b"x")
+    assert resize_fields(png, 16, 16) is png  # compressed images go as they are
+
+
+def test_demo_png_writer_round_trips_through_pillow(tmp_path):
+    from PIL import Image as PILImage
+
+    from physis_ros.demo import strip, write_png
+
+    rows = [np.full((8, 10, 3), v, np.uint8) for v in (10, 200)]
+    image = strip(rows, scale=2)
+    assert image.shape == (2 * (8 + 2) * 2, 20, 3)
+    write_png(tmp_path / "s.png", image)
+    np.testing.assert_array_equal(np.asarray(PILImage.open(tmp_path / "s.png")), image)

@@ -1,0 +1,47 @@
+"""``physis-demo`` and ``physis-bench ros`` run end to end as a user runs them (short)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+
+def test_demo_runs_the_closed_loop_and_leaves_a_summary_and_a_strip(tmp_path, ros_env):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "physis_ros.demo", "--duration-s", "8", "--out", str(out),
+         "--domain-id", ros_env["ROS_DOMAIN_ID"]],
+        check=False, env=ros_env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert any("interval" in line and "response" in line for line in lines), proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["children_exit_codes"] == {"server": 0, "sim_robot": 0, "bridge": 0}
+    assert summary["chunks_published"] > 10 and summary["observations_sent"] > 10
+    assert summary["interval_median_ms"] == pytest.approx(100.0, rel=0.3)
+    assert summary["response_latency_median_ms"] > 0
+    assert (out / "strip.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_ros_prints_the_promised_keys(tmp_path, ros_env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "physis_ros.bench.cli", "ros", "--json", "--duration-s", "4",
+         "--warmup-s", "2", "--domain-id", ros_env["ROS_DOMAIN_ID"], "--log-dir", str(tmp_path)],
+        check=False, env=ros_env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("dropped", "dds_lost", "obs_to_send_ms_median", "obs_to_send_ms_p99",
+                "receive_to_publish_ms_median", "receive_to_publish_ms_p99"):  # fmt: skip
+        assert key in result, key
+    assert result["images_published"] > 60 and result["images_received"] > 0
+    assert result["dds_lost"] == result["images_published"] - result["images_received"]
+    assert 0 < result["obs_to_send_ms_median"] <= result["obs_to_send_ms_p99"]
+    assert 0 < result["receive_to_publish_ms_median"] <= result["receive_to_publish_ms_p99"]
+    assert result["children_exit_codes"] == {"server": 0, "bridge": 0}
