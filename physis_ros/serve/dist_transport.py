@@ -3,10 +3,11 @@
 ``TorchDistTransport`` implements the engine's ``Transport`` (``physis_ros.engine.transport``)
 between ranks, and carries the runtime's control messages and heartbeats on the same channel.
 
-Wire protocol (per message, in order, sender -> receiver):
-  1. header: int64[16] (see ``_H_*``), tag ``TAG_HEADER``;
-  2. data messages: x (float32 [X]) then, if ``has_h``, h ([N, D], model dtype), tag
-     ``TAG_PAYLOAD``; control messages: a uint8 JSON payload, tag ``TAG_PAYLOAD``.
+Wire protocol: a header int64[16] (see ``_H_*``) followed, for data, by x (float32 [X]) and,
+if ``has_h``, h ([N, D], model dtype); for control, by a UTF-8 JSON payload. With gloo the
+three travel as ONE uint8 message (tag ``TAG_HEADER``), received into a buffer of the largest
+size (gloo accepts a shorter message), so a hop costs one rendezvous, not three; with NCCL
+they are separate messages (header on ``TAG_HEADER``, the rest on ``TAG_PAYLOAD``).
 The x / h shapes follow from the model config; every rank computes them and they are checked
 once at start-up (``check_shapes_agree``: one all-gather of an int64 tensor, no pickle). The
 header still carries them so a mismatch is a clear error, never a silent misread.
@@ -14,11 +15,10 @@ header still carries them so a mismatch is a clear error, never a silent misread
 Receiving, and why it looks like this:
   - gloo (CPU): a posted ``irecv`` from ANY source works (``src=None``) but gloo only fills
     ``is_completed()`` inside ``wait()``, and a ``wait(timeout)`` that expires closes the
-    pair. So a dedicated comm thread blocks in ``wait()`` on one any-source header receive,
-    then receives the payload from that source (per-pair FIFO on ``TAG_PAYLOAD`` makes it
-    unambiguous) and hands the message to queues. Compute never waits on it. Rank 0 sends a
-    heartbeat to every rank each ``heartbeat_interval_s`` so an idle receive never reaches
-    the process-group timeout.
+    pair. So a dedicated comm thread blocks in ``wait()`` on one any-source receive of a
+    whole message, copies it out and hands it to queues. Compute never waits on it. Rank 0
+    sends a heartbeat to every rank each ``heartbeat_interval_s`` so an idle receive never
+    reaches the process-group timeout.
   - NCCL (CUDA): no any-source receives, and p2p ops of one pair share one CUDA stream, so a
     posted receive would block sends to the same peer. Hence two extra groups, one per
     direction (lower -> higher rank, higher -> lower), a header receive posted ahead per peer,
@@ -158,6 +158,8 @@ class TorchDistTransport:
             up, down = dist.new_group(backend="nccl"), dist.new_group(backend="nccl")
             self._groups_by_direction = (up, down)
         self._next_x, self._next_h = self._alloc_payload()
+        self.capacity_bytes = HEADER_LEN * 8 + self._next_x.nbytes + self._next_h.nbytes
+        """Largest message: header, x and h (control messages must fit too)."""
         now = time.monotonic()
         for peer in range(self.world_size):
             self._last_heard_s[peer] = now
@@ -206,6 +208,11 @@ class TorchDistTransport:
             self._control.put(message)
             return
         data = json.dumps({"kind": kind, "body": message.body}).encode()
+        if HEADER_LEN * 8 + len(data) > self.capacity_bytes:
+            raise ValueError(
+                f"control message {kind!r} has {len(data)} bytes, more than a message holds "
+                f"({self.capacity_bytes - HEADER_LEN * 8})"
+            )
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.wire_device)
         self._enqueue(dst, self._header(KIND_CONTROL, payload_bytes=len(data)), [payload])
 
@@ -316,8 +323,13 @@ class TorchDistTransport:
                 return
             header, payload = item
             try:
-                works = [dist.isend(header, dst=dst, group=group, tag=TAG_HEADER)]
-                works += [dist.isend(t, dst=dst, group=group, tag=TAG_PAYLOAD) for t in payload]
+                if group is None:  # gloo: one message, header ++ payload bytes (see docstring)
+                    parts = [header, *payload]
+                    packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in parts])
+                    works = [dist.isend(packed, dst=dst, tag=TAG_HEADER)]
+                else:
+                    works = [dist.isend(header, dst=dst, group=group, tag=TAG_HEADER)]
+                    works += [dist.isend(t, dst=dst, group=group, tag=TAG_PAYLOAD) for t in payload]
                 for work in works:
                     work.wait()
                 if self.wire_device.type == "cuda":
@@ -343,13 +355,17 @@ class TorchDistTransport:
             self._inbox.put(msg)
 
     def _recv_loop_gloo(self) -> None:
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        # One any-source receive per message into a buffer of the largest message; gloo
+        # accepts a shorter message into a longer buffer, and the header says what follows.
+        buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8)
+        header_bytes = HEADER_LEN * 8
         while not self._closed.is_set():
             try:
-                work = dist.irecv(header, src=None, tag=TAG_HEADER)
+                work = dist.irecv(buffer, src=None, tag=TAG_HEADER)
                 work.wait()
                 src = work._source_rank()
-                self._handle(src, header.tolist(), lambda t, s=src: dist.irecv(t, s, tag=1).wait())
+                values = buffer[:header_bytes].view(torch.int64).tolist()
+                self._handle(src, values, _BufferReader(buffer, header_bytes))
                 if self._recv_done():
                     return
             except RuntimeError as exc:
@@ -445,6 +461,21 @@ class TorchDistTransport:
         self._next_x = torch.empty_like(x)
         if h[_H_HAS_H]:
             self._next_h = torch.empty_like(hidden)
+
+
+class _BufferReader:
+    """Copies consecutive tensors out of one received gloo message (after its header)."""
+
+    def __init__(self, buffer: torch.Tensor, start: int) -> None:
+        self.buffer = buffer
+        self.offset = start
+
+    def __call__(self, tensor: torch.Tensor, _src: int) -> None:
+        n = tensor.numel() * tensor.element_size()
+        if self.offset + n > self.buffer.numel():
+            raise RuntimeError(f"message shorter than its header says ({self.offset + n} bytes)")
+        tensor.reshape(-1).view(torch.uint8).copy_(self.buffer[self.offset : self.offset + n])
+        self.offset += n
 
 
 def check_shapes_agree(shapes: ActivationShapes, device: torch.device) -> None:
