@@ -90,7 +90,7 @@ def _wait_sink(transport, count, timeout_s=10.0):
     return got
 
 
-@pytest.mark.parametrize("ranks", [2, 4], indirect=True)
+@pytest.mark.parametrize("ranks", [3], indirect=True)
 def test_relay_preserves_payload_order_and_metadata(ranks):
     transport, _ = ranks
     world = transport.world_size
