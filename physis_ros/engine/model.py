@@ -293,8 +293,8 @@ def token_positions(cfg: ModelConfig, chunk: torch.Tensor) -> torch.Tensor:
     return base + off
 
 
-def rope_cos_sin(model: WanDiT, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """chunk [...] -> cos, sin [..., n, d/2] in the model dtype (angles in float64)."""
+def rope_freqs(model: WanDiT, chunk: torch.Tensor) -> torch.Tensor:
+    """chunk [...] -> rotations [..., n, d/2] complex64 (angles computed in float64)."""
     cfg = model.cfg
     pos = token_positions(cfg, chunk)
     part = cfg.head_dim // 6
@@ -307,14 +307,14 @@ def rope_cos_sin(model: WanDiT, chunk: torch.Tensor) -> tuple[torch.Tensor, torc
         ]
     ).to(pos.device)
     ang = pos[..., sel] * model.rope_inv_freq(pos.device)
-    return torch.cos(ang).to(model.dtype), torch.sin(ang).to(model.dtype)
+    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., n, H, d] rotated in adjacent pairs (Wan's view_as_complex); cos/sin [..., n, d/2]."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x [..., n, H, d] rotated in adjacent pairs as upstream (view_as_complex, in float32);
+    freqs [..., n, d/2] complex64. One complex multiply: no strided halves, no stack."""
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(xc * freqs.unsqueeze(-2)).flatten(-2).to(x.dtype)
 
 
 def cross_kv(model: WanDiT, block: int, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,13 +334,12 @@ def block_forward(  # noqa: PLR0917 - the hot path takes its tensors positionall
     block: int,
     h: torch.Tensor,
     e0: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    rope: torch.Tensor,
     ck: torch.Tensor,
     cv: torch.Tensor,
     attend: AttendFn,
 ) -> torch.Tensor:
-    """One Wan block. h [B, S, n, D]; e0 [B, S, 6, D]; cos/sin [B, S, n, d/2];
+    """One Wan block. h [B, S, n, D]; e0 [B, S, 6, D]; rope [B, S, n, d/2] complex;
     ck/cv [B, H, Lt, d]; attend(q, k, v) with [B, S, n, H, d] (k rotated) -> [B, S, n, H, d].
     Weight GEMMs run on all B*S*n tokens at once; only ``attend`` sees task boundaries."""
     cfg = model.cfg
@@ -351,8 +350,8 @@ def block_forward(  # noqa: PLR0917 - the hot path takes its tensors positionall
     shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(2)  # each [B, S, 1, D]
     sa = blk.self_attn
     y = F.layer_norm(h, (d,), eps=cfg.eps) * (1 + scale1) + shift1
-    q = apply_rope(sa.norm_q(sa.q(y)).unflatten(-1, (nh, hd)), cos, sin)
-    k = apply_rope(sa.norm_k(sa.k(y)).unflatten(-1, (nh, hd)), cos, sin)
+    q = apply_rope(sa.norm_q(sa.q(y)).unflatten(-1, (nh, hd)), rope)
+    k = apply_rope(sa.norm_k(sa.k(y)).unflatten(-1, (nh, hd)), rope)
     v = sa.v(y).unflatten(-1, (nh, hd))
     o = attend(q, k, v)  # [B, S, n, H, d]
     h = h + sa.o(o.flatten(-2)) * gate1
@@ -421,8 +420,7 @@ def forward_sequence(
     e, e0 = time_embed(model, sigmas, x_seq)  # [B, C, D], [B, C, 6, D]
     h = embed_tokens(model, x_seq)  # [B, C, n, D]
     chunk_ids = torch.arange(c, device=dev) + chunk_offset
-    cos, sin = rope_cos_sin(model, chunk_ids)  # [C, n, d/2]
-    cos, sin = cos.expand(b, -1, -1, -1), sin.expand(b, -1, -1, -1)
+    rope = rope_freqs(model, chunk_ids).expand(b, -1, -1, -1)  # [B, C, n, d/2]
     ctx = embed_cond(model, cond)
     mask = window_mask(c, n, window, dev)
 
@@ -435,7 +433,7 @@ def forward_sequence(
 
     for i in range(cfg.num_blocks):
         ck, cv = cross_kv(model, i, ctx)
-        h = block_forward(model, i, h, e0, cos, sin, ck, cv, attend)
+        h = block_forward(model, i, h, e0, rope, ck, cv, attend)
     v = head_velocity(model, h, e)
     return v[0] if unbatched else v
 

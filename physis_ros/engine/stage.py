@@ -88,24 +88,22 @@ class StageCaches:
         self.model = model
         self.sigmas = sigmas
         self.max_chunks = max_chunks
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[int, torch.Tensor] = {}
         self._time: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rope(self, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, n, d/2]."""
+    def rope(self, chunks: list[int]) -> torch.Tensor:
+        """[B, n, d/2] complex rotations."""
         missing = [c for c in chunks if c not in self._rope]
         if missing:
             if len(self._rope) + len(missing) > self.max_chunks:
                 self._rope.clear()
             ids = torch.tensor(sorted(set(chunks)), device=self.model.device)
-            cos, sin = M.rope_cos_sin(self.model, ids)
+            freqs = M.rope_freqs(self.model, ids)
             for i, c in enumerate(ids.tolist()):
-                self._rope[c] = (cos[i], sin[i])
+                self._rope[c] = freqs[i]
         if len(chunks) == 1:
-            cos, sin = self._rope[chunks[0]]
-            return cos[None], sin[None]
-        pairs = [self._rope[c] for c in chunks]
-        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+            return self._rope[chunks[0]][None]
+        return torch.stack([self._rope[c] for c in chunks])
 
     def time(self, tasks: list[StageTask], xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """e [B, D], e0 [B, 6, D] of each task (sigma = 0 for context chunks)."""
@@ -140,7 +138,7 @@ def run_block(
         h = M.embed_tokens(model, xs)
     else:
         h = tasks[0].h[None] if len(tasks) == 1 else torch.stack([t.h for t in tasks])
-    cos, sin = caches.rope([t.chunk for t in tasks])
+    rope = caches.rope([t.chunk for t in tasks])
     if len(tasks) == 1:
         ck, cv = tasks[0].cross_k[None], tasks[0].cross_v[None]
     else:
@@ -157,9 +155,7 @@ def run_block(
             outs.append(F.scaled_dot_product_attention(qi, kk[None], vv[None])[0])
         return torch.stack(outs).transpose(1, 2).unsqueeze(1)
 
-    h = M.block_forward(
-        model, block, h[:, None], e0[:, None], cos[:, None], sin[:, None], ck, cv, attend
-    )[:, 0]
+    h = M.block_forward(model, block, h[:, None], e0[:, None], rope[:, None], ck, cv, attend)[:, 0]
     if block == cfg.num_blocks - 1:
         return h, M.head_velocity(model, h, e)
     return h, None

@@ -52,6 +52,8 @@ class WorkerStats:
     block_times: list[tuple[int, int, int, float]] | None = None
     """(block, batch size, smallest chunk index, ms) of every forward, when recording
     (``Worker.record_block_times``; synchronises the device, so off by default)."""
+    block_cpu_ms: list[float] | None = None
+    """Thread CPU time (ms) of the same forwards, index for index with ``block_times``."""
 
 
 class Worker:
@@ -168,6 +170,7 @@ class Worker:
     def record_block_times(self, on: bool = True) -> None:
         """Record the wall time of every batched forward in ``stats.block_times``."""
         self.stats.block_times = [] if on else None
+        self.stats.block_cpu_ms = [] if on else None
 
     def kv_bytes(self) -> int:
         return sum(r.nbytes() for st in self._streams.values() for r in st.rings.values())
@@ -281,12 +284,13 @@ class Worker:
         if self.stats.block_times is None:
             h, v = run_block(self.model, block, tasks, self.caches)
         else:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             h, v = run_block(self.model, block, tasks, self.caches)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             ms = (time.perf_counter() - t0) * 1e3
             self.stats.block_times.append((block, len(tasks), min(t.chunk for t in tasks), ms))
+            self.stats.block_cpu_ms.append((time.thread_time() - cpu0) * 1e3)
         for i, msg in enumerate(msgs):
             self._forward(msg, h[i], None if v is None else v[i])
 
