@@ -76,6 +76,8 @@ OUTPUT_TYPES = {
 def test_topics_appear_with_their_declared_types(system):
     _, monitor = system
     for topic, kind in OUTPUT_TYPES.items():
+        # a slow-starting publisher may not be discovered yet: wait a little, then compare
+        monitor.wait_for(lambda t=topic: bool(monitor.published_types(t)), timeout_s=15)
         assert monitor.published_types(topic) == {kind}, topic
     for topic in (
         "predicted/image",
