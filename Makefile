@@ -23,7 +23,8 @@ $(DEPS_STAMP): requirements.txt | $(PY)
 
 # msg/ -> ROS interfaces; the package, launch and config files and ros2-run launchers,
 # all installed into the venv prefix (symlinked, so source edits are live).
-$(BUILD_STAMP): $(DEPS_STAMP) CMakeLists.txt package.xml setup.py $(MSGS)
+# (proto_gen first: the configure step runs setup.py egg_info, which lists its package)
+$(BUILD_STAMP): $(DEPS_STAMP) physis_ros/link/proto_gen/physis_pb2_grpc.py CMakeLists.txt package.xml setup.py $(MSGS)
 	rm -rf build
 	AMENT_PREFIX_PATH=$(CURDIR)/$(VENV) cmake -S . -B build -DCMAKE_PREFIX_PATH=$(CURDIR)/$(VENV) \
 	  -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(VENV) -DPython3_EXECUTABLE=$(CURDIR)/$(PY) \
