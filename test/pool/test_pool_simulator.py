@@ -233,3 +233,19 @@ def test_physis_sim_cli_depth_json_and_bad_input():
         check=False,
     )
     assert bad.returncode == 2 and "unknown model preset 'nope'" in bad.stderr
+
+
+def test_devices_sharing_host_cores_slow_down_and_the_sink_hop_adds_latency():
+    plan = _plan(0, [0, 1, 2, 3])
+    free = SimConfig(num_devices=4, chunks=30, warmup_chunks=10, batching=False)
+    shared = SimConfig(num_devices=4, chunks=30, warmup_chunks=10, batching=False, host_cores=2)
+    a = simulate([SimStream(plan=plan, max_inflight=8)], _cost(), free)
+    b = simulate([SimStream(plan=plan, max_inflight=8)], _cost(), shared)
+    assert a.streams[0].interval_p50_ms == pytest.approx(1.0)
+    # four busy single-stage devices on two cores: each runs at half speed
+    assert b.streams[0].interval_p50_ms == pytest.approx(2.0, rel=0.02)
+    one = SimConfig(num_devices=4, chunks=10, warmup_chunks=2, sink_device=0)
+    c = simulate([SimStream(plan=plan, max_inflight=1)], _cost(), one)
+    assert c.streams[0].latency_p50_ms == pytest.approx(4 * 1.0 + 4 * 0.25)
+    with pytest.raises(ValueError, match="sink_device 7"):
+        SimConfig(num_devices=4, sink_device=7)

@@ -236,11 +236,21 @@ class Profile:
     entries: tuple[ProfileEntry, ...]
     hop_ms: float
     """One activation hop between two workers, measured (0 when not measured)."""
+    task_overhead_ms: float = 0.0
+    """Worker-loop cost per task outside the timed block forward (receive, FIFO bookkeeping,
+    Euler update, send), calibrated from one-worker runs of the engine."""
+    batch_overhead_ms: float = 0.0
+    """Worker-loop cost per batched forward (pick, stack, loop turn), calibrated likewise."""
     comm_overlaps_compute: bool = False
 
     def __post_init__(self) -> None:
         if not self.entries:
             raise ValueError("a profile needs at least one entry")
+        if self.hop_ms < 0 or self.task_overhead_ms < 0 or self.batch_overhead_ms < 0:
+            raise ValueError(
+                f"hop_ms ({self.hop_ms}) and task_overhead_ms ({self.task_overhead_ms}) "
+                "must be >= 0"
+            )
         sizes = [e.tasks for e in self.entries]
         if sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"profile batch sizes must be increasing and >= 1, got {sizes}")
@@ -262,6 +272,8 @@ class Profile:
                 **fields,
                 entries=entries,
                 hop_ms=float(data.get("hop_ms", 0.0)),
+                task_overhead_ms=float(data.get("task_overhead_ms", 0.0)),
+                batch_overhead_ms=float(data.get("batch_overhead_ms", 0.0)),
                 comm_overlaps_compute=bool(data.get("comm_overlaps_compute", False)),
             )
         except (KeyError, TypeError) as err:
@@ -298,6 +310,11 @@ class ProfileCostModel:
         self._check(cfg, sampler)
         if tasks < 1:
             raise ValueError(f"tasks must be >= 1, got {tasks}")
+        p = self.profile
+        return self.block_ms(tasks) + p.batch_overhead_ms + tasks * p.task_overhead_ms
+
+    def block_ms(self, tasks: int) -> float:
+        """The measured block forward alone (no worker-loop overheads)."""
         pts = self._points
         if len(pts) == 1:
             return pts[0][1] * tasks

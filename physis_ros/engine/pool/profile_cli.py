@@ -3,8 +3,9 @@
 It builds the engine's model (random weights by seed) on ``--device`` and times one batched
 forward of a middle block through the worker's hot path (``stage.time_block_forward``:
 device synchronised, warm-up excluded) for batches of 1, 2, 4, ... tasks whose KV windows
-are full (W previous chunks). It also times one activation hop through the in-process
-transport of the engine (``--hop inproc``) so that the profile carries a measured hop. The
+are full (W previous chunks). It also times one activation hop through the engine's in-process
+transport, and the worker loop's own cost per task (a one-worker run of the engine without
+batching, minus the block forward): ``task_overhead_ms``. The
 output is the ``Profile`` JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
 """
 
@@ -78,8 +79,49 @@ def measure(args: argparse.Namespace) -> Profile:
         dtype=args.dtype,
         entries=tuple(entries),
         hop_ms=_inproc_hop_ms(cfg, args.device),
+        **_loop_overheads(model, args, entries),
         comm_overlaps_compute=False,
     )
+
+
+def _loop_overheads(model, args: argparse.Namespace, entries, chunks: int = 40) -> dict:
+    """Calibrate the worker loop's cost outside the block forward from two one-worker runs
+    of the engine (every chunk queued at once): without batching (one task per forward)
+    wall/task = block(1) + batch_oh + task_oh; with batching (batch sizes recorded)
+    wall = sum over forwards of (block(b) + batch_oh) + tasks * task_oh. Medians of 3 runs."""
+    from physis_ros.engine.config import SamplerConfig
+    from physis_ros.engine.placement import layout_single
+    from physis_ros.engine.pool.costmodel import ProfileCostModel
+    from physis_ros.engine.runtime import InProcRuntime
+
+    sampler = SamplerConfig(steps=args.steps, window=args.window)
+    L = model.cfg.num_blocks
+    tasks = chunks * args.steps * L
+    probe = Profile(
+        device="-", model="-", steps=1, window=0, dtype="-", entries=tuple(entries), hop_ms=0.0
+    )
+    block = ProfileCostModel(probe).block_ms
+    solo, batched = [], []
+    for run in range(3):
+        for batching, out in ((False, solo), (True, batched)):
+            rt = InProcRuntime(model, sampler, layout_single(args.steps, L), batching=batching)
+            rt.workers[0].record_block_times()
+            rt.open_stream(run, seed=run)
+            for _ in range(chunks):
+                rt.controller.submit_generate(run)
+            t0 = time.perf_counter()
+            done = rt.run_inline()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            if len(done) != chunks:
+                raise RuntimeError(f"calibration run finished {len(done)} of {chunks} chunks")
+            sizes = [b for _, b, _, _ in rt.workers[0].stats.block_times]
+            out.append((wall_ms, sizes))
+    a = statistics.median(w / tasks for w, _ in solo) - block(1)
+    wall_b, sizes = sorted(batched, key=lambda ws: ws[0])[1]
+    rest = wall_b - sum(block(b) for b in sizes)
+    batch_oh = (a * tasks - rest) / (tasks - len(sizes)) if len(sizes) < tasks else a
+    batch_oh = min(max(batch_oh, 0.0), max(a, 0.0))
+    return {"batch_overhead_ms": batch_oh, "task_overhead_ms": max(a - batch_oh, 0.0)}
 
 
 def _device_name(device: str) -> str:

@@ -53,6 +53,12 @@ class SimConfig:
     than in steady state."""
     max_batch: int = 8
     batching: bool = True
+    sink_device: int | None = None
+    """Device that collects finished chunks (one more hop from the last stage's device);
+    None: the exit hop is not modelled."""
+    host_cores: float = 0.0
+    """Processors the devices share (CPU workers on one host; may be fractional: the share of
+    a loaded host that is left); 0: each device is its own processor."""
     priority: str = "oldest_chunk"
     """Which ready task picks the next block: ``oldest_chunk`` (earliest released chunk, so
     late chunks catch up), ``ready_first`` (the task that became ready first) or ``engine``
@@ -77,6 +83,10 @@ class SimConfig:
             )
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.host_cores < 0:
+            raise ValueError(f"host_cores must be >= 0, got {self.host_cores}")
+        if self.sink_device is not None and not 0 <= self.sink_device < self.num_devices:
+            raise ValueError(f"sink_device {self.sink_device} outside 0..{self.num_devices - 1}")
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority {self.priority!r} is not one of {PRIORITIES}")
 
@@ -254,27 +264,71 @@ def simulate(
     def run(t: float, d: int, group: list) -> None:
         nonlocal tasks_run
         si0 = group[0][1]
-        dur = group_ms(si0, len(group))
-        end = t + dur
-        if not cost.comm_overlaps_compute:
+        work = group_ms(si0, len(group))
+        if not cost.comm_overlaps_compute:  # the worker sends before it takes the next batch
             for _, si, stage, _ in group:
                 nxt = stage + 1
-                if nxt < plans[si].num_stages and plans[si].stage_devices[nxt] != d:
-                    end += hop_ms(si, d, plans[si].stage_devices[nxt])
+                sd = plans[si].stage_devices
+                dst = sd[nxt] if nxt < len(sd) else config.sink_device
+                if dst is not None and dst != d:
+                    work += hop_ms(si, d, dst)
         for _, si, stage, chunk in group:
             if stage == 0:
                 start[si][chunk] = t
+        advance(t)
         busy[d] = True
-        busy_spans[d].append((t, end))
+        started[d] = t
+        remaining[d] = work
+        current[d] = len(group_store)
+        group_store.append(group)
         batches[d][0] += 1
         batches[d][1] += len(group)
         tasks_run += len(group)
-        push(end, _DONE, d, len(group_store), 0)
-        group_store.append(group)
+        reschedule(t)
+
+    # Devices share ``host_cores`` processors (0: each device is its own processor): with b
+    # busy devices on c cores each progresses at min(1, c / b) (processor sharing).
+    def speed() -> float:
+        n_busy = len(remaining)
+        if not config.host_cores or n_busy <= config.host_cores:
+            return 1.0
+        return config.host_cores / n_busy
+
+    def advance(t: float) -> None:
+        nonlocal last_t
+        sp = speed()
+        for dev in remaining:
+            remaining[dev] -= (t - last_t) * sp
+        last_t = t
+
+    def reschedule(t: float) -> None:
+        sp = speed()
+        for dev, rem in remaining.items():
+            if config.host_cores or dev not in scheduled:
+                version[dev] += 1
+                push(t + max(rem, 0.0) / sp, _DONE, dev, current[dev], version[dev])
+                scheduled.add(dev)
 
     group_store: list[list] = []
+    remaining: dict[int, float] = {}  # busy device -> full-speed work left (ms)
+    started = [0.0] * G
+    current = [0] * G
+    version = [0] * G
+    scheduled: set[int] = set()
+    last_t = 0.0
+
+    def complete(t: float, si: int, chunk: int) -> None:
+        done[si][chunk] = t
+        completed[si] += 1
+        if plans[si].target_interval_ms == 0 and released[si] < C:
+            do_release(t, si)
 
     def finish(t: float, d: int, group: list) -> None:
+        advance(t)
+        del remaining[d]
+        scheduled.discard(d)
+        busy_spans[d].append((started[d], t))
+        reschedule(t)
         busy[d] = False
         dirty.add(d)
         for _, si, stage, chunk in group:
@@ -283,10 +337,11 @@ def simulate(
             plan = plans[si]
             nxt = stage + 1
             if nxt == plan.num_stages:
-                done[si][chunk] = t
-                completed[si] += 1
-                if plan.target_interval_ms == 0 and released[si] < C:
-                    do_release(t, si)
+                sink = config.sink_device
+                if sink is not None and sink != d and cost.comm_overlaps_compute:
+                    push(t + hop_ms(si, d, sink), _ARRIVE, si, nxt, chunk)
+                else:  # same device, not modelled, or already sent while the device was busy
+                    complete(t, si, chunk)
                 continue
             dst = plan.stage_devices[nxt]
             if dst == d:
@@ -315,8 +370,11 @@ def simulate(
             if kind == _RELEASE:
                 do_release(t, a)
             elif kind == _ARRIVE:
-                arrive(t, a, b, c)
-            else:
+                if b == plans[a].num_stages:
+                    complete(t, a, c)
+                else:
+                    arrive(t, a, b, c)
+            elif c == version[a]:  # a DONE made stale by a change of speed is skipped
                 group = group_store[b]
                 group_store[b] = []
                 finish(t, a, group)

@@ -1,0 +1,102 @@
+"""Real checks on this machine: the gloo runtime (DistEngine, real rank processes) with tiny
+streams, admission from a profile measured here, intervals measured on the real outputs."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+from physis_ros.engine.api import AdmissionRefused, StreamSpec
+from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
+from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
+from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
+from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.serve.dist_engine import DistEngine
+
+from .realcheck import K, W, intervals_ms, profile_here, runtime_config, sim_vs_real
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.slow
+
+
+def _drive_paced(engine, sids, target_ms: float, chunks: int, timeout_s: float = 120.0):
+    """Submit one chunk per stream every target interval (the robot's rate); left_s per
+    stream."""
+    left: dict[int, list[float]] = {sid: [] for sid in sids}
+    t0 = time.monotonic()
+    submitted = 0
+    deadline = t0 + timeout_s
+    while sum(map(len, left.values())) < chunks * len(sids):
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"{sum(map(len, left.values()))} chunks finished in time")
+        while submitted < chunks and now >= t0 + submitted * target_ms / 1e3:
+            for sid in sids:
+                engine.submit_generate(sid)
+            submitted += 1
+        wait_s = max(0.0, t0 + submitted * target_ms / 1e3 - now) if submitted < chunks else 0.2
+        for res in engine.poll_results(min(wait_s, 0.2)):
+            left[res.stream_id].append(res.left_s)
+    return t0, [left[sid] for sid in sids]
+
+
+def test_admitted_streams_meet_the_target_and_the_next_is_refused():
+    """With W ms of unbatched work per chunk (from the profile), T = 1.4 W / 0.9 lets each
+    of the 2 ranks host one stream at 90% utilization and leaves 0.8 W spare in total: n = 2
+    are admitted, stream 3 is refused for compute. The admitted streams run on the gloo
+    runtime at the robot's rate T; each one's measured interval is within 10% of T."""
+    profile = profile_here()
+    cost = ProfileCostModel(profile)
+    cfg, sampler = get_preset("tiny"), SamplerConfig(steps=K, window=W)
+    work_ms = K * cfg.num_blocks * cost.group_ms(cfg, sampler, 1)
+    target_ms = 1.4 * work_ms / 0.9
+    pool = PoolConfig(
+        num_devices=2,
+        usable_bytes=1 * GIB,
+        policy="shared",
+        max_utilization=0.9,
+        memory=MemoryModel(dtype_bytes=4),
+    )
+    with DistEngine.launch_local(runtime_config(), 2) as engine:
+        gate = AdmittedEngine(engine, AdmissionController(pool, cost), cfg, sampler)
+        spec = StreamSpec(target_interval_ms=target_ms)
+        opened = [
+            gate.open_stream(StreamSpec(seed=i, target_interval_ms=target_ms)) for i in range(2)
+        ]
+        with pytest.raises(AdmissionRefused) as refused:
+            gate.open_stream(spec)
+        assert refused.value.resource == "compute"
+        assert f"> target {target_ms:.1f} ms" in refused.value.reason
+        layouts = [plan_layout(adm.plan) for _, adm in opened]
+        assert {r for lay in layouts for row in lay for r in row} == {0, 1}
+        sids = [promise.stream_id for promise, _ in opened]
+        t0, lefts = _drive_paced(engine, sids, target_ms, chunks=40)
+        for sid in sids:
+            gate.close_stream(sid)
+        # closing frees the slots: a new stream is admitted again
+        promise, _ = gate.open_stream(spec)
+        gate.close_stream(promise.stream_id)
+    # The host is shared with other jobs, so single intervals jitter by tens of ms (reported
+    # in the closing note); what the target promises is the rate: the steady-state mean
+    # interval within 10% of T, and no backlog (the last chunk is not falling behind).
+    for left in lefts:
+        iv = intervals_ms(left, skip=8)
+        assert statistics.mean(iv) == pytest.approx(target_ms, rel=0.10), iv
+        lag_ms = [(t - t0) * 1e3 - c * target_ms for c, t in enumerate(left)]
+        assert lag_ms[-1] < min(lag_ms[8:]) + 3 * target_ms, lag_ms
+
+
+@pytest.mark.skipif(
+    os.environ.get("PHYSIS_POOL_REALCHECK") != "1",
+    reason="timing comparison needs a quiet host (set PHYSIS_POOL_REALCHECK=1); on a shared "
+    "host the profile, the core share and the run drift apart between measurements",
+)
+@pytest.mark.parametrize(("ranks", "streams"), [(1, 1), (1, 3), (2, 1), (2, 3), (4, 2)])
+def test_simulator_predicts_the_measured_interval_within_15_percent(ranks, streams):
+    out = sim_vs_real(ranks, streams)
+    assert abs(out["error"]) <= 0.15, out
