@@ -179,7 +179,12 @@ def _factory_from_name(spec: str):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="physis-serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML parameters")
+    parser.add_argument(
+        "--config",
+        # A pip-installed server has no config/ beside it: built-in defaults then.
+        default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None,
+        help="YAML parameters (default: config/serve.yaml of the source tree, if present)",
+    )
     parser.add_argument("--model", default=None, help="model preset (overrides engine.model)")
     parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port; 0 = ephemeral")
