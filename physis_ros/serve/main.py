@@ -29,7 +29,7 @@ from physis_ros.serve.session import EngineLoop, SessionLimits
 log = logging.getLogger("physis-serve")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "serve.yaml"
-_LIMIT_KEYS = ("max_observation_bytes", "outbound_queue", "unattached_timeout_s")
+_LIMIT_KEYS = ("max_observation_bytes", "outbound_queue", "unattached_timeout_s", "stall_timeout_s")
 _LOOP_KEYS = ("poll_timeout_s", "idle_wait_s")
 
 

@@ -52,12 +52,17 @@ class SessionLimits:
     """Messages waiting for a slow client; beyond it the oldest prediction is dropped."""
     unattached_timeout_s: float = 10.0
     """A stream opened but never attached to a Stream call is closed after this."""
+    stall_timeout_s: float = 60.0
+    """Chunks in flight but none finished for this long: the stream ends with UNAVAILABLE
+    (the client reconnects) instead of waiting forever on a stuck engine."""
 
     def __post_init__(self) -> None:
         if self.max_observation_bytes <= 0:
             raise ValueError(f"max_observation_bytes must be > 0, got {self.max_observation_bytes}")
         if self.outbound_queue < 2:
             raise ValueError(f"outbound_queue must be >= 2, got {self.outbound_queue}")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.unattached_timeout_s <= 0:
             raise ValueError(f"unattached_timeout_s must be > 0, got {self.unattached_timeout_s}")
 
@@ -104,6 +109,7 @@ class Session:
         self.last_drop_detail = ""
         # engine-thread state
         self.inflight = 0
+        self.progress_s = 0.0  # monotonic: last chunk out, or first submit after none in flight
         self.next_generate_s = 0.0
         self.conditioning: tuple[ContextInput, int] | None = None  # (input, queued_ns)
         self.chunk_conditioning: dict[int, tuple[ContextInput, int] | None] = {}
@@ -382,6 +388,7 @@ class EngineLoop:
                 if session is None:
                     continue  # closed while its chunks were in flight
                 session.inflight -= 1
+                session.progress_s = time.monotonic()
                 session.chunks_out += 1
                 session.left_s.append(out.left_s)
                 session._push(session.prediction(out))
@@ -418,6 +425,13 @@ class EngineLoop:
             return
         depth = max(session.promise.pipeline_depth, 1)
         now_s = time.monotonic()
+        if session.inflight and now_s - session.progress_s > session.limits.stall_timeout_s:
+            session.end(
+                grpc.StatusCode.UNAVAILABLE,
+                f"engine finished no chunk of this stream in {session.limits.stall_timeout_s} s",
+            )
+            self._close(session)
+            return
         while session.inflight < depth and now_s >= session.next_generate_s:
             try:
                 ctx = session.take_newest()
@@ -438,6 +452,8 @@ class EngineLoop:
                 self._close(session)
                 return
             session.chunk_conditioning[chunk] = session.conditioning
+            if not session.inflight:
+                session.progress_s = now_s
             session.inflight += 1
             if session.interval_s > 0:
                 session.next_generate_s = max(session.next_generate_s, now_s - session.interval_s)

@@ -288,3 +288,25 @@ def test_serialize_with_payload_decodes_to_the_same_message(size):
         observation_to_proto(obs, send_stamp_ns=3), ("observation", "image", "data")
     )
     assert pb.ClientMessage.FromString(raw) == ref
+
+
+def test_stuck_engine_ends_the_stream_and_the_client_reconnects():
+    engine = FakeEngine(slots=4, chunk_ms=1e7)  # never finishes a chunk
+    loop = EngineLoop(engine)
+    loop.start()
+    config = FrontendConfig(port=0, limits=SessionLimits(stall_timeout_s=0.3))
+    handle = start_server(
+        loop, config=config, description=ServerDescription(model="fake", steps=2, blocks=2)
+    )
+    client = LinkClient(
+        f"127.0.0.1:{handle.port}", connect_timeout_s=5, reconnect_backoff_s=(0.05, 0.2)
+    )
+    client.start()
+    try:
+        wait_for(lambda: client.stats().connections >= 2, 10, what="a reconnect after the stall")
+        assert "UNAVAILABLE" in client.stats().last_error
+        assert "finished no chunk" in client.stats().last_error
+    finally:
+        client.close()
+        handle.stop()
+        loop.stop()
