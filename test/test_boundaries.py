@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from physis_testing import REPO_ROOT
 
 PKG = REPO_ROOT / "physis_ros"
 

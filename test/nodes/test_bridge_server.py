@@ -16,7 +16,7 @@ import pytest
 
 from physis_ros.msg import ActionChunk
 
-from conftest import reserved_ros_domain
+from physis_testing import reserved_ros_domain
 
 TARGET_INTERVAL_MS = 200.0  # paced well above what tiny needs here, so load cannot stretch it
 pytestmark = [pytest.mark.ros, pytest.mark.slow]

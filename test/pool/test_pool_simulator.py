@@ -14,7 +14,7 @@ from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.plan import StreamPlan
 from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
 
-from conftest import REPO_ROOT
+from physis_testing import REPO_ROOT
 
 TINY = get_preset("tiny")  # L = 2
 K2 = SamplerConfig(steps=2, window=2)
