@@ -24,6 +24,7 @@ from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.link.wire import (
     AUTH_METADATA_KEY,
     HOP_NAMES,
+    PROMISE_FIELDS,
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
     CameraImage,
@@ -464,18 +465,7 @@ class LinkClient:
 
 def _promise_from_proto(p: pb.StreamPromise) -> LinkPromise:
     return LinkPromise(
-        stream_id=p.stream_id,
-        model=p.model,
-        steps=p.steps,
-        blocks=p.blocks,
-        expected_interval_ms=p.expected_interval_ms,
-        pipeline_depth=p.pipeline_depth,
-        expected_response_latency_ms=p.expected_response_latency_ms,
-        chunk_frames=p.chunk_frames,
-        image_height=p.image_height,
-        image_width=p.image_width,
-        action_horizon=p.action_horizon,
-        action_dim=p.action_dim,
+        **{name: getattr(p, name) for name in PROMISE_FIELDS},
         max_observation_bytes=p.max_observation_bytes,
     )
 

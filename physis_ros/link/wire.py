@@ -13,6 +13,23 @@ import numpy as np
 
 from physis_ros.link.proto_gen import physis_pb2 as pb
 
+# Fields of the server's promise that cross the wire unchanged (engine StreamPromise ->
+# pb.StreamPromise -> LinkPromise); one list so both directions stay in step.
+PROMISE_FIELDS = (
+    "stream_id",
+    "model",
+    "steps",
+    "blocks",
+    "expected_interval_ms",
+    "pipeline_depth",
+    "expected_response_latency_ms",
+    "chunk_frames",
+    "image_height",
+    "image_width",
+    "action_horizon",
+    "action_dim",
+)
+
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
 """Carried by every message; a peer with another version is refused or its message dropped."""
 

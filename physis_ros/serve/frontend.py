@@ -26,6 +26,7 @@ from physis_ros.engine.api import AdmissionRefused, StreamFailed, StreamSpec
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     AUTH_METADATA_KEY,
+    PROMISE_FIELDS,
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
     serialize_with_payload,
@@ -227,22 +228,10 @@ class Frontend:
             self.streams_opened += 1
         self._loop.add(session)
         log.info("opened stream %d for %r", promise.stream_id, spec.client_name)
-        p = promise
         return pb.OpenStreamReply(
             protocol_version=PROTOCOL_VERSION,
             promise=pb.StreamPromise(
-                stream_id=p.stream_id,
-                model=p.model,
-                steps=p.steps,
-                blocks=p.blocks,
-                expected_interval_ms=p.expected_interval_ms,
-                pipeline_depth=p.pipeline_depth,
-                expected_response_latency_ms=p.expected_response_latency_ms,
-                chunk_frames=p.chunk_frames,
-                image_height=p.image_height,
-                image_width=p.image_width,
-                action_horizon=p.action_horizon,
-                action_dim=p.action_dim,
+                **{name: getattr(promise, name) for name in PROMISE_FIELDS},
                 max_observation_bytes=self._config.limits.max_observation_bytes,
             ),
         )
