@@ -46,6 +46,8 @@ class _StreamState:
 class WorkerStats:
     tasks: int = 0
     batches: int = 0
+    mixed_batches: int = 0
+    """Batched forwards whose tasks came from more than one stream (cross-stream batching)."""
     busy_s: float = 0.0
     drops: collections.Counter = field(default_factory=collections.Counter)
     """reason -> activations dropped."""
@@ -193,6 +195,7 @@ class Worker:
         self.stats.busy_s += time.perf_counter() - t0
         self.stats.tasks += len(keys)
         self.stats.batches += 1
+        self.stats.mixed_batches += len({key[0] for key in keys}) > 1
         return len(keys)
 
     def _accept(self, msg: Activation) -> None:

@@ -462,6 +462,7 @@ class DistEngine:
             "cpu_s": time.process_time(),
             "tasks": ws.tasks,
             "batches": ws.batches,
+            "mixed_batches": ws.mixed_batches,
             "busy_s": ws.busy_s,
             "transport": dict(self.transport.counters),
         }

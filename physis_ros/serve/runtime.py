@@ -385,6 +385,7 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
         stats.update(
             tasks=ws.tasks,
             batches=ws.batches,
+            mixed_batches=ws.mixed_batches,
             busy_s=ws.busy_s,
             drops={**dict(ws.drops), **host.dropped},
         )
