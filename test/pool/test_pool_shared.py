@@ -1,0 +1,136 @@
+"""The shared pool on the real runtime: streams admitted by the controller share the gloo
+workers, their ready tasks are batched across streams, every output equals the oracle, and
+closing a stream frees its slots for one that was refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from physis_ros.engine.api import AdmissionRefused, StreamSpec
+from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.model import build_model, chunk_numel
+from physis_ros.engine.oracle import sample_noisy
+from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
+from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
+from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
+from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.serve.dist_engine import DistEngine
+
+from .realcheck import K, W, runtime_config
+
+torch.set_num_threads(1)
+TOL = 1e-5
+CHUNKS = 6
+
+# A fixed cost (1 ms per stage): admission decisions here do not depend on this host's speed.
+STAGE_MS = 1.0
+PROFILE = Profile(
+    device="test fixture",
+    model="tiny",
+    steps=K,
+    window=W,
+    dtype="float32",
+    entries=(ProfileEntry(tasks=1, ms_p50=STAGE_MS, ms_p99=STAGE_MS),),
+    hop_ms=0.0,
+    comm_overlaps_compute=True,
+)
+
+
+def _plan(seed: int):
+    gen = torch.Generator().manual_seed(1000 + seed)
+    cfg = get_preset("tiny")
+    return [
+        ("context", torch.randn(chunk_numel(cfg), generator=gen) * 0.5)
+        if c == 0
+        else ("generate", None)
+        for c in range(CHUNKS)
+    ]
+
+
+def _run(engine, plans: dict, timeout_s: float = 90.0) -> dict:
+    """Submit every plan at once (so streams are in flight together); sid -> chunk -> x."""
+    expected = 0
+    for sid, plan in plans.items():
+        for kind, val in plan:
+            if kind == "context":
+                engine.submit_context_x(sid, val)
+            else:
+                engine.submit_generate(sid)
+                expected += 1
+    got: dict[int, dict[int, torch.Tensor]] = {sid: {} for sid in plans}
+    deadline = time.monotonic() + timeout_s
+    while sum(map(len, got.values())) < expected:
+        assert time.monotonic() < deadline, f"{sum(map(len, got.values()))} of {expected} back"
+        for res in engine.poll_results(0.1):
+            got[res.stream_id][res.chunk] = res.x.cpu()
+    return got
+
+
+def _worst_error(plans: dict, specs: dict, got: dict) -> float:
+    cfg = runtime_config()
+    model = build_model(cfg.model_config, seed=cfg.weights_seed, device="cpu")
+    worst = 0.0
+    for sid, plan in plans.items():
+        ref = sample_noisy(
+            model, cfg.sampler_config, plan, seed=specs[sid].seed, cond_seed=specs[sid].cond_seed
+        )
+        assert sorted(got[sid]) == sorted(ref)
+        for c, x in ref.items():
+            worst = max(worst, (got[sid][c] - x).abs().max().item())
+    return worst
+
+
+@pytest.mark.slow
+def test_admitted_streams_share_workers_batch_across_streams_and_match_the_oracle():
+    """Target T with 0.9 T = 1.5 x (8 stages x 1 ms): stream 0 fits on rank 0, stream 1 on
+    rank 1 (rank 0 has 0.5 x the work spare), stream 2 is packed into both ranks' spare
+    compute (sharing their workers with streams 0 and 1), stream 3 is refused for compute.
+    Closing stream 1 frees rank 1, and stream 3 is then admitted."""
+    cfg, sampler = get_preset("tiny"), SamplerConfig(steps=K, window=W)
+    work_ms = K * cfg.num_blocks * STAGE_MS
+    target_ms = 3 * work_ms / (2 * 0.9) * 1.01
+    pool = PoolConfig(
+        num_devices=2,
+        usable_bytes=1 * GIB,
+        policy="shared",
+        max_utilization=0.9,
+        memory=MemoryModel(dtype_bytes=4),
+    )
+    controller = AdmissionController(pool, ProfileCostModel(PROFILE))
+    specs, plans = {}, {}
+    with DistEngine.launch_local(runtime_config(), 2) as engine:
+        gate = AdmittedEngine(engine, controller, cfg, sampler)
+
+        def admit(i: int):
+            spec = StreamSpec(seed=11 + i, cond_seed=200 + i, target_interval_ms=target_ms)
+            promise, admission = gate.open_stream(spec)
+            specs[promise.stream_id], plans[promise.stream_id] = spec, _plan(i)
+            return promise.stream_id, admission
+
+        opened = [admit(i) for i in range(3)]
+        ranks = [{r for row in plan_layout(a.plan) for r in row} for _, a in opened]
+        assert ranks == [{0}, {1}, {0, 1}], [a.plan.describe() for _, a in opened]
+        assert opened[2][1].candidate == "packed-used"
+        with pytest.raises(AdmissionRefused) as refused:
+            gate.open_stream(StreamSpec(target_interval_ms=target_ms))
+        assert refused.value.resource == "compute"
+        assert "ms per interval free" in refused.value.reason
+
+        got = _run(engine, {sid: plans[sid] for sid, _ in opened})
+        mixed_rank0 = engine.host.worker.stats.mixed_batches
+
+        gate.close_stream(opened[1][0])
+        assert controller.utilization(1) == pytest.approx(0.5 * work_ms / target_ms)
+        late_sid, late = admit(3)
+        assert {r for row in plan_layout(late.plan) for r in row} == {1}
+        got.update(_run(engine, {late_sid: plans[late_sid]}))
+        for sid in [opened[0][0], opened[2][0], late_sid]:
+            gate.close_stream(sid)
+        assert controller.utilization(0) == 0.0 and controller.memory_used(1) == 0
+    # Both ranks ran batches that mixed streams (rank 0: streams 0 and 2; rank 1: 1 and 2).
+    assert mixed_rank0 > 0
+    assert engine.rank_stats[1]["mixed_batches"] > 0, engine.rank_stats
+    assert _worst_error(plans, specs, got) <= TOL
