@@ -65,9 +65,14 @@ def frontend_config(section: dict[str, Any], **overrides: Any) -> FrontendConfig
 
 def build_local_engine(engine_section: dict[str, Any]) -> tuple[StreamEngine, ServerDescription]:
     """The in-process engine described by the YAML ``engine`` section (LocalEngine's keyword
-    arguments: model, steps, window, workers, mode, max_streams, checkpoint, ...)."""
+    arguments: model, steps, window, workers, mode, max_streams, checkpoint, ...); a preset
+    with shipped weights gets them (``physis_ros.weights.SHIPPED``) unless it names its own."""
     from physis_ros.engine.local import LocalEngine
+    from physis_ros.weights import shipped_engine_defaults
 
+    # A preset with shipped weights (push-wm) is served with them, at the window and schedule
+    # it was trained for; keys the section sets explicitly win.
+    engine_section = {**shipped_engine_defaults(engine_section.get("model")), **engine_section}
     engine = LocalEngine(**engine_section)
 
     def engine_info() -> dict[str, Any]:

@@ -38,6 +38,19 @@ def read_metadata(path: str | Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in meta.items()}
 
 
+SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS}
+"""Model presets that come with trained weights: served with them unless told otherwise."""
+
+
+def shipped_engine_defaults(model: str | None) -> dict:
+    """``LocalEngine`` arguments (checkpoint, window, steps, shift) for a preset that ships with
+    weights; empty for the others (random init) or when the weights file is missing."""
+    path = SHIPPED.get(model or "")
+    if path is None or not path.exists():
+        return {}
+    return engine_kwargs(path)
+
+
 def engine_kwargs(path: str | Path = DEFAULT_WEIGHTS) -> dict:
     """``LocalEngine`` arguments for a checkpoint written by physis-train: model preset,
     checkpoint, attention window, and the default steps and shift."""
