@@ -9,8 +9,13 @@ three travel as ONE uint8 message (tag ``TAG_HEADER``), received into a buffer o
 size (gloo accepts a shorter message), so a hop costs one rendezvous, not three; with NCCL
 they are separate messages (header on ``TAG_HEADER``, the rest on ``TAG_PAYLOAD``).
 The x / h shapes follow from the model config; every rank computes them and they are checked
-once at start-up (``check_shapes_agree``: one all-gather of an int64 tensor, no pickle). The
-header still carries them so a mismatch is a clear error, never a silent misread.
+once at start-up (``check_shapes_agree``: one all-gather of an int64 tensor, no pickle),
+together with the wire protocol version and a checksum of this module's source: ranks started
+from different code (an older install on another machine, or worker ranks spawned after this
+file changed under a long-running rank 0) would frame messages differently, and gloo would
+then fail mid-run with "Received data size doesn't match expected size" (a packed 184-byte
+``ready`` message into a 128-byte header buffer of the older framing). The header still
+carries version and shapes so a mismatch is a clear error, never a silent misread.
 
 Receiving, and why it looks like this:
   - gloo (CPU): a posted ``irecv`` from ANY source works (``src=None``) but gloo only fills
@@ -38,6 +43,7 @@ import queue
 import struct
 import threading
 import time
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -48,7 +54,8 @@ from physis_ros.engine.transport import Activation
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: gloo carries header ++ payload as one message (1: header and payload apart)."""
 TAG_HEADER = 0
 TAG_PAYLOAD = 1
 HEADER_LEN = 16
@@ -478,16 +485,44 @@ class _BufferReader:
         self.offset += n
 
 
+def _source_crc32() -> int:
+    """CRC-32 of this module's source as this process imported it (0 if unreadable)."""
+    try:
+        with open(__file__, "rb") as f:
+            return zlib.crc32(f.read())
+    except OSError:
+        return 0
+
+
+SOURCE_CRC32 = _source_crc32()
+"""Read once at import: a rank 0 that imported an older file keeps the older checksum."""
+
+
 def check_shapes_agree(shapes: ActivationShapes, device: torch.device) -> None:
-    """All ranks must agree on the activation shapes; one all-gather at start-up."""
-    mine = shapes.as_tensor().to(device)
+    """All ranks must run the same wire code and agree on the activation shapes; one
+    all-gather at start-up, before any point-to-point message."""
+    wire = torch.tensor([PROTOCOL_VERSION, SOURCE_CRC32])
+    mine = torch.cat([wire, shapes.as_tensor()]).to(device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
+    try:
+        dist.all_gather(gathered, mine)
+    except RuntimeError as exc:  # e.g. a peer from before this handshake sent fewer values
+        raise RuntimeError(
+            f"start-up handshake failed ({exc}); do all ranks run the same physis_ros?"
+        ) from exc
+    me = dist.get_rank()
     for rank, theirs in enumerate(gathered):
-        if not torch.equal(theirs, mine):
+        version, crc = theirs[:2].tolist()
+        if version != PROTOCOL_VERSION or crc != SOURCE_CRC32:
             raise RuntimeError(
-                f"rank {rank} has activation shapes {theirs.tolist()}, "
-                f"rank {dist.get_rank()} has {mine.tolist()} (x_numel, N, D, dtype, K)"
+                f"rank {rank} runs wire protocol {version} (dist_transport.py crc32 {crc:#010x}), "
+                f"rank {me} runs {PROTOCOL_VERSION} (crc32 {SOURCE_CRC32:#010x}): every rank "
+                "must run the same physis_ros code (reinstall, or restart rank 0 after an update)"
+            )
+        if not torch.equal(theirs[2:], mine[2:]):
+            raise RuntimeError(
+                f"rank {rank} has activation shapes {theirs[2:].tolist()}, "
+                f"rank {me} has {mine[2:].tolist()} (x_numel, N, D, dtype, K)"
             )
 
 

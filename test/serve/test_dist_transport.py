@@ -19,8 +19,13 @@ import torch
 import torch.distributed as dist
 
 from physis_ros.engine.transport import Activation
+from physis_ros.serve import dist_transport
 from physis_ros.serve.dist_launch import free_port, rank_env, spawn_ranks, stop_ranks, tie_to_parent
-from physis_ros.serve.dist_transport import ActivationShapes, TorchDistTransport
+from physis_ros.serve.dist_transport import (
+    ActivationShapes,
+    TorchDistTransport,
+    check_shapes_agree,
+)
 from physis_ros.serve.runtime import exit_now
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -164,5 +169,37 @@ def test_killed_rank_is_seen_silent_and_others_keep_working(ranks):
     assert 2 in transport.failed_peers()
 
 
+def old_protocol_main() -> None:
+    """A rank whose wire code differs from rank 0's (as when it was started from an older
+    install): the start-up handshake must refuse it on both sides."""
+    tie_to_parent()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist_transport.PROTOCOL_VERSION = 1
+    try:
+        check_shapes_agree(SHAPES, torch.device("cpu"))
+        code = 0
+    except RuntimeError as exc:
+        code = 4 if "every rank must run the same physis_ros code" in str(exc) else 5
+    exit_now(code)
+
+
+def test_ranks_running_different_wire_code_are_refused_at_start_up():
+    port = free_port()
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    procs = spawn_ranks(
+        world_size=2, master_port=port, argv=[__file__, "old-protocol"], extra_env=env
+    )
+    os.environ.update(rank_env(rank=0, world_size=2, master_port=port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 runs wire protocol 1") as err:
+            check_shapes_agree(SHAPES, torch.device("cpu"))
+        assert f"rank 0 runs {dist_transport.PROTOCOL_VERSION}" in str(err.value)
+    finally:
+        codes = stop_ranks(procs, timeout_s=10.0)
+        dist.destroy_process_group()
+    assert codes == [4]  # the other side refused too, naming the cause
+
+
 if __name__ == "__main__":
-    sys.exit(relay_main())
+    sys.exit(old_protocol_main() if sys.argv[1:] == ["old-protocol"] else relay_main())
