@@ -114,8 +114,9 @@ class AdmissionController:
             self._stage_ms_cache[key] = self.cost.group_ms(cfg, sampler, 1)
         return self._stage_ms_cache[key]
 
-    def _send_ms(self, cfg: ModelConfig, src: int, dst: int) -> float:
-        return 0.0 if self.cost.comm_overlaps_compute else self.cost.hop_ms(cfg, src, dst)
+    def _comm_ms(self, cfg: ModelConfig) -> tuple[float, float]:
+        """Work one remote hop costs its sender and its receiver."""
+        return self.cost.send_cpu_ms(cfg), self.cost.recv_cpu_ms(cfg)
 
     def utilization(self, device: int) -> float:
         return self._util[device]
@@ -129,8 +130,10 @@ class AdmissionController:
         load: dict[int, float] = {}
         for d in plan.stage_devices:
             load[d] = load.get(d, 0.0) + s_ms
+        send_ms, recv_ms = self._comm_ms(plan.model)
         for _, src, dst in plan.hops():
-            load[src] += self._send_ms(plan.model, src, dst)
+            load[src] += send_ms
+            load[dst] += recv_ms
         return load
 
     def no_contention_latency_ms(self, plan: StreamPlan) -> float:
@@ -297,10 +300,8 @@ class AdmissionController:
         L, S = cfg.num_blocks, sampler.steps * cfg.num_blocks
         s_ms = self.stage_ms(cfg, sampler)
         mem = self.pool.memory
-        # One hop's send is reserved on every device when sends cost compute.
-        reserve = 0.0
-        if not self.cost.comm_overlaps_compute and len(candidates) > 1:
-            reserve = max(self.cost.hop_ms(cfg, candidates[0], d) for d in candidates[1:])
+        # One hop in and one out are reserved on every device when messages cost compute.
+        reserve = sum(self._comm_ms(cfg)) if len(candidates) > 1 else 0.0
         budget = {d: self._budget_ms(d, T) - reserve for d in candidates}
         free = {d: self.pool.usable_bytes - self._mem_used[d] for d in candidates}
         charges: dict[int, StageCharge] = {}

@@ -170,7 +170,18 @@ class CostModel(Protocol):
         """One batched forward of one block over ``tasks`` tasks (full KV windows)."""
 
     def hop_ms(self, cfg: ModelConfig, src: int, dst: int) -> float:
-        """One activation of ``cfg`` sent from device ``src`` to device ``dst``."""
+        """One activation of ``cfg`` sent from device ``src`` to device ``dst``: the time
+        from the sender's batch ending to the activation being ready at ``dst``."""
+
+    def send_cpu_ms(self, cfg: ModelConfig) -> float:
+        """Work one remote send adds to the sending worker when sends do not overlap
+        compute (part of ``hop_ms``)."""
+
+    def recv_cpu_ms(self, cfg: ModelConfig) -> float:
+        """Work one remote receive adds to the receiving worker (part of ``hop_ms``)."""
+
+    def chunk_overhead_ms(self, cfg: ModelConfig) -> float:
+        """Work the sink (controller) spends per finished chunk."""
 
     def assumptions(self) -> dict:
         """Every number the model rests on, for printing beside results."""
@@ -212,6 +223,15 @@ class AnalyticCostModel:
             return dev.intra_node_latency_ms + 1e3 * nbytes / dev.intra_node_Bps
         return dev.inter_node_latency_ms + 1e3 * nbytes / dev.inter_node_Bps
 
+    def send_cpu_ms(self, cfg: ModelConfig) -> float:
+        return 0.0  # NCCL sends run on their own stream, posted by a comm thread
+
+    def recv_cpu_ms(self, cfg: ModelConfig) -> float:
+        return 0.0
+
+    def chunk_overhead_ms(self, cfg: ModelConfig) -> float:
+        return 0.0  # the controller runs on the host CPU, beside the GPU's work
+
     def assumptions(self) -> dict:
         return {"cost_model": "analytic roofline", "device": asdict(self.device)}
 
@@ -242,15 +262,34 @@ class Profile:
     batch_overhead_ms: float = 0.0
     """Worker-loop cost per batched forward (pick, stack, loop turn), calibrated likewise."""
     comm_overlaps_compute: bool = False
+    send_cpu_ms: float = 0.0
+    """Processor time one remote send costs the sending rank (packing, the send thread, the
+    transport's own threads); 0 with ``recv_cpu_ms`` 0: not measured (a worker that cannot
+    overlap sends is then charged ``hop_ms``)."""
+    recv_cpu_ms: float = 0.0
+    """Processor time one remote receive costs the receiving rank (receive thread, copies)."""
+    chunk_overhead_ms: float = 0.0
+    """Processor time the controller (rank 0's driver thread) spends per finished chunk."""
+    host_cores: int = 0
+    """Processors the ranks of one host share (``os.sched_getaffinity``); 0: not recorded."""
+    calibrated_on: str = ""
+    """Runtime the worker-loop and communication costs were measured on (``inproc``,
+    ``gloo``)."""
 
     def __post_init__(self) -> None:
         if not self.entries:
             raise ValueError("a profile needs at least one entry")
-        if self.hop_ms < 0 or self.task_overhead_ms < 0 or self.batch_overhead_ms < 0:
-            raise ValueError(
-                f"hop_ms ({self.hop_ms}) and task_overhead_ms ({self.task_overhead_ms}) "
-                "must be >= 0"
-            )
+        for name in (
+            "hop_ms",
+            "task_overhead_ms",
+            "batch_overhead_ms",
+            "send_cpu_ms",
+            "recv_cpu_ms",
+            "chunk_overhead_ms",
+            "host_cores",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         sizes = [e.tasks for e in self.entries]
         if sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"profile batch sizes must be increasing and >= 1, got {sizes}")
@@ -275,6 +314,11 @@ class Profile:
                 task_overhead_ms=float(data.get("task_overhead_ms", 0.0)),
                 batch_overhead_ms=float(data.get("batch_overhead_ms", 0.0)),
                 comm_overlaps_compute=bool(data.get("comm_overlaps_compute", False)),
+                send_cpu_ms=float(data.get("send_cpu_ms", 0.0)),
+                recv_cpu_ms=float(data.get("recv_cpu_ms", 0.0)),
+                chunk_overhead_ms=float(data.get("chunk_overhead_ms", 0.0)),
+                host_cores=int(data.get("host_cores", 0)),
+                calibrated_on=str(data.get("calibrated_on", "")),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"not a physis-profile JSON: {err!r}") from None
@@ -328,6 +372,18 @@ class ProfileCostModel:
 
     def hop_ms(self, cfg: ModelConfig, src: int, dst: int) -> float:
         return 0.0 if src == dst else self.profile.hop_ms
+
+    def send_cpu_ms(self, cfg: ModelConfig) -> float:
+        p = self.profile
+        if p.send_cpu_ms or p.recv_cpu_ms:
+            return p.send_cpu_ms
+        return 0.0 if p.comm_overlaps_compute else p.hop_ms
+
+    def recv_cpu_ms(self, cfg: ModelConfig) -> float:
+        return self.profile.recv_cpu_ms
+
+    def chunk_overhead_ms(self, cfg: ModelConfig) -> float:
+        return self.profile.chunk_overhead_ms
 
     def assumptions(self) -> dict:
         return {"cost_model": "measured profile", "profile": self.profile.to_json()}

@@ -8,7 +8,13 @@ It follows the workers' scheduling rules:
   forward costing ``cost.group_ms(model, sampler, tasks)``;
 - a finished task's activation moves to the next stage's device: no delay on the same device,
   one hop (``cost.hop_ms``) otherwise; hops out of a device are serialised on its link, and
-  when communication does not overlap compute the device is busy while it sends.
+  when communication does not overlap compute the device is busy while it sends;
+- messages cost processor time where the cost model says so (CPU ranks: packing, the
+  transport's threads, the GIL): ``cost.send_cpu_ms`` is added to the sending batch,
+  ``cost.recv_cpu_ms`` to the receiving device's work, ``cost.chunk_overhead_ms`` to the sink
+  (the controller) per finished chunk. A device with such work and no ready task runs it alone;
+- devices that share ``host_cores`` processors (ranks on one CPU host) slow down together
+  (processor sharing among the busy ones).
 
 Sources: a stream with a target interval T releases chunk c at ``phase + c * T`` (the robot
 asks for one chunk per interval); a stream with T = 0 keeps ``max_inflight`` chunks in the
@@ -183,6 +189,22 @@ def simulate(
             hop_cache[k] = cost.hop_ms(plans[si].model, a, b)
         return hop_cache[k]
 
+    # Processor time of messages (0 for devices whose communication runs beside compute).
+    comm = [
+        (
+            cost.send_cpu_ms(p.model),
+            cost.recv_cpu_ms(p.model),
+            cost.chunk_overhead_ms(p.model),
+        )
+        for p in plans
+    ]
+
+    def wire_ms(si: int, a: int, b: int) -> float:
+        """Hop time not spent as processor time at either end (non-overlapping sends)."""
+        return max(hop_ms(si, a, b) - comm[si][0] - comm[si][1], 0.0)
+
+    debt = [0.0] * G  # processor time owed by each device for messages and the controller
+
     release = [[math.nan] * C for _ in range(n)]
     start = [[math.nan] * C for _ in range(n)]
     done = [[math.nan] * C for _ in range(n)]
@@ -241,14 +263,15 @@ def simulate(
             return
         if config.priority == "engine":
             group = _engine_pick(ready[d], plans, config)
-            if not group:
-                return
-            run(t, d, group)
+            if group or debt[d] > 0:
+                run(t, d, group)
             return
         rh = ready_heap[d]
         while rh and rh[0][1] not in prio_of:
             heapq.heappop(rh)  # stale: that task already ran in an earlier batch
         if not rh:
+            if debt[d] > 0:
+                run(t, d, [])  # message / controller work alone
             return
         _, _, key = heapq.heappop(rh)
         dq = ready[d][key]
@@ -263,15 +286,15 @@ def simulate(
 
     def run(t: float, d: int, group: list) -> None:
         nonlocal tasks_run
-        si0 = group[0][1]
-        work = group_ms(si0, len(group))
-        if not cost.comm_overlaps_compute:  # the worker sends before it takes the next batch
-            for _, si, stage, _ in group:
-                nxt = stage + 1
-                sd = plans[si].stage_devices
-                dst = sd[nxt] if nxt < len(sd) else config.sink_device
-                if dst is not None and dst != d:
-                    work += hop_ms(si, d, dst)
+        work = group_ms(group[0][1], len(group)) if group else 0.0
+        work += debt[d]
+        debt[d] = 0.0
+        for _, si, stage, _ in group:  # sends that cost this device processor time
+            nxt = stage + 1
+            sd = plans[si].stage_devices
+            dst = sd[nxt] if nxt < len(sd) else config.sink_device
+            if dst is not None and dst != d:
+                work += comm[si][0]
         for _, si, stage, chunk in group:
             if stage == 0:
                 start[si][chunk] = t
@@ -281,8 +304,9 @@ def simulate(
         remaining[d] = work
         current[d] = len(group_store)
         group_store.append(group)
-        batches[d][0] += 1
-        batches[d][1] += len(group)
+        if group:
+            batches[d][0] += 1
+            batches[d][1] += len(group)
         tasks_run += len(group)
         reschedule(t)
 
@@ -320,6 +344,9 @@ def simulate(
     def complete(t: float, si: int, chunk: int) -> None:
         done[si][chunk] = t
         completed[si] += 1
+        if config.sink_device is not None and comm[si][2] > 0:
+            debt[config.sink_device] += comm[si][2]
+            dirty.add(config.sink_device)
         if plans[si].target_interval_ms == 0 and released[si] < C:
             do_release(t, si)
 
@@ -338,9 +365,12 @@ def simulate(
             nxt = stage + 1
             if nxt == plan.num_stages:
                 sink = config.sink_device
-                if sink is not None and sink != d and cost.comm_overlaps_compute:
-                    push(t + hop_ms(si, d, sink), _ARRIVE, si, nxt, chunk)
-                else:  # same device, not modelled, or already sent while the device was busy
+                if sink is not None and sink != d:
+                    delay = hop_ms(si, d, sink)
+                    if not cost.comm_overlaps_compute:
+                        delay = wire_ms(si, d, sink)
+                    push(t + delay, _ARRIVE, si, nxt, chunk)
+                else:  # same device, or the exit hop is not modelled
                     complete(t, si, chunk)
                 continue
             dst = plan.stage_devices[nxt]
@@ -353,7 +383,7 @@ def simulate(
                     link_free[d] = send_start + h
                     push(send_start + h, _ARRIVE, si, nxt, chunk)
                 else:  # the device sent serially before it became free; sends are done
-                    push(t, _ARRIVE, si, nxt, chunk)
+                    push(t + wire_ms(si, d, dst), _ARRIVE, si, nxt, chunk)
 
     for si, s in enumerate(streams):
         if s.plan.target_interval_ms > 0:
@@ -369,7 +399,11 @@ def simulate(
             _, _, kind, a, b, c = heapq.heappop(heap)
             if kind == _RELEASE:
                 do_release(t, a)
-            elif kind == _ARRIVE:
+            elif kind == _ARRIVE:  # a remote hop: the receiver pays its processor time
+                dst = config.sink_device if b == plans[a].num_stages else plans[a].stage_devices[b]
+                if comm[a][1] > 0:
+                    debt[dst] += comm[a][1]
+                    dirty.add(dst)
                 if b == plans[a].num_stages:
                     complete(t, a, c)
                 else:
