@@ -161,6 +161,32 @@ def test_shared_admits_at_least_as_many_as_static(backbone):
     assert counts["shared"] >= counts["static"]
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(("small", "wan2.1-1.3b", "wan2.2-ti2v-5b", "wan2.1-14b", "dit-33b")),
+    target_ms=st.floats(min_value=50.0, max_value=8000.0),
+    devices=st.integers(1, 12),
+    usable_gib=st.floats(min_value=8.0, max_value=140.0),
+    steps=st.integers(1, 4),
+    window=st.integers(0, 3),
+)
+def test_shared_never_admits_fewer_identical_streams_than_static(  # noqa: PLR0917
+    name, target_ms, devices, usable_gib, steps, window
+):
+    """A static partition is one of the placements shared can choose, so for any model,
+    target, pool and sampler, admitting identical streams until refusal, shared >= static."""
+    req = _req(name, target_ms, SamplerConfig(steps=steps, window=window))
+    counts = {}
+    for policy in ("static", "shared"):
+        ctl = AdmissionController(_pool(policy, devices=devices, usable=usable_gib * GIB), COST)
+        admitted, refusal = admit_until_refused(ctl, req, limit=400)
+        assert refusal is not None or len(admitted) == 400
+        if refusal is not None:
+            assert refusal.resource in ("memory", "compute") and refusal.shortfall
+        counts[policy] = len(admitted)
+    assert counts["shared"] >= counts["static"], counts
+
+
 _MODELS = ("tiny", "small", "wan2.1-1.3b", "wan2.2-ti2v-5b", "wan2.1-14b", "dit-33b")
 _op = st.one_of(
     st.tuples(

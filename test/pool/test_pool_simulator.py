@@ -190,6 +190,11 @@ def test_depth_experiment_interval_is_one_stage_and_latency_the_whole_pipe():
     assert out["pipeline_latency_ms"] == pytest.approx(pipe, abs=0.01)  # rounded inputs
     assert out["response_latency_ms"] == pytest.approx(pipe + out["interval_ms"], abs=0.01)
     assert out["published_interval_ms"] == 4.083
+    # the gap to the published figure is the chunk size: the stage time scales with tokens
+    by_chunk = out["assumptions"]["interval_by_chunk_size"]
+    assert by_chunk["3_latent_frames"]["interval_ms"] == pytest.approx(out["interval_ms"], 1e-3)
+    assert by_chunk["1_latent_frames"]["tokens_per_chunk"] == 1560
+    assert by_chunk["1_latent_frames"]["interval_ms"] < 4.083 < out["interval_ms"]
 
 
 @pytest.mark.slow
@@ -211,6 +216,10 @@ def test_pool24_shared_verified_at_least_static_for_every_backbone():
     a = out["assumptions"]
     assert a["target_interval_ms"] == 1600.0 and a["devices"] == 24
     assert a["K"] == 4 and a["W"] == 2 and a["device"]["peak_flops"] == 989e12
+    assert {"static", "shared"} <= set(a["policies"])
+    assert a["memory"]["dtype_bytes"] == 2 and a["memory"]["usable_bytes_per_gpu"] > 0
+    for d in out["details"].values():  # chunk size and resolution stated per backbone
+        assert {"resolution", "tokens_per_chunk", "chunk_latent_frames", "stage_ms"} <= set(d)
 
 
 def test_physis_sim_cli_depth_json_and_bad_input():
