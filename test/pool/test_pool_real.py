@@ -18,7 +18,7 @@ from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.serve.dist_engine import DistEngine
 
-from .realcheck import K, W, intervals_ms, profile_here, runtime_config, sim_vs_real
+from .realcheck import K, W, intervals_ms, profile_here, realcheck, runtime_config
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.slow
@@ -94,9 +94,11 @@ def test_admitted_streams_meet_the_target_and_the_next_is_refused():
 @pytest.mark.skipif(
     os.environ.get("PHYSIS_POOL_REALCHECK") != "1",
     reason="timing comparison needs a quiet host (set PHYSIS_POOL_REALCHECK=1); on a shared "
-    "host the profile, the core share and the run drift apart between measurements",
+    "host other jobs take processor time that neither the profile nor the simulator sees",
 )
-@pytest.mark.parametrize(("ranks", "streams"), [(1, 1), (1, 3), (2, 1), (2, 3), (4, 2)])
-def test_simulator_predicts_the_measured_interval_within_15_percent(ranks, streams):
-    out = sim_vs_real(ranks, streams)
-    assert abs(out["error"]) <= 0.15, out
+def test_simulator_predicts_the_measured_interval_within_15_percent():
+    """1-4 gloo ranks x 1-3 free-running tiny streams: the simulator, calibrated on one rank
+    and a two-rank ping-pong, predicts every measured mean interval within 15%."""
+    out = realcheck((1, 2, 3, 4), (1, 2, 3))
+    bad = [c for c in out["cases"] if abs(c["error"]) > 0.15]
+    assert not bad, out

@@ -5,14 +5,17 @@ forward of a middle block through the worker's hot path (``stage.time_block_forw
 device synchronised, warm-up excluded) for batches of 1, 2, 4, ... tasks whose KV windows
 are full (W previous chunks). It also times one activation hop through the engine's in-process
 transport, and the worker loop's own cost per task (a one-worker run of the engine without
-batching, minus the block forward): ``task_overhead_ms``. The
-output is the ``Profile`` JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
+batching, minus the block forward): ``task_overhead_ms``. With ``--runtime gloo`` (CPU) the
+loop, controller and hop costs are measured on the torch.distributed runtime instead (one- and
+two-rank jobs on this host; see ``pool.realcheck.calibrate_gloo``). The output is the
+``Profile`` JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=30, help="timed repeats per batch size")
     p.add_argument("--warmup", type=int, default=5, help="untimed repeats per batch size")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument(
+        "--runtime",
+        choices=("inproc", "gloo"),
+        default="inproc",
+        help="where loop and hop costs are measured: in-process workers, or the gloo runtime",
+    )
     p.add_argument("--out", help="write the JSON here too")
     return p
 
@@ -58,6 +67,8 @@ def measure(args: argparse.Namespace) -> Profile:
         raise ValueError(f"--batches must be >= 1, got {args.batches!r}")
     if args.repeats < 3 or args.warmup < 0:
         raise ValueError("--repeats must be >= 3 and --warmup >= 0")
+    if args.runtime == "gloo" and args.device != "cpu":
+        raise ValueError("--runtime gloo calibrates CPU ranks: use --device cpu")
     torch.set_num_threads(args.threads)
     cfg = get_preset(args.model)
     model = build_model(cfg, device=args.device, dtype=getattr(torch, args.dtype))
@@ -71,6 +82,15 @@ def measure(args: argparse.Namespace) -> Profile:
             window=args.window,
         )
         entries.append(ProfileEntry(tasks=b, ms_p50=statistics.median(times), ms_p99=_p99(times)))
+    if args.runtime == "gloo":
+        from physis_ros.engine.pool.realcheck import calibrate_gloo
+
+        costs = calibrate_gloo(cfg.name, args.steps, args.window, entries)
+    else:
+        costs = {
+            "hop_ms": _inproc_hop_ms(cfg, args.device),
+            **_loop_overheads(model, args, entries),
+        }
     return Profile(
         device=_device_name(args.device),
         model=cfg.name,
@@ -78,9 +98,10 @@ def measure(args: argparse.Namespace) -> Profile:
         window=args.window,
         dtype=args.dtype,
         entries=tuple(entries),
-        hop_ms=_inproc_hop_ms(cfg, args.device),
-        **_loop_overheads(model, args, entries),
+        **costs,
         comm_overlaps_compute=False,
+        host_cores=len(os.sched_getaffinity(0)) if args.device == "cpu" else 0,
+        calibrated_on=args.runtime,
     )
 
 

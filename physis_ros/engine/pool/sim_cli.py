@@ -24,7 +24,11 @@ from physis_ros.engine.pool.simulator import SimConfig, simulate
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="physis-sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", choices=("pool24", "depth"), help="run a fixed experiment")
+    p.add_argument(
+        "--experiment",
+        choices=("pool24", "depth", "realcheck"),
+        help="run a fixed experiment (realcheck: the simulator against gloo ranks on this host)",
+    )
     p.add_argument("--model", default="wan2.1-14b", help="model preset")
     p.add_argument("--steps", type=int, default=4, help="K denoising steps")
     p.add_argument("--window", type=int, default=2, help="W history window (chunks)")
@@ -130,6 +134,14 @@ def _print_human(result: dict) -> None:
         for row in result["rows"]:
             print(f"{row['backbone']:<16}{row['static']:>8}{row['shared']:>8}{row['ratio']:>8}")
         return
+    if result.get("experiment") == "realcheck":
+        for c in result["cases"]:
+            print(
+                f"ranks {c['ranks']} streams {c['streams']}: measured "
+                f"{c['measured_interval_ms']:.3f} ms, predicted {c['predicted_interval_ms']:.3f} "
+                f"ms, error {c['error']:+.1%}"
+            )
+        return
     if result.get("experiment") == "depth":
         for key in ("model", "gpus", "interval_ms", "response_latency_ms", "published_interval_ms"):
             print(f"{key}: {result[key]}")
@@ -161,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
             result = pool24(seed=args.seed)
         elif args.experiment == "depth":
             result = depth(sampler=SamplerConfig(steps=args.steps, window=args.window))
+        elif args.experiment == "realcheck":
+            from physis_ros.engine.pool.realcheck import realcheck
+
+            profile = Profile.load(args.profile) if args.profile else None
+            result = realcheck(profile=profile)
         else:
             result = run_pool(args)
     except ValueError as err:
