@@ -226,3 +226,97 @@ class Placement:
                 f"[{len(vr.stages)}] -> worker {vr.worker}"
             )
         return "\n".join(lines)
+
+
+def stage_costs(steps: int, block_ms: dict[int, float] | list[float]) -> list[float]:
+    """Per-stage cost (ms) in pipeline order k*L + l from per-block costs (a stage (k, l)
+    costs what block l costs; block 0 includes the embedding, block L-1 the head)."""
+    costs = [block_ms[blk] for blk in range(len(block_ms))]
+    if any(not c >= 0 for c in costs):
+        raise ValueError(f"block costs must be >= 0, got {costs}")
+    return costs * steps
+
+
+def _greedy_groups(stage_ms: list[float], limit: float, hop_ms: float) -> list[int] | None:
+    """Fewest contiguous groups with cost + hop_ms <= limit each (None: a stage alone is over)."""
+    sizes, load = [], 0.0
+    for c in stage_ms:
+        if c + hop_ms > limit:
+            return None
+        if sizes and load + c + hop_ms <= limit:
+            sizes[-1] += 1
+            load += c
+        else:
+            sizes.append(1)
+            load = c
+    return sizes
+
+
+def balanced_group_sizes(
+    stage_ms: list[float] | tuple[float, ...], workers: int, *, hop_ms: float = 0.0
+) -> list[int]:
+    """Split stages (pipeline order) into at most ``workers`` contiguous groups minimising the
+    slowest group's work per chunk, ``sum(stage_ms in group) + hop_ms`` (each group takes in
+    one activation hop per chunk). Uses every worker when there are enough stages (splitting
+    never raises the slowest group). Exact up to float round-off (binary search on the limit
+    with a greedy feasibility test, then a final greedy pass)."""
+    costs = [float(c) for c in stage_ms]
+    if not costs:
+        raise ValueError("no stages to place")
+    if workers < 1:
+        raise ValueError(f"need at least one worker, got {workers}")
+    if any(not c >= 0 for c in costs) or not hop_ms >= 0:
+        raise ValueError(f"costs must be >= 0, got stages {costs} and hop_ms {hop_ms}")
+    lo, hi = max(costs) + hop_ms, sum(costs) + hop_ms
+    for _ in range(100):
+        if hi - lo <= 1e-12 * max(hi, 1.0):
+            break
+        mid = (lo + hi) / 2
+        sizes = _greedy_groups(costs, mid, hop_ms)
+        if sizes is not None and len(sizes) <= workers:
+            hi = mid
+        else:
+            lo = mid
+    sizes = _greedy_groups(costs, hi, hop_ms)
+    if sizes is None or len(sizes) > workers:  # cannot happen: hi is feasible by construction
+        raise RuntimeError(f"no partition of {costs} into {workers} groups under {hi} ms")
+    # Use the idle workers too: split the costliest splittable group at its best point.
+    while len(sizes) < min(workers, len(costs)):
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        loads = [sum(costs[s : s + n]) for s, n in zip(starts, sizes, strict=True)]
+        i = max((j for j in range(len(sizes)) if sizes[j] > 1), key=lambda j: loads[j])
+        part = costs[starts[i] : starts[i] + sizes[i]]
+        cut = min(range(1, len(part)), key=lambda m: max(sum(part[:m]), sum(part[m:])))
+        sizes[i : i + 1] = [cut, len(part) - cut]
+    return sizes
+
+
+def layout_balanced(
+    steps: int,
+    blocks: int,
+    workers: int,
+    stage_ms: list[float] | tuple[float, ...],
+    *,
+    hop_ms: float = 0.0,
+) -> Layout:
+    """The contiguous layout (group i on rank i) of ``balanced_group_sizes``: stages with
+    measured costs ``stage_ms`` (K*L, pipeline order) balanced over ``workers`` ranks."""
+    if len(stage_ms) != steps * blocks:
+        raise ValueError(f"{len(stage_ms)} stage costs for K*L = {steps * blocks} stages")
+    return layout_groups(steps, blocks, balanced_group_sizes(stage_ms, workers, hop_ms=hop_ms))
+
+
+def slowest_rank_ms(layout: Layout, stage_ms: list[float], *, hop_ms: float = 0.0) -> float:
+    """Predicted interval of one stream: the busiest rank's stage cost per chunk plus one hop
+    per virtual rank it hosts (``hop_ms`` per hop taken in)."""
+    blocks = len(layout[0])
+    work: dict[int, float] = {}
+    runs: dict[int, int] = {}
+    prev = None
+    for i, cost in enumerate(stage_ms):
+        rank = layout[i // blocks][i % blocks]
+        work[rank] = work.get(rank, 0.0) + cost
+        if rank != prev:
+            runs[rank] = runs.get(rank, 0) + 1
+        prev = rank
+    return max(work[r] + hop_ms * runs[r] for r in work)

@@ -33,7 +33,14 @@ from physis_ros.engine.api import (
     StreamSpec,
 )
 from physis_ros.engine.codec import Codec
-from physis_ros.engine.placement import Layout, Placement, validate_layout
+from physis_ros.engine.placement import (
+    Layout,
+    Placement,
+    layout_balanced,
+    slowest_rank_ms,
+    stage_costs,
+    validate_layout,
+)
 from physis_ros.engine.runtime import ChunkResult, Controller
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 from physis_ros.engine.transport import Activation
@@ -104,6 +111,13 @@ class DistEngine:
         self._unreported: list[StreamFailed] = []
         self._next_stream_id = 0
         self._block_ms: float | None = None
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        """``costs`` / ``loaded`` answers of worker ranks (routed here by the monitor)."""
+        K, L = cfg.steps, self.model_cfg.num_blocks
+        self.default_layout: Layout = parse_placement(cfg.placement, K, L, self.world_size)
+        """Layout of a stream opened without one (``balanced``: computed at start-up)."""
+        self.measured_block_ms: dict[int, float] = {}
+        """Per-block cost (ms, median over the ranks that measured it), if measured."""
         self._wait_ready()
         self._threads = [
             threading.Thread(target=self._host_loop, name="rank0-worker", daemon=True),
@@ -111,6 +125,13 @@ class DistEngine:
         ]
         for thread in self._threads:
             thread.start()
+        if cfg.placement == "balanced":
+            try:
+                self.default_layout = self.balanced_layout()
+                self.load_blocks(self.default_layout)
+            except BaseException:
+                self.shutdown()
+                raise
 
     @classmethod
     def launch_local(cls, cfg: RuntimeConfig, world_size: int, *, log_dir: str | None = None):
@@ -166,8 +187,15 @@ class DistEngine:
                         break
                     if kind == "open":
                         self.host.open_stream(arg)
-                    else:
+                    elif kind == "close":
                         self.host.close_stream(arg)
+                    elif kind == "measure":
+                        repeats, reply = arg
+                        reply.put(self.host.measure_block_ms(repeats))
+                    elif kind == "load":
+                        blocks, reply = arg
+                        self.host.ensure_blocks(blocks)
+                        reply.put(set(self.host.blocks))
                 self.host.run_once(self.cfg.poll_interval_s)
                 while not self.host.worker.sink.empty():
                     self.transport.put_sink(*self.host.worker.sink.get())
@@ -191,6 +219,8 @@ class DistEngine:
                     self.rank_stats[ctl.src] = ctl.body.get("stats", {})
                     if not self._shutting_down:
                         self._fail_rank(ctl.src, f"left the job ({ctl.body.get('reason')})")
+                elif ctl.kind in ("costs", "loaded"):
+                    self._replies.put(ctl)
                 elif ctl.kind == "recv_stopped" and not self._shutting_down:
                     log.warning("rank 0 receive loop stopped: %s", ctl.body)
             for rank, reason in self.transport.failed_peers().items():
@@ -229,7 +259,7 @@ class DistEngine:
         ``max_in_flight`` (0: no limit) as in the engine's ``Controller``."""
         K, L = self.cfg.steps, self.model_cfg.num_blocks
         if layout is None:
-            layout = parse_placement(self.cfg.placement, K, L, self.world_size)
+            layout = self.default_layout
         validate_layout(layout, K, L, self.world_size)
         ranks = {r for row in layout for r in row}
         with self._lock:
@@ -415,6 +445,124 @@ class DistEngine:
                 out.append((time.perf_counter() - t0) * 1e3 / 2)
         return out
 
+    # ---------------------------------------------------------------- placement by cost
+    def _ask_ranks(self, kind: str, body: dict, host_arg, timeout_s: float) -> dict[int, dict]:
+        """Send ``kind`` to every live worker rank and run it on rank 0's own host (in its
+        loop thread); wait for every answer. Only those ranks' loops pause (a control
+        message, no barrier): call it between streams or accept that pause."""
+        ranks = [
+            r
+            for r in range(1, self.world_size)
+            if r not in self.failed_ranks and r not in self._byes
+        ]
+        for r in ranks:
+            self.transport.send_control(r, kind, body)
+        mine: queue.SimpleQueue = queue.SimpleQueue()
+        self._host_control.put((kind, (host_arg, mine)))
+        answers: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        waiting = set(ranks)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0 or waiting & set(self.failed_ranks):
+                raise TimeoutError(
+                    f"ranks {sorted(waiting)} did not answer {kind!r} in {timeout_s} s"
+                    + (f" (failed: {self.failed_ranks})" if self.failed_ranks else "")
+                )
+            try:
+                ctl = self._replies.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if ctl.src in waiting:
+                answers[ctl.src] = ctl.body
+                waiting.discard(ctl.src)
+        try:
+            answers[0] = {"rank0": mine.get(timeout=max(0.1, deadline - time.monotonic()))}
+        except queue.Empty:
+            raise TimeoutError(f"rank 0's worker did not answer {kind!r}") from None
+        return answers
+
+    def measure_block_costs(self, repeats: int = 5) -> dict[int, dict[int, float]]:
+        """Per rank, the measured ms of one forward of each block it holds (one task, full
+        window) on its own device."""
+        timeout_s = self.cfg.startup_timeout_s
+        answers = self._ask_ranks("measure", {"repeats": repeats}, repeats, timeout_s)
+        out = {0: answers.pop(0)["rank0"]}
+        for r, body in answers.items():
+            out[r] = {int(b): float(ms) for b, ms in body["block_ms"]}
+        return out
+
+    def balanced_layout(
+        self, block_ms: dict[int, float] | None = None, *, hop_ms: float = 0.0
+    ) -> Layout:
+        """Contiguous layout over every rank minimising the slowest rank's work per chunk for
+        per-block costs ``block_ms`` (default: measured now on the ranks, median per block
+        over the ranks that hold it). Load the blocks it needs with ``load_blocks``."""
+        K, L = self.cfg.steps, self.model_cfg.num_blocks
+        if block_ms is None:
+            per_block: dict[int, list[float]] = {}
+            for costs in self.measure_block_costs().values():
+                for blk, ms in costs.items():
+                    per_block.setdefault(blk, []).append(ms)
+            missing = sorted(set(range(L)) - set(per_block))
+            if missing:
+                raise RuntimeError(f"no rank holds blocks {missing} to measure")
+            block_ms = {blk: float(np.median(v)) for blk, v in per_block.items()}
+            self.measured_block_ms = dict(block_ms)
+        stage_ms = stage_costs(K, block_ms)
+        layout = layout_balanced(K, L, self.world_size, stage_ms, hop_ms=hop_ms)
+        log.info(
+            "balanced layout %s: slowest rank %.2f ms per chunk (block ms %s)",
+            layout,
+            slowest_rank_ms(layout, stage_ms, hop_ms=hop_ms),
+            block_ms,
+        )
+        return layout
+
+    def load_blocks(self, layout: Layout) -> None:
+        """Make every rank hold the blocks of its stages under ``layout`` (ranks build or load
+        the missing ones; those ranks pause for that time)."""
+        validate_layout(layout, self.cfg.steps, self.model_cfg.num_blocks, self.world_size)
+        needed: dict[int, set[int]] = {}
+        for row in layout:
+            for blk, r in enumerate(row):
+                needed.setdefault(r, set()).add(blk)
+        short = {r: sorted(b - self.rank_blocks[r]) for r, b in needed.items()}
+        short = {r: b for r, b in short.items() if b}
+        if not short:
+            return
+        timeout_s = self.cfg.startup_timeout_s
+        for r, blocks in short.items():
+            if r in self.failed_ranks:
+                raise RuntimeError(f"rank {r} has failed: {self.failed_ranks[r]}")
+            if r == 0:
+                continue
+            self.transport.send_control(r, "load", {"blocks": blocks})
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        if 0 in short:
+            self._host_control.put(("load", (short[0], reply)))
+        deadline = time.monotonic() + timeout_s
+        waiting = set(short) - {0}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0 or waiting & set(self.failed_ranks):
+                raise TimeoutError(f"ranks {sorted(waiting)} did not load blocks in {timeout_s} s")
+            try:
+                ctl = self._replies.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if ctl.kind == "loaded" and ctl.src in waiting:
+                with self._lock:
+                    self.rank_blocks[ctl.src] = set(ctl.body["blocks"])
+                waiting.discard(ctl.src)
+        if 0 in short:
+            try:
+                blocks0 = reply.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("rank 0's worker did not load its blocks") from None
+            with self._lock:
+                self.rank_blocks[0] = set(blocks0)
+
     def failed_streams(self) -> dict[int, str]:
         with self._lock:
             return {sid: str(err) for sid, err in self._failed_streams.items()}
@@ -426,6 +574,8 @@ class DistEngine:
             "failed_ranks": dict(self.failed_ranks),
             "transport": dict(self.transport.counters),
             "worker_drops": dict(self.host.worker.stats.drops),
+            "default_layout": [list(row) for row in self.default_layout],
+            "measured_block_ms": dict(self.measured_block_ms),
         }
 
     def shutdown(self) -> None:

@@ -8,8 +8,10 @@ it places streams and sends control messages; the other ranks run ``run_worker_r
 
 Control messages (JSON on the p2p channel, kind -> body):
   rank 0 -> worker: ``open`` {stream_id, seed, cond_seed, layout}, ``close`` {stream_id},
-                    ``shutdown`` {}
-  worker -> rank 0: ``ready`` {rank, blocks}, ``error`` {rank, error}, ``bye`` {rank, reason}
+                    ``measure`` {repeats} (time each held block), ``load`` {blocks} (build or
+                    load the weights of more blocks), ``shutdown`` {}
+  worker -> rank 0: ``ready`` {rank, blocks}, ``costs`` {rank, block_ms}, ``loaded`` {rank,
+                    blocks}, ``error`` {rank, error}, ``bye`` {rank, reason}
 No barrier on the data path: an activation that reaches a worker before its stream's
 ``open`` (it came from another rank) waits in ``StageHost`` until the ``open`` arrives.
 
@@ -82,8 +84,10 @@ class RuntimeConfig:
     device: str = "auto"
     """``auto`` (cuda:LOCAL_RANK if CUDA exists, else cpu), ``cpu`` or ``cuda``."""
     placement: str = "even"
-    """Default layout of a stream over the ranks: ``even``, ``single``, ``one-stage``, or
-    ``groups:a,b,...`` (contiguous groups of a, b, ... stages in pipeline order)."""
+    """Default layout of a stream over the ranks: ``even``, ``single``, ``one-stage``,
+    ``groups:a,b,...`` (contiguous groups of a, b, ... stages in pipeline order), or
+    ``balanced`` (contiguous groups balanced by per-block costs measured on the ranks at
+    start-up; ranks load the blocks it needs)."""
     batching: bool = True
     """Batch ready tasks that share block weights."""
     threads: int = 1
@@ -200,16 +204,19 @@ def check_placement_spec(spec: str) -> None:
     """Raise ValueError naming ``spec`` unless it is a placement name this runtime knows."""
     if spec.startswith("groups:"):
         _group_sizes(spec)
-    elif spec not in ("even", "single", "one-stage"):
-        raise ValueError(f"placement {spec!r} is not even, single, one-stage or groups:a,b,...")
+    elif spec not in ("even", "single", "one-stage", "balanced"):
+        raise ValueError(
+            f"placement {spec!r} is not even, single, one-stage, balanced or groups:a,b,..."
+        )
 
 
 def parse_placement(spec: str, steps: int, blocks: int, workers: int) -> Layout:
-    """The layout named by ``spec`` (see ``RuntimeConfig.placement``) over ``workers`` ranks."""
+    """The layout named by ``spec`` (see ``RuntimeConfig.placement``) over ``workers`` ranks
+    (``balanced`` before its costs are measured: ``even``, whose blocks ranks load first)."""
     check_placement_spec(spec)
     if spec == "single":
         return layout_single(steps, blocks)
-    if spec == "even":
+    if spec in ("even", "balanced"):
         return layout_even(steps, blocks, workers)
     if spec == "one-stage":
         layout = layout_one_stage_per_worker(steps, blocks)
@@ -310,6 +317,47 @@ class StageHost:
     def run_once(self, timeout_s: float) -> int:
         return self.worker.run_once(timeout_s)
 
+    def measure_block_ms(self, repeats: int) -> dict[int, float]:
+        """Median ms of one forward of each held block (one task, a full window), on this
+        rank's device: block 0 includes the embedding, block L-1 the head."""
+        from physis_ros.engine.stage import measure_block_ms
+
+        repeats = max(1, int(repeats))
+        return {
+            blk: measure_block_ms(
+                self.model, [self.cfg.window], block=blk, repeats=repeats, warmup=2
+            )
+            for blk in sorted(self.blocks)
+        }
+
+    def ensure_blocks(self, blocks) -> set[int]:
+        """Build (or load from ``weights_path``) the weights of ``blocks`` this rank lacks, so
+        stages of those blocks can be placed here. Returns the blocks added."""
+        from physis_ros.engine.model import build_model
+
+        wanted = {int(b) for b in blocks}
+        bad = sorted(b for b in wanted if not 0 <= b < self.cfg.model_config.num_blocks)
+        if bad:
+            raise ValueError(f"blocks {bad} do not exist (model has {len(self.model.blocks)})")
+        missing = wanted - set(self.model.block_ids)
+        if not missing:
+            return set()
+        # Blocks are seeded per block index: the same weights as on every other rank.
+        extra = build_model(
+            self.cfg.model_config,
+            seed=self.cfg.weights_seed,
+            device=self.model.device,
+            dtype=self.model.dtype,
+            block_ids=missing,
+        )
+        for blk in missing:
+            self.model.blocks[blk] = extra.blocks[blk]
+        self.model.block_ids = frozenset(set(self.model.block_ids) | missing)
+        if self.cfg.weights_path:
+            self.model.load_safetensors(self.cfg.weights_path, strict=False)
+        self.blocks |= missing
+        return missing
+
 
 def blocks_for_rank(cfg: RuntimeConfig, rank: int, world_size: int) -> set[int]:
     """Blocks whose weights ``rank`` loads: those of its stages under the default layout
@@ -359,6 +407,16 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
                     host.open_stream(ctl.body)
                 elif ctl.kind == "close":
                     host.close_stream(int(ctl.body["stream_id"]))
+                elif ctl.kind == "measure":
+                    block_ms = host.measure_block_ms(int(ctl.body.get("repeats", 5)))
+                    transport.send_control(
+                        0, "costs", {"rank": ctx.rank, "block_ms": list(block_ms.items())}
+                    )
+                elif ctl.kind == "load":
+                    host.ensure_blocks(ctl.body["blocks"])
+                    transport.send_control(
+                        0, "loaded", {"rank": ctx.rank, "blocks": sorted(host.blocks)}
+                    )
                 elif ctl.kind == "shutdown":
                     stop.set("shutdown from rank 0")
                 elif ctl.kind == "recv_stopped":

@@ -109,6 +109,7 @@ CASES = {
         "groups:1,3,2,2",
         [None, ((0, 1), (2, 3), (0, 1), (2, 3))],
     ),
+    "2 ranks, balanced by costs measured on the ranks": (2, "balanced", [None, None]),
 }
 
 
@@ -125,6 +126,33 @@ def test_dist_output_equals_oracle(case):
             assert promise.steps == 4 and promise.blocks == 2
             specs[promise.stream_id] = spec
             plans[promise.stream_id] = _plan(i, 5, context_at=(0, 3))
+        got = _run(engine, plans)
+    _assert_clean_exit(engine)
+    assert _check_oracle(cfg, plans, specs, got) <= TOL
+
+
+def test_placement_computed_from_costs_loads_missing_blocks_and_equals_oracle():
+    # groups:1,3,2,2 leaves rank 0 with block 0 only. Costs where block 1 is 3x block 0 give
+    # the layout [(0,0),(0,1)] [(1,0),(1,1)] ... : rank 0 must load block 1 first.
+    cfg = _cfg(placement="groups:1,3,2,2")
+    with DistEngine.launch_local(cfg, 4) as engine:
+        assert engine.rank_blocks[0] == {0}
+        measured = engine.measure_block_costs(repeats=3)
+        assert sorted(measured) == [0, 1, 2, 3]
+        assert set(measured[0]) == {0} and all(
+            ms > 0 for c in measured.values() for ms in c.values()
+        )
+        layout = engine.balanced_layout({0: 1.0, 1: 3.0})
+        assert layout == ((0, 0), (1, 1), (2, 2), (3, 3))
+        with pytest.raises(Exception, match="does not hold blocks"):
+            engine.open_stream(StreamSpec(seed=1), layout=layout)
+        engine.load_blocks(layout)
+        assert engine.rank_blocks[0] == {0, 1}
+        specs, plans = {}, {}
+        for i, lay in enumerate([layout, None]):
+            spec = StreamSpec(seed=21 + i, cond_seed=300 + i)
+            sid = engine.open_stream(spec, layout=lay).stream_id
+            specs[sid], plans[sid] = spec, _plan(i, 5, context_at=(0, 2))
         got = _run(engine, plans)
     _assert_clean_exit(engine)
     assert _check_oracle(cfg, plans, specs, got) <= TOL
