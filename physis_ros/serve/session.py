@@ -377,11 +377,7 @@ class EngineLoop:
             try:
                 outputs = self.engine.poll(self._poll_timeout_s)
             except StreamFailed as exc:
-                self.error = f"engine failed: {exc}"
-                log.error("%s", self.error)
-                for session in list(self._sessions.values()):
-                    session.end(grpc.StatusCode.UNAVAILABLE, self.error)
-                    self._close(session)
+                self._fail(exc)
                 continue
             for out in outputs:
                 session = self._sessions.get(out.stream_id)
@@ -392,6 +388,28 @@ class EngineLoop:
                 session.chunks_out += 1
                 session.left_s.append(out.left_s)
                 session._push(session.prediction(out))
+
+    def _fail(self, exc: StreamFailed) -> None:
+        """A failure the engine reported from poll: one that names its stream
+        (``exc.stream_id``, e.g. a rank that held only that stream's stages died) ends that
+        stream alone, and the others keep running; one that names none ends them all."""
+        stream_id = getattr(exc, "stream_id", None)
+        session = self._sessions.get(stream_id) if stream_id is not None else None
+        if session is not None:
+            log.error("stream %d failed in the engine: %s", stream_id, exc)
+            session.end(grpc.StatusCode.UNAVAILABLE, f"stream failed in the engine: {exc}")
+            self._close(session)
+            return
+        if stream_id is not None:
+            log.warning(
+                "engine reported a failure of stream %d, already closed: %s", stream_id, exc
+            )
+            return
+        self.error = f"engine failed: {exc}"
+        log.error("%s", self.error)
+        for session in list(self._sessions.values()):
+            session.end(grpc.StatusCode.UNAVAILABLE, self.error)
+            self._close(session)
 
     def _run_commands(self, *, timeout_s: float) -> None:
         try:

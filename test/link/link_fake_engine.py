@@ -15,6 +15,7 @@ import numpy as np
 from physis_ros.engine.api import (
     AdmissionRefused,
     ChunkOutput,
+    StreamFailed,
     StreamPromise,
     StreamSpec,
 )
@@ -42,6 +43,7 @@ class FakeEngine:
         self._ready: list[tuple[float, ChunkOutput]] = []
         self.contexts: list[tuple[int, int, float]] = []  # (stream, chunk, mean pixel)
         self.generate_actions: list[np.ndarray | None] = []  # as submit_generate got them
+        self._failures: list[StreamFailed] = []  # raised by the next polls, one each
 
     def open_stream(self, spec: StreamSpec) -> StreamPromise:
         with self._lock:
@@ -84,6 +86,8 @@ class FakeEngine:
         now = time.monotonic()
         with self._lock:
             s = self._streams[stream_id]
+            if s.get("failed"):
+                raise StreamFailed(f"stream {stream_id} failed earlier")
             chunk = s["chunk"]
             s["chunk"] += 1
             self.generate_actions.append(None if actions is None else np.array(actions))
@@ -101,11 +105,26 @@ class FakeEngine:
             self._ready.append((done, out))
         return chunk
 
+    def fail(self, stream_id: int | None) -> None:
+        """The next poll raises StreamFailed: naming ``stream_id`` (as DistEngine does when a
+        rank holding that stream dies; the stream's chunks stop), or, with None, naming no
+        stream (the whole engine is gone)."""
+        err = StreamFailed(f"stream {stream_id} failed: injected by the test")
+        if stream_id is not None:
+            err.stream_id = stream_id
+        with self._lock:
+            if stream_id is not None:
+                self._ready = [r for r in self._ready if r[1].stream_id != stream_id]
+                self._streams[stream_id]["failed"] = True
+            self._failures.append(err)
+
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
         deadline = time.monotonic() + timeout_s
         while True:
             now = time.monotonic()
             with self._lock:
+                if self._failures:
+                    raise self._failures.pop(0)
                 done = [o for t, o in self._ready if t <= now]
                 self._ready = [(t, o) for t, o in self._ready if t > now]
             if done or now >= deadline:

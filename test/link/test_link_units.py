@@ -310,3 +310,55 @@ def test_stuck_engine_ends_the_stream_and_the_client_reconnects():
         client.close()
         handle.stop()
         loop.stop()
+
+
+def test_a_failed_stream_ends_alone_an_engine_failure_ends_all():
+    """StreamFailed naming a stream (a rank holding it died) ends that stream only: its
+    client reconnects, the other stream keeps its call and its predictions. A failure naming
+    no stream ends every stream."""
+    engine = FakeEngine(slots=3, chunk_ms=3.0)
+    loop = EngineLoop(engine)
+    loop.start()
+    handle = start_server(
+        loop,
+        config=FrontendConfig(port=0),
+        description=ServerDescription(model="fake", steps=2, blocks=2),
+    )
+    target = f"127.0.0.1:{handle.port}"
+    clients = [
+        LinkClient(target, client_name=name, connect_timeout_s=5, reconnect_backoff_s=(0.05, 0.2))
+        for name in ("victim", "bystander")
+    ]
+    victim, bystander = clients
+    for c in clients:
+        c.start()
+    try:
+        for c in clients:
+            wait_for(lambda c=c: c.get_prediction(0.1), 10, what="a first prediction")
+        victim_id = victim.stats().promise.stream_id
+        engine.fail(victim_id)
+        wait_for(lambda: victim.stats().connections >= 2, 10, what="the victim reconnecting")
+        assert "stream failed in the engine" in victim.stats().last_error
+        # The bystander's call went on: same connection, predictions still coming.
+        while bystander.get_prediction(0) is not None:
+            pass
+        wait_for(lambda: bystander.get_prediction(0.1), 5, what="bystander predictions")
+        assert bystander.stats().connections == 1
+        assert bystander.stats().state == "streaming"
+        assert loop.error == ""
+        assert victim.stats().promise.stream_id != victim_id
+        wait_for(lambda: victim.get_prediction(0.1), 10, what="the victim's new stream")
+
+        engine.fail(None)
+        for c in clients:
+            wait_for(
+                lambda c=c: c.stats().connections >= (3 if c is victim else 2),
+                10,
+                what="every client reconnecting after the engine failure",
+            )
+        assert "engine failed" in loop.error
+    finally:
+        for c in clients:
+            c.close()
+        handle.stop()
+        loop.stop()
