@@ -56,6 +56,8 @@ class _Stream:
     """(chunk, is_context, x) not yet released into the pipeline."""
     in_flight: int = 0
     context_entered_s: dict[int, float] = field(default_factory=dict)
+    epoch: int = 0
+    """Placement epoch stamped on every chunk released (``relayout`` bumps it)."""
 
 
 class Controller:
@@ -86,6 +88,18 @@ class Controller:
 
     def close_stream(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
+
+    def relayout(self, stream_id: int, *, entry_rank: int) -> tuple[int, int]:
+        """Start a new placement epoch: chunks released from now on go to ``entry_rank`` and
+        carry the new epoch. Returns (epoch, first chunk of the epoch); the caller tells every
+        worker (``Worker.relayout``) before or after, no barrier needed."""
+        st = self._stream(stream_id)
+        if st.mode == "sequential-clean":
+            raise ValueError("placement changes need noisy history (not sequential-clean)")
+        first = st.pending[0][0] if st.pending else st.next_chunk
+        st.epoch += 1
+        st.entry_rank = entry_rank
+        return st.epoch, first
 
     def _stream(self, stream_id: int) -> _Stream:
         try:
@@ -122,6 +136,7 @@ class Controller:
                 act = Activation(
                     sid, c, 0, 0, FLAG_CONTEXT if is_ctx else 0, x.to(self.device), None
                 )
+                act.epoch = st.epoch
                 if is_ctx:
                     st.context_entered_s[c] = act.created_s
                 st.in_flight += 1
@@ -199,6 +214,15 @@ class InProcRuntime:
         for w in self.workers:
             w.close_stream(stream_id)
         self.placement = self.placement.without_stream(stream_id)
+
+    def relayout(self, stream_id: int, layout: Layout) -> int:
+        """Move the stream to ``layout`` from its next released chunk on (KV rings of moved
+        stages follow, see worker.py). Returns that chunk. The driver thread calls this."""
+        epoch, first = self.controller.relayout(stream_id, entry_rank=layout[0][0])
+        for w in self.workers:
+            w.relayout(stream_id, epoch=epoch, first_chunk=first, layout=layout)
+        self.placement = self.placement.without_stream(stream_id).with_stream(stream_id, layout)
+        return first
 
     def drain(self, wait_s: float = 0.0) -> list[ChunkResult]:
         """Account for every finished chunk in the sink (waiting up to ``wait_s`` for the

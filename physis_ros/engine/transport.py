@@ -2,7 +2,9 @@
 
 A worker talks to other workers only through a ``Transport``. In one process that is
 ``InProcTransport`` (queues); across processes it is the torch.distributed transport in
-``physis_ros.serve``. KV never moves: only a chunk's hidden state and latent do.
+``physis_ros.serve``. KV never moves between stages: a chunk's hidden state and latent do.
+Only when a placement change moves a stage to another worker does that stage's KV ring go
+with it, once, as ``FLAG_KV`` messages (one [N, D]-shaped piece each, see worker.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import torch
 
 FLAG_CONTEXT = 1
 """Set on a context chunk: an encoded observation clamped at sigma = 0, never updated."""
+FLAG_KV = 2
+"""Not a chunk: one piece of a stage's KV ring moving to the stage's new owner (``h`` is the
+piece; piece index in bits 8.., ``chunk`` is the ring's chunk count)."""
 
 
 @dataclass
@@ -41,6 +46,9 @@ class Activation:
     """[N, D] hidden state entering ``block``; None when ``block == 0`` (the stage embeds x)."""
     created_s: float = field(default_factory=time.monotonic)
     """time.monotonic() when the chunk entered the pipeline (same host only)."""
+    epoch: int = 0
+    """Placement epoch of the stream when the chunk entered: a worker that does not know this
+    epoch yet holds the activation until the controller's placement change reaches it."""
 
     @property
     def is_context(self) -> bool:

@@ -11,6 +11,15 @@ Controllers feed a chunk by sending ``Activation(step=0, block=0, h=None)`` to
 ``placement.sink_rank`` as ``(left_s, activation)`` (left_s: time.monotonic() when it left
 the last stage). Context chunks reach the sink too (flag set, x unchanged) so that a
 controller can count what is in flight.
+
+Placement changes of a running stream (``relayout``), without a barrier: the controller picks
+the first chunk ``c*`` not yet released, bumps the stream's epoch and tells every worker
+(``relayout(stream, epoch, c*, layout)``); chunks from ``c*`` on carry the new epoch and are
+routed by the new layout, earlier ones by the old. A worker holds activations of an epoch it
+has not heard of yet. The old owner of a moved stage sends that stage's KV ring to the new
+owner right after running chunk ``c* - 1`` there (``FLAG_KV`` pieces); the new owner runs
+nothing at that stage before the ring is installed, and runs chunks at a stage strictly in
+chunk order (around a change they may arrive from two senders out of order).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from physis_ros.engine.model import WanDiT
 from physis_ros.engine.placement import Layout, Placement, blocks_share_worker, validate_layout
 from physis_ros.engine.sampler import sigmas as make_sigmas
 from physis_ros.engine.stage import KVRing, StageCaches, StageTask, run_block
-from physis_ros.engine.transport import Activation, Transport
+from physis_ros.engine.transport import FLAG_KV, Activation, Transport
 
 HISTORIES = ("noisy", "clean")
 
@@ -36,10 +45,26 @@ HISTORIES = ("noisy", "clean")
 @dataclass
 class _StreamState:
     layout: Layout
+    """Layout of the latest epoch."""
     history: str
+    cond_seed: int = 0
     rings: dict[tuple[int, int], KVRing] = field(default_factory=dict)
     cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     last_chunk: dict[tuple[int, int], int] = field(default_factory=dict)
+    epoch: int = 0
+    epochs: list[tuple[int, Layout]] = field(default_factory=list)
+    """(first chunk, layout) of every epoch, ascending."""
+    held: list[Activation] = field(default_factory=list)
+    """Activations of a later epoch than this worker knows."""
+    pieces: dict[tuple[int, int], dict[int, torch.Tensor]] = field(default_factory=dict)
+    ship: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(k, l, after_chunk, dst): send the stage's ring to dst once after_chunk has run here."""
+
+    def layout_for(self, chunk: int) -> Layout:
+        for first, layout in reversed(self.epochs):
+            if chunk >= first:
+                return layout
+        return self.epochs[0][1]
 
 
 @dataclass
@@ -49,6 +74,11 @@ class WorkerStats:
     mixed_batches: int = 0
     """Batched forwards whose tasks came from more than one stream (cross-stream batching)."""
     busy_s: float = 0.0
+    rings_sent: int = 0
+    """KV rings sent to a stage's new owner after placement changes."""
+    rings_installed: int = 0
+    held: int = 0
+    """Activations held because their placement epoch had not reached this worker yet."""
     drops: collections.Counter = field(default_factory=collections.Counter)
     """reason -> activations dropped."""
     block_times: list[tuple[int, int, int, float]] | None = None
@@ -95,6 +125,8 @@ class Worker:
         self._streams: dict[int, _StreamState] = {}
         self._queues: dict[tuple[int, int, int], collections.deque[Activation]] = {}
         self._nonempty: set[tuple[int, int, int]] = set()
+        self._stalled = False
+        """Queued tasks exist but none can run (waiting for a KV ring or an earlier chunk)."""
         self._control: queue.SimpleQueue = queue.SimpleQueue()
 
     # ---- streams (thread-safe: applied by the worker's own loop) ---------------------------
@@ -123,6 +155,19 @@ class Worker:
         """Free the stream's rings; its activations still in flight are dropped and counted."""
         self._control.put(("close", stream_id))
 
+    def relayout(self, stream_id: int, *, epoch: int, first_chunk: int, layout: Layout) -> None:
+        """From chunk ``first_chunk`` on, the stream's stages run where ``layout`` says (see
+        the module docstring). Every worker gets the same call; the model must already hold
+        the blocks of the stages it gains. Noisy history only."""
+        validate_layout(layout, self.steps, self.blocks, self.placement.num_workers)
+        if first_chunk < 0 or epoch < 1:
+            raise ValueError(f"need first_chunk >= 0 and epoch >= 1, got {first_chunk}, {epoch}")
+        gained = {blk for row in layout for blk, r in enumerate(row) if r == self.rank}
+        missing = gained - self.model.block_ids
+        if missing:
+            raise ValueError(f"rank {self.rank} lacks blocks {sorted(missing)} of the new layout")
+        self._control.put(("relayout", stream_id, epoch, first_chunk, layout))
+
     def _apply_control(self) -> None:
         while True:
             try:
@@ -135,10 +180,102 @@ class Worker:
                     self.stats.drops["stream closed"] += len(self._queues.pop(key))
                     self._nonempty.discard(key)
                 continue
+            if cmd[0] == "relayout":
+                self._apply_relayout(*cmd[1:])
+                continue
             _, sid, layout, cond_seed, history = cmd
             if sid in self._streams:
                 raise ValueError(f"stream {sid} is already open on rank {self.rank}")
             self._streams[sid] = self._allocate(layout, cond_seed, history)
+
+    def _apply_relayout(self, sid: int, epoch: int, first_chunk: int, layout: Layout) -> None:
+        st = self._streams.get(sid)
+        if st is None:
+            self.stats.drops["relayout of an unknown or closed stream"] += 1
+            return
+        if st.history != "noisy":
+            raise ValueError(f"stream {sid}: placement changes need noisy history")
+        if epoch != st.epoch + 1 or first_chunk < st.epochs[-1][0]:
+            raise ValueError(
+                f"stream {sid}: relayout epoch {epoch} from chunk {first_chunk} does not follow "
+                f"epoch {st.epoch} from chunk {st.epochs[-1][0]}"
+            )
+        old = st.layout
+        st.epochs.append((first_chunk, layout))
+        st.layout, st.epoch = layout, epoch
+        # A stage runs here while this worker holds its ring (st.rings); a gained stage's
+        # ring arrives from the old owner, a lost one leaves after chunk first_chunk - 1.
+        for k in range(self.steps):
+            for blk in range(self.blocks):
+                was, now = old[k][blk] == self.rank, layout[k][blk] == self.rank
+                if was and not now:
+                    st.ship.append((k, blk, first_chunk - 1, layout[k][blk]))
+                elif now and not was and blk not in st.cross:
+                    ctx = M.embed_cond(self.model, M.make_cond(self.cfg, st.cond_seed))
+                    st.cross[blk] = M.cross_kv(self.model, blk, ctx)
+        self._ship_ready(sid, st)
+        held, st.held = st.held, []
+        for msg in held:
+            self._accept(msg)
+
+    def _ship_ready(self, sid: int, st: _StreamState) -> None:
+        """Send every ring whose stage has run the last chunk it runs here."""
+        keep = []
+        for k, blk, after, dst in st.ship:
+            held_here = (k, blk) in st.rings and not any(o[:2] == (k, blk) for o in keep)
+            if not held_here or st.last_chunk.get((k, blk), -1) < after:
+                keep.append((k, blk, after, dst))
+                continue
+            self._send_ring(sid, st, (k, blk), dst)
+        st.ship = keep
+
+    def _send_ring(self, sid: int, st: _StreamState, stage: tuple[int, int], dst: int) -> None:
+        k, blk = stage
+        ring = st.rings.pop(stage)
+        # One [N, D]-shaped piece per slot of K, then of V: what a transport already carries.
+        n, dim = self.cfg.tokens_per_chunk, self.cfg.dim
+        x = torch.zeros(M.chunk_numel(self.cfg), device=self.device)
+        pieces = [ring.k[:, i * n : (i + 1) * n] for i in range(ring.slots)]
+        pieces += [ring.v[:, i * n : (i + 1) * n] for i in range(ring.slots)]
+        last = st.last_chunk.get((k, blk), -1)  # noisy history keeps every chunk: count = last+1
+        for i, piece in enumerate(pieces):
+            msg = Activation(sid, last, k, blk, FLAG_KV | (i << 8), x, piece.reshape(n, dim))
+            msg.epoch = st.epoch
+            self.transport.send(dst, msg)
+        self.stats.rings_sent += 1
+
+    def _install_piece(self, st: _StreamState, msg: Activation) -> None:
+        key = (msg.step, msg.block)
+        if key in st.rings:
+            self.stats.drops["KV ring piece for a stage whose ring is here"] += 1
+            return
+        got = st.pieces.setdefault(key, {})
+        got[msg.flags >> 8] = msg.h.to(self.device, self.dtype)
+        slots = self.sampler.window + 1
+        if len(got) < 2 * slots:
+            return
+        cfg = self.cfg
+        ring = KVRing(
+            self.sampler.window,
+            cfg.num_heads,
+            cfg.tokens_per_chunk,
+            cfg.head_dim,
+            self.device,
+            self.dtype,
+        )
+        n = cfg.tokens_per_chunk
+        shape = (cfg.num_heads, n, cfg.head_dim)
+        for i in range(slots):
+            ring.k[:, i * n : (i + 1) * n] = got[i].reshape(shape)
+            ring.v[:, i * n : (i + 1) * n] = got[slots + i].reshape(shape)
+        ring.count = msg.chunk + 1
+        del st.pieces[key]
+        st.rings[key] = ring
+        st.last_chunk[key] = msg.chunk
+        self.stats.rings_installed += 1
+        self._stalled = False
+        if st.ship:  # it may move on at once (two changes before a chunk ran here)
+            self._ship_ready(msg.stream_id, st)
 
     @torch.inference_mode()
     def _allocate(self, layout: Layout, cond_seed: int, history: str) -> _StreamState:
@@ -153,6 +290,8 @@ class Worker:
         missing = {blk for _, blk in mine} - self.model.block_ids
         if missing:
             raise ValueError(f"rank {self.rank} hosts blocks {sorted(missing)} its model lacks")
+        st.cond_seed = cond_seed
+        st.epochs.append((0, layout))
         ctx = M.embed_cond(self.model, M.make_cond(cfg, cond_seed)) if mine else None
         for k, blk in mine:
             key = (0, blk) if history == "clean" else (k, blk)
@@ -183,13 +322,17 @@ class Worker:
 
     def run_once(self, timeout_s: float = 0.0) -> int:
         """Receive, then run at most one batch. Returns the number of tasks run."""
-        msgs = self.transport.recv(0.0 if self._nonempty else timeout_s)
+        busy = self._nonempty and not self._stalled
+        msgs = self.transport.recv(0.0 if busy else timeout_s)
         self._apply_control()
         for msg in msgs:
             self._accept(msg)
         if not self._nonempty:
             return 0
         keys = self._pick()
+        self._stalled = not keys
+        if not keys:
+            return 0
         t0 = time.perf_counter()
         self._run(keys)
         self.stats.busy_s += time.perf_counter() - t0
@@ -212,7 +355,14 @@ class Worker:
         if not (0 <= msg.step < self.steps and 0 <= msg.block < self.blocks):
             self.stats.drops["stage out of range"] += 1
             return
-        if st.layout[msg.step][msg.block] != self.rank:
+        if msg.epoch > st.epoch:  # its placement change has not reached this worker yet
+            st.held.append(msg)
+            self.stats.held += 1
+            return
+        if msg.flags & FLAG_KV:
+            self._install_piece(st, msg)
+            return
+        if st.layout_for(msg.chunk)[msg.step][msg.block] != self.rank:
             self.stats.drops["stage placed on another rank"] += 1
             return
         if msg.x.device != self.device:
@@ -226,8 +376,24 @@ class Worker:
         q = self._queues.get(key)
         if q is None:
             q = self._queues[key] = collections.deque()
-        q.append(msg)
+        if q and msg.chunk < q[-1].chunk:  # from two senders around a placement change
+            i = len(q)
+            while i > 0 and q[i - 1].chunk > msg.chunk:
+                i -= 1
+            q.insert(i, msg)
+        else:
+            q.append(msg)
         self._nonempty.add(key)
+        self._stalled = False
+
+    def _ready(self, key: tuple[int, int, int]) -> bool:
+        """The head of the stage's FIFO can run: (noisy history) the stage's ring is here and
+        the head is the chunk after the last one it has seen."""
+        st = self._streams[key[0]]
+        if st.history == "clean":
+            return True
+        stage = (key[1], key[2])
+        return stage in st.rings and self._queues[key][0].chunk == st.last_chunk.get(stage, -1) + 1
 
     def _pick(self) -> list[tuple[int, int, int]]:
         """Ready tasks to run now: the heads of the (stream, stage) FIFOs (arrival order is
@@ -239,10 +405,13 @@ class Worker:
         def depth(key: tuple[int, int, int]) -> tuple[int, int]:
             return (key[1] * L + key[2], -key[0])
 
+        ready = [key for key in self._nonempty if self._ready(key)]
+        if not ready:
+            return []
         if not self.batching:
-            return [max(self._nonempty, key=depth)]
+            return [max(ready, key=depth)]
         groups: dict[int, list[tuple[int, int, int]]] = {}
-        for key in self._nonempty:
+        for key in ready:
             groups.setdefault(key[2], []).append(key)
         best = max(groups.values(), key=lambda g: (len(g), max(depth(k) for k in g)))
         if self.max_batch and len(best) > self.max_batch:
@@ -296,13 +465,17 @@ class Worker:
             self.stats.block_cpu_ms.append((time.thread_time() - cpu0) * 1e3)
         for i, msg in enumerate(msgs):
             self._forward(msg, h[i], None if v is None else v[i])
+        for sid in {key[0] for key in keys}:
+            st = self._streams[sid]
+            if st.ship:
+                self._ship_ready(sid, st)
 
     def _forward(self, msg: Activation, h: torch.Tensor, v: torch.Tensor | None) -> None:
         k, blk = msg.step, msg.block
         st = self._streams[msg.stream_id]
         if v is None:
             nxt = Activation(
-                msg.stream_id, msg.chunk, k, blk + 1, msg.flags, msg.x, h, msg.created_s
+                msg.stream_id, msg.chunk, k, blk + 1, msg.flags, msg.x, h, msg.created_s, msg.epoch
             )
         else:
             x = msg.x
@@ -319,8 +492,12 @@ class Worker:
                 x,
                 None,
                 msg.created_s,
+                msg.epoch,
             )
-        dst = self.placement.sink_rank if nxt.step == self.steps else st.layout[nxt.step][nxt.block]
+        if nxt.step == self.steps:
+            dst = self.placement.sink_rank
+        else:
+            dst = st.layout_for(nxt.chunk)[nxt.step][nxt.block]
         if dst == self.rank:
             if nxt.step == self.steps:
                 self.sink.put((time.monotonic(), nxt))

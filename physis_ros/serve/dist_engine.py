@@ -70,6 +70,9 @@ class _StreamInfo:
     spec: StreamSpec
     layout: Layout
     ranks: set[int]
+    """Every rank the stream has been placed on (a placement change keeps the old ones:
+    chunks released before it still pass them)."""
+    history: str = "noisy"
 
 
 def stream_failed(stream_id: int, rank: int, reason: str) -> StreamFailed:
@@ -187,6 +190,8 @@ class DistEngine:
                         break
                     if kind == "open":
                         self.host.open_stream(arg)
+                    elif kind == "relayout":
+                        self.host.relayout(arg)
                     elif kind == "close":
                         self.host.close_stream(arg)
                     elif kind == "measure":
@@ -295,7 +300,9 @@ class DistEngine:
             self.controller.open_stream(
                 sid, seed=spec.seed, mode=mode, entry_rank=layout[0][0], max_in_flight=max_in_flight
             )
-            self._streams[sid] = _StreamInfo(spec=spec, layout=layout, ranks=ranks)
+            self._streams[sid] = _StreamInfo(
+                spec=spec, layout=layout, ranks=ranks, history=body["history"]
+            )
         return self._promise(sid, layout)
 
     def _promise(self, sid: int, layout: Layout) -> StreamPromise:
@@ -563,6 +570,42 @@ class DistEngine:
             with self._lock:
                 self.rank_blocks[0] = set(blocks0)
 
+    def relayout(self, stream_id: int, layout: Layout) -> int:
+        """Move a running stream to ``layout`` from its next released chunk on; returns that
+        chunk. No barrier: ranks learn of the change by a control message each and hold
+        chunks of the new epoch until theirs arrives; each moved stage's KV ring goes from
+        its old owner to its new one after the last chunk of the old epoch ran there
+        (engine/worker.py). Ranks first load any blocks ``layout`` needs (``load_blocks``).
+        Noisy history only."""
+        K, L = self.cfg.steps, self.model_cfg.num_blocks
+        validate_layout(layout, K, L, self.world_size)
+        with self._lock:
+            self._check_stream(stream_id)
+            if self._streams[stream_id].history != "noisy":
+                raise ValueError("placement changes need noisy history (not sequential-clean)")
+            dead = sorted({r for row in layout for r in row} & set(self.failed_ranks))
+            if dead:
+                raise ValueError(f"ranks {dead} have failed: {self.failed_ranks[dead[0]]}")
+        self.load_blocks(layout)
+        with self._lock:
+            self._check_stream(stream_id)
+            info = self._streams[stream_id]
+            epoch, first = self.controller.relayout(stream_id, entry_rank=layout[0][0])
+            body = {
+                "stream_id": stream_id,
+                "epoch": epoch,
+                "first_chunk": first,
+                "layout": [list(row) for row in layout],
+            }
+            for r in range(1, self.world_size):
+                if r not in self.failed_ranks and r not in self._byes:
+                    self.transport.send_control(r, "relayout", body)
+            self._host_control.put(("relayout", body))
+            info.ranks |= {r for row in layout for r in row}
+            info.layout = layout
+            self.controller.pump()
+        return first
+
     def failed_streams(self) -> dict[int, str]:
         with self._lock:
             return {sid: str(err) for sid, err in self._failed_streams.items()}
@@ -614,6 +657,8 @@ class DistEngine:
             "batches": ws.batches,
             "mixed_batches": ws.mixed_batches,
             "busy_s": ws.busy_s,
+            "rings_sent": ws.rings_sent,
+            "rings_installed": ws.rings_installed,
             "transport": dict(self.transport.counters),
         }
         self.transport.close(flush_timeout_s=1.0)

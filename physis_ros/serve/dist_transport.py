@@ -54,8 +54,9 @@ from physis_ros.engine.transport import Activation
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
-"""2: gloo carries header ++ payload as one message (1: header and payload apart)."""
+PROTOCOL_VERSION = 3
+"""3: header slot 15 carries the placement epoch; 2: gloo carries header ++ payload as one
+message (1: header and payload apart)."""
 TAG_HEADER = 0
 TAG_PAYLOAD = 1
 HEADER_LEN = 16
@@ -67,6 +68,7 @@ KIND_HEARTBEAT = 3
 # header slots
 _H_VERSION, _H_KIND, _H_STREAM, _H_CHUNK, _H_STEP, _H_BLOCK, _H_FLAGS, _H_HAS_H = range(8)
 _H_X_NUMEL, _H_H_ROWS, _H_H_COLS, _H_PAYLOAD_BYTES, _H_CREATED, _H_SEQ, _H_DTYPE = range(8, 15)
+_H_EPOCH = 15
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -298,6 +300,7 @@ class TorchDistTransport:
             values[_H_H_COLS] = self.shapes.h_dim
             values[_H_CREATED] = _float_bits(msg.created_s)
             values[_H_DTYPE] = _DTYPE_CODES[self.shapes.h_dtype]
+            values[_H_EPOCH] = msg.epoch
         return torch.tensor(values, dtype=torch.int64, device=self.wire_device)
 
     def _enqueue(self, dst: int, header: torch.Tensor, payload: list[torch.Tensor]) -> None:
@@ -462,6 +465,7 @@ class TorchDistTransport:
             x=x.to(self.device, non_blocking=True),
             h=hidden.to(self.device, non_blocking=True) if h[_H_HAS_H] else None,
             created_s=_bits_float(h[_H_CREATED]),
+            epoch=h[_H_EPOCH],
         )
         self._deliver(msg)
         # Buffers for the next message, allocated while we wait for its header.

@@ -9,7 +9,8 @@ it places streams and sends control messages; the other ranks run ``run_worker_r
 Control messages (JSON on the p2p channel, kind -> body):
   rank 0 -> worker: ``open`` {stream_id, seed, cond_seed, layout}, ``close`` {stream_id},
                     ``measure`` {repeats} (time each held block), ``load`` {blocks} (build or
-                    load the weights of more blocks), ``shutdown`` {}
+                    load the weights of more blocks), ``relayout`` {stream_id, epoch,
+                    first_chunk, layout} (see engine/worker.py), ``shutdown`` {}
   worker -> rank 0: ``ready`` {rank, blocks}, ``costs`` {rank, block_ms}, ``loaded`` {rank,
                     blocks}, ``error`` {rank, error}, ``bye`` {rank, reason}
 No barrier on the data path: an activation that reaches a worker before its stream's
@@ -307,6 +308,18 @@ class StageHost:
         self.closed_streams.discard(stream_id)
         self.open_streams.add(stream_id)
 
+    def relayout(self, body: dict) -> None:
+        stream_id = int(body["stream_id"])
+        if stream_id not in self.open_streams:
+            return  # closed meanwhile (close and relayout crossed)
+        layout: Layout = tuple(tuple(int(r) for r in row) for row in body["layout"])
+        self.worker.relayout(
+            stream_id,
+            epoch=int(body["epoch"]),
+            first_chunk=int(body["first_chunk"]),
+            layout=layout,
+        )
+
     def close_stream(self, stream_id: int) -> None:
         if stream_id in self.open_streams:
             self.worker.close_stream(stream_id)
@@ -407,6 +420,8 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
                     host.open_stream(ctl.body)
                 elif ctl.kind == "close":
                     host.close_stream(int(ctl.body["stream_id"]))
+                elif ctl.kind == "relayout":
+                    host.relayout(ctl.body)
                 elif ctl.kind == "measure":
                     block_ms = host.measure_block_ms(int(ctl.body.get("repeats", 5)))
                     transport.send_control(
@@ -445,6 +460,8 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
             batches=ws.batches,
             mixed_batches=ws.mixed_batches,
             busy_s=ws.busy_s,
+            rings_sent=ws.rings_sent,
+            rings_installed=ws.rings_installed,
             drops={**dict(ws.drops), **host.dropped},
         )
     transport.send_control(0, "bye", {"rank": ctx.rank, "reason": stop.reason, "stats": stats})

@@ -158,6 +158,54 @@ def test_placement_computed_from_costs_loads_missing_blocks_and_equals_oracle():
     assert _check_oracle(cfg, plans, specs, got) <= TOL
 
 
+# (world size, default placement, layouts stream 0 moves through while running)
+RELAYOUTS = {
+    "2 ranks: even -> uneven -> back": (2, "even", [((0, 1), (1, 1), (1, 1), (1, 1)), None]),
+    "4 ranks: even -> reversed -> interleaved": (
+        4,
+        "even",
+        [
+            ((3, 3), (2, 2), (1, 1), (0, 0)),
+            tuple(tuple((k + blk) % 4 for blk in range(2)) for k in range(4)),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(RELAYOUTS))
+def test_running_stream_moves_to_new_layouts_and_equals_oracle(case):
+    world, placement, moves = RELAYOUTS[case]
+    cfg = _cfg(placement=placement)
+    specs, plans, got = {}, {}, {}
+    with DistEngine.launch_local(cfg, world) as engine:
+        default = engine.default_layout
+        for i in range(2):
+            spec = StreamSpec(seed=31 + i, cond_seed=400 + i)
+            sid = engine.open_stream(spec, max_in_flight=3).stream_id
+            specs[sid], plans[sid], got[sid] = spec, _plan(i, 12, context_at=(0, 6)), {}
+            for kind, val in plans[sid]:
+                if kind == "context":
+                    engine.submit_context_x(sid, val)
+                else:
+                    engine.submit_generate(sid)
+        firsts, deadline = [], time.monotonic() + 90
+        while sum(map(len, got.values())) < 20:
+            assert time.monotonic() < deadline, got
+            for res in engine.poll_results(0.1):
+                got[res.stream_id][res.chunk] = res.x.cpu()
+            done = len(got[0])
+            if moves and done >= 2 * (len(firsts) + 1):
+                layout = moves.pop(0)
+                firsts.append(engine.relayout(0, default if layout is None else layout))
+        stats = engine.stats()
+    _assert_clean_exit(engine)
+    assert 0 < firsts[0] <= firsts[-1] < 12 and not moves  # moved twice, mid-stream
+    moved = sum(s.get("rings_sent", 0) for s in engine.rank_stats.values())
+    assert moved > 0, engine.rank_stats
+    assert not stats["worker_drops"]
+    assert _check_oracle(cfg, plans, specs, got) <= TOL
+
+
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dead", "hung"])
 def test_failed_rank_fails_its_streams_within_timeout_and_others_finish(fault):
     cfg = _cfg(placement="even")
