@@ -32,7 +32,11 @@ Receiving, and why it looks like this:
   - gloo with CUDA tensors (several ranks sharing one GPU, where NCCL refuses): payloads are
     staged through CPU.
 Sending: one thread per destination does isend + wait in order, so ``send`` never waits for
-the receiver and a hung receiver delays only traffic to itself.
+the receiver and a hung receiver delays only traffic to itself. With NCCL, ``send`` records a
+CUDA event on the caller's (compute) stream; the send thread makes its own comm stream wait on
+that event and issues the p2p ops there, so the ops' completion is waited for on the comm
+stream: the compute stream never waits for communication (overlap), and the data is complete
+before NCCL reads it.
 """
 
 from __future__ import annotations
@@ -304,6 +308,10 @@ class TorchDistTransport:
         return torch.tensor(values, dtype=torch.int64, device=self.wire_device)
 
     def _enqueue(self, dst: int, header: torch.Tensor, payload: list[torch.Tensor]) -> None:
+        ready = None
+        if self.wire_device.type == "cuda":  # where the caller produced header and payload
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.wire_device))
         if not 0 <= dst < self.world_size:
             raise ValueError(f"destination rank {dst} is outside 0..{self.world_size - 1}")
         if dst in self._failed:
@@ -321,29 +329,36 @@ class TorchDistTransport:
                     self._send_queues[dst] = q
                     self._send_threads[dst] = thread
                     thread.start()
-        q.put((header, payload))
+        q.put((header, payload, ready))
 
     def _send_loop(self, dst: int, q: queue.SimpleQueue) -> None:
         group = None
         if self._groups_by_direction is not None:
             group = self._groups_by_direction[0 if self.rank < dst else 1]
+        comm_stream = None
+        if self.wire_device.type == "cuda":
+            comm_stream = torch.cuda.Stream(self.wire_device)
+            torch.cuda.set_stream(comm_stream)  # this thread's current stream from now on
         while True:
             item = q.get()
             if item is None:
                 return
-            header, payload = item
+            header, payload, ready = item
             try:
                 if group is None:  # gloo: one message, header ++ payload bytes (see docstring)
                     parts = [header, *payload]
                     packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in parts])
                     works = [dist.isend(packed, dst=dst, tag=TAG_HEADER)]
                 else:
+                    if ready is not None:
+                        comm_stream.wait_event(ready)  # the compute stream is not touched
                     works = [dist.isend(header, dst=dst, group=group, tag=TAG_HEADER)]
                     works += [dist.isend(t, dst=dst, group=group, tag=TAG_PAYLOAD) for t in payload]
                 for work in works:
-                    work.wait()
-                if self.wire_device.type == "cuda":
-                    torch.cuda.current_stream(self.wire_device).synchronize()
+                    work.wait()  # NCCL: the comm stream waits; gloo: the transfer is done
+                if comm_stream is not None:
+                    # Keep this pair's sends in order and bound what is queued on the GPU.
+                    comm_stream.synchronize()
                 self.counters["sent"] += 1
             except RuntimeError as exc:  # gloo: peer closed / timed out; NCCL: comm error
                 self._failed[dst] = f"send failed: {exc}"
@@ -388,6 +403,9 @@ class TorchDistTransport:
                 return
 
     def _recv_loop_nccl(self) -> None:
+        # Receives are posted on this thread's own stream: posting one must not wait for the
+        # compute queued on the default stream (NCCL orders an op after the caller's stream).
+        torch.cuda.set_stream(torch.cuda.Stream(self.wire_device))
         up, down = self._groups_by_direction
         peers = [p for p in range(self.world_size) if p != self.rank]
         # Messages from a lower rank travel on the "up" group, from a higher one on "down".
@@ -455,6 +473,13 @@ class TorchDistTransport:
         recv_into(x, src)
         if h[_H_HAS_H]:
             recv_into(hidden, src)
+        if self.backend == "nccl":
+            # Allocated on the receive stream, read by compute on the default stream: keep
+            # the allocator from reusing them before that compute is done.
+            compute = torch.cuda.default_stream(self.wire_device)
+            x.record_stream(compute)
+            if h[_H_HAS_H]:
+                hidden.record_stream(compute)
         self.counters["received"] += 1
         msg = Activation(
             stream_id=h[_H_STREAM],
