@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from physis_ros.link.clock import ClockOffsetEstimator
+from physis_ros.link.memtune import retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.link.wire import (
@@ -31,8 +32,7 @@ from physis_ros.link.wire import (
     Observation,
     Prediction,
     WireError,
-    observation_to_proto,
-    serialize_with_payload,
+    serialize_observation,
     tensor_to_array,
 )
 
@@ -114,9 +114,14 @@ class LinkClient:
         ping_interval_s: float = 0.5,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls_server_name: str | None = None,
+        tune_allocator: bool = True,
     ) -> None:
         """``clock_ns`` is the robot clock: it must be the clock of the capture stamps
-        (e.g. the ROS node's clock) so that capture-to-receive latencies mean something."""
+        (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
+
+        ``tune_allocator``: on start, let this process reuse freed large buffers instead of
+        page-faulting each camera image's buffers in afresh (physis_ros.link.memtune;
+        process-wide, glibc only; measured ~0.5 ms saved per fresh 0.9 MB buffer here)."""
         lo, hi = reconnect_backoff_s
         if not 0 < lo <= hi:
             raise ValueError(
@@ -169,6 +174,7 @@ class LinkClient:
         if tls_server_name:
             self._channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
         self._connect_timeout_s = connect_timeout_s
+        self._tune_allocator = tune_allocator
         self._backoff_s = (lo, hi)
         self._clock_ns = clock_ns
         self._ping_interval_s = ping_interval_s
@@ -199,6 +205,8 @@ class LinkClient:
         """Connects in the background (and keeps reconnecting); never raises."""
         if self._thread is not None:
             return
+        if self._tune_allocator:
+            retain_freed_memory()
         self._thread = threading.Thread(target=self._run, name="physis-link", daemon=True)
         self._thread.start()
 
@@ -315,7 +323,7 @@ class LinkClient:
                 self._connections += 1
                 self._server_drops_now = {}
             self._set_state("connected")
-            # Requests go out pre-serialised (see wire.serialize_with_payload).
+            # Requests go out pre-serialised (see wire.serialize_observation).
             stream = channel.stream_stream(
                 STREAM_METHOD,
                 request_serializer=None,
@@ -372,8 +380,7 @@ class LinkClient:
                 continue
             obs, _enqueued_ns = item
             try:
-                msg = observation_to_proto(obs, send_stamp_ns=self._clock_ns())
-                raw = serialize_with_payload(msg, ("observation", "image", "data"))
+                raw = serialize_observation(obs, send_stamp_ns=self._clock_ns())
             except (WireError, ValueError, TypeError) as exc:
                 self._count_client_drop("bad_observation")
                 self._set_error(f"observation {obs.seq} not sent: {exc}")

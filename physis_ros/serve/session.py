@@ -34,8 +34,9 @@ from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     PROTOCOL_VERSION,
     WireError,
-    array_to_tensor,
     observation_from_proto,
+    serialize_with_payload,
+    tensor_header,
 )
 from physis_ros.serve.observations import ContextInput, context_input
 
@@ -65,6 +66,19 @@ class SessionLimits:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.unattached_timeout_s <= 0:
             raise ValueError(f"unattached_timeout_s must be > 0, got {self.unattached_timeout_s}")
+
+
+FRAMES_DATA_PATH = ("prediction", "frames", "data")
+
+
+@dataclass(frozen=True)
+class ChunkReady:
+    """A finished chunk on the outbound queue: the gRPC writer thread turns it into a
+    Prediction (so the engine thread does no per-stream serialisation)."""
+
+    out: ChunkOutput
+    conditioning: tuple[ContextInput, int] | None
+    """The observation it is conditioned on and when that was queued (server wall ns)."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +218,7 @@ class Session:
             if len(self._outbound) >= self.limits.outbound_queue:
                 # The client reads slower than we produce: drop its oldest prediction.
                 for i, old in enumerate(self._outbound):
-                    if isinstance(old, pb.ServerMessage) and old.HasField("prediction"):
+                    if isinstance(old, ChunkReady):
                         del self._outbound[i]
                         self.drops["client_slow"] += 1
                         self.last_drop_detail = (
@@ -214,8 +228,9 @@ class Session:
             self._outbound.append(item)
             self._outbound_ready.notify()
 
-    def next_outbound(self, timeout_s: float) -> pb.ServerMessage | SessionEnded | None:
-        """The next message to send (its ``sent`` / ``server_send`` stamp set now)."""
+    def next_outbound(self, timeout_s: float) -> bytes | SessionEnded | None:
+        """The next serialised ServerMessage to send (its ``sent`` / ``server_send`` stamp
+        set now), the end of the stream, or None after ``timeout_s`` with nothing to send."""
         with self._lock:
             if not self._outbound:
                 self._outbound_ready.wait(timeout_s)
@@ -224,16 +239,17 @@ class Session:
             item = self._outbound.popleft()
             if item == "stats":
                 self._stats_pending = False
-                return pb.ServerMessage(protocol_version=PROTOCOL_VERSION, stats=self._counters())
-        if isinstance(item, pb.ServerMessage):
-            now_ns = time.time_ns()
-            if item.HasField("pong"):
-                item.pong.server_send_ns = now_ns
-            elif item.HasField("prediction"):
-                item.prediction.server_times.sent_ns = now_ns
-                with self._lock:
-                    self.predictions_sent += 1
-        return item
+                msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION, stats=self._counters())
+                return msg.SerializeToString()
+            if isinstance(item, ChunkReady):
+                self.predictions_sent += 1
+        if isinstance(item, SessionEnded):
+            return item
+        now_ns = time.time_ns()
+        if isinstance(item, ChunkReady):
+            return self._serialize_prediction(item, sent_ns=now_ns)
+        item.pong.server_send_ns = now_ns
+        return item.SerializeToString()
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
         """Ends the stream: the writer sends what it has, then ends the call with ``code``."""
@@ -251,13 +267,17 @@ class Session:
             return self._counters()
 
     def _counters(self) -> pb.StreamCounters:
-        return pb.StreamCounters(
-            observations_received=self.observations_received,
-            observations_used=self.observations_used,
-            drops=dict(self.drops),
-            predictions_sent=self.predictions_sent,
-            last_drop_detail=self.last_drop_detail,
-        )
+        out = pb.StreamCounters()
+        self._fill_counters(out)
+        return out
+
+    def _fill_counters(self, out: pb.StreamCounters) -> None:
+        out.observations_received = self.observations_received
+        out.observations_used = self.observations_used
+        out.predictions_sent = self.predictions_sent
+        out.last_drop_detail = self.last_drop_detail
+        if self.drops:
+            out.drops.update(self.drops)
 
     # ---- engine thread side ------------------------------------------------------------
 
@@ -272,31 +292,41 @@ class Session:
             return 0.0
         return statistics.median(b - a for a, b in itertools.pairwise(left)) * 1000.0
 
-    def prediction(self, out: ChunkOutput) -> pb.ServerMessage:
-        cond = self.chunk_conditioning.pop(out.chunk, None)
+    def push_chunk(self, out: ChunkOutput) -> None:
+        """A finished chunk (engine thread): queued for the writer with its conditioning."""
+        self._push(ChunkReady(out, self.chunk_conditioning.pop(out.chunk, None)))
+
+    def _serialize_prediction(self, item: ChunkReady, *, sent_ns: int) -> bytes:
+        out, cond = item.out, item.conditioning
         msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
         p = msg.prediction
         p.stream_id = self.stream_id
         p.chunk_index = out.chunk
+        frames = None
         if out.frames is not None:
-            array_to_tensor(out.frames, p.frames)
+            frames = tensor_header(out.frames, p.frames)
         if out.actions is not None:
-            array_to_tensor(out.actions, p.actions)
+            p.actions.data = tensor_header(out.actions, p.actions).tobytes()
         p.observation_seq = -1
+        t = p.server_times
         if cond is not None:
             ctx, queued_ns = cond
             p.observation_seq = ctx.seq
             p.observation_stamp_ns = ctx.capture_stamp_ns
             p.observation_send_stamp_ns = ctx.send_stamp_ns
-            p.server_times.received_ns = ctx.received_ns
-            p.server_times.queued_ns = queued_ns
+            t.received_ns = ctx.received_ns
+            t.queued_ns = queued_ns
         # One wall-minus-monotonic offset for all three, so their order is kept exactly.
         wall_minus_mono_ns = time.time_ns() - time.monotonic_ns()
-        p.server_times.entered_ns = wall_minus_mono_ns + int(out.entered_s * 1e9)
-        p.server_times.left_ns = wall_minus_mono_ns + int(out.left_s * 1e9)
-        p.server_times.decoded_ns = wall_minus_mono_ns + int(out.decoded_s * 1e9)
-        p.counters.CopyFrom(self.counters())
-        return msg
+        t.entered_ns = wall_minus_mono_ns + int(out.entered_s * 1e9)
+        t.left_ns = wall_minus_mono_ns + int(out.left_s * 1e9)
+        t.decoded_ns = wall_minus_mono_ns + int(out.decoded_s * 1e9)
+        t.sent_ns = sent_ns
+        with self._lock:
+            self._fill_counters(p.counters)
+        if frames is None:
+            return msg.SerializeToString()
+        return serialize_with_payload(msg, FRAMES_DATA_PATH, frames)
 
 
 class EngineLoop:
@@ -387,7 +417,7 @@ class EngineLoop:
                 session.progress_s = time.monotonic()
                 session.chunks_out += 1
                 session.left_s.append(out.left_s)
-                session._push(session.prediction(out))
+                session.push_chunk(out)
 
     def _fail(self, exc: StreamFailed) -> None:
         """A failure the engine reported from poll: one that names its stream

@@ -24,6 +24,8 @@ from physis_ros.link.wire import (
     observation_to_proto,
     raw_image_to_rgb,
     rgb_image,
+    serialize_observation,
+    tensor_header,
     tensor_to_array,
 )
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
@@ -288,6 +290,31 @@ def test_serialize_with_payload_decodes_to_the_same_message(size):
         observation_to_proto(obs, send_stamp_ns=3), ("observation", "image", "data")
     )
     assert pb.ClientMessage.FromString(raw) == ref
+    # The payload given apart (never set in the message): the same bytes on the wire.
+    assert serialize_observation(obs, send_stamp_ns=3) == raw
+    head = pb.ServerMessage()
+    head.CopyFrom(expected)
+    head.prediction.frames.data = b""
+    raw = serialize_with_payload(head, ("prediction", "frames", "data"), memoryview(frames))
+    assert pb.ServerMessage.FromString(raw) == expected
+    with pytest.raises(ValueError, match="already set"):
+        serialize_with_payload(expected, ("prediction", "frames", "data"), b"x")
+
+
+def test_tensor_header_is_the_array_without_a_copy():
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    msg = pb.Tensor()
+    buf = tensor_header(arr, msg)
+    assert (msg.dtype, tuple(msg.shape)) == ("float32", (3, 4))
+    assert np.shares_memory(np.frombuffer(buf, np.uint8), arr)
+    msg.data = buf.tobytes()
+    np.testing.assert_array_equal(tensor_to_array(msg, name="t"), arr)
+    big = np.arange(6, dtype=">i4")  # big-endian: converted, values kept
+    msg = pb.Tensor()
+    msg.data = tensor_header(big, msg).tobytes()
+    np.testing.assert_array_equal(tensor_to_array(msg, name="t"), big)
+    with pytest.raises(WireError, match="bad_tensor"):
+        tensor_header(np.zeros(2, np.complex64), pb.Tensor())
 
 
 def test_stuck_engine_ends_the_stream_and_the_client_reconnects():
@@ -362,3 +389,16 @@ def test_a_failed_stream_ends_alone_an_engine_failure_ends_all():
             c.close()
         handle.stop()
         loop.stop()
+
+
+def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
+    import platform
+
+    from physis_ros.link.memtune import retain_freed_memory
+
+    with pytest.raises(ValueError, match="mmap_threshold_bytes"):
+        retain_freed_memory(mmap_threshold_bytes=64 * 1024 * 1024)
+    with pytest.raises(ValueError, match="trim_threshold_bytes"):
+        retain_freed_memory(trim_threshold_bytes=1024, mmap_threshold_bytes=4096)
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert retain_freed_memory() is glibc
