@@ -88,8 +88,12 @@ def test_server_killed_and_restarted_client_reconnects(tmp_path):
 
 
 def test_robot_killed_mid_stream_frees_its_slots(tmp_path):
+    """The engine (not the front end) holds one stream's KV slots: while the robot streams a
+    second stream is refused by the engine's admission; after the robot is killed its slots
+    are freed in the engine and a new stream is admitted."""
     cfg = yaml.safe_load((REPO_ROOT / "config" / "serve.yaml").read_text())
-    cfg["frontend"]["max_streams"] = 1
+    cfg["frontend"]["max_streams"] = 4
+    cfg["engine"]["max_streams"] = 1
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(cfg))
     with running_server(tmp_path, "--config", str(tmp_path / "serve.yaml")) as server:
         ready = tmp_path / "robot.ready"
@@ -102,25 +106,23 @@ def test_robot_killed_mid_stream_frees_its_slots(tmp_path):
             wait_for(ready.exists, 60, what="the robot child streaming")
             info = server_info(server.target)
             assert info.open_streams == 1 and info.streams[0].attached
-            if "open_streams" in info.engine:
-                assert info.engine["open_streams"] == "1"
+            assert info.engine["open_streams"] == "1"
             with grpc.insecure_channel(server.target) as channel:
                 with pytest.raises(grpc.RpcError) as err:
                     open_stream(channel, client_name="second")
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "the engine takes 1" in err.value.details()  # refused by the engine
             robot.kill()
             robot.wait(10)
             freed = wait_for(
-                lambda: (i := server_info(server.target)).open_streams == 0 and i,
+                lambda: (
+                    (i := server_info(server.target)).open_streams == 0
+                    and i.engine["open_streams"] == "0"
+                    and i
+                ),
                 10,
-                what="the killed robot's stream freed",
+                what="the killed robot's stream and its engine slots freed",
             )
-            if "open_streams" in freed.engine:
-                wait_for(
-                    lambda: server_info(server.target).engine["open_streams"] == "0",
-                    10,
-                    what="engine slots freed",
-                )
             assert freed.streams_closed >= 1
             with grpc.insecure_channel(server.target) as channel:
                 promise = open_stream(channel, client_name="after-kill")

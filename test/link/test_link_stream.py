@@ -113,6 +113,9 @@ def test_stream_end_to_end(server):
         assert mine.achieved_interval_ms > 0
         assert mine.counters.observations_used >= 1
         assert info.model == promise.model and info.steps == promise.steps
+        assert info.blocks == promise.blocks
+        assert info.placement, "server info names no placement"
+        assert info.engine["open_streams"] == str(info.open_streams)
     finally:
         client.close()
     assert client.stats().state == "disconnected"
