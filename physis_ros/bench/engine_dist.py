@@ -7,7 +7,11 @@ the in-process bench (``physis_ros.bench.engine._plans``) run twice in this run:
 Reported on top of the in-process keys: ``ranks``, ``backend``, ``comm_ms`` (median of one
 activation hop rank 0 -> rank 1, half a measured round trip of x and h through both
 transports), ``interval_1_rank_ms`` and ``speedup_vs_1_rank``; the outputs of both runs are
-compared with the offline oracle (``oracle_max_abs_diff``).
+compared with the offline oracle (``oracle_max_abs_diff``). Per rank, over the measured window:
+``rank_cpu_share`` (processor seconds the rank's process got per wall second: about 1.0 each
+on an otherwise idle machine with one thread per rank; less means other jobs took processor
+time and the speedup says little) and ``rank_busy_frac`` (share of the window the rank's
+worker spent in block forwards); ``cpu_share_1_rank`` for the baseline.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
             spec = StreamSpec(seed=args.seed + s, cond_seed=100 + s)
             sids[s] = engine.open_stream(spec, max_in_flight=in_flight).stream_id
         expected = 0
+        usage0 = engine.rank_usage()
         t0 = time.monotonic()
         for s, plan in plans.items():
             for kind, val in plan:
@@ -93,6 +98,7 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
                     expected += 1
         results = _collect(engine, expected, 600.0)
         wall_s = time.monotonic() - t0
+        usage1 = engine.rank_usage()
         entered = {s: dict(engine.controller.streams[sids[s]].context_entered_s) for s in plans}
         block_after = _block_ms(engine, args.window, 20)
         backend = engine.ctx.backend
@@ -129,6 +135,12 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
         "wall_s": wall_s,
         "drops_rank0": drops,
         "mean_batch_rank0": tasks / max(batches, 1),
+        "rank_cpu_share": [
+            round((usage1[r]["cpu_s"] - usage0[r]["cpu_s"]) / wall_s, 3) for r in sorted(usage1)
+        ],
+        "rank_busy_frac": [
+            round((usage1[r]["busy_s"] - usage0[r]["busy_s"]) / wall_s, 3) for r in sorted(usage1)
+        ],
         "outputs": {s: {c: r.x.float().cpu() for c, r in by_stream[s].items()} for s in plans},
     }
 
@@ -195,5 +207,8 @@ def run(args: argparse.Namespace) -> dict:
     report["speedup_vs_1_rank"] = base["interval_ms"] / multi["interval_ms"]
     report["wall_s_1_rank"] = base["wall_s"]
     report["wall_s"] = multi["wall_s"]
+    report["rank_cpu_share"] = multi["rank_cpu_share"]
+    report["rank_busy_frac"] = multi["rank_busy_frac"]
+    report["cpu_share_1_rank"] = base["rank_cpu_share"][0]
     report["oracle_max_abs_diff"] = max(diffs) if diffs else None
     return report

@@ -194,6 +194,9 @@ class DistEngine:
                         self.host.relayout(arg)
                     elif kind == "close":
                         self.host.close_stream(arg)
+                    elif kind == "usage":
+                        _, reply = arg
+                        reply.put(self.host.usage())
                     elif kind == "measure":
                         repeats, reply = arg
                         reply.put(self.host.measure_block_ms(repeats))
@@ -224,7 +227,7 @@ class DistEngine:
                     self.rank_stats[ctl.src] = ctl.body.get("stats", {})
                     if not self._shutting_down:
                         self._fail_rank(ctl.src, f"left the job ({ctl.body.get('reason')})")
-                elif ctl.kind in ("costs", "loaded"):
+                elif ctl.kind in ("costs", "loaded", "usage_report"):
                     self._replies.put(ctl)
                 elif ctl.kind == "recv_stopped" and not self._shutting_down:
                     log.warning("rank 0 receive loop stopped: %s", ctl.body)
@@ -488,6 +491,11 @@ class DistEngine:
         except queue.Empty:
             raise TimeoutError(f"rank 0's worker did not answer {kind!r}") from None
         return answers
+
+    def rank_usage(self, timeout_s: float = 10.0) -> dict[int, dict]:
+        """Per rank: process CPU seconds, worker busy seconds, tasks and batches so far."""
+        answers = self._ask_ranks("usage", {}, None, timeout_s)
+        return {r: (body["rank0"] if r == 0 else body) for r, body in sorted(answers.items())}
 
     def measure_block_costs(self, repeats: int = 5) -> dict[int, dict[int, float]]:
         """Per rank, the measured ms of one forward of each block it holds (one task, full

@@ -10,9 +10,11 @@ Control messages (JSON on the p2p channel, kind -> body):
   rank 0 -> worker: ``open`` {stream_id, seed, cond_seed, layout}, ``close`` {stream_id},
                     ``measure`` {repeats} (time each held block), ``load`` {blocks} (build or
                     load the weights of more blocks), ``relayout`` {stream_id, epoch,
-                    first_chunk, layout} (see engine/worker.py), ``shutdown`` {}
+                    first_chunk, layout} (see engine/worker.py), ``usage`` {},
+                    ``shutdown`` {}
   worker -> rank 0: ``ready`` {rank, blocks}, ``costs`` {rank, block_ms}, ``loaded`` {rank,
-                    blocks}, ``error`` {rank, error}, ``bye`` {rank, reason}
+                    blocks}, ``usage_report`` {rank, cpu_s, busy_s, tasks, batches},
+                    ``error`` {rank, error}, ``bye`` {rank, reason}
 No barrier on the data path: an activation that reaches a worker before its stream's
 ``open`` (it came from another rank) waits in ``StageHost`` until the ``open`` arrives.
 
@@ -330,6 +332,18 @@ class StageHost:
     def run_once(self, timeout_s: float) -> int:
         return self.worker.run_once(timeout_s)
 
+    def usage(self) -> dict:
+        """This process's CPU seconds and the worker's busy seconds and task counts so far
+        (differences over a window show how much processor each rank got and used)."""
+        ws = self.worker.stats
+        return {
+            "rank": self.rank,
+            "cpu_s": time.process_time(),
+            "busy_s": ws.busy_s,
+            "tasks": ws.tasks,
+            "batches": ws.batches,
+        }
+
     def measure_block_ms(self, repeats: int) -> dict[int, float]:
         """Median ms of one forward of each held block (one task, a full window), on this
         rank's device: block 0 includes the embedding, block L-1 the head."""
@@ -422,6 +436,8 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
                     host.close_stream(int(ctl.body["stream_id"]))
                 elif ctl.kind == "relayout":
                     host.relayout(ctl.body)
+                elif ctl.kind == "usage":
+                    transport.send_control(0, "usage_report", host.usage())
                 elif ctl.kind == "measure":
                     block_ms = host.measure_block_ms(int(ctl.body.get("repeats", 5)))
                     transport.send_control(

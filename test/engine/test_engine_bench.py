@@ -96,3 +96,19 @@ def test_cli_usage_and_errors():
 def test_cli_imports_no_torch():
     code = "import sys, physis_ros.bench.cli; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV, cwd=REPO, timeout=60)
+
+
+def test_engine_bench_over_torch_distributed_ranks_reports_comm_and_speedup():
+    proc = _bench(
+        "engine", "--ranks", "2", "--model", "tiny", "--chunks", "8", "--skip", "2", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(proc.stdout)
+    assert (rep["ranks"], rep["backend"], rep["threads"]) == (2, "gloo", 1)
+    # both runs (1 rank and 2 ranks) equal the oracle
+    assert rep["oracle_max_abs_diff"] <= 1e-5
+    assert rep["comm_ms"] > 0 and rep["comm_p99_ms"] >= rep["comm_ms"]
+    assert rep["speedup_vs_1_rank"] == rep["interval_1_rank_ms"] / rep["interval_ms"]
+    assert len(rep["rank_cpu_share"]) == len(rep["rank_busy_frac"]) == 2
+    assert all(0 < share <= 1.5 for share in rep["rank_cpu_share"])
+    assert 0 < rep["cpu_share_1_rank"] <= 1.5
