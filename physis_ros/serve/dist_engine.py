@@ -33,14 +33,7 @@ from physis_ros.engine.api import (
     StreamSpec,
 )
 from physis_ros.engine.codec import Codec
-from physis_ros.engine.placement import (
-    Layout,
-    Placement,
-    layout_balanced,
-    slowest_rank_ms,
-    stage_costs,
-    validate_layout,
-)
+from physis_ros.engine.placement import Layout, Placement, validate_layout
 from physis_ros.engine.runtime import ChunkResult, Controller
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 from physis_ros.engine.transport import Activation
@@ -52,6 +45,7 @@ from physis_ros.serve.dist_launch import (
     spawn_ranks,
     stop_ranks,
 )
+from physis_ros.serve.dist_placement import PlacementControl
 from physis_ros.serve.dist_transport import TorchDistTransport, check_shapes_agree
 from physis_ros.serve.runtime import (
     ECHO_STREAM_ID,
@@ -82,8 +76,11 @@ def stream_failed(stream_id: int, rank: int, reason: str) -> StreamFailed:
     return err
 
 
-class DistEngine:
-    """Rank 0 of a torch.distributed job; the other ranks run ``runtime.run_worker_rank``."""
+class DistEngine(PlacementControl):
+    """Rank 0 of a torch.distributed job; the other ranks run ``runtime.run_worker_rank``.
+
+    Placement by measured cost, loading blocks and moving running streams: ``PlacementControl``
+    (dist_placement.py)."""
 
     def __init__(self, cfg: RuntimeConfig, ctx: RankContext, *, procs=None) -> None:
         if ctx.rank != 0:
@@ -115,7 +112,9 @@ class DistEngine:
         self._next_stream_id = 0
         self._block_ms: float | None = None
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        """``costs`` / ``loaded`` answers of worker ranks (routed here by the monitor)."""
+        """``costs`` / ``loaded`` / ``usage_report`` answers of worker ranks (the monitor
+        routes them here); ``_ask_lock`` lets one caller at a time wait for them."""
+        self._ask_lock = threading.Lock()
         K, L = cfg.steps, self.model_cfg.num_blocks
         self.default_layout: Layout = parse_placement(cfg.placement, K, L, self.world_size)
         """Layout of a stream opened without one (``balanced``: computed at start-up)."""
@@ -454,165 +453,6 @@ class DistEngine:
             if i >= warmup:
                 out.append((time.perf_counter() - t0) * 1e3 / 2)
         return out
-
-    # ---------------------------------------------------------------- placement by cost
-    def _ask_ranks(self, kind: str, body: dict, host_arg, timeout_s: float) -> dict[int, dict]:
-        """Send ``kind`` to every live worker rank and run it on rank 0's own host (in its
-        loop thread); wait for every answer. Only those ranks' loops pause (a control
-        message, no barrier): call it between streams or accept that pause."""
-        ranks = [
-            r
-            for r in range(1, self.world_size)
-            if r not in self.failed_ranks and r not in self._byes
-        ]
-        for r in ranks:
-            self.transport.send_control(r, kind, body)
-        mine: queue.SimpleQueue = queue.SimpleQueue()
-        self._host_control.put((kind, (host_arg, mine)))
-        answers: dict[int, dict] = {}
-        deadline = time.monotonic() + timeout_s
-        waiting = set(ranks)
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0 or waiting & set(self.failed_ranks):
-                raise TimeoutError(
-                    f"ranks {sorted(waiting)} did not answer {kind!r} in {timeout_s} s"
-                    + (f" (failed: {self.failed_ranks})" if self.failed_ranks else "")
-                )
-            try:
-                ctl = self._replies.get(timeout=min(left, 0.2))
-            except queue.Empty:
-                continue
-            if ctl.src in waiting:
-                answers[ctl.src] = ctl.body
-                waiting.discard(ctl.src)
-        try:
-            answers[0] = {"rank0": mine.get(timeout=max(0.1, deadline - time.monotonic()))}
-        except queue.Empty:
-            raise TimeoutError(f"rank 0's worker did not answer {kind!r}") from None
-        return answers
-
-    def rank_usage(self, timeout_s: float = 10.0) -> dict[int, dict]:
-        """Per rank: process CPU seconds, worker busy seconds, tasks and batches so far."""
-        answers = self._ask_ranks("usage", {}, None, timeout_s)
-        return {r: (body["rank0"] if r == 0 else body) for r, body in sorted(answers.items())}
-
-    def measure_block_costs(self, repeats: int = 5) -> dict[int, dict[int, float]]:
-        """Per rank, the measured ms of one forward of each block it holds (one task, full
-        window) on its own device."""
-        timeout_s = self.cfg.startup_timeout_s
-        answers = self._ask_ranks("measure", {"repeats": repeats}, repeats, timeout_s)
-        out = {0: answers.pop(0)["rank0"]}
-        for r, body in answers.items():
-            out[r] = {int(b): float(ms) for b, ms in body["block_ms"]}
-        return out
-
-    def balanced_layout(
-        self, block_ms: dict[int, float] | None = None, *, hop_ms: float = 0.0
-    ) -> Layout:
-        """Contiguous layout over every rank minimising the slowest rank's work per chunk for
-        per-block costs ``block_ms`` (default: measured now on the ranks, median per block
-        over the ranks that hold it). Load the blocks it needs with ``load_blocks``."""
-        K, L = self.cfg.steps, self.model_cfg.num_blocks
-        if block_ms is None:
-            per_block: dict[int, list[float]] = {}
-            for costs in self.measure_block_costs().values():
-                for blk, ms in costs.items():
-                    per_block.setdefault(blk, []).append(ms)
-            missing = sorted(set(range(L)) - set(per_block))
-            if missing:
-                raise RuntimeError(f"no rank holds blocks {missing} to measure")
-            block_ms = {blk: float(np.median(v)) for blk, v in per_block.items()}
-            self.measured_block_ms = dict(block_ms)
-        stage_ms = stage_costs(K, block_ms)
-        layout = layout_balanced(K, L, self.world_size, stage_ms, hop_ms=hop_ms)
-        log.info(
-            "balanced layout %s: slowest rank %.2f ms per chunk (block ms %s)",
-            layout,
-            slowest_rank_ms(layout, stage_ms, hop_ms=hop_ms),
-            block_ms,
-        )
-        return layout
-
-    def load_blocks(self, layout: Layout) -> None:
-        """Make every rank hold the blocks of its stages under ``layout`` (ranks build or load
-        the missing ones; those ranks pause for that time)."""
-        validate_layout(layout, self.cfg.steps, self.model_cfg.num_blocks, self.world_size)
-        needed: dict[int, set[int]] = {}
-        for row in layout:
-            for blk, r in enumerate(row):
-                needed.setdefault(r, set()).add(blk)
-        short = {r: sorted(b - self.rank_blocks[r]) for r, b in needed.items()}
-        short = {r: b for r, b in short.items() if b}
-        if not short:
-            return
-        timeout_s = self.cfg.startup_timeout_s
-        for r, blocks in short.items():
-            if r in self.failed_ranks:
-                raise RuntimeError(f"rank {r} has failed: {self.failed_ranks[r]}")
-            if r == 0:
-                continue
-            self.transport.send_control(r, "load", {"blocks": blocks})
-        reply: queue.SimpleQueue = queue.SimpleQueue()
-        if 0 in short:
-            self._host_control.put(("load", (short[0], reply)))
-        deadline = time.monotonic() + timeout_s
-        waiting = set(short) - {0}
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0 or waiting & set(self.failed_ranks):
-                raise TimeoutError(f"ranks {sorted(waiting)} did not load blocks in {timeout_s} s")
-            try:
-                ctl = self._replies.get(timeout=min(left, 0.2))
-            except queue.Empty:
-                continue
-            if ctl.kind == "loaded" and ctl.src in waiting:
-                with self._lock:
-                    self.rank_blocks[ctl.src] = set(ctl.body["blocks"])
-                waiting.discard(ctl.src)
-        if 0 in short:
-            try:
-                blocks0 = reply.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError("rank 0's worker did not load its blocks") from None
-            with self._lock:
-                self.rank_blocks[0] = set(blocks0)
-
-    def relayout(self, stream_id: int, layout: Layout) -> int:
-        """Move a running stream to ``layout`` from its next released chunk on; returns that
-        chunk. No barrier: ranks learn of the change by a control message each and hold
-        chunks of the new epoch until theirs arrives; each moved stage's KV ring goes from
-        its old owner to its new one after the last chunk of the old epoch ran there
-        (engine/worker.py). Ranks first load any blocks ``layout`` needs (``load_blocks``).
-        Noisy history only."""
-        K, L = self.cfg.steps, self.model_cfg.num_blocks
-        validate_layout(layout, K, L, self.world_size)
-        with self._lock:
-            self._check_stream(stream_id)
-            if self._streams[stream_id].history != "noisy":
-                raise ValueError("placement changes need noisy history (not sequential-clean)")
-            dead = sorted({r for row in layout for r in row} & set(self.failed_ranks))
-            if dead:
-                raise ValueError(f"ranks {dead} have failed: {self.failed_ranks[dead[0]]}")
-        self.load_blocks(layout)
-        with self._lock:
-            self._check_stream(stream_id)
-            info = self._streams[stream_id]
-            epoch, first = self.controller.relayout(stream_id, entry_rank=layout[0][0])
-            body = {
-                "stream_id": stream_id,
-                "epoch": epoch,
-                "first_chunk": first,
-                "layout": [list(row) for row in layout],
-            }
-            for r in range(1, self.world_size):
-                if r not in self.failed_ranks and r not in self._byes:
-                    self.transport.send_control(r, "relayout", body)
-            self._host_control.put(("relayout", body))
-            info.ranks |= {r for row in layout for r in row}
-            info.layout = layout
-            self.controller.pump()
-        return first
 
     def failed_streams(self) -> dict[int, str]:
         with self._lock:

@@ -1,0 +1,198 @@
+"""What rank 0 does to place streams over the ranks, beyond opening them: per-block costs
+measured on the ranks, layouts balanced by those costs, ranks loading the blocks a layout needs,
+running streams moved to another layout, and per-rank processor usage.
+
+All of it travels as control messages (runtime.py lists them) answered by each rank's loop;
+``DistEngine``'s monitor thread routes the answers to ``_replies``. Nothing here is a barrier:
+only the ranks asked pause, for the time they take to answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+import numpy as np
+
+from physis_ros.engine.placement import (
+    Layout,
+    layout_balanced,
+    slowest_rank_ms,
+    stage_costs,
+    validate_layout,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PlacementControl:
+    """Mixed into ``DistEngine`` (which provides the attributes used here: cfg, model_cfg,
+    world_size, transport, controller, rank_blocks, failed_ranks, _byes, _streams, _lock,
+    _ask_lock, _replies, _host_control, _check_stream)."""
+
+    def _ask_ranks(self, kind: str, body: dict, host_arg, timeout_s: float) -> dict[int, dict]:
+        """Send ``kind`` to every live worker rank and run it on rank 0's own host (in its
+        loop thread); wait for every answer. Only those ranks' loops pause (a control
+        message, no barrier): call it between streams or accept that pause."""
+        with self._ask_lock:
+            return self._ask_ranks_locked(kind, body, host_arg, timeout_s)
+
+    def _ask_ranks_locked(self, kind: str, body: dict, host_arg, timeout_s: float):
+        ranks = [
+            r
+            for r in range(1, self.world_size)
+            if r not in self.failed_ranks and r not in self._byes
+        ]
+        for r in ranks:
+            self.transport.send_control(r, kind, body)
+        mine: queue.SimpleQueue = queue.SimpleQueue()
+        self._host_control.put((kind, (host_arg, mine)))
+        answers: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        waiting = set(ranks)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0 or waiting & set(self.failed_ranks):
+                raise TimeoutError(
+                    f"ranks {sorted(waiting)} did not answer {kind!r} in {timeout_s} s"
+                    + (f" (failed: {self.failed_ranks})" if self.failed_ranks else "")
+                )
+            try:
+                ctl = self._replies.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if ctl.src in waiting:
+                answers[ctl.src] = ctl.body
+                waiting.discard(ctl.src)
+        try:
+            answers[0] = {"rank0": mine.get(timeout=max(0.1, deadline - time.monotonic()))}
+        except queue.Empty:
+            raise TimeoutError(f"rank 0's worker did not answer {kind!r}") from None
+        return answers
+
+    def rank_usage(self, timeout_s: float = 10.0) -> dict[int, dict]:
+        """Per rank: process CPU seconds, worker busy seconds, tasks and batches so far."""
+        answers = self._ask_ranks("usage", {}, None, timeout_s)
+        return {r: (body["rank0"] if r == 0 else body) for r, body in sorted(answers.items())}
+
+    def measure_block_costs(self, repeats: int = 5) -> dict[int, dict[int, float]]:
+        """Per rank, the measured ms of one forward of each block it holds (one task, full
+        window) on its own device."""
+        timeout_s = self.cfg.startup_timeout_s
+        answers = self._ask_ranks("measure", {"repeats": repeats}, repeats, timeout_s)
+        out = {0: answers.pop(0)["rank0"]}
+        for r, body in answers.items():
+            out[r] = {int(b): float(ms) for b, ms in body["block_ms"]}
+        return out
+
+    def balanced_layout(
+        self, block_ms: dict[int, float] | None = None, *, hop_ms: float = 0.0
+    ) -> Layout:
+        """Contiguous layout over every rank minimising the slowest rank's work per chunk for
+        per-block costs ``block_ms`` (default: measured now on the ranks, median per block
+        over the ranks that hold it). Load the blocks it needs with ``load_blocks``."""
+        K, L = self.cfg.steps, self.model_cfg.num_blocks
+        if block_ms is None:
+            per_block: dict[int, list[float]] = {}
+            for costs in self.measure_block_costs().values():
+                for blk, ms in costs.items():
+                    per_block.setdefault(blk, []).append(ms)
+            missing = sorted(set(range(L)) - set(per_block))
+            if missing:
+                raise RuntimeError(f"no rank holds blocks {missing} to measure")
+            block_ms = {blk: float(np.median(v)) for blk, v in per_block.items()}
+            self.measured_block_ms = dict(block_ms)
+        stage_ms = stage_costs(K, block_ms)
+        layout = layout_balanced(K, L, self.world_size, stage_ms, hop_ms=hop_ms)
+        log.info(
+            "balanced layout %s: slowest rank %.2f ms per chunk (block ms %s)",
+            layout,
+            slowest_rank_ms(layout, stage_ms, hop_ms=hop_ms),
+            block_ms,
+        )
+        return layout
+
+    def load_blocks(self, layout: Layout) -> None:
+        """Make every rank hold the blocks of its stages under ``layout`` (ranks build or load
+        the missing ones; those ranks pause for that time)."""
+        validate_layout(layout, self.cfg.steps, self.model_cfg.num_blocks, self.world_size)
+        needed: dict[int, set[int]] = {}
+        for row in layout:
+            for blk, r in enumerate(row):
+                needed.setdefault(r, set()).add(blk)
+        short = {r: sorted(b - self.rank_blocks[r]) for r, b in needed.items()}
+        short = {r: b for r, b in short.items() if b}
+        if not short:
+            return
+        with self._ask_lock:
+            self._load_blocks_locked(short)
+
+    def _load_blocks_locked(self, short: dict[int, list[int]]) -> None:
+        timeout_s = self.cfg.startup_timeout_s
+        for r, blocks in short.items():
+            if r in self.failed_ranks:
+                raise RuntimeError(f"rank {r} has failed: {self.failed_ranks[r]}")
+            if r == 0:
+                continue
+            self.transport.send_control(r, "load", {"blocks": blocks})
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        if 0 in short:
+            self._host_control.put(("load", (short[0], reply)))
+        deadline = time.monotonic() + timeout_s
+        waiting = set(short) - {0}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0 or waiting & set(self.failed_ranks):
+                raise TimeoutError(f"ranks {sorted(waiting)} did not load blocks in {timeout_s} s")
+            try:
+                ctl = self._replies.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if ctl.kind == "loaded" and ctl.src in waiting:
+                with self._lock:
+                    self.rank_blocks[ctl.src] = set(ctl.body["blocks"])
+                waiting.discard(ctl.src)
+        if 0 in short:
+            try:
+                blocks0 = reply.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("rank 0's worker did not load its blocks") from None
+            with self._lock:
+                self.rank_blocks[0] = set(blocks0)
+
+    def relayout(self, stream_id: int, layout: Layout) -> int:
+        """Move a running stream to ``layout`` from its next released chunk on; returns that
+        chunk. No barrier: ranks learn of the change by a control message each and hold
+        chunks of the new epoch until theirs arrives; each moved stage's KV ring goes from
+        its old owner to its new one after the last chunk of the old epoch ran there
+        (engine/worker.py). Ranks first load any blocks ``layout`` needs (``load_blocks``).
+        Noisy history only."""
+        K, L = self.cfg.steps, self.model_cfg.num_blocks
+        validate_layout(layout, K, L, self.world_size)
+        with self._lock:
+            self._check_stream(stream_id)
+            if self._streams[stream_id].history != "noisy":
+                raise ValueError("placement changes need noisy history (not sequential-clean)")
+            dead = sorted({r for row in layout for r in row} & set(self.failed_ranks))
+            if dead:
+                raise ValueError(f"ranks {dead} have failed: {self.failed_ranks[dead[0]]}")
+        self.load_blocks(layout)
+        with self._lock:
+            self._check_stream(stream_id)
+            info = self._streams[stream_id]
+            epoch, first = self.controller.relayout(stream_id, entry_rank=layout[0][0])
+            body = {
+                "stream_id": stream_id,
+                "epoch": epoch,
+                "first_chunk": first,
+                "layout": [list(row) for row in layout],
+            }
+            for r in range(1, self.world_size):
+                if r not in self.failed_ranks and r not in self._byes:
+                    self.transport.send_control(r, "relayout", body)
+            self._host_control.put(("relayout", body))
+            info.ranks |= {r for row in layout for r in row}
+            info.layout = layout
+            self.controller.pump()
+        return first
