@@ -110,7 +110,9 @@ class Session:
         self._newest: ContextInput | None = None
         self._last_seq: int | None = None
         self._outbound: collections.deque[Any] = collections.deque()
-        self._outbound_ready = threading.Condition(self._lock)
+        # One token per item pushed: the writer takes a token, then an item (if one is still
+        # there). A C SimpleQueue wakes the writer in about half the time a Condition does.
+        self._outbound_tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._stats_pending = False
         self.attached = False
         self.closed = False
@@ -226,16 +228,18 @@ class Session:
                         )
                         break
             self._outbound.append(item)
-            self._outbound_ready.notify()
+        self._outbound_tokens.put(None)
 
     def next_outbound(self, timeout_s: float) -> bytes | SessionEnded | None:
         """The next serialised ServerMessage to send (its ``sent`` / ``server_send`` stamp
         set now), the end of the stream, or None after ``timeout_s`` with nothing to send."""
+        try:
+            self._outbound_tokens.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
         with self._lock:
             if not self._outbound:
-                self._outbound_ready.wait(timeout_s)
-            if not self._outbound:
-                return None
+                return None  # its item was dropped (client_slow)
             item = self._outbound.popleft()
             if item == "stats":
                 self._stats_pending = False
@@ -258,7 +262,7 @@ class Session:
                 return
             self._outbound.append(SessionEnded(code, details))
             self.closed = True
-            self._outbound_ready.notify()
+        self._outbound_tokens.put(None)
         if self.on_end is not None:
             self.on_end(details)
 

@@ -402,3 +402,34 @@ def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
         retain_freed_memory(trim_threshold_bytes=1024, mmap_threshold_bytes=4096)
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert retain_freed_memory() is glibc
+
+
+def test_prediction_queue_keeps_the_newest_when_the_caller_falls_behind():
+    engine = FakeEngine(slots=1, chunk_ms=1.0)
+    loop = EngineLoop(engine)
+    loop.start()
+    handle = start_server(
+        loop,
+        config=FrontendConfig(port=0),
+        description=ServerDescription(model="fake", steps=2, blocks=2),
+    )
+    client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5, prediction_queue_size=3)
+    client.start()
+    try:
+        wait_for(
+            lambda: client.stats().drops.get("client:prediction_queue_full", 0) >= 5,
+            10,
+            what="predictions dropped from the full queue",
+        )
+        received = client.stats().predictions_received
+        taken = []
+        while (p := client.get_prediction(0)) is not None and len(taken) < 10:
+            taken.append(p.chunk_index)
+        # The queue held at most its size, the oldest went first, the newest were kept.
+        assert 1 <= len(taken) <= 3 + 2  # a chunk or two may land while draining
+        assert taken == sorted(taken)
+        assert taken[0] >= received - 3 - 2
+    finally:
+        client.close()
+        handle.stop()
+        loop.stop()
