@@ -258,3 +258,50 @@ def test_devices_sharing_host_cores_slow_down_and_the_sink_hop_adds_latency():
     assert c.streams[0].latency_p50_ms == pytest.approx(4 * 1.0 + 4 * 0.25)
     with pytest.raises(ValueError, match="sink_device 7"):
         SimConfig(num_devices=4, sink_device=7)
+
+
+def test_message_processor_time_loads_both_ends_and_forward_scale_slows_forwards():
+    """CPU ranks: a hop costs the sender send_cpu_ms and the receiver recv_cpu_ms of work,
+    the sink pays the controller's chunk_overhead_ms, and forward_scale stretches forwards."""
+    prof = Profile(
+        device="test",
+        model="tiny",
+        steps=2,
+        window=2,
+        dtype="float32",
+        entries=(E(tasks=1, ms_p50=1.0, ms_p99=1.0),),
+        hop_ms=0.6,
+        send_cpu_ms=0.2,
+        recv_cpu_ms=0.3,
+        chunk_overhead_ms=0.4,
+    )
+    plan = _plan(0, [0, 0, 1, 1])
+    cfg = SimConfig(num_devices=2, chunks=30, warmup_chunks=10, batching=False, sink_device=0)
+    rep = simulate([SimStream(plan=plan, max_inflight=8)], ProfileCostModel(prof), cfg)
+    # device 0: 2 stages + 1 send + 1 receive (the finished chunk) + the controller's share
+    assert rep.streams[0].interval_p50_ms == pytest.approx(2.0 + 0.2 + 0.3 + 0.4)
+    slow = simulate(
+        [SimStream(plan=plan, max_inflight=8)],
+        ProfileCostModel(prof),
+        SimConfig(
+            num_devices=2,
+            chunks=30,
+            warmup_chunks=10,
+            batching=False,
+            sink_device=0,
+            forward_scale=1.5,
+        ),
+    )
+    assert slow.streams[0].interval_p50_ms == pytest.approx(1.5 * 2.0 + 0.2 + 0.3 + 0.4)
+    # one chunk in flight: its stages, both sends, the wire time left of each hop, device 1's
+    # receive, and device 0 first pays the previous chunk's arrival (receive + controller)
+    one = simulate(
+        [SimStream(plan=plan, max_inflight=1)],
+        ProfileCostModel(prof),
+        SimConfig(num_devices=2, chunks=10, warmup_chunks=2, batching=False, sink_device=0),
+    )
+    wire = 0.6 - 0.2 - 0.3
+    want = 4 * 1.0 + 2 * (0.2 + wire) + 0.3 + (0.3 + 0.4)
+    assert one.streams[0].latency_p50_ms == pytest.approx(want)
+    with pytest.raises(ValueError, match="forward_scale"):
+        SimConfig(num_devices=1, forward_scale=0.0)

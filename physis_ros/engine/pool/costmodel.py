@@ -273,6 +273,10 @@ class Profile:
     host_cores: int = 0
     """Processors the ranks of one host share (``os.sched_getaffinity``); 0: not recorded."""
     calibrated_on: str = ""
+    forward_scale_multi_rank: float = 1.0
+    """Processor time of a batched forward inside a rank of a multi-rank job over its
+    isolated time (``entries``): the transport's threads contend for the GIL at every op.
+    Measured in the two-rank calibration run; 1: not measured."""
     """Runtime the worker-loop and communication costs were measured on (``inproc``,
     ``gloo``)."""
 
@@ -290,6 +294,10 @@ class Profile:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.forward_scale_multi_rank > 0:
+            raise ValueError(
+                f"forward_scale_multi_rank must be > 0, got {self.forward_scale_multi_rank}"
+            )
         sizes = [e.tasks for e in self.entries]
         if sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"profile batch sizes must be increasing and >= 1, got {sizes}")
@@ -319,6 +327,7 @@ class Profile:
                 chunk_overhead_ms=float(data.get("chunk_overhead_ms", 0.0)),
                 host_cores=int(data.get("host_cores", 0)),
                 calibrated_on=str(data.get("calibrated_on", "")),
+                forward_scale_multi_rank=float(data.get("forward_scale_multi_rank", 1.0)),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"not a physis-profile JSON: {err!r}") from None

@@ -2,16 +2,18 @@
 
 ``calibrate_gloo`` measures, on the torch.distributed runtime itself, what the simulator needs
 beyond the per-block times: the worker loop's cost per task and per batched forward and the
-controller's cost per finished chunk (one-rank runs, with and without batching), and the
-processor time and latency of one activation hop (a two-rank ping-pong). ``realcheck`` then
+controller's cost per finished chunk (one-rank runs, with and without batching), the
+processor time of one message and how much slower forwards run inside a multi-rank job
+(processor-time accounting of a two-rank run), and a hop's latency (ping-pong). ``realcheck`` then
 runs free-running ``tiny`` streams (every chunk queued at once, stages split evenly over the
 ranks) for each (ranks, streams) case and simulates the same cases with that profile and the
 host's core count; it reports predicted, measured and relative error per case.
 
-Calibration uses one rank (and the two-rank ping-pong, which runs no model); every case with
-two or more ranks is a prediction from those numbers. ``physis-sim --experiment realcheck``
-prints the result as JSON. This module imports ``physis_ros.serve`` lazily: the rest of the
-pool package does not need torch.distributed.
+Calibration uses one rank and a two-rank layout that no checked case uses (each rank one
+block at every step). The one-rank one-stream case repeats a calibration run; every other
+case is a prediction. ``physis-sim --experiment realcheck`` prints the result as JSON.
+This module imports ``physis_ros.serve`` lazily: the rest of the pool package does not need
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -109,14 +111,17 @@ def calibrate_gloo(
        chunks * chunk_oh``; with batching (batch sizes recorded) ``sum(block(b) + batch_oh)
        + tasks * task_oh + chunks * chunk_oh``. ``chunk_oh`` is the controller thread's
        processor time per chunk, measured directly.
-    2. Two ranks, each holding one block at every step (``layout_by_block``: 8 hops per chunk
-       for the tiny model, a layout the checked cases do not use). The processor time one
-       message costs its two ranks (sender + receiver, split evenly) is the value for which
-       the simulator reproduces this run's interval (bisection; the interval grows with it).
-       In the real process it is more than the transport threads' own time: they contend for
-       the GIL with the worker's forward. ``hop_ms``: half a ping-pong round trip.
+    2. Two ranks, each holding one block at every step (``layout_by_block``: 8 messages per
+       chunk for the tiny model, a layout the checked cases do not use), one free-running
+       stream, ``repeats`` runs. Processor-time accounting on rank 0: its process time less
+       the idle rate, the controller thread, the forwards (thread time of each, recorded by
+       the worker) and the loop costs of step 1 is what its messages cost; divided by the
+       messages it sent and received, that is ``send_cpu_ms`` = ``recv_cpu_ms`` (the
+       transport's send and receive threads, gloo's own threads, the worker's send-side
+       work). ``forward_scale_multi_rank``: the forwards' thread time in that run over their
+       isolated time (``entries``): in a rank with transport threads every op's GIL release
+       is contended. ``hop_ms``: half a ping-pong round trip.
     """
-    import dataclasses
 
     from physis_ros.engine.config import get_preset
     from physis_ros.engine.placement import layout_by_block_even
@@ -165,28 +170,56 @@ def calibrate_gloo(
     by_block = layout_by_block_even(steps, L, 2)
     with DistEngine.launch_local(cfg, 2) as engine:
         hops = engine.measure_hop_ms(rounds=50, warmup=10)
-        run_free(engine, [by_block], 8)  # warm-up
-        real = min(
-            statistics.mean(intervals_ms(run_free(engine, [by_block], chunks)[0], 8))
+        worker = engine.host.worker
+        worker.record_block_times()
+        run_free(engine, [by_block], 8)  # warm-up (and the send thread to rank 1 exists)
+        t0 = time.perf_counter()
+        c0 = time.process_time()
+        time.sleep(0.5)
+        idle_rate = (time.process_time() - c0) / (time.perf_counter() - t0)
+        shares = [
+            _message_share(engine, by_block, chunks, idle_rate, costs, block)
             for _ in range(repeats)
-        )
-    base = dataclasses.replace(probe, hop_ms=statistics.median(hops), **costs)
-
-    def predicted(msg_ms: float) -> float:
-        prof = dataclasses.replace(base, send_cpu_ms=msg_ms / 2, recv_cpu_ms=msg_ms / 2)
-        return simulate_free(prof, 2, [by_block], chunks, skip=8, cores=host_cores())[0]
-
-    lo, hi = 0.0, max(real, 1e-3)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < real else (lo, mid)
-    msg_ms = (lo + hi) / 2
+        ]
+    msg_ms, fw_ms, iso_ms = min(shares, key=lambda x: x[0])
     return {
         **costs,
-        "hop_ms": max(statistics.median(hops), msg_ms),
-        "send_cpu_ms": msg_ms / 2,
-        "recv_cpu_ms": msg_ms / 2,
+        "hop_ms": statistics.median(hops),
+        "send_cpu_ms": msg_ms,
+        "recv_cpu_ms": msg_ms,
+        "forward_scale_multi_rank": fw_ms / iso_ms if iso_ms > 0 else 1.0,
     }
+
+
+def _thread_cpu_ms(thread) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident)) * 1e3
+
+
+def _message_share(  # noqa: PLR0917
+    engine, layout, chunks: int, idle_rate: float, loop: dict, block
+) -> tuple[float, float, float]:
+    """Rank 0's processor time per message (a send or a receive) in a two-rank run: its
+    process time less the forwards, the worker loop's calibrated costs, the controller thread
+    and the idle rate, over the messages it sent and received. Also the forwards' processor
+    time in the run and what the isolated profile says they cost."""
+    worker = engine.host.worker
+    transport = engine.transport
+    wthread = engine._threads[0]  # rank 0's worker loop
+    n0, sent0 = len(worker.stats.block_times), transport.counters["sent"]
+    recv0 = transport.counters["received"]
+    w0, m0 = _thread_cpu_ms(wthread), time.thread_time()
+    p0, t0 = time.process_time(), time.perf_counter()
+    run_free(engine, [layout], chunks)
+    wall_s = time.perf_counter() - t0
+    proc_ms = (time.process_time() - p0 - idle_rate * wall_s) * 1e3
+    main_ms = (time.thread_time() - m0) * 1e3  # the controller: charged per chunk
+    worker_ms = _thread_cpu_ms(wthread) - w0
+    fw_cpu = sum(worker.stats.block_cpu_ms[n0:])
+    sizes = [b for _, b, _, _ in worker.stats.block_times[n0:]]
+    messages = transport.counters["sent"] - sent0 + transport.counters["received"] - recv0
+    expected_loop = len(sizes) * loop["batch_overhead_ms"] + sum(sizes) * loop["task_overhead_ms"]
+    rest = proc_ms - main_ms - fw_cpu - min(expected_loop, worker_ms - fw_cpu)
+    return max(rest, 0.0) / max(messages, 1), fw_cpu, sum(block(b) for b in sizes)
 
 
 def profile_gloo(model: str = "tiny", steps: int = K, window: int = W, repeats: int = 20):
@@ -234,6 +267,7 @@ def simulate_free(profile, world: int, layouts: list, chunks: int, *, skip: int,
             priority="engine",
             sink_device=0,
             host_cores=cores,
+            forward_scale=profile.forward_scale_multi_rank if world > 1 else 1.0,
         ),
     )
     return [s.interval_mean_ms for s in rep.streams]
@@ -248,14 +282,18 @@ def realcheck(
     skip: int = 8,
     repeats: int = 3,
     profile=None,
+    quiet_wait_s: float = 30.0,
 ) -> dict:
-    """Calibrate (unless ``profile`` is given), then measure and predict every case."""
+    """Calibrate (unless ``profile`` is given), then measure and predict every case. Before
+    the calibration and before each case it waits up to ``quiet_wait_s`` for other jobs to
+    leave the host nearly idle (and reports how busy it was)."""
     from physis_ros.engine.config import get_preset
     from physis_ros.engine.placement import layout_even
     from physis_ros.serve.dist_engine import DistEngine
 
     t_start = time.perf_counter()
     load_before = os.getloadavg()[0]
+    busy_at_calibration = wait_for_quiet(quiet_wait_s) if profile is None else None
     profile = profile or profile_gloo(model)
     cores = profile.host_cores or host_cores()
     L = get_preset(profile.model).num_blocks
@@ -265,6 +303,7 @@ def realcheck(
             run_free(engine, [layout_even(K, L, world)], 8)  # warm-up
             for n in streams:
                 layouts = [layout_even(K, L, world)] * n
+                busy = wait_for_quiet(quiet_wait_s)
                 measured = []
                 for _ in range(repeats):
                     lefts = run_free(engine, layouts, chunks)
@@ -283,6 +322,7 @@ def realcheck(
                         "measured_runs_ms": [round(m, 3) for m in measured],
                         "predicted_interval_ms": round(pred, 3),
                         "error": round(pred / real - 1, 4),
+                        "host_busy_before": round(busy, 2),
                     }
                 )
     worst = max(abs(c["error"]) for c in cases)
@@ -292,6 +332,7 @@ def realcheck(
         "max_abs_error": worst,
         "within_15_percent": worst <= 0.15,
         "host_cores": cores,
+        "host_busy_before_calibration": busy_at_calibration,
         "loadavg_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "runtime_s": round(time.perf_counter() - t_start, 1),
         "profile": profile.to_json(),

@@ -62,6 +62,10 @@ class SimConfig:
     sink_device: int | None = None
     """Device that collects finished chunks (one more hop from the last stage's device);
     None: the exit hop is not modelled."""
+    forward_scale: float = 1.0
+    """Multiplies every batched forward's cost (``cost.group_ms``): contention inside a
+    worker process that the cost model's isolated timing does not see (CPU ranks of a
+    multi-rank job: ``Profile.forward_scale_multi_rank``)."""
     host_cores: float = 0.0
     """Processors the devices share (CPU workers on one host; may be fractional: the share of
     a loaded host that is left); 0: each device is its own processor."""
@@ -89,6 +93,8 @@ class SimConfig:
             )
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if not self.forward_scale > 0:
+            raise ValueError(f"forward_scale must be > 0, got {self.forward_scale}")
         if self.host_cores < 0:
             raise ValueError(f"host_cores must be >= 0, got {self.host_cores}")
         if self.sink_device is not None and not 0 <= self.sink_device < self.num_devices:
@@ -178,7 +184,8 @@ def simulate(
     def group_ms(si: int, tasks: int) -> float:
         k = (keys[si], tasks)
         if k not in group_cache:
-            group_cache[k] = cost.group_ms(plans[si].model, plans[si].sampler, tasks)
+            group_ms = cost.group_ms(plans[si].model, plans[si].sampler, tasks)
+            group_cache[k] = group_ms * config.forward_scale
         return group_cache[k]
 
     hop_cache: dict[tuple, float] = {}
