@@ -529,29 +529,34 @@ SOURCE_CRC32 = _source_crc32()
 
 def check_shapes_agree(shapes: ActivationShapes, device: torch.device) -> None:
     """All ranks must run the same wire code and agree on the activation shapes; one
-    all-gather at start-up, before any point-to-point message."""
-    wire = torch.tensor([PROTOCOL_VERSION, SOURCE_CRC32])
-    mine = torch.cat([wire, shapes.as_tensor()]).to(device)
+    all-gather at start-up, before any point-to-point message.
+
+    The gathered tensor keeps the five values of ranks from before this check (x_numel, N, D,
+    dtype code, K) and carries protocol version and source checksum in the upper bits of the
+    dtype code: a gather of a different size would abort gloo itself (C++ terminate), while
+    this way an older rank sees "different activation shapes" and this one names the cause.
+    """
+    mine = shapes.as_tensor()
+    mine[3] += (PROTOCOL_VERSION << 8) + (SOURCE_CRC32 << 16)
+    mine = mine.to(device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    try:
-        dist.all_gather(gathered, mine)
-    except RuntimeError as exc:  # e.g. a peer from before this handshake sent fewer values
-        raise RuntimeError(
-            f"start-up handshake failed ({exc}); do all ranks run the same physis_ros?"
-        ) from exc
+    dist.all_gather(gathered, mine)
     me = dist.get_rank()
     for rank, theirs in enumerate(gathered):
-        version, crc = theirs[:2].tolist()
+        values = theirs.tolist()
+        version, crc = (values[3] >> 8) & 0xFF, values[3] >> 16
         if version != PROTOCOL_VERSION or crc != SOURCE_CRC32:
+            what = f"wire protocol {version}" if version else "a version before wire protocol 2"
             raise RuntimeError(
-                f"rank {rank} runs wire protocol {version} (dist_transport.py crc32 {crc:#010x}), "
-                f"rank {me} runs {PROTOCOL_VERSION} (crc32 {SOURCE_CRC32:#010x}): every rank "
-                "must run the same physis_ros code (reinstall, or restart rank 0 after an update)"
+                f"rank {rank} runs {what} (dist_transport.py crc32 {crc:#010x}), rank {me} runs "
+                f"{PROTOCOL_VERSION} (crc32 {SOURCE_CRC32:#010x}): every rank must run the same "
+                "physis_ros code (reinstall, or restart rank 0 after an update)"
             )
-        if not torch.equal(theirs[2:], mine[2:]):
+        values[3] &= 0xFF
+        if values != shapes.as_tensor().tolist():
             raise RuntimeError(
-                f"rank {rank} has activation shapes {theirs[2:].tolist()}, "
-                f"rank {me} has {mine[2:].tolist()} (x_numel, N, D, dtype, K)"
+                f"rank {rank} has activation shapes {values}, rank {me} has "
+                f"{shapes.as_tensor().tolist()} (x_numel, N, D, dtype, K)"
             )
 
 
