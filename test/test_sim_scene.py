@@ -54,6 +54,27 @@ def test_scripted_policy_makes_contact_and_moves_the_box():
     assert moved > 0.1
 
 
+def test_arm_never_stands_still_in_a_reach_or_push():
+    # A waypoint out of reach (or blocked by the box against the rim) is given up after
+    # STALL_S: the camera does not show the same frame for seconds, which would teach a
+    # world model nothing and hand copy-last-frame exact (100 dB) frames.
+    still, moving_modes = 0, 0
+    for seed in range(3):
+        scene = PushScene(SceneConfig(seed=seed, image_height=32, image_width=32))
+        policy = ScriptedPolicy(seed)
+        previous = scene.render()
+        for i in range(1, 301):  # 30 s: physics at 50 Hz, camera at 10 Hz
+            scene.step(0.02, policy.joint_targets(scene, i * 0.02))
+            if i % 5 == 0:
+                frame = scene.render()
+                if policy.mode in ("reach", "push"):
+                    moving_modes += 1
+                    still += int(np.array_equal(frame, previous))
+                previous = frame
+    assert moving_modes > 100
+    assert still / moving_modes < 0.05, f"{still} of {moving_modes} frames unchanged"
+
+
 def test_bad_inputs_raise_value_error():
     scene = PushScene(SceneConfig())
     with pytest.raises(ValueError, match="joint_targets"):

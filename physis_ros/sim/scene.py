@@ -316,6 +316,9 @@ class ScriptedPolicy:
     actions are smooth and the motion they cause is learnable."""
 
     MAX_TARGET_SPEED_RAD_S = 2.0
+    STALL_S = 0.3
+    """A waypoint the arm stops short of (out of reach, or blocked by the box against the
+    rim) for this long is given up: the arm never stands still in a reach or push."""
 
     def __init__(self, seed: int) -> None:
         if not isinstance(seed, int) or seed < 0:
@@ -327,6 +330,7 @@ class ScriptedPolicy:
         self._mode_end_s = 0.0
         self._waypoints: list[np.ndarray] = []
         self._wiggle: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._stalled_s = 0.0
         self.mode_history: list[tuple[float, str]] = []
 
     @property
@@ -351,8 +355,14 @@ class ScriptedPolicy:
         self._target = self._target + step
         if self._mode in ("reach", "push") and self._waypoints:
             ee = scene.end_effector_xy()
-            if np.linalg.norm(ee - self._waypoints[0]) < 0.03 and np.allclose(step, 0, atol=1e-3):
+            settled = np.allclose(step, 0, atol=1e-3)
+            moving = float(np.abs(scene.joint_velocities()).max()) > 0.05
+            self._stalled_s = self._stalled_s + dt_s if settled and not moving else 0.0
+            if (
+                settled and np.linalg.norm(ee - self._waypoints[0]) < 0.03
+            ) or self._stalled_s > self.STALL_S:
                 self._waypoints.pop(0)
+                self._stalled_s = 0.0
         return self._target.copy()
 
     def _choose_mode(self, scene: PushScene, t_s: float) -> None:
