@@ -15,6 +15,7 @@ Reproducible: the same seed, data and step count give the same weights (one CPU 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -26,8 +27,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import build_model, forward_sequence, make_cond, to_upstream_state_dict
+from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.model import (
+    build_model,
+    forward_sequence,
+    load_upstream_state_dict,
+    make_cond,
+    to_upstream_state_dict,
+)
+from physis_ros.engine.sampler import sigmas
 from physis_ros.train.data import SequenceSampler, load_dataset
 
 
@@ -40,18 +48,38 @@ class TrainConfig:
     steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 16
-    chunks: int = 5
-    """Chunks per training sequence (context + noised)."""
+    chunks: int = 6
+    """Chunks per training sequence (context + noised): physis-eval's default window is 2
+    context chunks + 4 predicted ones."""
     max_context: int = 2
     """Each sequence starts with 1..max_context clean context chunks."""
-    window: int = 2
-    """W: previous chunks each chunk attends to; sampling must use the same W."""
+    window: int = 5
+    """W: previous chunks each chunk attends to; sampling must use the same W. With W >=
+    chunks - 1 every predicted chunk of a training sequence sees the clean context itself,
+    not only its predecessors' noisy states."""
     shift: float = 3.0
-    """Training sigmas are shift*u / (1 + (shift-1)*u), u ~ U(0, 1) — the schedule's shape."""
-    lr: float = 1e-3
+    """The schedule's shift. Training sigmas are shift*u / (1 + (shift-1)*u) with u ~ U(0, 1),
+    or u on the sampler's grid when ``sample_steps`` is set."""
+    sample_steps: int = 4
+    """0: sigmas from the continuous shifted schedule; K > 0: sigmas drawn from the K noise
+    levels that the K-step sampler (this shift) visits, sigma_0..sigma_{K-1} — all training
+    goes to the levels the served model meets; the weights' metadata then names K as the
+    steps to serve with."""
+    lr: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    action_dropout: float = 0.1
+    """Fraction of training sequences whose commanded actions are all zeroed: the model also
+    learns to predict when no commands come with the observations (all-zero actions mean
+    "unknown"; the shoulder's joint limits exclude a real all-zero command)."""
+    ema: float = 0.999
+    """Decay of the exponential moving average of the weights that is saved (0: save the
+    raw weights). Debiased over the first steps, so short runs are not pulled to the init."""
+    save_dtype: str = "float16"
+    """dtype of the saved weights (``float16``, ``bfloat16`` or ``float32``); they load into
+    a float32 model, and the validation loss at the end is measured with the rounded weights,
+    so what is reported is what ships."""
     frame_hz: float = 10.0
     """Camera rate the model learns (bags are subsampled to it)."""
     seed: int = 0
@@ -72,10 +100,14 @@ class TrainConfig:
             "max_context": 1 <= self.max_context < self.chunks,
             "window": self.window >= 1,
             "shift": self.shift > 0,
+            "sample_steps": self.sample_steps >= 0,
             "lr": self.lr > 0,
             "warmup_steps": self.warmup_steps >= 0,
             "weight_decay": self.weight_decay >= 0,
             "grad_clip": self.grad_clip > 0,
+            "action_dropout": 0 <= self.action_dropout <= 1,
+            "ema": 0 <= self.ema < 1,
+            "save_dtype": self.save_dtype in SAVE_DTYPES,
             "frame_hz": self.frame_hz > 0,
             "seed": self.seed >= 0,
             "threads": self.threads >= 1,
@@ -91,6 +123,9 @@ class TrainConfig:
             raise ValueError(
                 f"model {self.model!r} predicts actions; physis-train trains world models"
             )
+
+
+SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -120,6 +155,32 @@ def noisy_history_loss(
     v = forward_sequence(model, x_in, sig, cond, window=window)[..., :nvp]
     err = (v - (eps - video)).pow(2).mean(-1)  # [B, C]
     return (err * noised).sum() / noised.sum()
+
+
+@torch.no_grad()
+def _ema_update(avg: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    for a, p in zip(avg.parameters(), model.parameters(), strict=True):
+        a.lerp_(p.detach(), 1.0 - decay)
+
+
+@torch.no_grad()
+def _val_loss(model, val, cfg: TrainConfig) -> float:
+    model.eval()
+    vx0, vctx, vsig, veps = val
+    vcond = make_cond(model.cfg, 0).expand(len(vx0), -1, -1)
+    return noisy_history_loss(
+        model, x0=vx0, n_context=vctx, sigma=vsig, eps=veps, cond=vcond, window=cfg.window
+    ).item()
+
+
+def _train_sigmas(cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
+    """[batch_size] noise levels, one per sequence (shared by its noised chunks)."""
+    if not cfg.sample_steps:
+        return shifted(torch.rand(cfg.batch_size, generator=gen), cfg.shift)
+    levels = torch.tensor(
+        sigmas(SamplerConfig(steps=cfg.sample_steps, shift=cfg.shift))[:-1], dtype=torch.float32
+    )
+    return levels[torch.randint(0, cfg.sample_steps, (cfg.batch_size,), generator=gen)]
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
@@ -167,6 +228,8 @@ def train(
         val_sampler = SequenceSampler(val_data, mcfg, chunks=cfg.chunks, seed=cfg.seed + 1)
     val = _val_batch(val_sampler, cfg, 32) if val_sampler else None
     model = build_model(mcfg, seed=cfg.seed).train()
+    # the weights that are validated and saved: an EMA of the trained ones (or those)
+    shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
     )
@@ -179,8 +242,11 @@ def train(
     for step in bar:
         x0 = sampler.batch(cfg.batch_size)
         n_ctx = torch.randint(1, cfg.max_context + 1, (cfg.batch_size,), generator=noise_gen)
-        sigma = shifted(torch.rand(cfg.batch_size, generator=noise_gen), cfg.shift)
+        sigma = _train_sigmas(cfg, noise_gen)
         eps = torch.randn(cfg.batch_size, cfg.chunks, nvp, generator=noise_gen)
+        if cfg.action_dropout and mcfg.action_mode == "condition":
+            drop = torch.rand(cfg.batch_size, generator=noise_gen) < cfg.action_dropout
+            x0[drop, :, nvp:] = 0.0
         cond = make_cond(mcfg, 0).expand(cfg.batch_size, -1, -1)
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
@@ -193,21 +259,11 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        if cfg.ema:
+            _ema_update(shipped, model, min(cfg.ema, (1 + step) / (10 + step)))
         log["train_loss"].append(round(loss.item(), 6))
         if val is not None and (step % cfg.val_every == 0 or step == cfg.steps - 1):
-            model.eval()
-            with torch.no_grad():
-                vx0, vctx, vsig, veps = val
-                vcond = make_cond(mcfg, 0).expand(len(vx0), -1, -1)
-                vloss = noisy_history_loss(
-                    model,
-                    x0=vx0,
-                    n_context=vctx,
-                    sigma=vsig,
-                    eps=veps,
-                    cond=vcond,
-                    window=cfg.window,
-                ).item()
+            vloss = _val_loss(shipped, val, cfg)
             model.train()
             log["val_loss"].append([step, round(vloss, 6)])
             bar.set_postfix(loss=f"{loss.item():.4f}", val=f"{vloss:.4f}")
@@ -220,12 +276,20 @@ def train(
     model.eval()
     wall_s = time.perf_counter() - t0
     steps_done = len(log["train_loss"])
+    # what ships is the rounded weights: measure the validation loss on exactly those
+    state = {
+        k: v.to(SAVE_DTYPES[cfg.save_dtype]) for k, v in to_upstream_state_dict(shipped).items()
+    }
+    load_upstream_state_dict(shipped, state)
+    final_val = _val_loss(shipped, val, cfg) if val is not None else None
     meta = {
         "format": "physis_ros world model",
         "model": cfg.model,
         "window": str(cfg.window),
         "frame_hz": str(cfg.frame_hz),
         "image_size": f"{mcfg.image_size[0]}x{mcfg.image_size[1]}",
+        "frames_per_chunk": str(mcfg.frames_per_chunk),
+        **({"steps": str(cfg.sample_steps)} if cfg.sample_steps else {}),
         "action_names": "shoulder,elbow",
         "cond_seed": "0",
         "train_config": json.dumps(asdict(cfg)),
@@ -237,7 +301,7 @@ def train(
     }
     from safetensors.torch import save_file
 
-    save_file(to_upstream_state_dict(model), str(out / "weights.safetensors"), metadata=meta)
+    save_file(state, str(out / "weights.safetensors"), metadata=meta)
     log.update(
         steps_done=steps_done,
         stopped_early=stopped_early,
@@ -247,7 +311,7 @@ def train(
         skipped_bags=data.skipped,
         platform=platform.platform(),
         final_train_loss_mean_last50=float(np.mean(log["train_loss"][-50:])),
-        final_val_loss=log["val_loss"][-1][1] if log["val_loss"] else None,
+        final_val_loss=final_val,
     )
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     steps_axis = list(range(steps_done))

@@ -53,7 +53,8 @@ def shipped_engine_defaults(model: str | None) -> dict:
 
 def engine_kwargs(path: str | Path = DEFAULT_WEIGHTS) -> dict:
     """``LocalEngine`` arguments for a checkpoint written by physis-train: model preset,
-    checkpoint, attention window, and the default steps and shift."""
+    checkpoint, attention window, schedule shift, and the steps it was trained for (metadata
+    ``steps``; DEFAULT_STEPS when it names none)."""
     meta = read_metadata(path)
     if "model" not in meta or "window" not in meta:
         raise ValueError(f"{path}: no physis-train metadata (model, window); pass them explicitly")
@@ -62,6 +63,6 @@ def engine_kwargs(path: str | Path = DEFAULT_WEIGHTS) -> dict:
         "model": meta["model"],
         "checkpoint": str(path),
         "window": int(meta["window"]),
-        "steps": DEFAULT_STEPS,
+        "steps": int(meta.get("steps", DEFAULT_STEPS)),
         "shift": float(train_cfg.get("shift", DEFAULT_SHIFT)),
     }
