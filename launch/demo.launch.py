@@ -1,5 +1,6 @@
-"""The closed-loop demo on one machine: sim_robot + physis-serve (CPU, tiny) + bridge,
-optionally rviz with config/physis.rviz. Without ``ros2 launch``, ``physis-demo`` (make demo)
+"""The closed-loop demo on one machine: sim_robot + physis-serve (CPU, the shipped push-wm
+world model) + bridge, optionally rviz with config/physis.rviz. The camera runs at the size
+and rate push-wm was trained on (32x32, 10 Hz). Without ``ros2 launch``, ``physis-demo`` (make demo)
 starts the same processes itself.
 
     ros2 launch physis_ros demo.launch.py rviz:=true
@@ -22,7 +23,9 @@ def generate_launch_description():
     return LaunchDescription(
         [
             DeclareLaunchArgument(
-                "model", default_value="tiny", description="model preset physis-serve runs"
+                "model",
+                default_value="push-wm",
+                description="model preset physis-serve runs (push-wm: shipped trained weights)",
             ),
             DeclareLaunchArgument(
                 "port", default_value="50051", description="port of the local physis-serve"
@@ -57,7 +60,11 @@ def generate_launch_description():
                 executable="sim_robot",
                 name="sim_robot",
                 output="screen",
-                parameters=[os.path.join(config, "sim_robot.yaml")],
+                parameters=[
+                    os.path.join(config, "sim_robot.yaml"),
+                    # what push-wm was trained on (physis_ros/weights metadata)
+                    {"camera_rate_hz": 10.0, "image_height": 32, "image_width": 32},
+                ],
             ),
             Node(
                 package="physis_ros",

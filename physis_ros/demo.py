@@ -1,11 +1,13 @@
 """``physis-demo`` (what ``make demo`` runs): the closed loop on this machine.
 
-Starts physis-serve (embedded default model, CPU, ephemeral port), ``sim_robot`` (a planar
-arm pushing a box, camera 30 Hz) and the ``bridge`` as child processes on an isolated ROS
-domain with real topics and the real link; the sim robot executes the trajectories the
-bridge publishes. Prints once a second the achieved interval, response latency and drops;
-stops after ``--duration-s`` or Ctrl-C; stops every child; writes ``summary.json`` and
-``strip.png`` (observed | predicted, one row per sampled second) under ``--out``.
+Starts physis-serve (the embedded default: ``push-wm`` with its shipped trained weights,
+CPU, ephemeral port), ``sim_robot`` (a planar arm pushing a box, its camera at the size and
+rate the model was trained on: 32x32 at 10 Hz) and the ``bridge`` as child processes on an
+isolated ROS domain with real topics and the real link; the sim robot executes the
+trajectories the bridge publishes (a world model publishes none: its scripted policy runs).
+Prints once a second the achieved interval, response latency and drops; stops after
+``--duration-s`` or Ctrl-C; stops every child; writes ``summary.json`` and ``strip.png``
+(observed | predicted, one row per sampled second) under ``--out``.
 No torch in this process: the model runs in physis-serve.
 """
 
@@ -65,13 +67,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--duration-s", type=float, default=20.0, help="run this long (Ctrl-C stops early)"
     )
-    parser.add_argument("--model", default="tiny", help="model preset physis-serve runs")
+    parser.add_argument(
+        "--model",
+        default="push-wm",
+        help="model preset physis-serve runs (push-wm: the shipped trained weights; others: "
+        "random weights)",
+    )
     parser.add_argument(
         "--target-interval-ms",
         type=float,
-        default=100.0,
-        help="pacing asked of the server (0: as fast as it can; the action deadline is two "
-        "intervals, so an unpaced CPU server with jitter trips it often)",
+        default=None,
+        help="pacing asked of the server (default: the video one chunk covers for a model "
+        "with shipped weights, 200 ms for push-wm; else 100; 0: as fast as it can; the action "
+        "deadline is two intervals, so an unpaced CPU server with jitter trips it often)",
     )
     parser.add_argument(
         "--out", default="out/demo", help="directory for summary.json and strip.png"
@@ -85,7 +93,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.duration_s > 0:
         parser.error(f"--duration-s must be positive, got {args.duration_s}")
+    camera = shipped_camera(args.model)
+    if args.target_interval_ms is None:
+        args.target_interval_ms = camera["chunk_ms"] if camera else 100.0
+    if args.target_interval_ms < 0:
+        parser.error(f"--target-interval-ms must be >= 0, got {args.target_interval_ms}")
     return args
+
+
+def shipped_camera(model: str) -> dict | None:
+    """For a preset with shipped weights: the camera the weights were trained on (image size,
+    frame rate) and the video one chunk covers; None for the others. Reads the safetensors
+    header only (no torch in this process)."""
+    from physis_ros.weights import SHIPPED, read_metadata
+
+    path = SHIPPED.get(model)
+    if path is None or not path.exists():
+        return None
+    meta = read_metadata(path)
+    height, width = (int(v) for v in meta["image_size"].split("x"))
+    frame_hz = float(meta["frame_hz"])
+    frames_per_chunk = int(meta.get("frames_per_chunk", "2"))
+    return {
+        "image_height": height,
+        "image_width": width,
+        "camera_rate_hz": frame_hz,
+        "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
+    }
 
 
 def main(argv=None) -> int:
@@ -112,7 +146,11 @@ def main(argv=None) -> int:
         port = loop.start_server()
         print(f"physis-demo: physis-serve ({args.model}) on 127.0.0.1:{port}", flush=True)
         monitor = Monitor(domain_id=domain_id)
-        loop.start_sim_robot()
+        camera = shipped_camera(args.model)
+        if camera is not None:
+            loop.start_sim_robot(**{k: v for k, v in camera.items() if k != "chunk_ms"})
+        else:
+            loop.start_sim_robot()
         loop.start_bridge(target_interval_ms=args.target_interval_ms)
         started_s = time.monotonic()
         while time.monotonic() - started_s < args.duration_s:

@@ -24,7 +24,9 @@ def test_demo_runs_the_closed_loop_and_leaves_a_summary_and_a_strip(tmp_path, ro
     summary = json.loads((out / "summary.json").read_text())
     assert summary["children_exit_codes"] == {"server": 0, "sim_robot": 0, "bridge": 0}
     assert summary["chunks_published"] > 10 and summary["observations_sent"] > 10
-    assert summary["interval_median_ms"] == pytest.approx(100.0, rel=0.3)
+    # push-wm (the shipped model) is paced at the 200 ms of video one chunk covers
+    assert summary["model"] == "push-wm"
+    assert summary["interval_median_ms"] == pytest.approx(200.0, rel=0.3)
     assert summary["response_latency_median_ms"] > 0
     assert (out / "strip.png").read_bytes().startswith(b"\x89PNG")
 
