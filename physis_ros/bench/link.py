@@ -238,7 +238,7 @@ def _measure(target, samples, warmup, rate_hz, interval_ms, *, context_input) ->
         client.close()
 
     obs_link, obs_inproc, seen = [], [], set()
-    act_link, act_inproc = [], []
+    act_link, act_inproc, act_server = [], [], []
     for t_got_ns, p in got:
         seq = p.observation_seq
         if seq >= warmup and seq not in seen and p.server_times_ns["received"]:
@@ -247,6 +247,7 @@ def _measure(target, samples, warmup, rate_hz, interval_ms, *, context_input) ->
             obs_inproc.append(obs_inproc_ms[seq])
         if p.chunk_index >= warmup and p.actions is not None:
             act_link.append((t_got_ns - p.server_times_ns["decoded"]) / 1e6)
+            act_server.append((p.server_times_ns["sent"] - p.server_times_ns["decoded"]) / 1e6)
             t0 = time.perf_counter()
             np.array(p.actions, dtype=np.float32, copy=True)  # the in-process hand-over
             act_inproc.append((time.perf_counter() - t0) * 1e3)
@@ -257,7 +258,12 @@ def _measure(target, samples, warmup, rate_hz, interval_ms, *, context_input) ->
         "transport": "gRPC over 127.0.0.1 loopback, server (real front end, echo engine) in a "
         "child process",
         "observation_rgb8_640x480": _summary(obs_link, obs_inproc, IMAGE_HW[0] * IMAGE_HW[1] * 3),
-        "actions_16x7": _summary(act_link, act_inproc, ACTION_HA[0] * ACTION_HA[1] * 4),
+        "actions_16x7": {
+            **_summary(act_link, act_inproc, ACTION_HA[0] * ACTION_HA[1] * 4),
+            # Of link_ms: the server's part (engine thread -> gRPC writer thread, serialised),
+            # the rest being the wire and the client (grpc threads -> get_prediction).
+            "server_ms_median": round(float(np.median(act_server)), 4),
+        },
         "warmup_samples": warmup,
         "observation_rate_hz": rate_hz,
         "chunk_interval_ms": interval_ms,

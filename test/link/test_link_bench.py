@@ -49,3 +49,5 @@ def test_bench_link_json():
         assert r["link_ms_median"] > r["inproc_ms_median"]
         assert r["added_ms_p99"] >= r["added_ms_median"] > 0
     assert isinstance(result["meets_target"], bool)
+    actions = result["actions_16x7"]
+    assert 0 < actions["server_ms_median"] < actions["link_ms_median"]
