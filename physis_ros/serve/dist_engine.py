@@ -52,6 +52,7 @@ from physis_ros.serve.runtime import (
     RuntimeConfig,
     StageHost,
     blocks_for_rank,
+    freeze_startup_objects,
     parse_placement,
 )
 
@@ -134,6 +135,7 @@ class DistEngine(PlacementControl):
             except BaseException:
                 self.shutdown()
                 raise
+        freeze_startup_objects()
 
     @classmethod
     def launch_local(cls, cfg: RuntimeConfig, world_size: int, *, log_dir: str | None = None):

@@ -110,5 +110,18 @@ def test_engine_bench_over_torch_distributed_ranks_reports_comm_and_speedup():
     assert rep["comm_ms"] > 0 and rep["comm_p99_ms"] >= rep["comm_ms"]
     assert rep["speedup_vs_1_rank"] == rep["interval_1_rank_ms"] / rep["interval_ms"]
     assert len(rep["rank_cpu_share"]) == len(rep["rank_busy_frac"]) == 2
-    assert all(0 < share <= 1.5 for share in rep["rank_cpu_share"])
-    assert 0 < rep["cpu_share_1_rank"] <= 1.5
+    cores = os.cpu_count() or 1  # a rank's process has a few threads besides compute
+    assert all(0 < share <= cores + 0.1 for share in rep["rank_cpu_share"])
+    assert 0 < rep["cpu_share_1_rank"] <= cores + 0.1
+
+
+def test_ranks_keep_start_up_objects_out_of_garbage_collection():
+    from physis_ros.serve.dist_engine import DistEngine
+    from physis_ros.serve.runtime import RuntimeConfig
+
+    cfg = RuntimeConfig(model="tiny", device="cpu", fault_timeout_s=3.0, comm_timeout_s=30.0)
+    with DistEngine.launch_local(cfg, 2) as engine:
+        usage = engine.rank_usage()
+    # tens of thousands of start-up objects (torch, the model) are frozen on every rank, so
+    # a full collection no longer walks them
+    assert all(u["gc_frozen"] > 10_000 for u in usage.values()), usage
