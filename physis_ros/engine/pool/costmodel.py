@@ -264,19 +264,17 @@ class Profile:
     comm_overlaps_compute: bool = False
     send_cpu_ms: float = 0.0
     """Processor time one remote send costs the sending rank (packing, the send thread, the
-    transport's own threads); 0 with ``recv_cpu_ms`` 0: not measured (a worker that cannot
-    overlap sends is then charged ``hop_ms``)."""
+    transport's own threads, and the GIL contention they cause the worker's forwards); 0
+    with ``recv_cpu_ms`` 0: not measured (a worker that cannot overlap sends is then charged
+    ``hop_ms``)."""
     recv_cpu_ms: float = 0.0
-    """Processor time one remote receive costs the receiving rank (receive thread, copies)."""
+    """Processor time one remote receive costs the receiving rank (receive thread, copies,
+    GIL contention)."""
     chunk_overhead_ms: float = 0.0
     """Processor time the controller (rank 0's driver thread) spends per finished chunk."""
     host_cores: int = 0
     """Processors the ranks of one host share (``os.sched_getaffinity``); 0: not recorded."""
     calibrated_on: str = ""
-    forward_scale_multi_rank: float = 1.0
-    """Processor time of a batched forward inside a rank of a multi-rank job over its
-    isolated time (``entries``): the transport's threads contend for the GIL at every op.
-    Measured in the two-rank calibration run; 1: not measured."""
     """Runtime the worker-loop and communication costs were measured on (``inproc``,
     ``gloo``)."""
 
@@ -294,10 +292,6 @@ class Profile:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.forward_scale_multi_rank > 0:
-            raise ValueError(
-                f"forward_scale_multi_rank must be > 0, got {self.forward_scale_multi_rank}"
-            )
         sizes = [e.tasks for e in self.entries]
         if sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"profile batch sizes must be increasing and >= 1, got {sizes}")
@@ -327,7 +321,6 @@ class Profile:
                 chunk_overhead_ms=float(data.get("chunk_overhead_ms", 0.0)),
                 host_cores=int(data.get("host_cores", 0)),
                 calibrated_on=str(data.get("calibrated_on", "")),
-                forward_scale_multi_rank=float(data.get("forward_scale_multi_rank", 1.0)),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"not a physis-profile JSON: {err!r}") from None

@@ -118,9 +118,10 @@ def calibrate_gloo(
        the worker) and the loop costs of step 1 is what its messages cost; divided by the
        messages it sent and received, that is ``send_cpu_ms`` = ``recv_cpu_ms`` (the
        transport's send and receive threads, gloo's own threads, the worker's send-side
-       work). ``forward_scale_multi_rank``: the forwards' thread time in that run over their
-       isolated time (``entries``): in a rank with transport threads every op's GIL release
-       is contended. ``hop_ms``: half a ping-pong round trip.
+       work). The forwards are subtracted at their isolated cost (``entries``): what they
+       take beyond it in this run (every op's GIL release is contended while the transport's
+       threads handle a message; ~2x on this host) is charged to the messages, so a layout
+       with fewer messages sees less of it. ``hop_ms``: half a ping-pong round trip.
     """
 
     from physis_ros.engine.config import get_preset
@@ -181,13 +182,12 @@ def calibrate_gloo(
             _message_share(engine, by_block, chunks, idle_rate, costs, block)
             for _ in range(repeats)
         ]
-    msg_ms, fw_ms, iso_ms = min(shares, key=lambda x: x[0])
+    msg_ms = min(shares)
     return {
         **costs,
         "hop_ms": statistics.median(hops),
         "send_cpu_ms": msg_ms,
         "recv_cpu_ms": msg_ms,
-        "forward_scale_multi_rank": fw_ms / iso_ms if iso_ms > 0 else 1.0,
     }
 
 
@@ -197,11 +197,10 @@ def _thread_cpu_ms(thread) -> float:
 
 def _message_share(  # noqa: PLR0917
     engine, layout, chunks: int, idle_rate: float, loop: dict, block
-) -> tuple[float, float, float]:
+) -> float:
     """Rank 0's processor time per message (a send or a receive) in a two-rank run: its
     process time less the forwards, the worker loop's calibrated costs, the controller thread
-    and the idle rate, over the messages it sent and received. Also the forwards' processor
-    time in the run and what the isolated profile says they cost."""
+    and the idle rate, over the messages it sent and received."""
     worker = engine.host.worker
     transport = engine.transport
     wthread = engine._threads[0]  # rank 0's worker loop
@@ -214,12 +213,14 @@ def _message_share(  # noqa: PLR0917
     proc_ms = (time.process_time() - p0 - idle_rate * wall_s) * 1e3
     main_ms = (time.thread_time() - m0) * 1e3  # the controller: charged per chunk
     worker_ms = _thread_cpu_ms(wthread) - w0
-    fw_cpu = sum(worker.stats.block_cpu_ms[n0:])
     sizes = [b for _, b, _, _ in worker.stats.block_times[n0:]]
+    forwards = sum(block(b) for b in sizes)  # isolated: the slowdown in the run is the messages'
+    fw_cpu = sum(worker.stats.block_cpu_ms[n0:])
     messages = transport.counters["sent"] - sent0 + transport.counters["received"] - recv0
     expected_loop = len(sizes) * loop["batch_overhead_ms"] + sum(sizes) * loop["task_overhead_ms"]
-    rest = proc_ms - main_ms - fw_cpu - min(expected_loop, worker_ms - fw_cpu)
-    return max(rest, 0.0) / max(messages, 1), fw_cpu, sum(block(b) for b in sizes)
+    loop_ms = min(expected_loop, max(worker_ms - fw_cpu, 0.0))
+    rest = proc_ms - main_ms - forwards - loop_ms
+    return max(rest, 0.0) / max(messages, 1)
 
 
 def profile_gloo(model: str = "tiny", steps: int = K, window: int = W, repeats: int = 20):
@@ -267,7 +268,6 @@ def simulate_free(profile, world: int, layouts: list, chunks: int, *, skip: int,
             priority="engine",
             sink_device=0,
             host_cores=cores,
-            forward_scale=profile.forward_scale_multi_rank if world > 1 else 1.0,
         ),
     )
     return [s.interval_mean_ms for s in rep.streams]

@@ -63,9 +63,8 @@ class SimConfig:
     """Device that collects finished chunks (one more hop from the last stage's device);
     None: the exit hop is not modelled."""
     forward_scale: float = 1.0
-    """Multiplies every batched forward's cost (``cost.group_ms``): contention inside a
-    worker process that the cost model's isolated timing does not see (CPU ranks of a
-    multi-rank job: ``Profile.forward_scale_multi_rank``)."""
+    """Multiplies every batched forward's cost (``cost.group_ms``): a slowdown of every
+    forward that the cost model's isolated timing does not see (what-if studies)."""
     host_cores: float = 0.0
     """Processors the devices share (CPU workers on one host; may be fractional: the share of
     a loaded host that is left); 0: each device is its own processor."""
