@@ -36,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--repeats", type=int, default=30, help="timed repeats per batch size")
     p.add_argument("--warmup", type=int, default=5, help="untimed repeats per batch size")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every batch size this many times, round robin; ms_p50 is the smallest "
+        "of the rounds' medians (other jobs on a shared host only ever add time)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument(
         "--runtime",
@@ -65,23 +72,33 @@ def measure(args: argparse.Namespace) -> Profile:
         raise ValueError(f"--batches must be integers, got {args.batches!r}") from None
     if not batches or batches[0] < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches!r}")
-    if args.repeats < 3 or args.warmup < 0:
-        raise ValueError("--repeats must be >= 3 and --warmup >= 0")
+    if args.repeats < 3 or args.warmup < 0 or args.rounds < 1:
+        raise ValueError("--repeats must be >= 3, --warmup >= 0 and --rounds >= 1")
     if args.runtime == "gloo" and args.device != "cpu":
         raise ValueError("--runtime gloo calibrates CPU ranks: use --device cpu")
     torch.set_num_threads(args.threads)
     cfg = get_preset(args.model)
     model = build_model(cfg, device=args.device, dtype=getattr(torch, args.dtype))
-    entries = []
-    for b in batches:
-        times = time_block_forward(
-            model,
-            [args.window] * b,
-            repeats=args.repeats,
-            warmup=args.warmup,
-            window=args.window,
+    samples: dict[int, list[list[float]]] = {b: [] for b in batches}
+    for _ in range(args.rounds):
+        for b in batches:
+            samples[b].append(
+                time_block_forward(
+                    model,
+                    [args.window] * b,
+                    repeats=args.repeats,
+                    warmup=args.warmup,
+                    window=args.window,
+                )
+            )
+    entries = [
+        ProfileEntry(
+            tasks=b,
+            ms_p50=min(statistics.median(r) for r in rounds),
+            ms_p99=_p99([t for r in rounds for t in r]),
         )
-        entries.append(ProfileEntry(tasks=b, ms_p50=statistics.median(times), ms_p99=_p99(times)))
+        for b, rounds in samples.items()
+    ]
     if args.runtime == "gloo":
         from physis_ros.engine.pool.realcheck import calibrate_gloo
 

@@ -230,8 +230,11 @@ def profile_gloo(model: str = "tiny", steps: int = K, window: int = W, repeats: 
     from physis_ros.engine.pool.profile_cli import _parser, measure
 
     torch.set_num_threads(1)
-    argv = ["--model", model, "--steps", str(steps), "--window", str(window)]
-    return measure(_parser().parse_args([*argv, "--repeats", str(repeats), "--runtime", "gloo"]))
+    argv = ["--model", model, "--steps", str(steps), "--window", str(window), "--runtime", "gloo"]
+    # every batch size the checked cases form (up to 3 streams x 4 steps on one rank), each
+    # the fastest of 3 round-robin medians
+    argv += ["--batches", "1,2,3,4,6,8,12", "--repeats", str(repeats), "--rounds", "3"]
+    return measure(_parser().parse_args(argv))
 
 
 def simulate_free(profile, world: int, layouts: list, chunks: int, *, skip: int, cores: float):
@@ -280,7 +283,7 @@ def realcheck(
     model: str = "tiny",
     chunks: int = 40,
     skip: int = 8,
-    repeats: int = 3,
+    repeats: int = 5,
     profile=None,
     quiet_wait_s: float = 30.0,
 ) -> dict:
