@@ -64,7 +64,8 @@ class CameraImage:
     width: int
     step: int
     """Bytes per row (raw only; 0 for compressed)."""
-    data: bytes
+    data: bytes | memoryview
+    """The pixels (on the server: a read-only view of the received message)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,6 +243,84 @@ def observation_to_proto(
 
 
 IMAGE_DATA_PATH = ("observation", "image", "data")
+IMAGE_DATA_NUMBERS = (
+    pb.ClientMessage.DESCRIPTOR.fields_by_name["observation"].number,
+    pb.Observation.DESCRIPTOR.fields_by_name["image"].number,
+    pb.CameraImage.DESCRIPTOR.fields_by_name["data"].number,
+)
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _without_field(
+    buf: memoryview, start: int, end: int, numbers: tuple[int, ...], found: list[tuple[int, int]]
+) -> list:
+    """The message ``buf[start:end]`` as pieces, every length-delimited occurrence of the
+    field at the nested path ``numbers`` left out (their spans appended to ``found``, in
+    order) and the lengths of the enclosing records rewritten. Raises ValueError where the
+    bytes are not a well-formed message."""
+    pieces: list = []
+    pos = start
+    while pos < end:
+        record = pos
+        key, pos = _read_varint(buf, pos, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(buf, pos, end)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, body = _read_varint(buf, pos, end)
+            pos = body + length
+            if pos <= end and number == numbers[0]:
+                if len(numbers) == 1:
+                    found.append((body, pos))
+                    continue
+                inner = _without_field(buf, body, pos, numbers[1:], found)
+                pieces.append(_varint(key) + _varint(sum(len(p) for p in inner)))
+                pieces.extend(inner)
+                continue
+        else:
+            raise ValueError(f"wire type {wire_type} at byte {record}")
+        if pos > end:
+            raise ValueError(f"record at byte {record} runs past its message")
+        pieces.append(buf[record:pos])
+    return pieces
+
+
+def parse_client_message(raw: bytes) -> tuple[pb.ClientMessage, memoryview | None]:
+    """A raw ClientMessage -> (the message, its image's pixels as a read-only view of
+    ``raw``), without copying a large image: upb would copy the pixels into the message
+    (parse) and again out of it (read), ~0.15 ms per 0.9 MB measured here with cold caches.
+    The message is parsed with the pixels left out; the view is the last occurrence, as a
+    protobuf parser would merge it. Small messages, or bytes the walk cannot follow, are
+    parsed as they are (pixels None: read them from the message); a malformed message
+    raises DecodeError as ``FromString`` does."""
+    if len(raw) < LARGE_PAYLOAD_BYTES:
+        return pb.ClientMessage.FromString(raw), None
+    buf = memoryview(raw).cast("B")
+    found: list[tuple[int, int]] = []
+    try:
+        pieces = _without_field(buf, 0, len(buf), IMAGE_DATA_NUMBERS, found)
+    except ValueError:
+        return pb.ClientMessage.FromString(raw), None  # let the parser say what is wrong
+    if not found:
+        return pb.ClientMessage.FromString(raw), None
+    start, end = found[-1]
+    return pb.ClientMessage.FromString(b"".join(pieces)), buf[start:end].toreadonly()
 
 
 def serialize_observation(obs: Observation, *, send_stamp_ns: int) -> bytes:
@@ -253,8 +332,11 @@ def serialize_observation(obs: Observation, *, send_stamp_ns: int) -> bytes:
     return serialize_with_payload(msg, IMAGE_DATA_PATH, obs.image.data)
 
 
-def observation_from_proto(o: pb.Observation) -> Observation:
-    """Observation message -> dataclass; checks tensors and finiteness, not the image content."""
+def observation_from_proto(
+    o: pb.Observation, *, image_data: memoryview | None = None
+) -> Observation:
+    """Observation message -> dataclass; checks tensors and finiteness, not the image content.
+    ``image_data``: the image's pixels when parse_client_message kept them out of ``o``."""
     if o.protocol_version != PROTOCOL_VERSION:
         raise WireError(
             "protocol_version",
@@ -289,7 +371,11 @@ def observation_from_proto(o: pb.Observation) -> Observation:
     if o.HasField("image"):
         img = o.image
         image = CameraImage(
-            encoding=img.encoding, height=img.height, width=img.width, step=img.step, data=img.data
+            encoding=img.encoding,
+            height=img.height,
+            width=img.width,
+            step=img.step,
+            data=img.data if image_data is None else image_data,
         )
     return Observation(
         seq=o.seq,

@@ -35,6 +35,7 @@ from physis_ros.link.wire import (
     PROTOCOL_VERSION,
     WireError,
     observation_from_proto,
+    parse_client_message,
     serialize_with_payload,
     tensor_header,
 )
@@ -143,7 +144,7 @@ class Session:
             )
             return
         try:
-            msg = pb.ClientMessage.FromString(raw)
+            msg, image_data = parse_client_message(raw)
         except DecodeError as exc:
             self.drop("malformed", f"not a ClientMessage ({len(raw)} bytes): {exc}")
             return
@@ -160,11 +161,11 @@ class Session:
             )
             self._push(pb.ServerMessage(protocol_version=PROTOCOL_VERSION, pong=pong))
         elif kind == "observation":
-            self._offer_observation(msg.observation)
+            self._offer_observation(msg.observation, image_data)
         else:
             self.drop("malformed", "client message with neither observation nor ping")
 
-    def _offer_observation(self, o: pb.Observation) -> None:
+    def _offer_observation(self, o: pb.Observation, image_data: memoryview | None) -> None:
         with self._lock:
             self.observations_received += 1
             last = self._last_seq
@@ -180,7 +181,7 @@ class Session:
         p = self.promise
         try:
             ctx = context_input(
-                observation_from_proto(o),
+                observation_from_proto(o, image_data=image_data),
                 send_stamp_ns=o.send_stamp_ns,
                 height=p.image_height,
                 width=p.image_width,

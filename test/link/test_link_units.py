@@ -22,6 +22,7 @@ from physis_ros.link.wire import (
     array_to_tensor,
     observation_from_proto,
     observation_to_proto,
+    parse_client_message,
     raw_image_to_rgb,
     rgb_image,
     serialize_observation,
@@ -433,3 +434,68 @@ def test_prediction_queue_keeps_the_newest_when_the_caller_falls_behind():
         client.close()
         handle.stop()
         loop.stop()
+
+
+def _client_message_cases():
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    rng = np.random.default_rng(7)
+    big = rng.integers(0, 255, 200 * 300 * 3, dtype=np.uint8)
+    obs = Observation(
+        seq=4,
+        capture_stamp_ns=5,
+        image=CameraImage(encoding="rgb8", height=200, width=300, step=900, data=big.tobytes()),
+        wrench=np.arange(6, dtype=np.float32),
+        action=np.ones((16, 7), np.float32),
+    )
+    trailing = serialize_observation(obs, send_stamp_ns=6)  # pixels appended at the end
+    embedded = observation_to_proto(obs, send_stamp_ns=6).SerializeToString()  # in the middle
+    other = observation_to_proto(obs, send_stamp_ns=6)
+    other.observation.image.data = big[::-1].tobytes()
+    # Unknown fields of every wire type inside the image, around the pixels.
+    image_tag = _VarintBytes(5 << 3 | 2)
+    unknown = _VarintBytes(99 << 3 | 0) + b"\x05"  # varint field 99
+    unknown += _VarintBytes(98 << 3 | 1) + b"\0" * 8 + _VarintBytes(97 << 3 | 5) + b"\0" * 4
+    pixels = _VarintBytes(5 << 3 | 2) + _VarintBytes(len(big)) + big.tobytes()
+    inner = unknown + pixels + unknown
+    observation = image_tag + _VarintBytes(len(inner)) + inner
+    with_unknown = b"\x08\x01" + _VarintBytes(2 << 3 | 2) + _VarintBytes(len(observation))
+    with_unknown += observation
+    no_image = pb.ClientMessage(protocol_version=1)
+    array_to_tensor(np.zeros(20_000, np.float32), no_image.observation.action)
+    return {
+        "trailing": trailing,
+        "embedded": embedded,
+        "merged_last_wins": trailing + other.SerializeToString(),
+        "unknown_fields": with_unknown,
+        "large_without_image": no_image.SerializeToString(),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["trailing", "embedded", "merged_last_wins", "unknown_fields", "large_without_image"],
+)
+def test_parse_client_message_equals_the_parser_without_copying_pixels(case):
+    raw = _client_message_cases()[case]
+    expected = pb.ClientMessage.FromString(raw)
+    msg, pixels = parse_client_message(raw)
+    if case == "large_without_image":
+        assert pixels is None
+    else:
+        assert pixels is not None and pixels.readonly
+        assert np.shares_memory(np.frombuffer(pixels, np.uint8), np.frombuffer(raw, np.uint8))
+        assert msg.observation.image.data == b""
+        msg.observation.image.data = bytes(pixels)
+    assert msg == expected
+
+
+def test_parse_client_message_refuses_what_the_parser_refuses():
+    from google.protobuf.message import DecodeError
+
+    raw = _client_message_cases()["trailing"]
+    for bad in (raw[:-10], b"\xff" * 70_000, raw[:3] + b"\x07" + raw[4:]):
+        with pytest.raises(DecodeError):
+            pb.ClientMessage.FromString(bad)
+        with pytest.raises(DecodeError):
+            parse_client_message(bad)
