@@ -33,6 +33,7 @@ from physis_ros.link.wire import (
     Observation,
     Prediction,
     WireError,
+    parse_server_message,
     serialize_observation,
     tensor_to_array,
 )
@@ -338,7 +339,8 @@ class LinkClient:
             stream = channel.stream_stream(
                 STREAM_METHOD,
                 request_serializer=None,
-                response_deserializer=pb.ServerMessage.FromString,
+                # (message, frames bytes as a view of the received bytes): no pixel copies
+                response_deserializer=parse_server_message,
             )
             call = stream(
                 self._requests(session, promise),
@@ -346,8 +348,8 @@ class LinkClient:
             )
             self._call = call
             self._set_state("streaming")
-            for msg in call:
-                self._on_server_message(msg)
+            for msg, frames_data in call:
+                self._on_server_message(msg, frames_data)
             return True
         finally:
             self._call = None
@@ -411,7 +413,9 @@ class LinkClient:
                 self._observations_sent += 1
             yield raw
 
-    def _on_server_message(self, msg: pb.ServerMessage) -> None:
+    def _on_server_message(
+        self, msg: pb.ServerMessage, frames_data: memoryview | None = None
+    ) -> None:
         received_ns = self._clock_ns()
         kind = msg.WhichOneof("body")
         if kind == "pong":
@@ -420,7 +424,7 @@ class LinkClient:
         elif kind == "stats":
             self._take_counters(msg.stats)
         elif kind == "prediction":
-            prediction = self._prediction_from_proto(msg.prediction, received_ns)
+            prediction = self._prediction_from_proto(msg.prediction, received_ns, frames_data)
             with self._stats_lock:
                 self._predictions_received += 1
             self._predictions.put(prediction)
@@ -429,7 +433,9 @@ class LinkClient:
                     self._predictions.get_nowait()  # the oldest
                     self._count_client_drop("prediction_queue_full")
 
-    def _prediction_from_proto(self, p: pb.Prediction, received_ns: int) -> Prediction:
+    def _prediction_from_proto(
+        self, p: pb.Prediction, received_ns: int, frames_data: memoryview | None = None
+    ) -> Prediction:
         self._take_counters(p.counters)
         times = {name: getattr(p.server_times, f"{name}_ns") for name in HOP_NAMES}
         offset_ns = self._clock.offset_ns
@@ -453,7 +459,11 @@ class LinkClient:
         return Prediction(
             stream_id=p.stream_id,
             chunk_index=p.chunk_index,
-            frames=tensor_to_array(p.frames, name="frames") if p.HasField("frames") else None,
+            frames=(
+                tensor_to_array(p.frames, name="frames", data=frames_data)
+                if p.HasField("frames")
+                else None
+            ),
             actions=tensor_to_array(p.actions, name="actions") if p.HasField("actions") else None,
             observation_seq=p.observation_seq,
             observation_stamp_ns=p.observation_stamp_ns,

@@ -194,8 +194,9 @@ def array_to_tensor(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tenso
     return msg
 
 
-def tensor_to_array(msg: pb.Tensor, *, name: str) -> np.ndarray:
-    """Tensor -> numpy array (a read-only view of the message bytes); checks dtype and size."""
+def tensor_to_array(msg: pb.Tensor, *, name: str, data: memoryview | None = None) -> np.ndarray:
+    """Tensor -> numpy array (a read-only view of the message bytes); checks dtype and size.
+    ``data``: the tensor's bytes when parse_without_payload kept them out of ``msg``."""
     if msg.dtype not in TENSOR_DTYPES:
         raise WireError("bad_tensor", f"{name}: dtype {msg.dtype!r} is not one of {TENSOR_DTYPES}")
     shape = tuple(msg.shape)
@@ -203,12 +204,14 @@ def tensor_to_array(msg: pb.Tensor, *, name: str) -> np.ndarray:
         raise WireError("bad_tensor", f"{name}: shape {shape} is not allowed")
     dtype = np.dtype(msg.dtype).newbyteorder("<")
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if len(msg.data) != expected:
+    if data is None:
+        data = msg.data  # upb copies the bytes out on every read: read once
+    if len(data) != expected:
         raise WireError(
             "bad_tensor",
-            f"{name}: {len(msg.data)} bytes for shape {shape} {msg.dtype} (expected {expected})",
+            f"{name}: {len(data)} bytes for shape {shape} {msg.dtype} (expected {expected})",
         )
-    return np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def observation_to_proto(
@@ -301,26 +304,44 @@ def _without_field(
     return pieces
 
 
-def parse_client_message(raw: bytes) -> tuple[pb.ClientMessage, memoryview | None]:
-    """A raw ClientMessage -> (the message, its image's pixels as a read-only view of
-    ``raw``), without copying a large image: upb would copy the pixels into the message
-    (parse) and again out of it (read), ~0.15 ms per 0.9 MB measured here with cold caches.
-    The message is parsed with the pixels left out; the view is the last occurrence, as a
-    protobuf parser would merge it. Small messages, or bytes the walk cannot follow, are
-    parsed as they are (pixels None: read them from the message); a malformed message
-    raises DecodeError as ``FromString`` does."""
+def parse_without_payload(raw: bytes, message_type, numbers: tuple[int, ...]):
+    """A raw ``message_type`` -> (the message, the bytes field at the nested path ``numbers``
+    as a read-only view of ``raw``), without copying a large payload: upb would copy it into
+    the message (parse) and again out of it (read), ~0.15 ms per 0.9 MB measured here with
+    cold caches. The message is parsed with the payload left out; the view is the last
+    occurrence, as a protobuf parser would merge it. Small messages, or bytes the walk cannot
+    follow, are parsed as they are (view None: read the field from the message); a
+    malformed message raises DecodeError as ``FromString`` does."""
     if len(raw) < LARGE_PAYLOAD_BYTES:
-        return pb.ClientMessage.FromString(raw), None
+        return message_type.FromString(raw), None
     buf = memoryview(raw).cast("B")
     found: list[tuple[int, int]] = []
     try:
-        pieces = _without_field(buf, 0, len(buf), IMAGE_DATA_NUMBERS, found)
+        pieces = _without_field(buf, 0, len(buf), numbers, found)
     except ValueError:
-        return pb.ClientMessage.FromString(raw), None  # let the parser say what is wrong
+        return message_type.FromString(raw), None  # let the parser say what is wrong
     if not found:
-        return pb.ClientMessage.FromString(raw), None
+        return message_type.FromString(raw), None
     start, end = found[-1]
-    return pb.ClientMessage.FromString(b"".join(pieces)), buf[start:end].toreadonly()
+    return message_type.FromString(b"".join(pieces)), buf[start:end].toreadonly()
+
+
+def parse_client_message(raw: bytes) -> tuple[pb.ClientMessage, memoryview | None]:
+    """A raw ClientMessage -> (the message, its image's pixels or None); parse_without_payload."""
+    return parse_without_payload(raw, pb.ClientMessage, IMAGE_DATA_NUMBERS)
+
+
+FRAMES_DATA_NUMBERS = (
+    pb.ServerMessage.DESCRIPTOR.fields_by_name["prediction"].number,
+    pb.Prediction.DESCRIPTOR.fields_by_name["frames"].number,
+    pb.Tensor.DESCRIPTOR.fields_by_name["data"].number,
+)
+
+
+def parse_server_message(raw: bytes) -> tuple[pb.ServerMessage, memoryview | None]:
+    """A raw ServerMessage -> (the message, its predicted frames' bytes or None);
+    parse_without_payload."""
+    return parse_without_payload(raw, pb.ServerMessage, FRAMES_DATA_NUMBERS)
 
 
 def serialize_observation(obs: Observation, *, send_stamp_ns: int) -> bytes:

@@ -17,12 +17,14 @@ from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.clock import ClockOffsetEstimator
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
+    LARGE_PAYLOAD_BYTES,
     CameraImage,
     WireError,
     array_to_tensor,
     observation_from_proto,
     observation_to_proto,
     parse_client_message,
+    parse_server_message,
     raw_image_to_rgb,
     rgb_image,
     serialize_observation,
@@ -275,6 +277,14 @@ def test_serialize_with_payload_decodes_to_the_same_message(size):
     expected.CopyFrom(msg)
     raw = serialize_with_payload(msg, ("prediction", "frames", "data"))
     assert pb.ServerMessage.FromString(raw) == expected
+    parsed, frames_data = parse_server_message(raw)
+    assert (frames_data is not None) == (size >= LARGE_PAYLOAD_BYTES)
+    np.testing.assert_array_equal(
+        tensor_to_array(parsed.prediction.frames, name="frames", data=frames_data), frames
+    )
+    if frames_data is not None:
+        parsed.prediction.frames.data = bytes(frames_data)
+    assert parsed == expected
     obs = Observation(
         seq=1,
         capture_stamp_ns=2,
@@ -499,3 +509,33 @@ def test_parse_client_message_refuses_what_the_parser_refuses():
             pb.ClientMessage.FromString(bad)
         with pytest.raises(DecodeError):
             parse_client_message(bad)
+
+
+def test_large_frames_cross_the_link_intact():
+    """Frames above LARGE_PAYLOAD_BYTES take the no-copy paths on both ends (appended on the
+    server, a view of the received bytes on the client): the pixels must arrive as sent."""
+    engine = FakeEngine(slots=1, chunk_ms=2.0, height=160, width=160)
+    assert LARGE_PAYLOAD_BYTES <= 160 * 160 * 3
+    loop = EngineLoop(engine)
+    loop.start()
+    handle = start_server(
+        loop,
+        config=FrontendConfig(port=0),
+        description=ServerDescription(model="fake", steps=2, blocks=2),
+    )
+    client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
+    client.start()
+    try:
+        got = []
+        deadline_s = time.monotonic() + 15
+        while len(got) < 5 and time.monotonic() < deadline_s:
+            if (p := client.get_prediction(0.1)) is not None:
+                got.append(p)
+        assert len(got) == 5, client.stats()
+        for p in got:
+            assert p.frames.shape == (1, 160, 160, 3) and p.frames.dtype == np.uint8
+            assert (p.frames == p.chunk_index % 256).all(), p.chunk_index
+    finally:
+        client.close()
+        handle.stop()
+        loop.stop()
