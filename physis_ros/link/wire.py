@@ -266,16 +266,31 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
+MAX_WALKED_RECORDS = 512
+"""parse_without_payload walks at most this many records (a real message has tens) before it
+leaves the message to the C parser: a message of millions of tiny fields must not cost
+seconds of Python."""
+
+
 def _without_field(
-    buf: memoryview, start: int, end: int, numbers: tuple[int, ...], found: list[tuple[int, int]]
+    buf: memoryview,
+    start: int,
+    end: int,
+    numbers: tuple[int, ...],
+    *,
+    found: list[tuple[int, int]],
+    budget: list[int],
 ) -> list:
     """The message ``buf[start:end]`` as pieces, every length-delimited occurrence of the
     field at the nested path ``numbers`` left out (their spans appended to ``found``, in
     order) and the lengths of the enclosing records rewritten. Raises ValueError where the
-    bytes are not a well-formed message."""
+    bytes are not a well-formed message or the walk is over its budget of records."""
     pieces: list = []
     pos = start
     while pos < end:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError(f"more than {MAX_WALKED_RECORDS} records")
         record = pos
         key, pos = _read_varint(buf, pos, end)
         number, wire_type = key >> 3, key & 7
@@ -292,7 +307,7 @@ def _without_field(
                 if len(numbers) == 1:
                     found.append((body, pos))
                     continue
-                inner = _without_field(buf, body, pos, numbers[1:], found)
+                inner = _without_field(buf, body, pos, numbers[1:], found=found, budget=budget)
                 pieces.append(_varint(key) + _varint(sum(len(p) for p in inner)))
                 pieces.extend(inner)
                 continue
@@ -317,7 +332,7 @@ def parse_without_payload(raw: bytes, message_type, numbers: tuple[int, ...]):
     buf = memoryview(raw).cast("B")
     found: list[tuple[int, int]] = []
     try:
-        pieces = _without_field(buf, 0, len(buf), numbers, found)
+        pieces = _without_field(buf, 0, len(buf), numbers, found=found, budget=[MAX_WALKED_RECORDS])
     except ValueError:
         return message_type.FromString(raw), None  # let the parser say what is wrong
     if not found:
