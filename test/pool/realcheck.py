@@ -48,7 +48,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="1,2,3,4")
     ap.add_argument("--streams", default="1,2,3")
-    ap.add_argument("--quiet-wait-s", type=float, default=30.0)
+    ap.add_argument("--quiet-wait-s", type=float, default=10.0)
     args = ap.parse_args()
     ranks = tuple(map(int, args.ranks.split(",")))
     streams = tuple(map(int, args.streams.split(",")))

@@ -285,7 +285,7 @@ def realcheck(
     skip: int = 8,
     repeats: int = 5,
     profile=None,
-    quiet_wait_s: float = 30.0,
+    quiet_wait_s: float = 10.0,
 ) -> dict:
     """Calibrate (unless ``profile`` is given), then measure and predict every case. Before
     the calibration and before each case it waits up to ``quiet_wait_s`` for other jobs to
