@@ -248,3 +248,41 @@ def test_layout_helpers_cover_every_stage():
             target_interval_ms=1.0,
             stage_devices=(0, 0, 0),
         )
+
+
+def test_cpu_messages_and_the_controller_are_charged_where_they_run():
+    """A CPU profile: each hop costs its sender and receiver processor time; with a
+    controller device, entry and exit hops and the per-chunk controller work land there."""
+    from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel, ProfileEntry
+
+    prof = Profile(
+        device="cpu",
+        model="tiny",
+        steps=2,
+        window=2,
+        dtype="float32",
+        entries=(ProfileEntry(tasks=1, ms_p50=1.0, ms_p99=1.0),),
+        hop_ms=0.5,
+        send_cpu_ms=0.1,
+        recv_cpu_ms=0.2,
+        chunk_overhead_ms=0.3,
+    )
+    sampler = SamplerConfig(steps=2, window=2)
+    plan = StreamPlan(
+        stream_id=0,
+        model=get_preset("tiny"),
+        sampler=sampler,
+        target_interval_ms=100.0,
+        stage_devices=(1, 1, 2, 2),
+    )
+    cost = ProfileCostModel(prof)
+    plain = AdmissionController(_pool(devices=3), cost).device_load_ms(plan)
+    assert plain == pytest.approx({1: 2.0 + 0.1, 2: 2.0 + 0.2})
+    pool = PoolConfig(
+        num_devices=3, usable_bytes=GIB, memory=MemoryModel(dtype_bytes=4), controller_device=0
+    )
+    load = AdmissionController(pool, cost).device_load_ms(plan)
+    # device 0: sends the chunk in, receives it back, runs the controller's share
+    assert load == pytest.approx({0: 0.1 + 0.2 + 0.3, 1: 2.0 + 0.1 + 0.2, 2: 2.0 + 0.2 + 0.1})
+    with pytest.raises(ValueError, match="controller_device 3"):
+        PoolConfig(num_devices=3, usable_bytes=GIB, controller_device=3)

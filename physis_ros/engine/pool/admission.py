@@ -44,10 +44,21 @@ class PoolConfig:
     max_utilization: float = 0.9
     """Most of each interval a device may be busy with admitted work (headroom for jitter)."""
     memory: MemoryModel = field(default_factory=MemoryModel)
+    controller_device: int | None = None
+    """Device whose worker shares its processor with the controller (rank 0 of a CPU job):
+    every stream's entry and exit hops and its per-chunk controller work are charged there,
+    as far as the cost model says messages cost compute. None: not charged (GPU pools, where
+    the controller and the transport run beside the devices' compute)."""
 
     def __post_init__(self) -> None:
         if self.num_devices < 1:
             raise ValueError(f"num_devices must be >= 1, got {self.num_devices}")
+        if self.controller_device is not None and not (
+            0 <= self.controller_device < self.num_devices
+        ):
+            raise ValueError(
+                f"controller_device {self.controller_device} outside 0..{self.num_devices - 1}"
+            )
         if not self.usable_bytes > 0:
             raise ValueError(f"usable_bytes must be > 0, got {self.usable_bytes}")
         if self.policy not in POLICIES:
@@ -134,6 +145,19 @@ class AdmissionController:
         for _, src, dst in plan.hops():
             load[src] += send_ms
             load[dst] += recv_ms
+        ctl = self.pool.controller_device
+        if ctl is not None:
+            extra = {ctl: self.cost.chunk_overhead_ms(plan.model)}
+            first, last = plan.stage_devices[0], plan.stage_devices[-1]
+            if first != ctl:  # the chunk enters from the controller
+                extra[ctl] += send_ms
+                extra[first] = extra.get(first, 0.0) + recv_ms
+            if last != ctl:  # and leaves to it
+                extra[last] = extra.get(last, 0.0) + send_ms
+                extra[ctl] += recv_ms
+            for d, ms in extra.items():
+                if ms > 0:
+                    load[d] = load.get(d, 0.0) + ms
         return load
 
     def no_contention_latency_ms(self, plan: StreamPlan) -> float:

@@ -223,17 +223,25 @@ def _message_share(  # noqa: PLR0917
     return max(rest, 0.0) / max(messages, 1)
 
 
-def profile_gloo(model: str = "tiny", steps: int = K, window: int = W, repeats: int = 20):
-    """A ``physis-profile --runtime gloo`` profile of this CPU (one torch thread per rank)."""
+def profile_gloo(
+    model: str = "tiny",
+    steps: int = K,
+    window: int = W,
+    repeats: int = 20,
+    *,
+    batches: str = "1,2,3,4,6,8,12",
+    rounds: int = 3,
+):
+    """A ``physis-profile --runtime gloo`` profile of this CPU (one torch thread per rank).
+    The default batch sizes are every size the checked cases form (up to 3 streams x 4 steps
+    on one rank), each the fastest of 3 round-robin medians."""
     import torch
 
     from physis_ros.engine.pool.profile_cli import _parser, measure
 
     torch.set_num_threads(1)
     argv = ["--model", model, "--steps", str(steps), "--window", str(window), "--runtime", "gloo"]
-    # every batch size the checked cases form (up to 3 streams x 4 steps on one rank), each
-    # the fastest of 3 round-robin medians
-    argv += ["--batches", "1,2,3,4,6,8,12", "--repeats", str(repeats), "--rounds", "3"]
+    argv += ["--batches", batches, "--repeats", str(repeats), "--rounds", str(rounds)]
     return measure(_parser().parse_args(argv))
 
 
