@@ -305,3 +305,28 @@ def test_message_processor_time_loads_both_ends_and_forward_scale_slows_forwards
     assert one.streams[0].latency_p50_ms == pytest.approx(want)
     with pytest.raises(ValueError, match="forward_scale"):
         SimConfig(num_devices=1, forward_scale=0.0)
+
+
+def test_other_jobs_on_the_host_share_its_cores():
+    """One busy device on two cores runs at full speed next to one foreign job; two busy
+    devices next to it share the two cores three ways."""
+    one = _plan(0, [0, 0, 0, 0])
+    two = _plan(0, [0, 0, 1, 1])
+
+    def interval(plan, devices, foreign):
+        cfg = SimConfig(
+            num_devices=devices,
+            chunks=30,
+            warmup_chunks=10,
+            batching=False,
+            host_cores=2,
+            foreign_load=foreign,
+        )
+        rep = simulate([SimStream(plan=plan, max_inflight=8)], _cost(), cfg)
+        return rep.streams[0].interval_p50_ms
+
+    assert interval(one, 1, 1.0) == pytest.approx(4.0)
+    assert interval(two, 2, 0.0) == pytest.approx(2.0)
+    assert interval(two, 2, 1.0) == pytest.approx(2.0 * 3 / 2, rel=0.02)
+    with pytest.raises(ValueError, match="foreign_load"):
+        SimConfig(num_devices=1, foreign_load=-1.0)

@@ -68,6 +68,9 @@ class SimConfig:
     host_cores: float = 0.0
     """Processors the devices share (CPU workers on one host; may be fractional: the share of
     a loaded host that is left); 0: each device is its own processor."""
+    foreign_load: float = 0.0
+    """Processors' worth of other jobs' runnable work on that host, sharing it with the busy
+    devices (processor sharing: each busy device runs at min(1, cores / (busy + foreign)))."""
     priority: str = "oldest_chunk"
     """Which ready task picks the next block: ``oldest_chunk`` (earliest released chunk, so
     late chunks catch up), ``ready_first`` (the task that became ready first) or ``engine``
@@ -94,6 +97,8 @@ class SimConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if not self.forward_scale > 0:
             raise ValueError(f"forward_scale must be > 0, got {self.forward_scale}")
+        if self.foreign_load < 0:
+            raise ValueError(f"foreign_load must be >= 0, got {self.foreign_load}")
         if self.host_cores < 0:
             raise ValueError(f"host_cores must be >= 0, got {self.host_cores}")
         if self.sink_device is not None and not 0 <= self.sink_device < self.num_devices:
@@ -319,10 +324,10 @@ def simulate(
     # Devices share ``host_cores`` processors (0: each device is its own processor): with b
     # busy devices on c cores each progresses at min(1, c / b) (processor sharing).
     def speed() -> float:
-        n_busy = len(remaining)
-        if not config.host_cores or n_busy <= config.host_cores:
+        demand = len(remaining) + config.foreign_load
+        if not config.host_cores or demand <= config.host_cores:
             return 1.0
-        return config.host_cores / n_busy
+        return config.host_cores / demand
 
     def advance(t: float) -> None:
         nonlocal last_t
