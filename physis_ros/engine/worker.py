@@ -255,14 +255,7 @@ class Worker:
         if len(got) < 2 * slots:
             return
         cfg = self.cfg
-        ring = KVRing(
-            self.sampler.window,
-            cfg.num_heads,
-            cfg.tokens_per_chunk,
-            cfg.head_dim,
-            self.device,
-            self.dtype,
-        )
+        ring = self._new_ring()
         n = cfg.tokens_per_chunk
         shape = (cfg.num_heads, n, cfg.head_dim)
         for i in range(slots):
@@ -276,6 +269,17 @@ class Worker:
         self._stalled = False
         if st.ship:  # it may move on at once (two changes before a chunk ran here)
             self._ship_ready(msg.stream_id, st)
+
+    def _new_ring(self) -> KVRing:
+        cfg = self.cfg
+        return KVRing(
+            self.sampler.window,
+            cfg.num_heads,
+            cfg.tokens_per_chunk,
+            cfg.head_dim,
+            self.device,
+            self.dtype,
+        )
 
     @torch.inference_mode()
     def _allocate(self, layout: Layout, cond_seed: int, history: str) -> _StreamState:
@@ -296,14 +300,7 @@ class Worker:
         for k, blk in mine:
             key = (0, blk) if history == "clean" else (k, blk)
             if key not in st.rings:
-                st.rings[key] = KVRing(
-                    self.sampler.window,
-                    cfg.num_heads,
-                    cfg.tokens_per_chunk,
-                    cfg.head_dim,
-                    self.device,
-                    self.dtype,
-                )
+                st.rings[key] = self._new_ring()
             if blk not in st.cross:
                 st.cross[blk] = M.cross_kv(self.model, blk, ctx)
         return st
