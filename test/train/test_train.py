@@ -44,6 +44,8 @@ def _train(bag, out, seed: int) -> dict:
             "2",
             "--chunks",
             "3",
+            "--window",
+            "2",
             "--val-every",
             "1",
             "--seed",
@@ -68,6 +70,7 @@ def test_training_is_reproducible_and_loadable(bag, tmp_path):
 
     wa, wb, wc = (load_file(str(tmp_path / r / "weights.safetensors")) for r in "abc")
     assert wa.keys() == wb.keys() == wc.keys()
+    assert {t.dtype for t in wa.values()} == {torch.float16}  # a few MB, not 14
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bit-identical: same seed, same data
     assert not all(torch.equal(wa[k], wc[k]) for k in wa)
     assert a["steps_done"] == 3 and math.isfinite(a["final_val_loss"])
@@ -79,6 +82,10 @@ def test_training_is_reproducible_and_loadable(bag, tmp_path):
     kwargs = engine_kwargs(tmp_path / "a" / "weights.safetensors")
     model = build_model(get_preset(kwargs["model"]))
     model.load_safetensors(kwargs["checkpoint"])  # upstream key names, strict
+    # loaded into float32, exactly the stored values
+    for key, val in model.state_dict().items():
+        stored = wa[key].float().reshape(val.shape)
+        assert val.dtype == torch.float32 and torch.equal(val, stored), key
     del b, c
 
 
@@ -104,6 +111,31 @@ def test_noisy_history_loss_ignores_context_chunks_and_scores_only_noised_ones()
     err = (v - (eps - x0[..., :nvp])).pow(2).mean(-1)
     expected = (err[0, 1:].sum() + err[1, 2:].sum()) / 5
     assert np.isclose(loss.item(), expected.item(), rtol=1e-5)
+
+
+def test_training_noise_levels_are_the_served_samplers_levels():
+    from physis_ros.engine.config import SamplerConfig
+    from physis_ros.engine.sampler import sigmas
+    from physis_ros.train.train import _train_sigmas
+
+    gen = torch.Generator().manual_seed(0)
+    cfg = TrainConfig(sample_steps=4, shift=3.0, batch_size=256)
+    drawn = set(_train_sigmas(cfg, gen).tolist())
+    levels = sigmas(SamplerConfig(steps=4, shift=3.0))[:-1]  # sigma_0 .. sigma_{K-1}
+    assert drawn == {torch.tensor(v, dtype=torch.float32).item() for v in levels}
+    continuous = _train_sigmas(TrainConfig(sample_steps=0, batch_size=256), gen)
+    assert len(set(continuous.tolist())) == 256 and 0 < continuous.min() < continuous.max() < 1
+
+
+def test_shipped_weights_are_served_by_default_and_small():
+    from physis_ros.weights import DEFAULT_WEIGHTS, shipped_engine_defaults
+
+    kwargs = shipped_engine_defaults("push-wm")
+    meta = read_metadata(DEFAULT_WEIGHTS)
+    assert kwargs["checkpoint"] == str(DEFAULT_WEIGHTS) and kwargs["model"] == "push-wm"
+    assert kwargs["window"] == int(meta["window"]) and kwargs["steps"] == int(meta["steps"])
+    assert shipped_engine_defaults("tiny") == {}  # random weights for the other presets
+    assert DEFAULT_WEIGHTS.stat().st_size < 8 * 2**20  # "a few MB"
 
 
 def test_config_rejects_bad_values():
