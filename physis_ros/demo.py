@@ -226,11 +226,11 @@ def main(argv=None) -> int:
     print(
         f"physis-demo: wrote {out / 'summary.json'}" + (f" and {out / 'strip.png'}" if rows else "")
     )
-    ok = (
-        stats is not None
-        and stats.chunks_published > 0
-        and all(c == 0 for c in exit_codes.values())
+    # a world-action model publishes action chunks; a world model (push-wm) predicted frames
+    published = (stats.chunks_published if stats is not None else 0) + counts.get(
+        "predicted/image", 0
     )
+    ok = stats is not None and published > 0 and all(c == 0 for c in exit_codes.values())
     return 0 if ok or interrupted else 1
 
 

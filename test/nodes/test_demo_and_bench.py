@@ -23,7 +23,9 @@ def test_demo_runs_the_closed_loop_and_leaves_a_summary_and_a_strip(tmp_path, ro
     assert any("interval" in line and "response" in line for line in lines), proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["children_exit_codes"] == {"server": 0, "sim_robot": 0, "bridge": 0}
-    assert summary["chunks_published"] > 10 and summary["observations_sent"] > 10
+    assert summary["chunks_received"] > 10 and summary["observations_sent"] > 10
+    # a world model: predicted frames go out, no action chunks
+    assert summary["topic_messages_seen"]["predicted/image"] > 10
     # push-wm (the shipped model) is paced at the 200 ms of video one chunk covers
     assert summary["model"] == "push-wm"
     assert summary["interval_median_ms"] == pytest.approx(200.0, rel=0.3)
