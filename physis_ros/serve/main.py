@@ -122,6 +122,16 @@ def run_frontend(
         " with TLS" if config.tls_cert_path else "",
         " and a bearer token" if config.token else "",
     )
+    unguarded = [
+        n for n, on in (("TLS", config.tls_cert_path), ("a token", config.token)) if not on
+    ]
+    if config.host not in {"127.0.0.1", "::1", "localhost"} and unguarded:
+        # Observations are camera images of someone's lab and the predictions steer a robot.
+        log.warning(
+            "listening on %s without %s: anyone who reaches this port can stream to the model",
+            config.host,
+            " or ".join(unguarded),
+        )
     try:
         if port_file:
             # Written atomically: a reader never sees a half-written number.
