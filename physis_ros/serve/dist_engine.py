@@ -39,9 +39,9 @@ from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 from physis_ros.engine.transport import Activation
 from physis_ros.serve.dist_launch import (
     RankContext,
+    as_rank,
     free_port,
     init_from_env,
-    rank_env,
     spawn_ranks,
     stop_ranks,
 )
@@ -89,6 +89,8 @@ class DistEngine(PlacementControl):
         self.cfg = cfg
         self.ctx = ctx
         self.procs = list(procs or [])
+        self.master_port: int | None = None
+        """The rendezvous store's port when ``launch_local`` chose it."""
         self.world_size = ctx.world_size
         self.transport = TorchDistTransport(shapes=cfg.shapes(), device=ctx.device)
         check_shapes_agree(
@@ -152,9 +154,11 @@ class DistEngine(PlacementControl):
             world_size=world_size, master_port=port, argv=argv, extra_env=env, log_dir=log_dir
         )
         try:
-            os.environ.update(rank_env(rank=0, world_size=world_size, master_port=port))
-            ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
-            return cls(cfg, ctx, procs=procs)
+            with as_rank(rank=0, world_size=world_size, master_port=port):
+                ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
+            engine = cls(cfg, ctx, procs=procs)
+            engine.master_port = port
+            return engine
         except BaseException:
             stop_ranks(procs, timeout_s=0.0)
             if dist.is_initialized():

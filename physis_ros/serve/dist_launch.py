@@ -12,6 +12,7 @@ parent dies they get SIGTERM, so no rank is left behind even when a test process
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import os
@@ -20,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def rank_env(*, rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1"):
     """The environment torchrun would give ``rank`` on a single node."""
     return {
@@ -58,6 +62,23 @@ def rank_env(*, rank: int, world_size: int, master_port: int, master_addr: str =
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
     }
+
+
+@contextlib.contextmanager
+def as_rank(*, rank: int, world_size: int, master_port: int) -> Iterator[None]:
+    """torchrun's variables for this process while it joins the job, then the environment as
+    it was: left behind, they would make every ``physis-serve`` this process starts later
+    (a test suite, the demo) believe it runs under torchrun and wait for ranks that never come."""
+    saved = {k: os.environ.get(k) for k in RANK_VARS}
+    os.environ.update(rank_env(rank=rank, world_size=world_size, master_port=master_port))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def pick_device_and_backend(local_rank: int, local_world_size: int, device: str = "auto"):

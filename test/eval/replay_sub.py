@@ -1,8 +1,9 @@
 """Child process for test_replay.py: receive raw messages on the recorder's topics.
 
 replay_sub.py N_IMAGES TIMEOUT_S: subscribes (reliable, raw CDR) to the camera, wrench, joint
-state and command topics; once N_IMAGES images arrived (or after TIMEOUT_S) prints one JSON
-line: per topic count, and per image its receive time (time.monotonic) and header stamp (ns).
+state and command topics; once N_IMAGES images arrived and the other topics went quiet for 1 s
+(or after TIMEOUT_S) prints one JSON line: per topic count, and per image its receive time
+(time.monotonic) and header stamp (ns).
 """
 
 import json
@@ -52,10 +53,13 @@ def main() -> int:
     deadline = time.monotonic() + timeout_s
     while len(images) < want and time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.05)
-    # a little longer for the other topics' last messages
-    end = time.monotonic() + 0.5
-    while time.monotonic() < end:
+    # the other topics' last messages: spin until none has come for 1 s (a loaded host can
+    # leave a backlog of 100 Hz messages behind the last image)
+    quiet_since, seen = time.monotonic(), sum(counts.values())
+    while time.monotonic() - quiet_since < 1.0 and time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.05)
+        if sum(counts.values()) != seen:
+            quiet_since, seen = time.monotonic(), sum(counts.values())
     print(json.dumps({"counts": counts, "images": images, "now_ns": time.time_ns()}), flush=True)
     node.destroy_node()
     rclpy.try_shutdown()

@@ -19,6 +19,7 @@ from physis_ros.engine.api import StreamFailed, StreamSpec
 from physis_ros.engine.model import build_model, chunk_numel
 from physis_ros.engine.oracle import sample_noisy
 from physis_ros.serve.dist_engine import DistEngine
+from physis_ros.serve.dist_launch import RANK_VARS
 from physis_ros.serve.runtime import RuntimeConfig
 
 torch.set_num_threads(1)
@@ -88,7 +89,10 @@ def _check_oracle(cfg: RuntimeConfig, plans: dict, specs: dict, got: dict) -> fl
 
 
 def _assert_clean_exit(engine: DistEngine) -> None:
-    port = int(os.environ["MASTER_PORT"])
+    port = engine.master_port
+    # torchrun's variables were set only while rank 0 joined: a physis-serve started later by
+    # this process must not think it runs under torchrun
+    assert not set(RANK_VARS) & set(os.environ)
     assert [p.poll() for p in engine.procs] == [0] * len(engine.procs)
     with socket.socket() as sock:  # the store's port is free again
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

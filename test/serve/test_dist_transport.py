@@ -8,7 +8,6 @@ to rank 0's sink. No engine is involved: this tests the wire alone.
 from __future__ import annotations
 
 import datetime
-import os
 import signal
 import sys
 import time
@@ -20,7 +19,7 @@ import torch.distributed as dist
 
 from physis_ros.engine.transport import Activation
 from physis_ros.serve import dist_transport
-from physis_ros.serve.dist_launch import free_port, rank_env, spawn_ranks, stop_ranks, tie_to_parent
+from physis_ros.serve.dist_launch import as_rank, free_port, spawn_ranks, stop_ranks, tie_to_parent
 from physis_ros.serve.dist_transport import (
     ActivationShapes,
     TorchDistTransport,
@@ -73,8 +72,8 @@ def ranks(request):
     port = free_port()
     env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     procs = spawn_ranks(world_size=world, master_port=port, argv=[__file__], extra_env=env)
-    os.environ.update(rank_env(rank=0, world_size=world, master_port=port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    with as_rank(rank=0, world_size=world, master_port=port):
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     transport = TorchDistTransport(shapes=SHAPES, device=torch.device("cpu"))
     try:
         yield transport, procs
@@ -189,8 +188,8 @@ def test_ranks_running_different_wire_code_are_refused_at_start_up():
     procs = spawn_ranks(
         world_size=2, master_port=port, argv=[__file__, "old-protocol"], extra_env=env
     )
-    os.environ.update(rank_env(rank=0, world_size=2, master_port=port))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    with as_rank(rank=0, world_size=2, master_port=port):
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     try:
         with pytest.raises(RuntimeError, match="rank 1 runs wire protocol 1") as err:
             check_shapes_agree(SHAPES, torch.device("cpu"))
