@@ -35,7 +35,8 @@ class ContextInput:
     received_ns: int
     """Server wall clock, after parsing and checking."""
     frames: np.ndarray
-    """[1, H, W, 3] uint8."""
+    """[F, H, W, 3] uint8: [1, ...] from ``context_input`` (the observation's frame); the
+    session makes it the stream's newest chunk_frames frames."""
     actions: np.ndarray | None
     """[H, A] float32 commanded actions, or None."""
 

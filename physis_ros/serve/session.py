@@ -2,7 +2,9 @@
 
 ``Session`` is one admitted stream: the gRPC reader thread offers it client messages (checked
 here; bad ones dropped and counted by reason), it keeps the newest checked observation in a
-one-slot buffer (newest wins), and it queues outgoing messages for the gRPC writer.
+one-slot buffer (newest wins), as a context chunk of the stream's newest frames (every
+checked frame enters the stream's frame history), and it queues outgoing messages for the
+gRPC writer.
 
 ``EngineLoop`` is the one thread that calls the engine (the gRPC threads never block on it):
 per stream it keeps ``pipeline_depth`` generate requests in flight (paced by the stream's
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import queue
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from physis_ros.engine.api import ChunkOutput, StreamEngine, StreamFailed, StreamPromise
@@ -109,6 +113,13 @@ class Session:
         self.opened_s = time.monotonic()
         self._lock = threading.Lock()
         self._newest: ContextInput | None = None
+        # The newest chunk_frames camera frames, in arrival order: every checked observation's
+        # frame enters it (also one superseded before it was used), and a context chunk is
+        # built from it, as training and the eval build an observed chunk from consecutive
+        # real frames. Cleared when the stream ends.
+        self._frames: collections.deque[np.ndarray] = collections.deque(
+            maxlen=max(promise.chunk_frames, 1)
+        )
         self._last_seq: int | None = None
         self._outbound: collections.deque[Any] = collections.deque()
         # One token per item pushed: the writer takes a token, then an item (if one is still
@@ -192,6 +203,16 @@ class Session:
             self.drop(exc.reason, f"observation {o.seq}: {exc.detail}")
             return
         with self._lock:
+            if self.closed:
+                return
+            self._frames.extend(ctx.frames)
+            frames = list(self._frames)
+        # A stream's first observations, before chunk_frames frames exist: the oldest frame
+        # is repeated in front (the newest stays last). Stacked outside the lock: one reader
+        # thread offers a stream's messages, in order.
+        frames[:0] = frames[:1] * (self._frames.maxlen - len(frames))
+        ctx = dataclasses.replace(ctx, frames=np.stack(frames))
+        with self._lock:
             superseded = self._newest
             self._newest = ctx
         if superseded is not None:
@@ -263,6 +284,8 @@ class Session:
                 return
             self._outbound.append(SessionEnded(code, details))
             self.closed = True
+            self._frames.clear()
+            self._newest = None
         self._outbound_tokens.put(None)
         if self.on_end is not None:
             self.on_end(details)

@@ -32,8 +32,10 @@ class FakeEngine:
         width: int = 16,
         action_horizon: int = 4,
         action_dim: int = 4,
+        chunk_frames: int = 1,
     ) -> None:
         self.slots = slots
+        self.chunk_frames = chunk_frames
         self.chunk_s = chunk_ms / 1000.0
         self.height, self.width = height, width
         self.horizon, self.action_dim = action_horizon, action_dim
@@ -42,6 +44,8 @@ class FakeEngine:
         self._next_id = 1
         self._ready: list[tuple[float, ChunkOutput]] = []
         self.contexts: list[tuple[int, int, float]] = []  # (stream, chunk, mean pixel)
+        self.context_frames: list[tuple[int, np.ndarray]] = []  # (stream, frames) as received
+        self.hold = threading.Event()  # while set, poll finishes no chunk
         self.generate_actions: list[np.ndarray | None] = []  # as submit_generate got them
         self._failures: list[StreamFailed] = []  # raised by the next polls, one each
 
@@ -60,7 +64,7 @@ class FakeEngine:
             expected_interval_ms=self.chunk_s * 1e3,
             pipeline_depth=2,
             expected_response_latency_ms=3 * self.chunk_s * 1e3,
-            chunk_frames=1,
+            chunk_frames=self.chunk_frames,
             image_height=self.height,
             image_width=self.width,
             action_horizon=self.horizon,
@@ -74,7 +78,9 @@ class FakeEngine:
 
     def submit_context(self, stream_id, frames, actions=None) -> int:
         assert frames.dtype == np.uint8 and frames.shape[1:] == (self.height, self.width, 3)
+        assert 1 <= frames.shape[0] <= self.chunk_frames
         with self._lock:
+            self.context_frames.append((stream_id, frames.copy()))
             s = self._streams[stream_id]
             chunk = s["chunk"]
             s["chunk"] += 1
@@ -125,8 +131,9 @@ class FakeEngine:
             with self._lock:
                 if self._failures:
                     raise self._failures.pop(0)
-                done = [o for t, o in self._ready if t <= now]
-                self._ready = [(t, o) for t, o in self._ready if t > now]
+                until = -1.0 if self.hold.is_set() else now
+                done = [o for t, o in self._ready if t <= until]
+                self._ready = [(t, o) for t, o in self._ready if t > until]
             if done or now >= deadline:
                 return done
             time.sleep(min(0.001, deadline - now))

@@ -214,9 +214,70 @@ def test_predictions_name_the_observation_they_are_conditioned_on():
         assert [c[1] for c in engine.contexts] == sorted(c[1] for c in engine.contexts)
     finally:
         client.close()
+        # The engine thread frees the slot after the call ends: stopping it first raced that.
+        wait_for(lambda: not loop.sessions(), 10, what="the stream closed")
         handle.stop()
         loop.stop()
     assert engine.info()["free_slots"] == "2"
+
+
+def test_context_chunk_is_the_streams_newest_frames_in_arrival_order():
+    """A model with 2 frames per chunk gets, as each context chunk, the stream's newest 2
+    frames (not one frame twice): after A then B the chunk is [A, B], also when A was
+    superseded before it was used; a stream's first frame fills its first chunk."""
+    engine = FakeEngine(slots=2, chunk_ms=3.0, chunk_frames=2)
+    loop = EngineLoop(engine)
+    loop.start()
+    handle = start_server(
+        loop,
+        config=FrontendConfig(port=0),
+        description=ServerDescription(model="fake", steps=2, blocks=2),
+    )
+    clients = [LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5) for _ in range(2)]
+
+    def send(client: LinkClient, seq: int, value: int) -> None:
+        frame = np.full((16, 16, 3), value, np.uint8)
+        client.send_observation(
+            Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=rgb_image(frame))
+        )
+
+    def contexts(stream_id: int) -> list[list[int]]:
+        return [[int(f[0, 0, 0]) for f in fr] for s, fr in engine.context_frames if s == stream_id]
+
+    try:
+        engine.hold.set()  # the pipeline fills and no chunk finishes: nothing takes A alone
+        clients[0].start()
+        wait_for(lambda: clients[0].stats().state == "streaming", 10, what="streaming")
+        (session,) = wait_for(loop.sessions, 10, what="a session")
+        wait_for(lambda: session.inflight == 2, 10, what="a full pipeline")
+        send(clients[0], 1, 10)  # A
+        wait_for(lambda: session.observations_received == 1, 10, what="A at the server")
+        send(clients[0], 2, 20)  # B
+        wait_for(lambda: session.drops["superseded"] == 1, 10, what="A superseded by B")
+        assert engine.context_frames == []
+        engine.hold.clear()
+        wait_for(lambda: contexts(session.stream_id), 10, what="a context chunk")
+        assert contexts(session.stream_id) == [[10, 20]]
+        send(clients[0], 3, 30)  # C
+        wait_for(lambda: len(contexts(session.stream_id)) == 2, 10, what="C's context chunk")
+        assert contexts(session.stream_id) == [[10, 20], [20, 30]]
+
+        # A new stream's first observation: its one frame, repeated.
+        clients[1].start()
+        wait_for(lambda: len(loop.sessions()) == 2, 10, what="a second session")
+        (other,) = [s for s in loop.sessions() if s is not session]
+        wait_for(lambda: clients[1].stats().state == "streaming", 10, what="streaming")
+        send(clients[1], 1, 40)
+        wait_for(lambda: contexts(other.stream_id), 10, what="the second stream's context")
+        assert contexts(other.stream_id) == [[40, 40]]
+    finally:
+        for client in clients:
+            client.close()
+        wait_for(lambda: not loop.sessions(), 10, what="both streams closed")
+        handle.stop()
+        loop.stop()
+    assert engine.info()["free_slots"] == "2"
+    assert session.closed and not session._frames  # a closed stream's history is freed
 
 
 def test_action_conditioned_model_gets_the_newest_commanded_actions():
