@@ -3,6 +3,7 @@ and the session's mapping of chunks to the observations they are conditioned on.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 import time
@@ -35,6 +36,24 @@ from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_s
 from physis_ros.serve.main import frontend_config
 from physis_ros.serve.observations import decode_image
 from physis_ros.serve.session import EngineLoop, SessionLimits
+
+
+@contextlib.contextmanager
+def _served(engine, *, config=None, description=None, **loop_options):
+    """The real front end over ``engine`` on an ephemeral 127.0.0.1 port; stopped on exit
+    (after the body's own clean-up, so clients close first)."""
+    loop = EngineLoop(engine, **loop_options)
+    loop.start()
+    handle = start_server(
+        loop,
+        config=config or FrontendConfig(port=0),
+        description=description or ServerDescription(model="fake", steps=2, blocks=2),
+    )
+    try:
+        yield loop, handle
+    finally:
+        handle.stop()
+        loop.stop()
 
 
 def test_clock_offset_best_of_n_within_its_uncertainty():
@@ -179,45 +198,37 @@ def test_predictions_name_the_observation_they_are_conditioned_on():
     """The fake engine's actions are the mean pixel of the newest context chunk before the
     generated chunk: each prediction's observation_seq must match that value exactly."""
     engine = FakeEngine(slots=2, chunk_ms=4.0)
-    loop = EngineLoop(engine)
-    loop.start()
-    handle = start_server(
-        loop,
-        config=FrontendConfig(port=0),
-        description=ServerDescription(model="fake", steps=2, blocks=2),
-    )
-    client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
-    client.start()
-    try:
-        wait_for(lambda: client.stats().state == "streaming", 10, what="streaming")
-        seen = []
-        for seq in range(1, 60):
-            value = (seq * 37) % 256
-            frame = np.full((16, 16, 3), value, np.uint8)
-            client.send_observation(
-                Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=rgb_image(frame))
-            )
-            time.sleep(0.003)
-            while (p := client.get_prediction(0)) is not None:
-                seen.append(p)
-        # The pipeline never stops generating: take what arrives for a little longer.
-        end_s = time.monotonic() + 0.3
-        while time.monotonic() < end_s:
-            if (p := client.get_prediction(0.05)) is not None:
-                seen.append(p)
-        conditioned = [p for p in seen if p.observation_seq > 0]
-        assert len(conditioned) >= 10
-        for p in conditioned:
-            expected = ((p.observation_seq * 37) % 256) / 255.0
-            assert p.actions[0, 0] == pytest.approx(expected, abs=1e-6), p.observation_seq
-        # Each context chunk the engine got came from an observation, newest first.
-        assert [c[1] for c in engine.contexts] == sorted(c[1] for c in engine.contexts)
-    finally:
-        client.close()
-        # The engine thread frees the slot after the call ends: stopping it first raced that.
-        wait_for(lambda: not loop.sessions(), 10, what="the stream closed")
-        handle.stop()
-        loop.stop()
+    with _served(engine) as (loop, handle):
+        client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
+        client.start()
+        try:
+            wait_for(lambda: client.stats().state == "streaming", 10, what="streaming")
+            seen = []
+            for seq in range(1, 60):
+                value = (seq * 37) % 256
+                frame = np.full((16, 16, 3), value, np.uint8)
+                client.send_observation(
+                    Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=rgb_image(frame))
+                )
+                time.sleep(0.003)
+                while (p := client.get_prediction(0)) is not None:
+                    seen.append(p)
+            # The pipeline never stops generating: take what arrives for a little longer.
+            end_s = time.monotonic() + 0.3
+            while time.monotonic() < end_s:
+                if (p := client.get_prediction(0.05)) is not None:
+                    seen.append(p)
+            conditioned = [p for p in seen if p.observation_seq > 0]
+            assert len(conditioned) >= 10
+            for p in conditioned:
+                expected = ((p.observation_seq * 37) % 256) / 255.0
+                assert p.actions[0, 0] == pytest.approx(expected, abs=1e-6), p.observation_seq
+            # Each context chunk the engine got came from an observation, newest first.
+            assert [c[1] for c in engine.contexts] == sorted(c[1] for c in engine.contexts)
+        finally:
+            client.close()
+            # The engine thread frees the slot after the call ends: stopping it first raced that.
+            wait_for(lambda: not loop.sessions(), 10, what="the stream closed")
     assert engine.info()["free_slots"] == "2"
 
 
@@ -226,100 +237,90 @@ def test_context_chunk_is_the_streams_newest_frames_in_arrival_order():
     frames (not one frame twice): after A then B the chunk is [A, B], also when A was
     superseded before it was used; a stream's first frame fills its first chunk."""
     engine = FakeEngine(slots=2, chunk_ms=3.0, chunk_frames=2)
-    loop = EngineLoop(engine)
-    loop.start()
-    handle = start_server(
-        loop,
-        config=FrontendConfig(port=0),
-        description=ServerDescription(model="fake", steps=2, blocks=2),
-    )
-    clients = [LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5) for _ in range(2)]
+    with _served(engine) as (loop, handle):
+        clients = [LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5) for _ in range(2)]
 
-    def send(client: LinkClient, seq: int, value: int) -> None:
-        frame = np.full((16, 16, 3), value, np.uint8)
-        client.send_observation(
-            Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=rgb_image(frame))
-        )
+        def send(client: LinkClient, seq: int, value: int) -> None:
+            frame = np.full((16, 16, 3), value, np.uint8)
+            client.send_observation(
+                Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=rgb_image(frame))
+            )
 
-    def contexts(stream_id: int) -> list[list[int]]:
-        return [[int(f[0, 0, 0]) for f in fr] for s, fr in engine.context_frames if s == stream_id]
+        def contexts(stream_id: int) -> list[list[int]]:
+            return [
+                [int(f[0, 0, 0]) for f in fr] for s, fr in engine.context_frames if s == stream_id
+            ]
 
-    try:
-        engine.hold.set()  # the pipeline fills and no chunk finishes: nothing takes A alone
-        clients[0].start()
-        wait_for(lambda: clients[0].stats().state == "streaming", 10, what="streaming")
-        (session,) = wait_for(loop.sessions, 10, what="a session")
-        wait_for(lambda: session.inflight == 2, 10, what="a full pipeline")
-        send(clients[0], 1, 10)  # A
-        wait_for(lambda: session.observations_received == 1, 10, what="A at the server")
-        send(clients[0], 2, 20)  # B
-        wait_for(lambda: session.drops["superseded"] == 1, 10, what="A superseded by B")
-        assert engine.context_frames == []
-        engine.hold.clear()
-        wait_for(lambda: contexts(session.stream_id), 10, what="a context chunk")
-        assert contexts(session.stream_id) == [[10, 20]]
-        send(clients[0], 3, 30)  # C
-        wait_for(lambda: len(contexts(session.stream_id)) == 2, 10, what="C's context chunk")
-        assert contexts(session.stream_id) == [[10, 20], [20, 30]]
+        try:
+            engine.hold.set()  # the pipeline fills and no chunk finishes: nothing takes A alone
+            clients[0].start()
+            wait_for(lambda: clients[0].stats().state == "streaming", 10, what="streaming")
+            (session,) = wait_for(loop.sessions, 10, what="a session")
+            wait_for(lambda: session.inflight == 2, 10, what="a full pipeline")
+            send(clients[0], 1, 10)  # A
+            wait_for(lambda: session.observations_received == 1, 10, what="A at the server")
+            send(clients[0], 2, 20)  # B
+            wait_for(lambda: session.drops["superseded"] == 1, 10, what="A superseded by B")
+            assert engine.context_frames == []
+            engine.hold.clear()
+            wait_for(lambda: contexts(session.stream_id), 10, what="a context chunk")
+            assert contexts(session.stream_id) == [[10, 20]]
+            send(clients[0], 3, 30)  # C
+            wait_for(lambda: len(contexts(session.stream_id)) == 2, 10, what="C's context chunk")
+            assert contexts(session.stream_id) == [[10, 20], [20, 30]]
 
-        # A new stream's first observation: its one frame, repeated.
-        clients[1].start()
-        wait_for(lambda: len(loop.sessions()) == 2, 10, what="a second session")
-        (other,) = [s for s in loop.sessions() if s is not session]
-        wait_for(lambda: clients[1].stats().state == "streaming", 10, what="streaming")
-        send(clients[1], 1, 40)
-        wait_for(lambda: contexts(other.stream_id), 10, what="the second stream's context")
-        assert contexts(other.stream_id) == [[40, 40]]
-    finally:
-        for client in clients:
-            client.close()
-        wait_for(lambda: not loop.sessions(), 10, what="both streams closed")
-        handle.stop()
-        loop.stop()
+            # A new stream's first observation: its one frame, repeated.
+            clients[1].start()
+            wait_for(lambda: len(loop.sessions()) == 2, 10, what="a second session")
+            (other,) = [s for s in loop.sessions() if s is not session]
+            wait_for(lambda: clients[1].stats().state == "streaming", 10, what="streaming")
+            send(clients[1], 1, 40)
+            wait_for(lambda: contexts(other.stream_id), 10, what="the second stream's context")
+            assert contexts(other.stream_id) == [[40, 40]]
+        finally:
+            for client in clients:
+                client.close()
+            wait_for(lambda: not loop.sessions(), 10, what="both streams closed")
     assert engine.info()["free_slots"] == "2"
     assert session.closed and not session._frames  # a closed stream's history is freed
 
 
 def test_action_conditioned_model_gets_the_newest_commanded_actions():
     engine = FakeEngine(slots=1, chunk_ms=3.0, action_horizon=4, action_dim=2)
-    loop = EngineLoop(engine, generate_with_actions=True)
-    loop.start()
-    handle = start_server(
-        loop,
-        config=FrontendConfig(port=0),
+    with _served(
+        engine,
         description=ServerDescription(model="fake", steps=2, blocks=2, action_mode="condition"),
-    )
-    client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
-    client.start()
-    try:
-        wait_for(lambda: client.stats().state == "streaming", 10, what="streaming")
-        frame = np.zeros((16, 16, 3), np.uint8)
-        client.send_observation(
-            Observation(
-                seq=1,
-                capture_stamp_ns=time.time_ns(),
-                image=rgb_image(frame),
-                action=np.array([0.5, -1.0], np.float32),
+        generate_with_actions=True,
+    ) as (_loop, handle):
+        client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
+        client.start()
+        try:
+            wait_for(lambda: client.stats().state == "streaming", 10, what="streaming")
+            frame = np.zeros((16, 16, 3), np.uint8)
+            client.send_observation(
+                Observation(
+                    seq=1,
+                    capture_stamp_ns=time.time_ns(),
+                    image=rgb_image(frame),
+                    action=np.array([0.5, -1.0], np.float32),
+                )
             )
-        )
-        wait_for(
-            lambda: any(a is not None for a in engine.generate_actions),
-            10,
-            what="a generate request with actions",
-        )
-        first = next(i for i, a in enumerate(engine.generate_actions) if a is not None)
-        np.testing.assert_array_equal(
-            engine.generate_actions[first], np.tile([[0.5, -1.0]], (4, 1))
-        )
-        # Before the observation: no actions; after it: the same actions held.
-        assert all(a is None for a in engine.generate_actions[:first])
-        time.sleep(0.05)
-        for a in engine.generate_actions[first:]:
-            np.testing.assert_array_equal(a, np.tile([[0.5, -1.0]], (4, 1)))
-    finally:
-        client.close()
-        handle.stop()
-        loop.stop()
+            wait_for(
+                lambda: any(a is not None for a in engine.generate_actions),
+                10,
+                what="a generate request with actions",
+            )
+            first = next(i for i, a in enumerate(engine.generate_actions) if a is not None)
+            np.testing.assert_array_equal(
+                engine.generate_actions[first], np.tile([[0.5, -1.0]], (4, 1))
+            )
+            # Before the observation: no actions; after it: the same actions held.
+            assert all(a is None for a in engine.generate_actions[:first])
+            time.sleep(0.05)
+            for a in engine.generate_actions[first:]:
+                np.testing.assert_array_equal(a, np.tile([[0.5, -1.0]], (4, 1)))
+        finally:
+            client.close()
 
 
 @pytest.mark.parametrize("size", [10, 70_000, 921_600])
@@ -391,24 +392,20 @@ def test_tensor_header_is_the_array_without_a_copy():
 
 def test_stuck_engine_ends_the_stream_and_the_client_reconnects():
     engine = FakeEngine(slots=4, chunk_ms=1e7)  # never finishes a chunk
-    loop = EngineLoop(engine)
-    loop.start()
     config = FrontendConfig(port=0, limits=SessionLimits(stall_timeout_s=0.3))
-    handle = start_server(
-        loop, config=config, description=ServerDescription(model="fake", steps=2, blocks=2)
-    )
-    client = LinkClient(
-        f"127.0.0.1:{handle.port}", connect_timeout_s=5, reconnect_backoff_s=(0.05, 0.2)
-    )
-    client.start()
-    try:
-        wait_for(lambda: client.stats().connections >= 2, 10, what="a reconnect after the stall")
-        assert "UNAVAILABLE" in client.stats().last_error
-        assert "finished no chunk" in client.stats().last_error
-    finally:
-        client.close()
-        handle.stop()
-        loop.stop()
+    with _served(engine, config=config) as (_loop, handle):
+        client = LinkClient(
+            f"127.0.0.1:{handle.port}", connect_timeout_s=5, reconnect_backoff_s=(0.05, 0.2)
+        )
+        client.start()
+        try:
+            wait_for(
+                lambda: client.stats().connections >= 2, 10, what="a reconnect after the stall"
+            )
+            assert "UNAVAILABLE" in client.stats().last_error
+            assert "finished no chunk" in client.stats().last_error
+        finally:
+            client.close()
 
 
 def test_a_failed_stream_ends_alone_an_engine_failure_ends_all():
@@ -416,51 +413,45 @@ def test_a_failed_stream_ends_alone_an_engine_failure_ends_all():
     client reconnects, the other stream keeps its call and its predictions. A failure naming
     no stream ends every stream."""
     engine = FakeEngine(slots=3, chunk_ms=3.0)
-    loop = EngineLoop(engine)
-    loop.start()
-    handle = start_server(
-        loop,
-        config=FrontendConfig(port=0),
-        description=ServerDescription(model="fake", steps=2, blocks=2),
-    )
-    target = f"127.0.0.1:{handle.port}"
-    clients = [
-        LinkClient(target, client_name=name, connect_timeout_s=5, reconnect_backoff_s=(0.05, 0.2))
-        for name in ("victim", "bystander")
-    ]
-    victim, bystander = clients
-    for c in clients:
-        c.start()
-    try:
-        for c in clients:
-            wait_for(lambda c=c: c.get_prediction(0.1), 10, what="a first prediction")
-        victim_id = victim.stats().promise.stream_id
-        engine.fail(victim_id)
-        wait_for(lambda: victim.stats().connections >= 2, 10, what="the victim reconnecting")
-        assert "stream failed in the engine" in victim.stats().last_error
-        # The bystander's call went on: same connection, predictions still coming.
-        while bystander.get_prediction(0) is not None:
-            pass
-        wait_for(lambda: bystander.get_prediction(0.1), 5, what="bystander predictions")
-        assert bystander.stats().connections == 1
-        assert bystander.stats().state == "streaming"
-        assert loop.error == ""
-        assert victim.stats().promise.stream_id != victim_id
-        wait_for(lambda: victim.get_prediction(0.1), 10, what="the victim's new stream")
-
-        engine.fail(None)
-        for c in clients:
-            wait_for(
-                lambda c=c: c.stats().connections >= (3 if c is victim else 2),
-                10,
-                what="every client reconnecting after the engine failure",
+    with _served(engine) as (loop, handle):
+        target = f"127.0.0.1:{handle.port}"
+        clients = [
+            LinkClient(
+                target, client_name=name, connect_timeout_s=5, reconnect_backoff_s=(0.05, 0.2)
             )
-        assert "engine failed" in loop.error
-    finally:
+            for name in ("victim", "bystander")
+        ]
+        victim, bystander = clients
         for c in clients:
-            c.close()
-        handle.stop()
-        loop.stop()
+            c.start()
+        try:
+            for c in clients:
+                wait_for(lambda c=c: c.get_prediction(0.1), 10, what="a first prediction")
+            victim_id = victim.stats().promise.stream_id
+            engine.fail(victim_id)
+            wait_for(lambda: victim.stats().connections >= 2, 10, what="the victim reconnecting")
+            assert "stream failed in the engine" in victim.stats().last_error
+            # The bystander's call went on: same connection, predictions still coming.
+            while bystander.get_prediction(0) is not None:
+                pass
+            wait_for(lambda: bystander.get_prediction(0.1), 5, what="bystander predictions")
+            assert bystander.stats().connections == 1
+            assert bystander.stats().state == "streaming"
+            assert loop.error == ""
+            assert victim.stats().promise.stream_id != victim_id
+            wait_for(lambda: victim.get_prediction(0.1), 10, what="the victim's new stream")
+
+            engine.fail(None)
+            for c in clients:
+                wait_for(
+                    lambda c=c: c.stats().connections >= (3 if c is victim else 2),
+                    10,
+                    what="every client reconnecting after the engine failure",
+                )
+            assert "engine failed" in loop.error
+        finally:
+            for c in clients:
+                c.close()
 
 
 def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
@@ -478,33 +469,27 @@ def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
 
 def test_prediction_queue_keeps_the_newest_when_the_caller_falls_behind():
     engine = FakeEngine(slots=1, chunk_ms=1.0)
-    loop = EngineLoop(engine)
-    loop.start()
-    handle = start_server(
-        loop,
-        config=FrontendConfig(port=0),
-        description=ServerDescription(model="fake", steps=2, blocks=2),
-    )
-    client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5, prediction_queue_size=3)
-    client.start()
-    try:
-        wait_for(
-            lambda: client.stats().drops.get("client:prediction_queue_full", 0) >= 5,
-            10,
-            what="predictions dropped from the full queue",
+    with _served(engine) as (_loop, handle):
+        client = LinkClient(
+            f"127.0.0.1:{handle.port}", connect_timeout_s=5, prediction_queue_size=3
         )
-        received = client.stats().predictions_received
-        taken = []
-        while (p := client.get_prediction(0)) is not None and len(taken) < 10:
-            taken.append(p.chunk_index)
-        # The queue held at most its size, the oldest went first, the newest were kept.
-        assert 1 <= len(taken) <= 3 + 2  # a chunk or two may land while draining
-        assert taken == sorted(taken)
-        assert taken[0] >= received - 3 - 2
-    finally:
-        client.close()
-        handle.stop()
-        loop.stop()
+        client.start()
+        try:
+            wait_for(
+                lambda: client.stats().drops.get("client:prediction_queue_full", 0) >= 5,
+                10,
+                what="predictions dropped from the full queue",
+            )
+            received = client.stats().predictions_received
+            taken = []
+            while (p := client.get_prediction(0)) is not None and len(taken) < 10:
+                taken.append(p.chunk_index)
+            # The queue held at most its size, the oldest went first, the newest were kept.
+            assert 1 <= len(taken) <= 3 + 2  # a chunk or two may land while draining
+            assert taken == sorted(taken)
+            assert taken[0] >= received - 3 - 2
+        finally:
+            client.close()
 
 
 def _client_message_cases():
@@ -587,26 +572,18 @@ def test_large_frames_cross_the_link_intact():
     server, a view of the received bytes on the client): the pixels must arrive as sent."""
     engine = FakeEngine(slots=1, chunk_ms=2.0, height=160, width=160)
     assert LARGE_PAYLOAD_BYTES <= 160 * 160 * 3
-    loop = EngineLoop(engine)
-    loop.start()
-    handle = start_server(
-        loop,
-        config=FrontendConfig(port=0),
-        description=ServerDescription(model="fake", steps=2, blocks=2),
-    )
-    client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
-    client.start()
-    try:
-        got = []
-        deadline_s = time.monotonic() + 15
-        while len(got) < 5 and time.monotonic() < deadline_s:
-            if (p := client.get_prediction(0.1)) is not None:
-                got.append(p)
-        assert len(got) == 5, client.stats()
-        for p in got:
-            assert p.frames.shape == (1, 160, 160, 3) and p.frames.dtype == np.uint8
-            assert (p.frames == p.chunk_index % 256).all(), p.chunk_index
-    finally:
-        client.close()
-        handle.stop()
-        loop.stop()
+    with _served(engine) as (_loop, handle):
+        client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
+        client.start()
+        try:
+            got = []
+            deadline_s = time.monotonic() + 15
+            while len(got) < 5 and time.monotonic() < deadline_s:
+                if (p := client.get_prediction(0.1)) is not None:
+                    got.append(p)
+            assert len(got) == 5, client.stats()
+            for p in got:
+                assert p.frames.shape == (1, 160, 160, 3) and p.frames.dtype == np.uint8
+                assert (p.frames == p.chunk_index % 256).all(), p.chunk_index
+        finally:
+            client.close()
