@@ -4,14 +4,13 @@ closing a stream frees its slots for one that was refused."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from stream_plans import random_plan, run_plans
 
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import build_model, chunk_numel
+from physis_ros.engine.model import build_model
 from physis_ros.engine.oracle import sample_noisy
 from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
@@ -37,36 +36,6 @@ PROFILE = Profile(
     hop_ms=0.0,
     comm_overlaps_compute=True,
 )
-
-
-def _plan(seed: int):
-    gen = torch.Generator().manual_seed(1000 + seed)
-    cfg = get_preset("tiny")
-    return [
-        ("context", torch.randn(chunk_numel(cfg), generator=gen) * 0.5)
-        if c == 0
-        else ("generate", None)
-        for c in range(CHUNKS)
-    ]
-
-
-def _run(engine, plans: dict, timeout_s: float = 90.0) -> dict:
-    """Submit every plan at once (so streams are in flight together); sid -> chunk -> x."""
-    expected = 0
-    for sid, plan in plans.items():
-        for kind, val in plan:
-            if kind == "context":
-                engine.submit_context_x(sid, val)
-            else:
-                engine.submit_generate(sid)
-                expected += 1
-    got: dict[int, dict[int, torch.Tensor]] = {sid: {} for sid in plans}
-    deadline = time.monotonic() + timeout_s
-    while sum(map(len, got.values())) < expected:
-        assert time.monotonic() < deadline, f"{sum(map(len, got.values()))} of {expected} back"
-        for res in engine.poll_results(0.1):
-            got[res.stream_id][res.chunk] = res.x.cpu()
-    return got
 
 
 def _worst_error(plans: dict, specs: dict, got: dict) -> float:
@@ -107,7 +76,10 @@ def test_admitted_streams_share_workers_batch_across_streams_and_match_the_oracl
         def admit(i: int):
             spec = StreamSpec(seed=11 + i, cond_seed=200 + i, target_interval_ms=target_ms)
             promise, admission = gate.open_stream(spec)
-            specs[promise.stream_id], plans[promise.stream_id] = spec, _plan(i)
+            specs[promise.stream_id], plans[promise.stream_id] = (
+                spec,
+                random_plan(get_preset("tiny"), i, CHUNKS),
+            )
             return promise.stream_id, admission
 
         opened = [admit(i) for i in range(3)]
@@ -119,14 +91,14 @@ def test_admitted_streams_share_workers_batch_across_streams_and_match_the_oracl
         assert refused.value.resource == "compute"
         assert "ms per interval free" in refused.value.reason
 
-        got = _run(engine, {sid: plans[sid] for sid, _ in opened})
+        got = run_plans(engine, {sid: plans[sid] for sid, _ in opened})
         mixed_rank0 = engine.host.worker.stats.mixed_batches
 
         gate.close_stream(opened[1][0])
         assert controller.utilization(1) == pytest.approx(0.5 * work_ms / target_ms)
         late_sid, late = admit(3)
         assert {r for row in plan_layout(late.plan) for r in row} == {1}
-        got.update(_run(engine, {late_sid: plans[late_sid]}))
+        got.update(run_plans(engine, {late_sid: plans[late_sid]}))
         for sid in [opened[0][0], opened[2][0], late_sid]:
             gate.close_stream(sid)
         assert controller.utilization(0) == 0.0 and controller.memory_used(1) == 0

@@ -14,9 +14,10 @@ import time
 
 import pytest
 import torch
+from stream_plans import random_plan, run_plans
 
 from physis_ros.engine.api import StreamFailed, StreamSpec
-from physis_ros.engine.model import build_model, chunk_numel
+from physis_ros.engine.model import build_model
 from physis_ros.engine.oracle import sample_noisy
 from physis_ros.serve.dist_engine import DistEngine
 from physis_ros.serve.dist_launch import RANK_VARS
@@ -41,36 +42,6 @@ def _cfg(**kw) -> RuntimeConfig:
     )
     base.update(kw)
     return RuntimeConfig(**base)
-
-
-def _plan(seed: int, chunks: int, context_at: tuple[int, ...] = (0,)):
-    cfg = _cfg().model_config
-    gen = torch.Generator().manual_seed(1000 + seed)
-    return [
-        ("context", torch.randn(chunk_numel(cfg), generator=gen) * 0.5)
-        if c in context_at
-        else ("generate", None)
-        for c in range(chunks)
-    ]
-
-
-def _run(engine: DistEngine, streams: dict, timeout_s: float = 60.0):
-    """streams: sid -> plan, already opened. Submits all, returns sid -> chunk -> x."""
-    expected = 0
-    for sid, plan in streams.items():
-        for kind, val in plan:
-            if kind == "context":
-                engine.submit_context_x(sid, val)
-            else:
-                engine.submit_generate(sid)
-                expected += 1
-    got: dict[int, dict[int, torch.Tensor]] = {sid: {} for sid in streams}
-    deadline = time.monotonic() + timeout_s
-    while sum(len(v) for v in got.values()) < expected:
-        assert time.monotonic() < deadline, f"only {got} of {expected} chunks came back"
-        for res in engine.poll_results(0.1):
-            got[res.stream_id][res.chunk] = res.x.cpu()
-    return got
 
 
 def _check_oracle(cfg: RuntimeConfig, plans: dict, specs: dict, got: dict) -> float:
@@ -129,8 +100,8 @@ def test_dist_output_equals_oracle(case):
             promise = engine.open_stream(spec, layout=layout)
             assert promise.steps == 4 and promise.blocks == 2
             specs[promise.stream_id] = spec
-            plans[promise.stream_id] = _plan(i, 5, context_at=(0, 3))
-        got = _run(engine, plans)
+            plans[promise.stream_id] = random_plan(_cfg().model_config, i, 5, context_at=(0, 3))
+        got = run_plans(engine, plans)
     _assert_clean_exit(engine)
     assert _check_oracle(cfg, plans, specs, got) <= TOL
 
@@ -156,8 +127,8 @@ def test_placement_computed_from_costs_loads_missing_blocks_and_equals_oracle():
         for i, lay in enumerate([layout, None]):
             spec = StreamSpec(seed=21 + i, cond_seed=300 + i)
             sid = engine.open_stream(spec, layout=lay).stream_id
-            specs[sid], plans[sid] = spec, _plan(i, 5, context_at=(0, 2))
-        got = _run(engine, plans)
+            specs[sid], plans[sid] = spec, random_plan(_cfg().model_config, i, 5, context_at=(0, 2))
+        got = run_plans(engine, plans)
     _assert_clean_exit(engine)
     assert _check_oracle(cfg, plans, specs, got) <= TOL
 
@@ -186,7 +157,11 @@ def test_running_stream_moves_to_new_layouts_and_equals_oracle(case):
         for i in range(2):
             spec = StreamSpec(seed=31 + i, cond_seed=400 + i)
             sid = engine.open_stream(spec, max_in_flight=3).stream_id
-            specs[sid], plans[sid], got[sid] = spec, _plan(i, 12, context_at=(0, 6)), {}
+            specs[sid], plans[sid], got[sid] = (
+                spec,
+                random_plan(_cfg().model_config, i, 12, context_at=(0, 6)),
+                {},
+            )
             for kind, val in plans[sid]:
                 if kind == "context":
                     engine.submit_context_x(sid, val)
@@ -220,7 +195,7 @@ def test_failed_rank_fails_its_streams_within_timeout_and_others_finish(fault):
         sid_a = engine.open_stream(spec_a, layout=layout_a).stream_id
         sid_b = engine.open_stream(spec_b, layout=layout_b).stream_id
         # warm both streams up, then kill rank 2 mid-stream
-        first = _run(engine, {sid_a: [("generate", None)], sid_b: [("generate", None)]})
+        first = run_plans(engine, {sid_a: [("generate", None)], sid_b: [("generate", None)]})
         assert first[sid_a] and first[sid_b]
         for _ in range(4):
             engine.submit_generate(sid_b)
@@ -242,7 +217,7 @@ def test_failed_rank_fails_its_streams_within_timeout_and_others_finish(fault):
             engine.submit_generate(sid_b)
         # stream A (ranks 0, 1) is untouched and still matches the oracle
         plan_a = [("generate", None)] * 4
-        rest = _run(engine, {sid_a: plan_a[1:]})
+        rest = run_plans(engine, {sid_a: plan_a[1:]})
         shutdown_s = time.monotonic()
     shutdown_s = time.monotonic() - shutdown_s
     assert shutdown_s < 2 * cfg.fault_timeout_s + 5.0  # a hung rank is reaped, not waited on

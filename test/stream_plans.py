@@ -1,0 +1,41 @@
+"""Test helper: random stream plans (observed context chunks, then generated chunks) and
+running them on an engine that takes raw chunk states (DistEngine, a pool gate over it)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.model import chunk_numel
+
+
+def random_plan(cfg: ModelConfig, seed: int, chunks: int, context_at: tuple[int, ...] = (0,)):
+    """[(kind, x)]: a random context chunk at each index of ``context_at``, else generate."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return [
+        ("context", torch.randn(chunk_numel(cfg), generator=gen) * 0.5)
+        if c in context_at
+        else ("generate", None)
+        for c in range(chunks)
+    ]
+
+
+def run_plans(engine, plans: dict, timeout_s: float = 90.0) -> dict[int, dict[int, torch.Tensor]]:
+    """Submit every plan at once (so streams are in flight together); sid -> chunk -> x."""
+    expected = 0
+    for sid, plan in plans.items():
+        for kind, val in plan:
+            if kind == "context":
+                engine.submit_context_x(sid, val)
+            else:
+                engine.submit_generate(sid)
+                expected += 1
+    got: dict[int, dict[int, torch.Tensor]] = {sid: {} for sid in plans}
+    deadline = time.monotonic() + timeout_s
+    while sum(map(len, got.values())) < expected:
+        assert time.monotonic() < deadline, f"{sum(map(len, got.values()))} of {expected} back"
+        for res in engine.poll_results(0.1):
+            got[res.stream_id][res.chunk] = res.x.cpu()
+    return got
