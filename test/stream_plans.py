@@ -1,5 +1,6 @@
-"""Test helper: random stream plans (observed context chunks, then generated chunks) and
-running them on an engine that takes raw chunk states (DistEngine, a pool gate over it)."""
+"""Test helper: random stream plans (observed context chunks, then generated chunks),
+running them on an engine that takes raw chunk states (DistEngine, a pool gate over it), and
+comparing what came back with the oracle."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 import torch
 
 from physis_ros.engine.config import ModelConfig
-from physis_ros.engine.model import chunk_numel
+from physis_ros.engine.model import build_model, chunk_numel
+from physis_ros.engine.oracle import sample_noisy
 
 
 def random_plan(cfg: ModelConfig, seed: int, chunks: int, context_at: tuple[int, ...] = (0,)):
@@ -39,3 +41,18 @@ def run_plans(engine, plans: dict, timeout_s: float = 90.0) -> dict[int, dict[in
         for res in engine.poll_results(0.1):
             got[res.stream_id][res.chunk] = res.x.cpu()
     return got
+
+
+def worst_oracle_error(cfg, plans: dict, specs: dict, got: dict, device: str = "cpu") -> float:
+    """Max |streamed - oracle| over every chunk of every stream; ``cfg`` a RuntimeConfig (the
+    weights seed and sampler the engine ran with), ``specs`` sid -> StreamSpec."""
+    model = build_model(cfg.model_config, seed=cfg.weights_seed, device=device)
+    worst = 0.0
+    for sid, plan in plans.items():
+        ref = sample_noisy(
+            model, cfg.sampler_config, plan, seed=specs[sid].seed, cond_seed=specs[sid].cond_seed
+        )
+        assert sorted(got[sid]) == sorted(ref)
+        for c, x in ref.items():
+            worst = max(worst, (got[sid][c] - x.cpu()).abs().max().item())
+    return worst

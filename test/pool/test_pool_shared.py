@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stream_plans import random_plan, run_plans
+from stream_plans import random_plan, run_plans, worst_oracle_error
 
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import build_model
-from physis_ros.engine.oracle import sample_noisy
 from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
@@ -36,20 +34,6 @@ PROFILE = Profile(
     hop_ms=0.0,
     comm_overlaps_compute=True,
 )
-
-
-def _worst_error(plans: dict, specs: dict, got: dict) -> float:
-    cfg = runtime_config()
-    model = build_model(cfg.model_config, seed=cfg.weights_seed, device="cpu")
-    worst = 0.0
-    for sid, plan in plans.items():
-        ref = sample_noisy(
-            model, cfg.sampler_config, plan, seed=specs[sid].seed, cond_seed=specs[sid].cond_seed
-        )
-        assert sorted(got[sid]) == sorted(ref)
-        for c, x in ref.items():
-            worst = max(worst, (got[sid][c] - x).abs().max().item())
-    return worst
 
 
 @pytest.mark.slow
@@ -106,4 +90,4 @@ def test_admitted_streams_share_workers_batch_across_streams_and_match_the_oracl
     # two streams' tasks are ready together on a given rank depends on timing: a loaded host
     # once left rank 1 with none, so the pool as a whole must have mixed, not each rank.
     assert mixed_rank0 + engine.rank_stats[1]["mixed_batches"] > 0, engine.rank_stats
-    assert _worst_error(plans, specs, got) <= TOL
+    assert worst_oracle_error(runtime_config(), plans, specs, got) <= TOL

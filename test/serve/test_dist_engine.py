@@ -14,11 +14,9 @@ import time
 
 import pytest
 import torch
-from stream_plans import random_plan, run_plans
+from stream_plans import random_plan, run_plans, worst_oracle_error
 
 from physis_ros.engine.api import StreamFailed, StreamSpec
-from physis_ros.engine.model import build_model
-from physis_ros.engine.oracle import sample_noisy
 from physis_ros.serve.dist_engine import DistEngine
 from physis_ros.serve.dist_launch import RANK_VARS
 from physis_ros.serve.runtime import RuntimeConfig
@@ -27,6 +25,7 @@ torch.set_num_threads(1)
 TOL = 1e-5
 DEVICE = os.environ.get("PHYSIS_TEST_DEVICE", "cpu")
 """``cuda`` on a GPU machine (benchmarks/gpu_check.sh): every rank computes on the GPU."""
+ORACLE_DEVICE = "cuda" if DEVICE == "cuda" else "cpu"
 
 
 def _cfg(**kw) -> RuntimeConfig:
@@ -42,21 +41,6 @@ def _cfg(**kw) -> RuntimeConfig:
     )
     base.update(kw)
     return RuntimeConfig(**base)
-
-
-def _check_oracle(cfg: RuntimeConfig, plans: dict, specs: dict, got: dict) -> float:
-    model = build_model(
-        cfg.model_config, seed=cfg.weights_seed, device="cuda" if DEVICE == "cuda" else "cpu"
-    )
-    worst = 0.0
-    for sid, plan in plans.items():
-        ref = sample_noisy(
-            model, cfg.sampler_config, plan, seed=specs[sid].seed, cond_seed=specs[sid].cond_seed
-        )
-        assert sorted(got[sid]) == sorted(ref)
-        for c, x in ref.items():
-            worst = max(worst, (got[sid][c] - x.cpu()).abs().max().item())
-    return worst
 
 
 def _assert_clean_exit(engine: DistEngine) -> None:
@@ -103,7 +87,7 @@ def test_dist_output_equals_oracle(case):
             plans[promise.stream_id] = random_plan(_cfg().model_config, i, 5, context_at=(0, 3))
         got = run_plans(engine, plans)
     _assert_clean_exit(engine)
-    assert _check_oracle(cfg, plans, specs, got) <= TOL
+    assert worst_oracle_error(cfg, plans, specs, got, device=ORACLE_DEVICE) <= TOL
 
 
 def test_placement_computed_from_costs_loads_missing_blocks_and_equals_oracle():
@@ -130,7 +114,7 @@ def test_placement_computed_from_costs_loads_missing_blocks_and_equals_oracle():
             specs[sid], plans[sid] = spec, random_plan(_cfg().model_config, i, 5, context_at=(0, 2))
         got = run_plans(engine, plans)
     _assert_clean_exit(engine)
-    assert _check_oracle(cfg, plans, specs, got) <= TOL
+    assert worst_oracle_error(cfg, plans, specs, got, device=ORACLE_DEVICE) <= TOL
 
 
 # (world size, default placement, layouts stream 0 moves through while running)
@@ -182,7 +166,7 @@ def test_running_stream_moves_to_new_layouts_and_equals_oracle(case):
     moved = sum(s.get("rings_sent", 0) for s in engine.rank_stats.values())
     assert moved > 0, engine.rank_stats
     assert not stats["worker_drops"]
-    assert _check_oracle(cfg, plans, specs, got) <= TOL
+    assert worst_oracle_error(cfg, plans, specs, got, device=ORACLE_DEVICE) <= TOL
 
 
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dead", "hung"])
@@ -224,4 +208,9 @@ def test_failed_rank_fails_its_streams_within_timeout_and_others_finish(fault):
     assert [p.poll() is not None for p in engine.procs] == [True, True]
     assert engine.procs[0].returncode == 0
     got_a = {**first[sid_a], **rest[sid_a]}
-    assert _check_oracle(cfg, {sid_a: plan_a}, {sid_a: spec_a}, {sid_a: got_a}) <= TOL
+    assert (
+        worst_oracle_error(
+            cfg, {sid_a: plan_a}, {sid_a: spec_a}, {sid_a: got_a}, device=ORACLE_DEVICE
+        )
+        <= TOL
+    )
