@@ -205,13 +205,15 @@ class Worker:
         st.layout, st.epoch = layout, epoch
         # A stage runs here while this worker holds its ring (st.rings); a gained stage's
         # ring arrives from the old owner, a lost one leaves after chunk first_chunk - 1.
+        ctx = None  # the stream's embedded conditioning, made once if a new block needs it
         for k in range(self.steps):
             for blk in range(self.blocks):
                 was, now = old[k][blk] == self.rank, layout[k][blk] == self.rank
                 if was and not now:
                     st.ship.append((k, blk, first_chunk - 1, layout[k][blk]))
                 elif now and not was and blk not in st.cross:
-                    ctx = M.embed_cond(self.model, M.make_cond(self.cfg, st.cond_seed))
+                    if ctx is None:
+                        ctx = M.embed_cond(self.model, M.make_cond(self.cfg, st.cond_seed))
                     st.cross[blk] = M.cross_kv(self.model, blk, ctx)
         self._ship_ready(sid, st)
         held, st.held = st.held, []
