@@ -25,6 +25,9 @@ from physis_ros.engine.placement import (
 
 log = logging.getLogger(__name__)
 
+ANSWER_KINDS = {"usage": "usage_report", "measure": "costs", "load": "loaded"}
+"""The control message a rank answers each question with (runtime.py)."""
+
 
 class PlacementControl:
     """Mixed into ``DistEngine`` (which provides the attributes used here: cfg, model_cfg,
@@ -36,21 +39,28 @@ class PlacementControl:
         loop thread); wait for every answer. Only those ranks' loops pause (a control
         message, no barrier): call it between streams or accept that pause."""
         with self._ask_lock:
-            return self._ask_ranks_locked(kind, body, host_arg, timeout_s)
+            ranks = [
+                r
+                for r in range(1, self.world_size)
+                if r not in self.failed_ranks and r not in self._byes
+            ]
+            return self._ask_locked(kind, dict.fromkeys(ranks, body), host_arg, timeout_s)
 
-    def _ask_ranks_locked(self, kind: str, body: dict, host_arg, timeout_s: float):
-        ranks = [
-            r
-            for r in range(1, self.world_size)
-            if r not in self.failed_ranks and r not in self._byes
-        ]
-        for r in ranks:
+    def _ask_locked(
+        self, kind: str, bodies: dict[int, dict], host_arg, timeout_s: float, *, rank0=True
+    ) -> dict[int, dict]:
+        """Send ``kind`` with ``bodies[r]`` to each worker rank ``r`` (and, if ``rank0``, run
+        it on rank 0's host with ``host_arg``); rank -> its answer's body (rank 0's as
+        ``{"rank0": ...}``). Only answers of the kind that ``kind`` expects count, so a late
+        answer to an earlier question that timed out is never taken for this one."""
+        for r, body in bodies.items():
             self.transport.send_control(r, kind, body)
         mine: queue.SimpleQueue = queue.SimpleQueue()
-        self._host_control.put((kind, (host_arg, mine)))
+        if rank0:
+            self._host_control.put((kind, (host_arg, mine)))
         answers: dict[int, dict] = {}
         deadline = time.monotonic() + timeout_s
-        waiting = set(ranks)
+        waiting = set(bodies)
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0 or waiting & set(self.failed_ranks):
@@ -62,13 +72,14 @@ class PlacementControl:
                 ctl = self._replies.get(timeout=min(left, 0.2))
             except queue.Empty:
                 continue
-            if ctl.src in waiting:
+            if ctl.kind == ANSWER_KINDS[kind] and ctl.src in waiting:
                 answers[ctl.src] = ctl.body
                 waiting.discard(ctl.src)
-        try:
-            answers[0] = {"rank0": mine.get(timeout=max(0.1, deadline - time.monotonic()))}
-        except queue.Empty:
-            raise TimeoutError(f"rank 0's worker did not answer {kind!r}") from None
+        if rank0:
+            try:
+                answers[0] = {"rank0": mine.get(timeout=max(0.1, deadline - time.monotonic()))}
+            except queue.Empty:
+                raise TimeoutError(f"rank 0's worker did not answer {kind!r}") from None
         return answers
 
     def rank_usage(self, timeout_s: float = 10.0) -> dict[int, dict]:
@@ -129,37 +140,16 @@ class PlacementControl:
             self._load_blocks_locked(short)
 
     def _load_blocks_locked(self, short: dict[int, list[int]]) -> None:
-        timeout_s = self.cfg.startup_timeout_s
-        for r, blocks in short.items():
+        for r in short:
             if r in self.failed_ranks:
                 raise RuntimeError(f"rank {r} has failed: {self.failed_ranks[r]}")
-            if r == 0:
-                continue
-            self.transport.send_control(r, "load", {"blocks": blocks})
-        reply: queue.SimpleQueue = queue.SimpleQueue()
-        if 0 in short:
-            self._host_control.put(("load", (short[0], reply)))
-        deadline = time.monotonic() + timeout_s
-        waiting = set(short) - {0}
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0 or waiting & set(self.failed_ranks):
-                raise TimeoutError(f"ranks {sorted(waiting)} did not load blocks in {timeout_s} s")
-            try:
-                ctl = self._replies.get(timeout=min(left, 0.2))
-            except queue.Empty:
-                continue
-            if ctl.kind == "loaded" and ctl.src in waiting:
-                with self._lock:
-                    self.rank_blocks[ctl.src] = set(ctl.body["blocks"])
-                waiting.discard(ctl.src)
-        if 0 in short:
-            try:
-                blocks0 = reply.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError("rank 0's worker did not load its blocks") from None
-            with self._lock:
-                self.rank_blocks[0] = set(blocks0)
+        bodies = {r: {"blocks": blocks} for r, blocks in short.items() if r != 0}
+        answers = self._ask_locked(
+            "load", bodies, short.get(0), self.cfg.startup_timeout_s, rank0=0 in short
+        )
+        with self._lock:
+            for r, body in answers.items():
+                self.rank_blocks[r] = set(body["rank0"] if r == 0 else body["blocks"])
 
     def relayout(self, stream_id: int, layout: Layout) -> int:
         """Move a running stream to ``layout`` from its next released chunk on; returns that
