@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gc
 import queue
 import threading
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from physis_ros.link.clock import ClockOffsetEstimator
-from physis_ros.link.memtune import retain_freed_memory
+from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.link.wire import (
@@ -123,10 +122,11 @@ class LinkClient:
 
         ``tune_process``: on start, (1) let this process reuse freed large buffers instead
         of page-faulting each camera image's buffers in afresh (physis_ros.link.memtune,
-        glibc only; ~0.5 ms per fresh 0.9 MB buffer measured here), and (2) ``gc.freeze()``
-        what exists by then (modules, the node), so that a full garbage collection, which
-        stops every thread of the process, does not walk it (measured 18 ms with the link's
-        imports, 29 ms with rclpy, before freezing). Both are process-wide."""
+        glibc only; ~0.5 ms per fresh 0.9 MB buffer measured here), and (2) collect once,
+        then ``gc.freeze()`` what exists by then (modules, the node), so that a full garbage
+        collection, which stops every thread of the process, does not walk it (measured
+        18 ms with the link's imports, 29 ms with rclpy, before freezing). Both are
+        process-wide (physis_ros.link.memtune)."""
         lo, hi = reconnect_backoff_s
         if not 0 < lo <= hi:
             raise ValueError(
@@ -217,7 +217,7 @@ class LinkClient:
             return
         if self._tune_process:
             retain_freed_memory()
-            gc.freeze()
+            freeze_startup_objects()
         self._thread = threading.Thread(target=self._run, name="physis-link", daemon=True)
         self._thread.start()
 

@@ -1,4 +1,6 @@
-"""Process-wide allocator settings that keep large message buffers off the page-fault path.
+"""Process-wide settings for the hot path: large message buffers kept off the page-fault path
+(``retain_freed_memory``) and start-up objects kept out of the garbage collector's way
+(``freeze_startup_objects``).
 
 A camera image crosses the link as a ~1 MB buffer several times per message (serialised
 bytes, gRPC slices, the parsed copy). glibc's malloc gives memory above its trim threshold
@@ -13,6 +15,7 @@ glibc only (Linux); elsewhere it does nothing and says so. No torch, no rclpy.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import platform
 import threading
@@ -72,3 +75,13 @@ def retain_freed_memory(
             return False
         _applied.append((trim_threshold_bytes, mmap_threshold_bytes))
         return True
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then move everything alive now (modules, a model's Python objects, a
+    node) out of the garbage collector's reach. A full collection stops every thread of the
+    process while it walks the heap: measured 18 ms with the link's imports, 29 ms with
+    rclpy, 210 ms with torch, and 701 ms once on a rank holding a model. What the hot path
+    allocates later is short-lived and stays cheap to collect."""
+    gc.collect()
+    gc.freeze()

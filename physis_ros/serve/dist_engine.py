@@ -37,6 +37,7 @@ from physis_ros.engine.placement import Layout, Placement, validate_layout
 from physis_ros.engine.runtime import ChunkResult, Controller
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 from physis_ros.engine.transport import Activation
+from physis_ros.link.memtune import freeze_startup_objects
 from physis_ros.serve.dist_launch import (
     RankContext,
     as_rank,
@@ -52,7 +53,6 @@ from physis_ros.serve.runtime import (
     RuntimeConfig,
     StageHost,
     blocks_for_rank,
-    freeze_startup_objects,
     parse_placement,
 )
 

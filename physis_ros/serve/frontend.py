@@ -7,7 +7,6 @@ Handlers never call the engine: they hand work to the ``EngineLoop`` thread (ses
 
 from __future__ import annotations
 
-import gc
 import hmac
 import logging
 import math
@@ -24,7 +23,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from physis_ros.engine.api import AdmissionRefused, StreamFailed, StreamSpec
-from physis_ros.link.memtune import retain_freed_memory
+from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     AUTH_METADATA_KEY,
@@ -384,8 +383,7 @@ def start_server(
     objects, imported modules) is moved out of the garbage collector's way (gc.freeze), so
     a full collection does not walk it between two messages."""
     retain_freed_memory()
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()
     frontend = Frontend(loop, config=config, description=description)
     interceptors = [TokenAuthInterceptor(config.token)] if config.token else []
     server = grpc.server(

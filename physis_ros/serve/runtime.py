@@ -52,6 +52,7 @@ from physis_ros.engine.placement import (
     layout_single,
     validate_layout,
 )
+from physis_ros.link.memtune import freeze_startup_objects
 from physis_ros.serve.dist_launch import RankContext, init_from_env, tie_to_parent
 from physis_ros.serve.dist_transport import (
     ActivationShapes,
@@ -397,15 +398,6 @@ def blocks_for_rank(cfg: RuntimeConfig, rank: int, world_size: int) -> set[int]:
     if cfg.placement == "single":
         return set(range(blocks))
     return {blk for row in layout for blk, r in enumerate(row) if r == rank}
-
-
-def freeze_startup_objects() -> None:
-    """Move everything alive after start-up (modules, weights' Python objects, imports) out of
-    the garbage collector's reach. A full collection of a rank's heap stops its loop for tens
-    to hundreds of ms (701 ms measured once on rank 0 of ``physis-bench engine --ranks 2``
-    on this shared host); what the hot path allocates later is short-lived and stays cheap."""
-    gc.collect()
-    gc.freeze()
 
 
 class StopFlag:
