@@ -183,14 +183,8 @@ def tensor_header(array: np.ndarray, out: pb.Tensor) -> memoryview:
 
 def array_to_tensor(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tensor:
     """numpy array -> Tensor (C order, little-endian)."""
-    arr = np.asarray(array)
-    if arr.dtype.name not in TENSOR_DTYPES:
-        raise WireError("bad_tensor", f"dtype {arr.dtype.name} is not one of {TENSOR_DTYPES}")
-    arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
     msg = pb.Tensor() if out is None else out
-    msg.dtype = arr.dtype.name
-    msg.shape[:] = arr.shape
-    msg.data = arr.tobytes()
+    msg.data = tensor_header(array, msg).tobytes()
     return msg
 
 

@@ -38,6 +38,7 @@ from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     PROTOCOL_VERSION,
     WireError,
+    array_to_tensor,
     observation_from_proto,
     parse_client_message,
     serialize_with_payload,
@@ -334,7 +335,7 @@ class Session:
         if out.frames is not None:
             frames = tensor_header(out.frames, p.frames)
         if out.actions is not None:
-            p.actions.data = tensor_header(out.actions, p.actions).tobytes()
+            array_to_tensor(out.actions, p.actions)
         p.observation_seq = -1
         t = p.server_times
         if cond is not None:
