@@ -33,6 +33,11 @@ from physis_ros.serve.dist_engine import DistEngine
 from physis_ros.serve.runtime import RuntimeConfig
 
 
+def _share(before: dict, after: dict, key: str) -> float:
+    """Seconds of ``key`` per wall second between two usage answers of one rank."""
+    return round((after[key] - before[key]) / max(after["wall_s"] - before["wall_s"], 1e-9), 3)
+
+
 def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     return RuntimeConfig(
         model=args.model,
@@ -135,12 +140,10 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
         "wall_s": wall_s,
         "drops_rank0": drops,
         "mean_batch_rank0": tasks / max(batches, 1),
-        "rank_cpu_share": [
-            round((usage1[r]["cpu_s"] - usage0[r]["cpu_s"]) / wall_s, 3) for r in sorted(usage1)
-        ],
-        "rank_busy_frac": [
-            round((usage1[r]["busy_s"] - usage0[r]["busy_s"]) / wall_s, 3) for r in sorted(usage1)
-        ],
+        # Over each rank's own window (its usage answers' timestamps): rank 0's wall window
+        # also holds the time the answers took to arrive, which let a share exceed the cores.
+        "rank_cpu_share": [_share(usage0[r], usage1[r], "cpu_s") for r in sorted(usage1)],
+        "rank_busy_frac": [_share(usage0[r], usage1[r], "busy_s") for r in sorted(usage1)],
         "outputs": {s: {c: r.x.float().cpu() for c, r in by_stream[s].items()} for s in plans},
     }
 

@@ -342,6 +342,7 @@ class StageHost:
             "rank": self.rank,
             "gc_frozen": gc.get_freeze_count(),
             "cpu_s": time.process_time(),
+            "wall_s": time.monotonic(),  # sampled with cpu_s: shares over the rank's own window
             "busy_s": ws.busy_s,
             "tasks": ws.tasks,
             "batches": ws.batches,
