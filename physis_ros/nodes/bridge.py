@@ -174,7 +174,7 @@ class Bridge(Node):
             fields = convert(msg)
         except ConversionError as exc:
             self.drops.add(exc.reason)
-            self.get_logger().warn(f"image dropped: {exc}", throttle_duration_sec=2.0)
+            self.get_logger().warning(f"image dropped: {exc}", throttle_duration_sec=2.0)
             return
         paired = self.pairer.add_image(
             Sample(stamp_ns=stamp_ns(msg.header), value=fields, received_s=t_cb)
@@ -189,7 +189,7 @@ class Bridge(Node):
             wrench = validate_vector([f.x, f.y, f.z, t.x, t.y, t.z], size=6, reason="nan_wrench")
         except ConversionError as exc:
             self.drops.add(exc.reason)
-            self.get_logger().warn(f"wrench dropped: {exc}", throttle_duration_sec=2.0)
+            self.get_logger().warning(f"wrench dropped: {exc}", throttle_duration_sec=2.0)
             return
         self._take_aux("wrench", msg.header, wrench)
 
@@ -204,7 +204,7 @@ class Bridge(Node):
             )
         except ConversionError as exc:
             self.drops.add(exc.reason)
-            self.get_logger().warn(f"joint state dropped: {exc}", throttle_duration_sec=2.0)
+            self.get_logger().warning(f"joint state dropped: {exc}", throttle_duration_sec=2.0)
             return
         self._take_aux("joints", msg.header, (tuple(msg.name), positions, velocities))
 

@@ -123,7 +123,7 @@ class SimRobot(Node):
         columns = [names.index(n) for n in self.scene.joint_names if n in names]
         if len(columns) != len(self.scene.joint_names) or not msg.points:
             self.trajectories_rejected += 1
-            self.get_logger().warn(
+            self.get_logger().warning(
                 f"trajectory for joints {names} with {len(msg.points)} points ignored; "
                 f"need {self.scene.joint_names}",
                 throttle_duration_sec=5.0,
