@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 ACTION_MODES = ("none", "condition", "predict")
 CODECS = ("pixel", "vae_standin")
+PREDICTIONS = ("velocity", "x0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +58,11 @@ class ModelConfig:
     ``predict`` (world-action model: action tokens denoised and decoded per chunk)."""
     eps: float = 1e-6
     """Norm epsilon (Wan2.1: 1e-6)."""
+    prediction: str = "velocity"
+    """What the head outputs: ``velocity`` eps - x0 (Wan2.1), or ``x0``, the clean state, turned
+    into the velocity (x - x0) / sigma the sampler steps with. A narrow model over wide pixel
+    tokens spends its width carrying the input noise through to a velocity; predicting x0 it
+    only has to carry the image, and the last sampling step returns its x0 exactly."""
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
@@ -65,6 +71,8 @@ class ModelConfig:
             raise ValueError(f"head dim {self.dim // self.num_heads} must be even for RoPE")
         if self.action_mode not in ACTION_MODES:
             raise ValueError(f"action_mode {self.action_mode!r} is not one of {ACTION_MODES}")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"prediction {self.prediction!r} is not one of {PREDICTIONS}")
         if self.codec not in CODECS:
             raise ValueError(f"codec {self.codec!r} is not one of {CODECS}")
         if self.action_mode != "none" and (self.action_dim <= 0 or self.action_horizon <= 0):

@@ -25,6 +25,8 @@ from physis_ros.engine.config import ModelConfig
 ROPE_THETA = 10000.0
 TIME_SCALE = 1000.0
 """Wan2.1 is fed t = 1000 * sigma."""
+X0_MIN_SIGMA = 1e-3
+"""x0-predicting heads divide by sigma; context chunks (sigma 0) get this instead."""
 
 
 class RMSNorm(nn.Module):
@@ -251,18 +253,28 @@ def embed_tokens(model: WanDiT, x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def head_velocity(model: WanDiT, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """h [..., n, D], e [..., D] -> v [..., X] float32 (zero on conditioning action values)."""
+def head_velocity(
+    model: WanDiT, h: torch.Tensor, e: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor
+) -> torch.Tensor:
+    """h [..., n, D], e [..., D], the chunk states x [..., X] and their noise levels sigma
+    [...] -> v [..., X] float32 (zero on conditioning action values)."""
     cfg = model.cfg
     nv = cfg.video_tokens
     shift, scale = (model.head.modulation + e.unsqueeze(-2)).unsqueeze(-2).unbind(-3)
     y = F.layer_norm(h, (cfg.dim,), eps=cfg.eps) * (1 + scale) + shift
-    v = model.head.head(y[..., :nv, :])[..., model.head_perm].flatten(-2).float()
+    out = model.head.head(y[..., :nv, :])[..., model.head_perm].flatten(-2).float()
     if cfg.action_mode == "predict":
-        v = torch.cat([v, model.action_head(y[..., nv:, :]).flatten(-2).float()], dim=-1)
-    elif cfg.action_mode == "condition":
-        v = torch.cat([v, v.new_zeros(*v.shape[:-1], cfg.action_horizon * cfg.action_dim)], -1)
-    return v
+        out = torch.cat([out, model.action_head(y[..., nv:, :]).flatten(-2).float()], dim=-1)
+    if cfg.prediction == "x0":
+        # v = (x - x0) / sigma; context chunks (sigma 0) are never stepped: their v only has
+        # to stay finite (the training loss masks it)
+        s = sigma.float().clamp_min(X0_MIN_SIGMA)[..., None]
+        out = (x[..., : out.shape[-1]].float() - out) / s
+    if cfg.action_mode == "condition":
+        out = torch.cat(
+            [out, out.new_zeros(*out.shape[:-1], cfg.action_horizon * cfg.action_dim)], -1
+        )
+    return out
 
 
 def rope_inv_freqs(head_dim: int) -> torch.Tensor:
@@ -434,7 +446,7 @@ def forward_sequence(
     for i in range(cfg.num_blocks):
         ck, cv = cross_kv(model, i, ctx)
         h = block_forward(model, i, h, e0, rope, ck, cv, attend)
-    v = head_velocity(model, h, e)
+    v = head_velocity(model, h, e, x_seq, sigmas)
     return v[0] if unbatched else v
 
 

@@ -105,9 +105,12 @@ class StageCaches:
             return self._rope[chunks[0]][None]
         return torch.stack([self._rope[c] for c in chunks])
 
+    def noise_levels(self, tasks: list[StageTask]) -> list[float]:
+        return [0.0 if t.is_context else self.sigmas[t.step] for t in tasks]
+
     def time(self, tasks: list[StageTask], xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """e [B, D], e0 [B, 6, D] of each task (sigma = 0 for context chunks)."""
-        sig = [0.0 if t.is_context else self.sigmas[t.step] for t in tasks]
+        sig = self.noise_levels(tasks)
         if self.model.cfg.action_mode == "condition":  # depends on each chunk's actions
             return M.time_embed(self.model, torch.tensor(sig, device=xs.device), xs)
         for s in set(sig):
@@ -157,7 +160,8 @@ def run_block(
 
     h = M.block_forward(model, block, h[:, None], e0[:, None], rope[:, None], ck, cv, attend)[:, 0]
     if block == cfg.num_blocks - 1:
-        return h, M.head_velocity(model, h, e)
+        sig = torch.tensor(caches.noise_levels(tasks), device=xs.device)
+        return h, M.head_velocity(model, h, e, xs, sig)
     return h, None
 
 

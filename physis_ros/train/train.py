@@ -82,6 +82,9 @@ class TrainConfig:
     so what is reported is what ships."""
     frame_hz: float = 10.0
     """Camera rate the model learns (bags are subsampled to it)."""
+    init: str = ""
+    """Start from these weights (a physis-train checkpoint of the same preset) instead of the
+    seeded initialisation: continues a finished run with a new learning-rate schedule."""
     seed: int = 0
     threads: int = 1
     """torch CPU threads (1: bit-reproducible, and fastest on a shared 2-core machine)."""
@@ -228,6 +231,8 @@ def train(
         val_sampler = SequenceSampler(val_data, mcfg, chunks=cfg.chunks, seed=cfg.seed + 1)
     val = _val_batch(val_sampler, cfg, 32) if val_sampler else None
     model = build_model(mcfg, seed=cfg.seed).train()
+    if cfg.init:
+        model.load_safetensors(cfg.init)
     # the weights that are validated and saved: an EMA of the trained ones (or those)
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     opt = torch.optim.AdamW(
@@ -298,6 +303,7 @@ def train(
         "train_frames": str(data.frames),
         "train_episodes": str(len(data.episodes)),
         "torch": torch.__version__,
+        **({"init_sha256": _sha256(cfg.init)} if cfg.init else {}),
     }
     from safetensors.torch import save_file
 
@@ -328,6 +334,12 @@ def train(
         markers=False,
     )
     return log
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _ema(values: list[float], decay: float) -> list[float]:

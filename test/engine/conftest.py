@@ -27,3 +27,9 @@ def tiny_condition():
 def tiny_video():
     """A tiny video-only world model (no actions)."""
     return build_model(get_preset("tiny", action_mode="none"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_x0():
+    """The tiny world-action model with an x0-predicting head (same weights as ``tiny``)."""
+    return build_model(get_preset("tiny", prediction="x0"), seed=0)

@@ -57,6 +57,13 @@ def test_video_only_model_equals_oracle(tiny_video):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_x0_predicting_model_equals_oracle(tiny_x0, mode):
+    layout = LAYOUTS["by-block"] if mode == "sequential-clean" else LAYOUTS["uneven-groups"]
+    diff = run_and_compare(tiny_x0, layout, mode=mode, batching=True, streams=2)
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_threads_equal_oracle(tiny, mode):
     layout = LAYOUTS["by-block"] if mode == "sequential-clean" else LAYOUTS["uneven-groups"]
     diff = run_and_compare(tiny, layout, mode=mode, batching=True, streams=3, threads=True)

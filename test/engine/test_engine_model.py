@@ -55,6 +55,19 @@ def _seq_inputs(model, chunks=3, seed=0):
     return x, sig, M.make_cond(model.cfg, 5)
 
 
+def test_x0_head_turns_its_output_into_the_velocity_that_steps_to_it(tiny, tiny_x0):
+    """Same weights: the x0 model's v satisfies x - sigma v = the velocity model's raw head
+    output on noised chunks (so the last Euler step lands on x0), and stays finite on context."""
+    x, sig, cond = _seq_inputs(tiny)
+    raw = M.forward_sequence(tiny, x, sig, cond, window=2)
+    v = M.forward_sequence(tiny_x0, x, sig, cond, window=2)
+    assert torch.isfinite(v).all()
+    n = M.chunk_numel(tiny.cfg)
+    for c in (1, 2):
+        torch.testing.assert_close(x[c, :n] - sig[c] * v[c], raw[c], rtol=1e-5, atol=1e-5)
+    assert (v[0] - raw[0]).abs().max() > 1e-3  # not the velocity head by accident
+
+
 def test_safetensors_round_trip_with_upstream_names(tiny, tmp_path):
     from safetensors.torch import load_file
 
@@ -124,7 +137,8 @@ def test_head_output_follows_upstream_unpatchify(tiny):
     h = torch.randn(1, cfg.tokens_per_chunk, cfg.dim)
     e = torch.randn(1, cfg.dim)
     with torch.no_grad():
-        v = M.head_velocity(tiny, h, e)[0]
+        x = torch.zeros(1, M.chunk_numel(cfg))  # the velocity head ignores the state
+        v = M.head_velocity(tiny, h, e, x, torch.ones(1))[0]
         shift, scale = (tiny.head.modulation + e[:, None]).chunk(2, dim=1)
         raw = tiny.head.head(F.layer_norm(h, (cfg.dim,), eps=cfg.eps) * (1 + scale) + shift)
     nv = cfg.video_tokens
