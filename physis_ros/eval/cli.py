@@ -1,9 +1,13 @@
 """``physis-eval BAG [BAG...]``: replay bags through the engine, write report.json/.md and plots.
 
-The engine is the in-process ``LocalEngine`` on the embedded default weights unless told
-otherwise (``--weights``, ``--model``, ``--steps``, ``--window``, ``--shift``, ``--workers``).
+In process (the default): a ``LocalEngine`` on the embedded default weights unless told
+otherwise (``--weights``, ``--model``, ``--steps``, ``--window``, ``--shift``, ``--workers``),
+fed window by window. Over the link: ``--link HOST:PORT`` streams the bags to a running
+physis-serve, ``--serve-local`` to a physis-serve child on 127.0.0.1 serving those same engine
+settings (see link_replay.py for what is scored there).
 Prints one JSON summary line on stdout; progress and skip messages go to stderr.
-Exit status: 0 when at least one window was scored, 1 when none could be, 2 on bad usage.
+Exit status: 0 when at least one window was scored, 1 when none could be (or the server could
+not be reached), 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -60,6 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("topics (default: the first topic of the right type)")
     t.add_argument("--image-topic", default=None)
     t.add_argument("--command-topic", default=None)
+    k = p.add_argument_group("over the link (a physis-serve, live semantics)")
+    where = k.add_mutually_exclusive_group()
+    where.add_argument("--link", metavar="HOST:PORT", help="a running physis-serve")
+    where.add_argument(
+        "--serve-local",
+        action="store_true",
+        help="start a physis-serve child on 127.0.0.1 with the engine settings above",
+    )
+    k.add_argument("--token-file", default=None, help="bearer token for the server (file)")
+    k.add_argument("--tls-ca", default=None, help="CA (PEM) of the server's certificate: TLS")
+    k.add_argument("--tls-cert", default=None, help="client certificate (PEM), with --tls-key")
+    k.add_argument("--tls-key", default=None, help="client private key (PEM)")
+    k.add_argument("--tls-server-name", default=None, help="name the certificate is for")
+    k.add_argument("--connect-timeout", type=float, default=5.0, help="seconds (default 5)")
+    k.add_argument(
+        "--interval-ms",
+        type=float,
+        default=0.0,
+        help="target interval the stream asks for (default 0: as fast as the server can)",
+    )
+    k.add_argument(
+        "--max-seconds", type=float, default=0.0, help="bag seconds replayed per bag (0: all)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -77,9 +104,9 @@ def _expand(paths: list[str]) -> list[str]:
     return out
 
 
-def engine_from_args(args) -> tuple[object, dict]:
-    """A LocalEngine for the arguments, and the settings it runs with."""
-    from physis_ros.engine.local import LocalEngine
+def engine_settings(args) -> tuple[dict, dict]:
+    """LocalEngine keyword arguments for the arguments, and the settings reported (those plus
+    the frame rate the weights were trained at)."""
     from physis_ros.weights import DEFAULT_STEPS, DEFAULT_WEIGHTS, engine_kwargs, read_metadata
 
     kwargs: dict = {"steps": DEFAULT_STEPS, "window": 2, "shift": 3.0}
@@ -101,19 +128,29 @@ def engine_from_args(args) -> tuple[object, dict]:
     if "model" not in kwargs:
         raise ValueError("no model preset: the checkpoint has no metadata, pass --model")
     kwargs.update(workers=args.workers, mode=args.mode)
-    engine = LocalEngine(**kwargs)
-    settings = {**kwargs, "frame_hz": float(meta.get("frame_hz", 10.0))}
-    return engine, settings
+    return kwargs, {**kwargs, "frame_hz": float(meta.get("frame_hz", 10.0))}
+
+
+def engine_from_args(args) -> tuple[object, dict]:
+    """A LocalEngine for the arguments, and the settings it runs with."""
+    from physis_ros.engine.local import LocalEngine
+
+    kwargs, settings = engine_settings(args)
+    return LocalEngine(**kwargs), settings
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    over_link = bool(args.link or args.serve_local)
     try:
-        engine, settings = engine_from_args(args)
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
-    try:
+        # in process: the engine now; --serve-local: its settings, for the child
+        if args.serve_local:
+            kwargs, settings = engine_settings(args)
+        elif not over_link:
+            engine, settings = engine_from_args(args)
+        else:
+            settings = {"frame_hz": 10.0}  # the server's weights are not ours to read
         cfg = EvalConfig(
             context_chunks=args.context_chunks,
             horizon_chunks=args.horizon_chunks,
@@ -123,47 +160,98 @@ def main(argv: list[str] | None = None) -> int:
             realtime=args.realtime,
             seed=args.seed,
         )
-    except ValueError as err:
-        engine.shutdown()
+    except (ValueError, FileNotFoundError) as err:
+        if not over_link and "engine" in locals():
+            engine.shutdown()
         parser.error(str(err))
+    topics = TopicChoice(image=args.image_topic, command=args.command_topic)
+    if over_link:
+        # imported here: the in-process path needs neither grpc nor the link client
+        from physis_ros.eval.link_replay import LinkUnavailable
+        from physis_ros.eval.local_server import LocalServerError
+
+        try:
+            result, report_engine = _evaluate_link(args, cfg, topics, settings)
+        except (ValueError, OSError) as err:  # bad options, an unreadable token or key file
+            parser.error(str(err))
+        except (LinkUnavailable, LocalServerError) as err:
+            print(f"physis-eval: error: {err}", file=sys.stderr)
+            print(json.dumps({"windows": 0, "mode": "link", "error": str(err)}))
+            return 1
+    else:
+        mcfg = engine.cfg
+        info = ModelInfo(
+            name=mcfg.name,
+            frames_per_chunk=mcfg.frames_per_chunk,
+            image_height=mcfg.image_size[0],
+            image_width=mcfg.image_size[1],
+            action_horizon=mcfg.action_horizon,
+            action_dim=mcfg.action_dim,
+            action_mode=mcfg.action_mode,
+        )
+        try:
+            result = evaluate(
+                engine, info, _expand(args.bags), cfg, topics=topics, progress=not args.quiet
+            )
+        finally:
+            engine.shutdown()
+        report_engine = {k: v for k, v in settings.items() if k != "checkpoint"}
+        report_engine["checkpoint"] = settings.get("checkpoint")
+    return _write(result, report_engine, args.out)
+
+
+def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict):
+    """EvalResult over the link, and the report's ``engine`` entry (what served it)."""
+    from physis_ros.eval.link_replay import LinkOptions, evaluate_link
+    from physis_ros.eval.local_server import LocalServer
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    options = dict(
+        token=token,
+        root_cert_path=args.tls_ca,
+        client_cert_path=args.tls_cert,
+        client_key_path=args.tls_key,
+        tls_server_name=args.tls_server_name,
+        connect_timeout_s=args.connect_timeout,
+        interval_ms=args.interval_ms,
+        max_seconds=args.max_seconds,
+    )
+    if args.link:
+        opts = LinkOptions(target=args.link, **options)
+        result = evaluate_link(
+            opts, _expand(args.bags), cfg, topics=topics, progress=not args.quiet
+        )
+        return result, {"served_by": args.link}
+    kwargs = {k: v for k, v in settings.items() if k != "frame_hz"}
+    with LocalServer(kwargs, args.out / "serve.log") as server:
+        opts = LinkOptions(target=server.target, **options)
+        result = evaluate_link(
+            opts, _expand(args.bags), cfg, topics=topics, progress=not args.quiet
+        )
+    return result, {**kwargs, "served_by": "physis-serve child (--serve-local)"}
+
+
+def _write(result, report_engine: dict, out: Path) -> int:
     from physis_ros.eval.report import write_report
 
-    mcfg = engine.cfg
-    info = ModelInfo(
-        name=mcfg.name,
-        frames_per_chunk=mcfg.frames_per_chunk,
-        image_height=mcfg.image_size[0],
-        image_width=mcfg.image_size[1],
-        action_horizon=mcfg.action_horizon,
-        action_dim=mcfg.action_dim,
-        action_mode=mcfg.action_mode,
-    )
-    topics = TopicChoice(image=args.image_topic, command=args.command_topic)
-    try:
-        result = evaluate(
-            engine, info, _expand(args.bags), cfg, topics=topics, progress=not args.quiet
-        )
-    finally:
-        engine.shutdown()
-    report = write_report(result, args.out)
-    report_engine = {k: v for k, v in settings.items() if k != "checkpoint"}
-    report_engine["checkpoint"] = settings.get("checkpoint")
+    report = write_report(result, out)
     # the engine settings belong in the report too (steps, window, shift, workers, mode)
-    full = json.loads((args.out / "report.json").read_text())
+    full = json.loads((out / "report.json").read_text())
     full["engine"] = report_engine
-    (args.out / "report.json").write_text(json.dumps(full, indent=2) + "\n")
+    (out / "report.json").write_text(json.dumps(full, indent=2) + "\n")
     for bag in report["skipped_bags"]:
         print(f"physis-eval: skipped bag {bag['path']}: {bag['reason']}", file=sys.stderr)
     for reason, n in report["skipped_windows"].items():
         print(f"physis-eval: skipped {n} window(s): {reason}", file=sys.stderr)
     summary = {
+        "mode": report["mode"],
         "windows": report["windows"],
         "bags": len(report["bags"]),
         "skipped_bags": len(report["skipped_bags"]),
         "by_chunk": report["by_chunk"],
         "response_latency_ms_median": report["latency"]["response_latency_ms"]["median"],
         "interval_ms_median": report["latency"]["interval_ms"]["median"],
-        "report": str(args.out / "report.md"),
+        "report": str(out / "report.md"),
     }
     print(json.dumps(summary))
     return 0 if report["windows"] else 1

@@ -74,19 +74,21 @@ class ModelInfo:
 
 @dataclass
 class WindowResult:
-    """Per-window metrics, indexed by horizon step (1-based in reports)."""
+    """Per-window metrics, indexed by horizon step (1-based in reports). Over the link a
+    "window" is one conditioning observation, and a step the server did not predict from it
+    is None (in metrics and baselines alike, so both are averaged over the same steps)."""
 
     bag: str
     start_frame: int
-    psnr: list[float]
-    ssim: list[float]
-    baseline_psnr: list[float]
-    baseline_ssim: list[float]
-    frame_mse: list[float]
+    psnr: list[float | None]
+    ssim: list[float | None]
+    baseline_psnr: list[float | None]
+    baseline_ssim: list[float | None]
+    frame_mse: list[float | None]
     """Per horizon step: pixel MSE (0..255 units) of the prediction."""
-    baseline_frame_mse: list[float]
-    action_mse: list[float] | None
-    baseline_action_mse: list[float] | None
+    baseline_frame_mse: list[float | None]
+    action_mse: list[float | None] | None
+    baseline_action_mse: list[float | None] | None
     response_latency_ms: float
     """Last context submitted -> first predicted chunk decoded."""
     output_times_s: list[float]
@@ -115,6 +117,14 @@ class EvalResult:
     strips: list[dict] = field(default_factory=list)
     """A few windows' observed and predicted frames for the strip plot."""
     wall_s: float = 0.0
+    mode: str = "in-process"
+    """``in-process`` (a StreamEngine in this process, window by window) or ``link`` (a
+    physis-serve over gRPC, live semantics; see link_replay.py)."""
+    output_sequences_s: list[list[float]] | None = None
+    """Runs of consecutive outputs' times (s) whose differences are the intervals; None: each
+    window's ``output_times_s`` (over the link: each stream's predictions)."""
+    link: dict | None = None
+    """Over the link: target, promise, per-hop latencies, drop counts, unscored predictions."""
 
 
 def _check_windows_shape(ep: Episode, model: ModelInfo) -> None:
@@ -134,6 +144,56 @@ def window_starts(n_frames: int, model: ModelInfo, cfg: EvalConfig) -> list[int]
     return starts[: cfg.max_windows_per_bag] if cfg.max_windows_per_bag else starts
 
 
+def load_episodes(
+    bag_paths: list[str | Path],
+    model: ModelInfo,
+    cfg: EvalConfig,
+    result: EvalResult,
+    *,
+    topics: TopicChoice | None,
+    require_commands: bool,
+) -> list[Episode]:
+    """The readable bags as episodes at the model's image size and frame rate; the others go
+    to ``result.skipped_bags`` with the reason."""
+    episodes: list[Episode] = []
+    for path in bag_paths:
+        try:
+            ep = read_episode(
+                path,
+                topics=topics or TopicChoice(),
+                image_size=(model.image_height, model.image_width),
+                require_commands=require_commands,
+            )
+            _check_windows_shape(ep, model)
+        except BagReadError as err:
+            result.skipped_bags.append({"path": str(path), "reason": str(err)})
+            continue
+        stride = max(1, round(ep.frame_hz / cfg.frame_hz)) if ep.frame_hz > 0 else 1
+        ep = ep.subsample(stride)
+        if ep.frame_hz and abs(ep.frame_hz - cfg.frame_hz) > 0.1 * cfg.frame_hz:
+            ep.notes.append(
+                f"camera at {ep.frame_hz:.2f} Hz, model trained at {cfg.frame_hz:.2f} Hz"
+            )
+        episodes.append(ep)
+    return episodes
+
+
+def bag_entry(ep: Episode, n_windows: int) -> dict:
+    """A bag's entry in the report: what it held, what was scored, what was skipped."""
+    return {
+        "path": ep.path,
+        "storage": ep.storage,
+        "image_topic": ep.image_topic,
+        "command_topic": ep.command_topic,
+        "frames": len(ep.frames),
+        "frame_hz": round(ep.frame_hz, 3),
+        "source_size": list(ep.source_size),
+        "windows": n_windows,
+        "skipped_messages": {f"{t}: {r}": n for (t, r), n in sorted(ep.skipped.items())},
+        "notes": ep.notes,
+    }
+
+
 def evaluate(
     engine: StreamEngine,
     model: ModelInfo,
@@ -149,26 +209,14 @@ def evaluate(
 
     t0 = time.perf_counter()
     result = EvalResult(model=model, config=cfg)
-    episodes: list[Episode] = []
-    for path in bag_paths:
-        try:
-            ep = read_episode(
-                path,
-                topics=topics or TopicChoice(),
-                image_size=(model.image_height, model.image_width),
-                require_commands=model.action_mode == "condition",
-            )
-            _check_windows_shape(ep, model)
-        except BagReadError as err:
-            result.skipped_bags.append({"path": str(path), "reason": str(err)})
-            continue
-        stride = max(1, round(ep.frame_hz / cfg.frame_hz)) if ep.frame_hz > 0 else 1
-        ep = ep.subsample(stride)
-        if ep.frame_hz and abs(ep.frame_hz - cfg.frame_hz) > 0.1 * cfg.frame_hz:
-            ep.notes.append(
-                f"camera at {ep.frame_hz:.2f} Hz, model trained at {cfg.frame_hz:.2f} Hz"
-            )
-        episodes.append(ep)
+    episodes = load_episodes(
+        bag_paths,
+        model,
+        cfg,
+        result,
+        topics=topics,
+        require_commands=model.action_mode == "condition",
+    )
     plan = [(ep, s) for ep in episodes for s in window_starts(len(ep.frames), model, cfg)]
     per_bag_windows: Counter = Counter()
     window_index = 0
@@ -197,20 +245,7 @@ def evaluate(
         if n_windows == 0 and not window_starts(len(ep.frames), model, cfg):
             need = (cfg.context_chunks + cfg.horizon_chunks) * model.frames_per_chunk
             ep.notes.append(f"too short: {len(ep.frames)} frames, a window needs {need}")
-        result.bags.append(
-            {
-                "path": ep.path,
-                "storage": ep.storage,
-                "image_topic": ep.image_topic,
-                "command_topic": ep.command_topic,
-                "frames": len(ep.frames),
-                "frame_hz": round(ep.frame_hz, 3),
-                "source_size": list(ep.source_size),
-                "windows": n_windows,
-                "skipped_messages": {f"{t}: {r}": n for (t, r), n in sorted(ep.skipped.items())},
-                "notes": ep.notes,
-            }
-        )
+        result.bags.append(bag_entry(ep, n_windows))
     result.wall_s = time.perf_counter() - t0
     return result
 

@@ -14,6 +14,7 @@ report says why.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -25,9 +26,22 @@ from physis_ros.eval.metrics import PSNR_CAP_DB, summarize
 from physis_ros.eval.plots import histogram, image_strips, line_chart
 
 
-def _mean_at(rows: list[list[float] | None], j: int) -> float | None:
-    vals = [r[j] for r in rows if r is not None and j < len(r)]
+def _values_at(rows: list[list[float | None] | None], j: int) -> list[float]:
+    """Step ``j`` of every row that has it (over the link a row misses steps it did not
+    predict: None)."""
+    return [r[j] for r in rows if r is not None and j < len(r) and r[j] is not None]
+
+
+def _mean_at(rows: list[list[float | None] | None], j: int) -> float | None:
+    vals = _values_at(rows, j)
     return float(np.mean(vals)) if vals else None
+
+
+def output_sequences(result: EvalResult) -> list[list[float]]:
+    """Runs of consecutive outputs' times (s): per window, or per stream over the link."""
+    if result.output_sequences_s is not None:
+        return result.output_sequences_s
+    return [w.output_times_s for w in result.windows]
 
 
 def _psnr_of(mean_mse: float | None) -> float | None:
@@ -58,7 +72,12 @@ def build_report(result: EvalResult) -> dict:
             ),
             "action_mse": _mean_at([w.action_mse for w in wins], j),
             "baseline_action_mse": _mean_at([w.baseline_action_mse for w in wins], j),
-            "windows": len(wins),
+            # windows scored at this step (all of them in process; over the link, those whose
+            # server predicted this far ahead before a newer observation took over)
+            "windows": max(
+                len(_values_at([w.baseline_psnr for w in wins], j)),
+                len(_values_at([w.baseline_action_mse for w in wins], j)),
+            ),
         }
         if entry["psnr"] is not None and entry["baseline_psnr"] is not None:
             entry["psnr_gain_db"] = entry["psnr"] - entry["baseline_psnr"]
@@ -82,9 +101,7 @@ def build_report(result: EvalResult) -> dict:
         )
         by_chunk.append(entry)
     intervals = [
-        (b - a) * 1e3
-        for w in wins
-        for a, b in zip(w.output_times_s, w.output_times_s[1:], strict=False)
+        (b - a) * 1e3 for seq in output_sequences(result) for a, b in itertools.pairwise(seq)
     ]
     not_measured = {}
     if m.action_mode == "condition":
@@ -96,17 +113,22 @@ def build_report(result: EvalResult) -> dict:
         not_measured["baseline_action_mse"] = "the model has no actions"
     if wins and not wins[0].psnr:
         not_measured["psnr"] = not_measured["ssim"] = "the model predicts no frames"
+    latency = {
+        "response_latency_ms": summarize([w.response_latency_ms for w in wins]),
+        "chunk_latency_ms": summarize([x for w in wins for x in w.chunk_latency_ms]),
+        "interval_ms": summarize(intervals),
+    }
+    if result.link is not None:
+        latency["hop_ms"] = result.link["hop_ms"]
     return {
+        "mode": result.mode,
+        "link": result.link,
         "model": dataclasses.asdict(m),
         "config": dataclasses.asdict(cfg),
         "windows": len(wins),
         "horizon": horizon,
         "by_chunk": by_chunk,
-        "latency": {
-            "response_latency_ms": summarize([w.response_latency_ms for w in wins]),
-            "chunk_latency_ms": summarize([x for w in wins for x in w.chunk_latency_ms]),
-            "interval_ms": summarize(intervals),
-        },
+        "latency": latency,
         "not_measured": not_measured,
         "bags": result.bags,
         "skipped_bags": result.skipped_bags,
@@ -121,15 +143,32 @@ def _f(v, digits: int = 2) -> str:
 
 def render_markdown(report: dict) -> str:
     m, cfg = report["model"], report["config"]
+    link = report.get("link")
+    if link is None:
+        what = (
+            f"{report['windows']} windows from {len(report['bags'])} bags "
+            f"({len(report['skipped_bags'])} bags skipped), in process; each window: "
+            f"{cfg['context_chunks']} context chunks, then {cfg['horizon_chunks']} predicted "
+            f"chunks of {m['frames_per_chunk']} frames at {cfg['frame_hz']} Hz; replay "
+            f"{'at recorded timing' if cfg['realtime'] else 'as fast as possible'}."
+        )
+    else:
+        what = (
+            f"Over the link to physis-serve at `{link['target']}`: {len(report['bags'])} bags "
+            f"({len(report['skipped_bags'])} skipped) streamed frame by frame "
+            f"{'at recorded timing' if cfg['realtime'] else 'as fast as the server took them'}"
+            f"; {link['predictions_scored']} of {link['predictions_received']} predictions "
+            f"scored, from {report['windows']} conditioning observations (a window here), up to "
+            f"{cfg['horizon_chunks']} chunks of {m['frames_per_chunk']} frames ahead of the "
+            f"observation they are conditioned on, at {cfg['frame_hz']} Hz. Response latency: "
+            "observation handed to the client -> first prediction conditioned on it received; "
+            "chunk latency: entered the pipeline -> decoded, on the server."
+        )
     lines = [
         f"# Evaluation: {m['name']}",
         "",
-        f"{report['windows']} windows from {len(report['bags'])} bags "
-        f"({len(report['skipped_bags'])} bags skipped); each window: {cfg['context_chunks']} "
-        f"context chunks, then {cfg['horizon_chunks']} predicted chunks of {m['frames_per_chunk']} "
-        f"frames at {cfg['frame_hz']} Hz; replay "
-        f"{'at recorded timing' if cfg['realtime'] else 'as fast as possible'}. "
-        "Baselines (copy-last-frame, hold-last-command) are scored on the same windows.",
+        what + " Baselines (copy-last-frame, hold-last-command) are scored on the same "
+        "windows and steps.",
         "",
         "## Per predicted chunk",
         "",
@@ -169,6 +208,16 @@ def render_markdown(report: dict) -> str:
     for key in ("response_latency_ms", "chunk_latency_ms", "interval_ms"):
         s = lat[key]
         lines.append(f"| {key} | {_f(s['median'])} | {_f(s['p99'])} | {s['count']} |")
+    if link is not None:
+        lines += ["", "## Link", "", "| hop | median ms | p99 ms | count |", "|---|---|---|---|"]
+        for name, st in link["hop_ms"].items():
+            lines.append(f"| {name} | {_f(st['median'])} | {_f(st['p99'])} | {st['count']} |")
+        lines.append("")
+        lines.append(f"- streams opened: {link['streams_opened']}")
+        for name, n in link["drops"].items():
+            lines.append(f"- dropped {n}: {name}")
+        for reason, n in link["unscored_predictions"].items():
+            lines.append(f"- not scored, {n} prediction(s): {reason}")
     if report["not_measured"]:
         lines += ["", "## Not measured", ""]
         lines += [f"- `{k}`: {v}" for k, v in report["not_measured"].items()]
@@ -241,17 +290,17 @@ def write_report(result: EvalResult, out_dir: Path | str) -> dict:
         title="Latency",
         xlabel="ms",
     )
-    times = sorted(t for w in wins for t in w.output_times_s)
+    sequences = output_sequences(result)
+    first_s = min((seq[0] for seq in sequences if seq), default=0.0)
     per_window = [
-        ((a - times[0]), (b - a) * 1e3)
-        for w in wins
-        for a, b in zip(w.output_times_s, w.output_times_s[1:], strict=False)
+        ((a - first_s), (b - a) * 1e3) for seq in sequences for a, b in itertools.pairwise(seq)
     ]
     per_window.sort()
     line_chart(
         out / "interval_timeline.png",
         {"interval between chunks": ([t for t, _ in per_window], [v for _, v in per_window])},
-        title="Interval between consecutive chunks of a window",
+        title="Interval between consecutive chunks of a "
+        + ("stream" if result.mode == "link" else "window"),
         xlabel="time since first output (s)",
         ylabel="interval ms",
         markers=True,
