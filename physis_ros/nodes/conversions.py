@@ -132,6 +132,34 @@ def validate_vector(values, *, size: int | None, reason: str) -> np.ndarray:
     return array
 
 
+def command_positions(joint_names, positions_of_points: list, order: tuple[str, ...]) -> np.ndarray:
+    """The commanded joint positions of a JointTrajectory's first point, as float32 in
+    ``order`` (joint names); else ConversionError with reason ``command:<why>``.
+
+    A command message has one point (what ``sim_robot`` and the recorded bags send); with
+    more, the first is the target in force at the header stamp, the rest are ignored.
+    """
+    names = list(joint_names)
+    if not positions_of_points:
+        raise ConversionError("command:no_points", f"command for joints {names} has no points")
+    positions = np.asarray(positions_of_points[0], dtype=np.float64)
+    if positions.shape != (len(names),):
+        raise ConversionError(
+            "command:bad_positions",
+            f"point 0 has {positions.size} positions for {len(names)} joints {names}",
+        )
+    missing = [name for name in order if name not in names]
+    if missing:
+        raise ConversionError(
+            "command:missing_joint",
+            f"command for joints {names} lacks {missing}; the actions need {list(order)}",
+        )
+    picked = positions[[names.index(name) for name in order]]
+    if not np.all(np.isfinite(picked)):
+        raise ConversionError("command:non_finite", f"non-finite positions {picked.tolist()}")
+    return picked.astype(np.float32)
+
+
 def resize_nearest(image: np.ndarray, height: int, width: int) -> np.ndarray:
     """Nearest-neighbour resize of [H, W, C] (keeps predicted pixels visibly blocky);
     whole-number upscales are plain repeats, the common and cheap case."""

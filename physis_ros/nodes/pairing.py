@@ -116,3 +116,46 @@ class ApproxTimePairer:
     def latest(self, stream: str) -> Sample | None:
         with self._lock:
             return self._aux[stream][-1] if self._aux[stream] else None
+
+
+class CommandHistory:
+    """Commanded actions by stamp, to attach the command in force when an image was taken.
+
+    Unlike the wrench and joint states (nearest within a slop), a command is paired
+    causally: the newest command stamped *strictly before* the image, because that is the
+    command that moved the robot to what the image shows. It is also how the world model
+    was trained (``physis_ros.eval.bag.Episode.actions_for_chunk``): in a recorded bag the
+    command of a control tick carries the same stamp as that tick's image but is applied
+    after it, so "at or before" would pair each frame with the command one tick later.
+    Stamps must increase; an older or equal one is refused (the caller counts it).
+    """
+
+    def __init__(self, *, max_age_s: float, history: int = 256) -> None:
+        if max_age_s <= 0:
+            raise ValueError(f"max_age_s must be positive, got {max_age_s}")
+        if history <= 0:
+            raise ValueError(f"history must be positive, got {history}")
+        self._max_age_ns = int(max_age_s * 1e9)
+        # 256 commands: 2.5 s at the sim's 100 Hz, so an image that waited for its partners
+        # still finds the command that was in force when it was taken.
+        self._commands: deque[tuple[int, Any]] = deque(maxlen=history)
+        self._lock = threading.Lock()
+
+    def add(self, stamp_ns: int, value: Any) -> bool:
+        """Keeps ``value`` stamped ``stamp_ns``; False (not kept) if the stamp does not increase."""
+        with self._lock:
+            if self._commands and stamp_ns <= self._commands[-1][0]:
+                return False
+            self._commands.append((stamp_ns, value))
+            return True
+
+    def before(self, image_stamp_ns: int) -> tuple[Any | None, str]:
+        """(the newest command stamped before ``image_stamp_ns``, "") or (None, why not):
+        ``none_before_image`` (no such command kept) or ``stale`` (older than max_age_s)."""
+        with self._lock:
+            for stamp_ns, value in reversed(self._commands):
+                if stamp_ns < image_stamp_ns:
+                    if image_stamp_ns - stamp_ns > self._max_age_ns:
+                        return None, "stale"
+                    return value, ""
+        return None, "none_before_image"

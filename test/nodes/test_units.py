@@ -11,6 +11,7 @@ import pytest
 
 from physis_ros.nodes.conversions import (
     ConversionError,
+    command_positions,
     compressed_msg_to_fields,
     fields_to_rgb,
     image_msg_to_fields,
@@ -18,7 +19,7 @@ from physis_ros.nodes.conversions import (
     side_by_side,
     validate_vector,
 )
-from physis_ros.nodes.pairing import ApproxTimePairer, Sample
+from physis_ros.nodes.pairing import ApproxTimePairer, CommandHistory, Sample
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
 
@@ -161,6 +162,44 @@ def test_optional_partner_is_attached_when_near_and_skipped_when_not():
     pairer.add_aux("joints", s(10))
     paired = pairer.add_image(s(10))
     assert paired.wrench is None and paired.joints is not None
+
+
+def test_command_history_takes_the_newest_command_strictly_before_the_image():
+    history = CommandHistory(max_age_s=0.05)
+    assert history.before(100 * MS) == (None, "none_before_image")
+    assert history.add(10 * MS, "a") and history.add(20 * MS, "b") and history.add(40 * MS, "c")
+    assert not history.add(40 * MS, "again") and not history.add(30 * MS, "older")
+    # equal stamp: the command of that tick is applied after the image (as in the bags)
+    assert history.before(40 * MS) == ("b", "")
+    assert history.before(41 * MS) == ("c", "")
+    assert history.before(15 * MS) == ("a", "")
+    assert history.before(10 * MS) == (None, "none_before_image")
+    assert history.before(91 * MS) == (None, "stale")  # c is 51 ms old
+    assert history.before(90 * MS) == ("c", "")
+
+
+def test_command_positions_are_taken_by_name_in_the_action_order():
+    picked = command_positions(
+        ["elbow", "wrist", "shoulder"], [[0.5, 9.0, -1.25]], ("shoulder", "elbow")
+    )
+    assert picked.dtype == np.float32 and picked.tolist() == [-1.25, 0.5]
+    # several points: the first is the one in force at the stamp
+    assert command_positions(["a"], [[1.0], [2.0]], ("a",)).tolist() == [1.0]
+    cases = [
+        ((["shoulder"], [[0.1]], ("shoulder", "elbow")), "command:missing_joint"),
+        ((["shoulder", "elbow"], [], ("shoulder", "elbow")), "command:no_points"),
+        ((["shoulder", "elbow"], [[0.1]], ("shoulder", "elbow")), "command:bad_positions"),
+        (
+            (["shoulder", "elbow"], [[0.1, float("nan")]], ("shoulder", "elbow")),
+            "command:non_finite",
+        ),
+    ]
+    for args, reason in cases:
+        with pytest.raises(ConversionError) as err:
+            command_positions(*args)
+        assert err.value.reason == reason, args
+    with pytest.raises(ConversionError, match=r"lacks \['elbow'\]"):
+        command_positions(["shoulder"], [[0.1]], ("shoulder", "elbow"))
 
 
 def test_gate_trims_past_rows_and_refuses_old_or_stale_chunks():
