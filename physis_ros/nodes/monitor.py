@@ -30,6 +30,7 @@ TOPICS = {
     "predicted/side_by_side": (Image, "reliable"),
     "action_chunk": (ActionChunk, "reliable"),
     "joint_trajectory": (JointTrajectory, "reliable"),
+    "joint_command": (JointTrajectory, "reliable"),
     "predicted/ee_path": (MarkerArray, "reliable"),
     "pipeline_stats": (PipelineStats, "reliable"),
     "/diagnostics": (DiagnosticArray, "reliable"),

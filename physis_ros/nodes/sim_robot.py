@@ -5,7 +5,11 @@ camera): publishes ``camera/image`` (rgb8 ``sensor_msgs/Image``), ``wrench``
 (``WrenchStamped``) and ``joint_states`` at their own rates, and executes the
 ``joint_trajectory`` (``trajectory_msgs/JointTrajectory``) it receives. When no trajectory
 is fresh (none yet, or its last point ended ``trajectory_timeout_s`` ago) it falls back to
-the scene's scripted policy. Simulated time follows the wall clock; stamps are ROS time.
+the scene's scripted policy. Every physics step it publishes the joint targets it applied on
+``joint_command`` (``JointTrajectory``, one point, positions in the scene's joint order,
+stamped with the command time): the layout of the recorded bags (``physis_ros.sim.record``),
+so the bridge sees the live sim and a replayed bag alike and can condition the world model
+on the commands. Simulated time follows the wall clock; stamps are ROS time.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
-from trajectory_msgs.msg import JointTrajectory
+from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from physis_ros.nodes.conversions import fill_image_msg
 from physis_ros.nodes.run import run_node
@@ -109,6 +113,13 @@ class SimRobot(Node):
         self.image_pub = self.create_publisher(Image, "camera/image", qos_profile_sensor_data)
         self.wrench_pub = self.create_publisher(WrenchStamped, "wrench", qos_profile_sensor_data)
         self.joints_pub = self.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
+        # Reliable, as a command stream usually is; a best-effort subscriber (the bridge's
+        # default sensor-data QoS) matches it too.
+        self.command_pub = self.create_publisher(
+            JointTrajectory,
+            "joint_command",
+            QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
+        )
         self.create_subscription(
             JointTrajectory,
             "joint_trajectory",
@@ -157,6 +168,7 @@ class SimRobot(Node):
                 self.scene.wrench(),
             )
         stamp = now.to_msg()
+        self.command_pub.publish(command_msg(stamp, self.scene.joint_names, targets))
         joints = JointState()
         joints.header.stamp = stamp
         joints.name = list(self.scene.joint_names)
@@ -177,6 +189,17 @@ class SimRobot(Node):
         msg = Image()
         fill_image_msg(msg, rgb, stamp=stamp, frame_id=self._camera_frame)
         self.image_pub.publish(msg)
+
+
+def command_msg(stamp, joint_names: tuple[str, ...], targets) -> JointTrajectory:
+    """The commanded joint targets as the recorded bags hold them: one point, reached at
+    once (time_from_start 0), header frame ``table`` (physis_ros.sim.record.TABLE_FRAME)."""
+    msg = JointTrajectory()
+    msg.header.stamp = stamp
+    msg.header.frame_id = "table"
+    msg.joint_names = list(joint_names)
+    msg.points = [JointTrajectoryPoint(positions=[float(v) for v in targets])]
+    return msg
 
 
 def main(args=None) -> int:
