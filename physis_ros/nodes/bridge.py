@@ -1,9 +1,11 @@
 """``bridge``: the robot-side node between ROS 2 topics and the physis server.
 
 In: ``camera/image`` (``sensor_msgs/Image``) and/or a ``CompressedImage`` topic, ``wrench``
-(``WrenchStamped``), ``joint_states`` (``JointState``), sensor-data QoS by default. The
-callbacks validate and convert, pair by stamp (approximate time, bounded slop) and hand the
-newest observation to the link client, which is non-blocking: no network in callbacks.
+(``WrenchStamped``), ``joint_states`` (``JointState``), ``joint_command`` (``JointTrajectory``,
+the commanded joint targets), sensor-data QoS by default. The callbacks validate and
+convert, pair by stamp (approximate time, bounded slop; the command in force when the image
+was taken, ``pairing.CommandHistory``) and hand the newest observation, with that command as
+its ``action``, to the link client, which is non-blocking: no network in callbacks.
 
 Out, at the rate the server delivers (published from the link's receive thread):
 ``predicted/image`` (each frame stamped at its predicted time), ``predicted/side_by_side``
@@ -38,6 +40,7 @@ from physis_ros.nodes import outputs
 from physis_ros.nodes.bridge_params import BridgeParams, declare_bridge_params
 from physis_ros.nodes.conversions import (
     ConversionError,
+    command_positions,
     compressed_msg_to_fields,
     fields_to_rgb,
     fill_image_msg,
@@ -46,7 +49,12 @@ from physis_ros.nodes.conversions import (
     side_by_side,
     validate_vector,
 )
-from physis_ros.nodes.pairing import ApproxTimePairer, PairedObservation, Sample
+from physis_ros.nodes.pairing import (
+    ApproxTimePairer,
+    CommandHistory,
+    PairedObservation,
+    Sample,
+)
 from physis_ros.nodes.run import run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
@@ -77,7 +85,10 @@ class Bridge(Node):
                 max_observation_age_s=self.p.max_observation_age_s,
             )
         )
-        self.rates = {name: RateMeter() for name in ("image", "wrench", "joints")}
+        self.commands = CommandHistory(max_age_s=self.p.command_max_age_s)
+        # The action columns' joints: fixed by parameter, else on the first command.
+        self._command_order: tuple[str, ...] = self.p.command_joint_names or self.p.action_names
+        self.rates = {name: RateMeter() for name in ("image", "wrench", "joints", "command")}
         self.chunk_rate = RateMeter()
         self.interval_ms = RollingWindow()
         self.response_ms = RollingWindow()
@@ -88,6 +99,8 @@ class Bridge(Node):
             (
                 "images",
                 "sent",
+                "commands",
+                "observations_with_command",
                 "chunks_received",
                 "chunks_published",
                 "chunks_expired",
@@ -145,6 +158,8 @@ class Bridge(Node):
             )
         self.create_subscription(WrenchStamped, p.wrench_topic, self._on_wrench, in_qos)
         self.create_subscription(JointState, p.joint_states_topic, self._on_joints, in_qos)
+        if p.command_topic:
+            self.create_subscription(JointTrajectory, p.command_topic, self._on_command, in_qos)
 
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         latest = QoSProfile(depth=2, reliability=ReliabilityPolicy.RELIABLE)
@@ -208,6 +223,72 @@ class Bridge(Node):
             return
         self._take_aux("joints", msg.header, (tuple(msg.name), positions, velocities))
 
+    def _on_command(self, msg: JointTrajectory) -> None:
+        self.rates["command"].tick()
+        if not self._command_order and msg.points:
+            # No order configured: the first command's joint order is the action order.
+            self._command_order = tuple(msg.joint_names)
+            self.get_logger().info(
+                f"commanded actions in the joint order of the first command: "
+                f"{list(self._command_order)}"
+            )
+        try:
+            positions = command_positions(
+                msg.joint_names, [pt.positions for pt in msg.points], self._command_order
+            )
+        except ConversionError as exc:
+            self._count_command_problem(
+                exc.reason, f"{self.p.command_topic} message ignored: {exc}"
+            )
+            return
+        command_stamp_ns = stamp_ns(msg.header)
+        if command_stamp_ns == 0:
+            # JointTrajectory convention: a zero stamp means "now".
+            command_stamp_ns = self.now_ns()
+        if not self.commands.add(command_stamp_ns, positions):
+            self._count_command_problem(
+                "command:out_of_order_stamp",
+                f"{self.p.command_topic} message ignored: its stamp is not newer than the last one",
+            )
+            return
+        self.counts["commands"] += 1
+
+    def _count_command_problem(self, reason: str, detail: str) -> None:
+        """Counts ``reason`` as a drop and says so, at most every 2 s (one call site, one
+        throttle: rclpy's log filters are per call site)."""
+        self.drops.add(reason)
+        count = self.drops.snapshot().get(reason, 0)
+        self.get_logger().warning(f"{detail} ({reason}: {count} so far)", throttle_duration_sec=2.0)
+
+    def _command_for(self, image_stamp_ns: int, promise) -> np.ndarray | None:
+        """The command in force when the image was taken, if it fits the model; a missing
+        or unusable one is counted (the observation still goes, without an action)."""
+        if not self.p.command_topic:
+            return None
+        if promise is not None and promise.action_dim == 0:
+            return None  # the model takes no actions: nothing to condition on, no drop
+        command, why = self.commands.before(image_stamp_ns)
+        if command is None:
+            self._count_command_problem(
+                f"command:{why}",
+                f"observation sent without a commanded action: no {self.p.command_topic} message "
+                + (
+                    f"within {self.p.command_max_age_s} s before the image"
+                    if why == "stale"
+                    else "before the image"
+                ),
+            )
+            return None
+        if promise is not None and promise.action_dim != len(command):
+            self._count_command_problem(
+                "command:dim_mismatch",
+                f"observation sent without a commanded action: {len(command)} joints "
+                f"{list(self._command_order)}, the model takes {promise.action_dim} actions "
+                "(set command_joint_names)",
+            )
+            return None
+        return command
+
     def _take_aux(self, stream: str, header, value) -> None:
         sample = Sample(stamp_ns=stamp_ns(header), value=value, received_s=time.perf_counter())
         paired = self.pairer.add_aux(stream, sample)
@@ -223,6 +304,7 @@ class Bridge(Node):
         if self.p.resize_to_model and promise is not None and promise.image_height > 0:
             fields = resize_fields(observed, promise.image_height, promise.image_width)
         names, positions, velocities = paired.joints.value if paired.joints else ((), None, None)
+        action = self._command_for(paired.image.stamp_ns, promise)
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -243,9 +325,12 @@ class Bridge(Node):
             joint_names=names,
             joint_positions=positions,
             joint_velocities=velocities,
+            action=action,
         )
         self.client.send_observation(obs)  # non-blocking: newest wins inside the client
         self.counts["sent"] += 1
+        if action is not None:
+            self.counts["observations_with_command"] += 1
         self.obs_to_send_ms.add((time.perf_counter() - paired.image.received_s) * 1e3)
 
     # ---- predictions: the receive thread publishes -------------------------------------

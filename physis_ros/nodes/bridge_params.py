@@ -22,6 +22,14 @@ class BridgeParams:
     """geometry_msgs/WrenchStamped force/torque topic."""
     joint_states_topic: str = "joint_states"
     """sensor_msgs/JointState topic."""
+    command_topic: str = "joint_command"
+    """trajectory_msgs/JointTrajectory commanded joint targets, one point, sent with each
+    observation as the action the world model is conditioned on ('' to disable)."""
+    command_joint_names: tuple[str, ...] = ()
+    """Joints taken from each command, in the model's action order (empty: action_names, else
+    the joint order of the first command)."""
+    command_max_age_s: float = 0.25
+    """An image goes without a command when the newest one before it is older than this."""
     input_reliability: str = "best_effort"
     """best_effort (sensor-data QoS) or reliable, for all inputs."""
     input_depth: int = 5
@@ -100,7 +108,13 @@ class BridgeParams:
             raise ValueError(
                 "image_topic and compressed_image_topic are both empty: no camera input"
             )
-        for name in ("slop_s", "connect_timeout_s", "watchdog_period_s", "stats_period_s"):
+        for name in (
+            "slop_s",
+            "command_max_age_s",
+            "connect_timeout_s",
+            "watchdog_period_s",
+            "stats_period_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in (
@@ -128,10 +142,12 @@ class BridgeParams:
 
 _READ_ONLY = {
     "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic",
+    "command_topic", "command_joint_names",
     "input_reliability", "input_depth", "server", "server_port_file", "token", "root_cert_path",
     "client_cert_path", "client_key_path", "seed", "target_interval_ms",
 }  # fmt: skip
 _ARRAY_TYPES = {
+    "command_joint_names": Parameter.Type.STRING_ARRAY,
     "action_names": Parameter.Type.STRING_ARRAY,
     "joint_names": Parameter.Type.STRING_ARRAY,
     "ee_joint_indices": Parameter.Type.INTEGER_ARRAY,

@@ -69,6 +69,10 @@ def diagnostics_report(node, link) -> dict:
         **rates,
         "images_received": node.counts["images"],
         "observations_handed_to_link": node.counts["sent"],
+        # how many went with a commanded action (the world model's conditioning); why the
+        # others did not is in the dropped_command:<reason> counts
+        "commands_received": node.counts["commands"],
+        "observations_with_command": node.counts["observations_with_command"],
     }
     inputs_values.update({f"dropped_{k}": v for k, v in drops.items()})
     obs = node.obs_to_send_ms.summary()

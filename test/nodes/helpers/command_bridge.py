@@ -1,0 +1,111 @@
+"""Child process for the commanded-action test: the real server front end (``run_frontend``,
+as physis-serve runs it) over a fake engine that records what it is given, for a world model
+with action_mode "condition", and the real bridge node linked to it on 127.0.0.1.
+
+    command_bridge.py PORT_FILE --ros-args -p name:=value ...   (the bridge's parameters)
+
+Prints ``ready`` once the bridge streams; after a line on stdin it prints one JSON line
+(what the engine received, the bridge's counts and drops) and exits 0. The test process
+publishes the bridge's inputs on real topics in between.
+"""
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import rclpy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "link"))
+from link_fake_engine import FakeEngine
+
+from physis_ros.nodes.bridge import Bridge
+from physis_ros.serve.frontend import FrontendConfig, ServerDescription
+from physis_ros.serve.main import run_frontend
+
+HEIGHT = WIDTH = 16
+ACTION_HORIZON, ACTION_DIM = 4, 2
+
+
+def _listed(actions) -> list | None:
+    return None if actions is None else np.asarray(actions).tolist()
+
+
+class RecordingEngine(FakeEngine):
+    """FakeEngine that also logs, in order, each context chunk (its newest frame's pixel
+    value and its actions) and each generate request (its actions)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.events: list[tuple] = []  # ("context", pixel, [H, A] | None) | ("generate", ...)
+
+    def submit_context(self, stream_id, frames, actions=None) -> int:
+        chunk = super().submit_context(stream_id, frames, actions)
+        with self._lock:
+            self.events.append(("context", float(frames[-1].mean()), _listed(actions)))
+        return chunk
+
+    def submit_generate(self, stream_id, actions=None) -> int:
+        chunk = super().submit_generate(stream_id, actions)
+        with self._lock:
+            self.events.append(("generate", None, _listed(actions)))
+        return chunk
+
+
+def main() -> int:
+    port_file = sys.argv[1]
+    engine = RecordingEngine(
+        slots=1,
+        chunk_ms=10.0,
+        height=HEIGHT,
+        width=WIDTH,
+        action_horizon=ACTION_HORIZON,
+        action_dim=ACTION_DIM,
+    )
+    stop = threading.Event()
+    server = threading.Thread(
+        target=run_frontend,
+        args=(
+            engine,
+            ServerDescription(model="fake", steps=2, blocks=2, action_mode="condition"),
+            FrontendConfig(port=0),
+        ),
+        kwargs={"port_file": port_file, "stop": stop},
+        daemon=True,
+    )
+    server.start()
+    rclpy.init(args=sys.argv)
+    node = Bridge()  # its server_port_file parameter names port_file
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), done.set()), daemon=True).start()
+    ready = False
+    deadline = time.monotonic() + 120.0
+    while not done.is_set() and time.monotonic() < deadline:
+        rclpy.spin_once(node, timeout_sec=0.02)
+        if not ready and node.client.stats().state == "streaming":
+            print("ready", flush=True)
+            ready = True
+    # let the last observations reach the engine before reporting
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        rclpy.spin_once(node, timeout_sec=0.02)
+    with engine._lock:
+        events = list(engine.events)
+    report = {
+        "events": events,
+        "counts": node.counts,
+        "drops": node.drops.snapshot(),
+    }
+    node.shutdown()
+    node.destroy_node()
+    rclpy.shutdown()
+    stop.set()
+    server.join(timeout=10)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

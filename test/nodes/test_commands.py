@@ -1,0 +1,245 @@
+"""Commanded actions, robot to engine, with real nodes on real topics (isolated domain):
+sim_robot publishes the joint targets it applies on ``joint_command``; the bridge pairs each
+image with the command in force when it was taken and sends it as the observation's action;
+the server passes it to the engine (context chunk and generate requests) of an
+action-conditioned world model; malformed or stale commands are counted and the node keeps
+running."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from physis_ros.nodes.system import ros_args
+
+HELPER = str(Path(__file__).parent / "helpers" / "command_bridge.py")
+MS = 1_000_000
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+
+@pytest.fixture
+def monitor(ros_env, monkeypatch):
+    from physis_ros.nodes.monitor import Monitor
+
+    for key in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE"):
+        monkeypatch.setenv(key, ros_env[key])
+    mon = Monitor(domain_id=int(ros_env["ROS_DOMAIN_ID"]), keep=("joint_command",))
+    try:
+        yield mon
+    finally:
+        mon.close()
+
+
+def _stop(child: subprocess.Popen) -> int:
+    import signal
+
+    if child.poll() is None:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(timeout=10)
+    return child.returncode
+
+
+def _stamp_ns(header) -> int:
+    return header.stamp.sec * 1_000_000_000 + header.stamp.nanosec
+
+
+def test_sim_robot_publishes_the_joint_targets_it_applies(ros_env, monitor):
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "physis_ros.nodes.sim_robot",
+         *ros_args({"camera_rate_hz": 2.0, "trajectory_timeout_s": 60.0})],
+        env=ros_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert monitor.wait_for(lambda: monitor.count("joint_command") >= 150, timeout_s=30)
+        assert monitor.published_types("joint_command") == {"trajectory_msgs/msg/JointTrajectory"}
+        scripted = [m for _, m in monitor.messages("joint_command")]
+        for msg in scripted:
+            assert list(msg.joint_names) == ["shoulder", "elbow"]
+            assert len(msg.points) == 1 and len(msg.points[0].positions) == 2
+            assert msg.header.frame_id == "table"  # as in the recorded bags
+        stamps = np.array([_stamp_ns(m.header) for m in scripted])
+        assert np.all(np.diff(stamps) > 0)
+        # one command per physics step (state_rate_hz 100): stamps ~10 ms apart
+        assert 5 * MS < np.median(np.diff(stamps)) < 20 * MS, np.diff(stamps)
+        positions = np.array([m.points[0].positions for m in scripted])
+        assert np.all(np.isfinite(positions))
+        assert np.ptp(positions, axis=0).max() > 1e-3  # the scripted policy moves the arm
+
+        # A followed trajectory is what gets commanded (joint order given reversed here).
+        pub = monitor.node.create_publisher(
+            JointTrajectory,
+            "joint_trajectory",
+            QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
+        )
+        # two subscribers: the monitor's own and sim_robot's
+        assert monitor.wait_for(lambda: pub.get_subscription_count() >= 2, timeout_s=10)
+        traj = JointTrajectory()  # zero stamp: start now; one point, held until the timeout
+        traj.joint_names = ["elbow", "shoulder"]
+        traj.points = [JointTrajectoryPoint(positions=[0.9, 0.3])]
+        t_sent = time.monotonic()
+        pub.publish(traj)
+
+        def followed():
+            return any(
+                list(m.points[0].positions) == [0.3, 0.9]
+                for _, m in monitor.messages("joint_command", since_s=t_sent)
+            )
+
+        assert monitor.wait_for(followed, timeout_s=5), monitor.get("joint_command")
+        assert child.poll() is None
+    finally:
+        code = _stop(child)
+    assert code == 0  # it ran until stopped and exited cleanly on SIGINT
+
+
+def _image(stamp_ns: int, value: int):
+    from sensor_msgs.msg import Image
+
+    msg = Image()
+    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp_ns, 1_000_000_000)
+    msg.height, msg.width, msg.encoding, msg.step = 16, 16, "rgb8", 48
+    msg.data = bytes([value]) * (16 * 48)
+    return msg
+
+
+def _command(stamp_ns: int, names: list[str], positions: list[float] | None):
+    from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
+
+    msg = JointTrajectory()
+    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(stamp_ns, 1_000_000_000)
+    msg.joint_names = names
+    msg.points = [] if positions is None else [JointTrajectoryPoint(positions=positions)]
+    return msg
+
+
+def _lines(stream) -> queue.Queue:
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in stream], daemon=True).start()
+    return lines
+
+
+def test_bridge_sends_the_command_in_force_and_the_engine_gets_it(ros_env, monitor, tmp_path):
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from sensor_msgs.msg import Image
+    from trajectory_msgs.msg import JointTrajectory
+
+    params = {
+        "server_port_file": str(tmp_path / "port"),
+        "input_reliability": "reliable",
+        "require_wrench": False,
+        "require_joints": False,
+        "command_joint_names": ["shoulder", "elbow"],
+        "command_max_age_s": 0.05,
+        "target_interval_ms": 30.0,
+    }
+    child = subprocess.Popen(
+        [sys.executable, HELPER, str(tmp_path / "port"), *ros_args(params)],
+        env=ros_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out = _lines(child.stdout)
+        assert out.get(timeout=60).strip() == "ready"
+        node = monitor.node
+        qos = QoSProfile(depth=20, reliability=ReliabilityPolicy.RELIABLE)
+        images = node.create_publisher(Image, "camera/image", qos)
+        commands = node.create_publisher(JointTrajectory, "joint_command", qos)
+        # Two subscribers each: the monitor's own and the bridge's. Once matched (reliable,
+        # depth 20), nothing published from here on is lost.
+        assert monitor.wait_for(
+            lambda: images.get_subscription_count() >= 2 and commands.get_subscription_count() >= 2,
+            timeout_s=15,
+        )
+        time.sleep(0.2)
+
+        def now_ns() -> int:
+            return node.get_clock().now().nanoseconds
+
+        expected: dict[int, list[float] | None] = {}  # image pixel value -> action [A]
+        step_s = 0.15
+
+        # 1. An image before any command: sent without one (command:none_before_image).
+        expected[10] = None
+        images.publish(_image(now_ns(), 10))
+        time.sleep(step_s)
+        # 2. Good commands; joints in another order, with one the model does not take. The
+        #    command stamped after the image (already received) must not be taken.
+        for i in range(4):
+            base = now_ns()
+            shoulder, elbow = 0.25 + 0.125 * i, -0.5 - 0.0625 * i
+            commands.publish(_command(base - 20 * MS, ["elbow", "wrist", "shoulder"],
+                                      [elbow, 9.0, shoulder]))  # fmt: skip
+            commands.publish(_command(base + 10 * MS, ["shoulder", "elbow"], [7.0, 7.0]))
+            time.sleep(0.03)  # both commands are in before the image
+            value = 20 + 10 * i
+            expected[value] = [shoulder, elbow]
+            images.publish(_image(base, value))
+            time.sleep(step_s)
+        # 3. The newest command is 150 ms old (> command_max_age_s): no action (stale).
+        expected[70] = None
+        images.publish(_image(now_ns(), 70))
+        time.sleep(step_s)
+        # 4. Malformed commands: a needed joint missing, no points. Counted, ignored; the
+        #    image after them goes with the last good command, and the node keeps running.
+        base = now_ns()
+        commands.publish(_command(base - 40 * MS, ["shoulder", "elbow"], [1.5, -1.5]))
+        commands.publish(_command(base - 30 * MS, ["shoulder"], [0.5]))
+        commands.publish(_command(base - 20 * MS, ["shoulder", "elbow"], None))
+        time.sleep(0.03)
+        expected[80] = [1.5, -1.5]
+        images.publish(_image(base, 80))
+        time.sleep(step_s)
+        base = now_ns()
+        commands.publish(_command(base - 5 * MS, ["shoulder", "elbow"], [-0.75, 0.375]))
+        time.sleep(0.03)
+        expected[90] = [-0.75, 0.375]
+        images.publish(_image(base, 90))
+        time.sleep(0.5)
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        report = json.loads(out.get(timeout=30))
+        assert child.wait(timeout=15) == 0
+    finally:
+        _stop(child)
+
+    counts, drops, events = report["counts"], report["drops"], report["events"]
+    # every image went to the link, with a command where one was in force
+    assert counts["sent"] == len(expected), report
+    assert counts["observations_with_command"] == sum(a is not None for a in expected.values())
+    assert drops.get("command:none_before_image") == 1, drops
+    assert drops.get("command:stale") == 1, drops
+    assert drops.get("command:missing_joint") == 1 and drops.get("command:no_points") == 1, drops
+    # the engine: each image's context chunk carries its command, held over the horizon (4),
+    # columns in the model's order (shoulder, elbow), float32 values exactly
+    contexts = {pixel: actions for kind, pixel, actions in events if kind == "context"}
+    assert len(contexts) >= len(expected) - 1, contexts  # a superseded one at most
+    for pixel, actions in contexts.items():
+        want = expected[round(pixel)]
+        if want is None:
+            assert actions is None, (pixel, actions)
+        else:
+            np.testing.assert_array_equal(actions, np.tile(np.float32(want), (4, 1)), str(pixel))
+    # generate requests of a condition model carry the newest context's actions
+    held = None
+    generates_with_actions = 0
+    for kind, _pixel, actions in events:
+        if kind == "context":
+            held = actions
+        else:
+            assert actions == held, (actions, held)
+            generates_with_actions += actions is not None
+    assert generates_with_actions > 0
