@@ -73,7 +73,12 @@ def generate_launch_description():
                 output="screen",
                 parameters=[
                     os.path.join(config, "bridge.yaml"),
-                    {"server": ["127.0.0.1:", LaunchConfiguration("port")]},
+                    {
+                        "server": ["127.0.0.1:", LaunchConfiguration("port")],
+                        # push-wm's action columns (its metadata action_names): sim_robot's
+                        # joint_command positions, sent with each image, condition it
+                        "command_joint_names": ["shoulder", "elbow"],
+                    },
                 ],
             ),
             Node(

@@ -2,9 +2,11 @@
 
     ros2 launch physis_ros robot.launch.py server:=gpu-box:50051 namespace:=arm
 
-Camera, wrench and joint-state topics are relative (remap them in bridge.yaml or with a
-namespace). FASTDDS_DEFAULT_PROFILES_FILE points at config/fastdds.xml, whose shared-memory
-segment is large enough for camera images (the Fast DDS default loses 640x480 frames).
+Camera, wrench, joint-state and joint-command topics are relative (remap them in bridge.yaml
+or with a namespace); the robot's commanded joint targets on ``joint_command`` condition an
+action-conditioned world model. FASTDDS_DEFAULT_PROFILES_FILE points at config/fastdds.xml,
+whose shared-memory segment is large enough for camera images (the Fast DDS default loses
+640x480 frames).
 """
 
 import os

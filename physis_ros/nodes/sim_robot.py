@@ -68,7 +68,9 @@ class SimRobot(Node):
         super().__init__("sim_robot")
         self.declare_parameter("camera_rate_hz", 30.0, _rate("camera images per second"))
         self.declare_parameter(
-            "state_rate_hz", 100.0, _rate("physics steps, wrench and joint states per second")
+            "state_rate_hz",
+            100.0,
+            _rate("physics steps, wrench, joint states and joint commands per second"),
         )
         self.declare_parameter(
             "image_height",
