@@ -55,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--context-chunks", type=int, default=defaults.context_chunks)
     w.add_argument("--horizon-chunks", type=int, default=defaults.horizon_chunks)
     w.add_argument("--stride-chunks", type=int, default=defaults.window_stride_chunks)
-    w.add_argument("--max-windows", type=int, default=0, help="per bag; 0: all")
+    w.add_argument(
+        "--max-windows",
+        type=int,
+        default=0,
+        help="per bag, in process (0: all); over the link see --max-seconds",
+    )
     w.add_argument(
         "--frame-hz", type=float, default=None, help="model frame rate (default: as trained)"
     )

@@ -113,9 +113,11 @@ def test_horizons_match_the_context_chunks_the_server_put_in():
     assert known and max(h for _, h in known) >= 3
     for p, h in known:
         assert h >= 1 and ctx_chunk[p.observation_seq] == p.chunk_index - h
-    conditioned = sum(p.observation_seq >= 0 for p in replay.predictions)
-    assert len(known) == conditioned  # nothing lost on loopback: every horizon is known
-    assert set(unscored) <= {"unconditioned (no observation yet)"}
+    lost = {k: v for k, v in replay.drops.items() if "slow" in k or "queue_full" in k}
+    if not lost:  # nothing lost (as on loopback, normally): every horizon is known
+        conditioned = sum(p.observation_seq >= 0 for p in replay.predictions)
+        assert len(known) == conditioned
+        assert set(unscored) <= {"unconditioned (no observation yet)"}
 
 
 def _env() -> dict:
@@ -197,3 +199,20 @@ def test_unreachable_server_is_a_clear_error_and_exit_1(tmp_path):
     assert rc == 1 and summary["windows"] == 0
     assert f"127.0.0.1:{port}" in err and "no stream from physis-serve" in err
     assert time.monotonic() - t0 < 20
+
+
+def test_serve_local_as_fast_as_the_server_takes_them(tmp_path):
+    """--serve-local: a physis-serve child with the in-process settings, stopped afterwards;
+    without --realtime each observation goes out once the previous one was used."""
+    bag = record_small(tmp_path / "bag", duration_s=2.0, seed=13)
+    out = tmp_path / "report"
+    rc, _, err = _eval(bag, "--serve-local", "--steps", "2", "--out", out)
+    assert rc == 0, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "link" and report["engine"]["steps"] == 2
+    assert "--serve-local" in report["engine"]["served_by"]
+    assert report["horizon"][0]["windows"] > 0 and math.isfinite(report["horizon"][0]["psnr"])
+    # fast replay: no observation was superseded, on either side
+    assert not any("superseded" in k for k in report["link"]["drops"]), report["link"]["drops"]
+    assert "capture_to_received" not in report["latency"]["hop_ms"]  # not at capture timing
+    assert "shutting down" in (out / "serve.log").read_text()  # the child was stopped
