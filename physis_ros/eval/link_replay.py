@@ -46,6 +46,10 @@ from physis_ros.eval.metrics import mse, psnr, ssim, summarize
 from physis_ros.link.client import LinkClient, LinkPromise, Observation, Prediction
 from physis_ros.link.wire import rgb_image
 
+REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "FAILED_PRECONDITION")
+"""gRPC status codes (as the client's last error starts) that a retry cannot turn into a
+stream; a full server (RESOURCE_EXHAUSTED) or an unreachable one may still come good."""
+
 
 class LinkUnavailable(Exception):
     """The server cannot be reached, refuses the stream, or went away mid-replay."""
@@ -104,11 +108,15 @@ def wait_streaming(client: LinkClient, opts: LinkOptions) -> LinkPromise:
         st = client.stats()
         if st.state == "streaming" and st.promise is not None:
             return st.promise
+        if st.last_error.startswith(REFUSALS):
+            break  # retrying will not change the answer
         time.sleep(0.02)
     st = client.stats()
     client.close(timeout_s=2.0)
+    if st.last_error.startswith(REFUSALS):
+        raise LinkUnavailable(f"physis-serve at {opts.target} refused the stream: {st.last_error}")
     raise LinkUnavailable(
-        f"no stream from physis-serve at {opts.target} within {opts.connect_timeout_s:.0f} s: "
+        f"no stream from physis-serve at {opts.target} within {opts.connect_timeout_s:g} s: "
         f"{st.last_error or st.state}"
     )
 

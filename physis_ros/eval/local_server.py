@@ -26,7 +26,15 @@ class LocalServerError(Exception):
 class LocalServer:
     """A running physis-serve child; ``target`` is its host:port."""
 
-    def __init__(self, engine: dict, log_path: Path, *, start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        engine: dict,
+        log_path: Path,
+        *,
+        start_timeout_s: float = 120.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        """``extra_args``: more physis-serve flags (e.g. ``--token-file``)."""
         self._dir = tempfile.TemporaryDirectory(prefix="physis-eval-serve-")
         folder = Path(self._dir.name)
         config = folder / "serve.yaml"
@@ -48,6 +56,7 @@ class LocalServer:
             "0",
             "--port-file",
             str(port_file),
+            *extra_args,
         ]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

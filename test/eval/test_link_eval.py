@@ -216,3 +216,22 @@ def test_serve_local_as_fast_as_the_server_takes_them(tmp_path):
     assert not any("superseded" in k for k in report["link"]["drops"]), report["link"]["drops"]
     assert "capture_to_received" not in report["latency"]["hop_ms"]  # not at capture timing
     assert "shutting down" in (out / "serve.log").read_text()  # the child was stopped
+
+
+def test_refused_stream_is_a_clear_error_and_exit_1(tmp_path):
+    """A server that wants a token the client lacks: its reason, at once (no retrying)."""
+    from physis_ros.weights import engine_kwargs
+
+    (tmp_path / "token").write_text("s3cret\n")
+    (tmp_path / "wrong").write_text("guess\n")
+    bag = record_small(tmp_path / "bag", duration_s=1.0, seed=14)
+    server_args = ("--token-file", str(tmp_path / "token"))
+    with LocalServer(engine_kwargs(), tmp_path / "serve.log", extra_args=server_args) as server:
+        t0 = time.monotonic()
+        rc, summary, err = _eval(
+            bag, "--link", server.target, "--token-file", tmp_path / "wrong", "--out", tmp_path
+        )
+        took_s = time.monotonic() - t0
+    assert rc == 1 and summary["windows"] == 0
+    assert "refused the stream: UNAUTHENTICATED" in err
+    assert took_s < 15  # not retried until --connect-timeout (5 s) and beyond
