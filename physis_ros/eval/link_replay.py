@@ -198,6 +198,19 @@ def replay_bag(
     def server_drops() -> int:
         return sum(v for k, v in client.stats().drops.items() if k.startswith("server:"))
 
+    def wait_used(seq: int) -> None:
+        """Until a prediction conditioned on ``seq`` came back (in chunk order, so every
+        chunk conditioned on an earlier one is in too) or the server counted a drop."""
+        drops_before = server_drops()
+        deadline = time.monotonic() + cfg.poll_timeout_s
+        while newest_seq[0] < seq and server_drops() == drops_before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no prediction conditioned on observation {seq} in {cfg.poll_timeout_s:g} s"
+                )
+            check_link()
+            take(0.05)
+
     try:
         for i in range(n):
             check_link()
@@ -206,18 +219,7 @@ def replay_bag(
                 while (wait_s := due_s - time.monotonic()) > 0:
                     take(min(wait_s, 0.05))
             elif i > 0:
-                # as fast as the server takes them: the previous observation was used (a
-                # prediction is conditioned on it) or refused (a drop was counted)
-                drops_before = server_drops()
-                deadline = time.monotonic() + cfg.poll_timeout_s
-                while newest_seq[0] < i - 1 and server_drops() == drops_before:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"no prediction conditioned on observation {i - 1} "
-                            f"in {cfg.poll_timeout_s:.0f} s"
-                        )
-                    check_link()
-                    take(0.05)
+                wait_used(i - 1)  # as fast as the server takes them: none superseded
             client.send_observation(
                 Observation(
                     seq=i,
@@ -228,14 +230,8 @@ def replay_bag(
             )
             out.sent_ns[i] = time.time_ns()
             out.frames_sent = i + 1
-        # the last observation's predictions: they are past the bag's end, but they end
-        # the run of the one before and carry the final drop counts
-        deadline = time.monotonic() + cfg.poll_timeout_s
-        while newest_seq[0] < n - 1 and time.monotonic() < deadline:
-            check_link()
-            take(0.05)
-        if newest_seq[0] < n - 1:
-            out.notes.append(f"no prediction conditioned on the last observation ({n - 1})")
+        # the chunks still in flight, up to the first conditioned on the last observation
+        wait_used(n - 1)
     except TimeoutError as err:
         out.notes.append(f"replay stopped after {out.frames_sent} frames: {err}")
     finally:
