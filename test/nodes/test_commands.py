@@ -243,3 +243,62 @@ def test_bridge_sends_the_command_in_force_and_the_engine_gets_it(ros_env, monit
             assert actions == held, (actions, held)
             generates_with_actions += actions is not None
     assert generates_with_actions > 0
+
+
+def test_a_replayed_bag_conditions_the_engine_as_the_model_was_trained(ros_env, tmp_path):
+    """physis-replay of a recorded bag -> bridge (default command order: the first
+    command's) -> server -> engine: each frame's context chunk carries the bag's command in
+    force when that frame was taken, the alignment training and physis-eval use."""
+    from physis_ros.eval.bag import read_episode
+    from physis_ros.sim.record import IMAGE_TOPIC, RecordConfig, record_episode
+
+    bag = tmp_path / "bag"
+    record_episode(bag, RecordConfig(seed=5, duration_s=3.0, image_height=16, image_width=16))
+    episode = read_episode(bag)
+    params = {
+        "server_port_file": str(tmp_path / "port"),
+        "image_topic": IMAGE_TOPIC,
+        "input_reliability": "reliable",
+        "target_interval_ms": 30.0,
+    }
+    child = subprocess.Popen(
+        [sys.executable, HELPER, str(tmp_path / "port"), *ros_args(params)],
+        env=ros_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out = _lines(child.stdout)
+        assert out.get(timeout=60).strip() == "ready"
+        replay = subprocess.run(
+            [sys.executable, "-m", "physis_ros.eval.replay", str(bag), "--reliable",
+             "--wait-subscribers-s", "15"],
+            env=ros_env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert replay.returncode == 0, replay.stderr
+        time.sleep(0.5)
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        report = json.loads(out.get(timeout=30))
+        assert child.wait(timeout=15) == 0
+    finally:
+        _stop(child)
+
+    # frames are told apart by their mean pixel value (those sharing one are left out)
+    means = [float(frame.mean()) for frame in episode.frames]
+    index = {m: i for i, m in enumerate(means) if means.count(m) == 1}
+    checked = 0
+    for kind, pixel, actions in report["events"]:
+        if kind != "context" or pixel not in index:
+            continue
+        i = index[pixel]
+        if i == 0:  # the bag's first command comes after its first frame
+            assert actions is None
+            continue
+        want = np.float32(episode.actions_for_chunk(i, 1, 1)[0])
+        np.testing.assert_array_equal(actions, np.tile(want, (4, 1)), f"frame {i}")
+        checked += 1
+    # reliable QoS end to end: at most a frame lost to discovery or superseded at the server
+    identifiable = len(index) - (0 in index)
+    assert identifiable >= 10 and checked >= identifiable - 2, (checked, identifiable, report)
+    counts = report["counts"]
+    assert counts["observations_with_command"] >= counts["sent"] - 1, report
+    assert report["drops"].get("command:none_before_image", 0) <= 1, report["drops"]
