@@ -148,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     over_link = bool(args.link or args.serve_local)
+    engine = None
     try:
         # in process: the engine now; --serve-local: its settings, for the child
         if args.serve_local:
-            kwargs, settings = engine_settings(args)
+            settings = engine_settings(args)[1]
         elif not over_link:
             engine, settings = engine_from_args(args)
         else:
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
     except (ValueError, FileNotFoundError) as err:
-        if not over_link and "engine" in locals():
+        if engine is not None:
             engine.shutdown()
         parser.error(str(err))
     topics = TopicChoice(image=args.image_topic, command=args.command_topic)
