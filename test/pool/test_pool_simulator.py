@@ -307,6 +307,44 @@ def test_message_processor_time_loads_both_ends_and_forward_scale_slows_forwards
         SimConfig(num_devices=1, forward_scale=0.0)
 
 
+def test_message_threads_serve_messages_beside_the_worker():
+    """comm_threads (gloo ranks): a message takes the sender's send thread, the wire and the
+    receiver's receive thread, in that order, and never stops either worker; on a shared host
+    the threads' processor time slows everything that runs at the same time."""
+    prof = Profile(
+        device="test",
+        model="tiny",
+        steps=2,
+        window=2,
+        dtype="float32",
+        entries=(E(tasks=1, ms_p50=1.0, ms_p99=1.0),),
+        hop_ms=0.6,
+        comm_threads=True,
+        send_cpu_ms=0.2,
+        recv_cpu_ms=0.3,
+    )
+    plan = _plan(0, [0, 0, 1, 1])
+
+    def run(inflight: int, cores: float):
+        cfg = SimConfig(
+            num_devices=2,
+            chunks=30,
+            warmup_chunks=10,
+            batching=False,
+            sink_device=0,
+            host_cores=cores,
+        )
+        return simulate([SimStream(plan=plan, max_inflight=inflight)], ProfileCostModel(prof), cfg)
+
+    # each device only runs its 2 stages: the messages' time is on other threads
+    assert run(8, 0.0).streams[0].interval_p50_ms == pytest.approx(2.0)
+    # one chunk in flight: 4 stages and 2 hops of hop_ms (send thread + wire + receive thread)
+    assert run(1, 0.0).streams[0].latency_p50_ms == pytest.approx(4 * 1.0 + 2 * 0.6)
+    # one core for both workers and all threads: per chunk 4 ms of stages + 2 x 0.5 ms of
+    # message threads
+    assert run(8, 1.0).streams[0].interval_p50_ms == pytest.approx(5.0, rel=0.02)
+
+
 def test_other_jobs_on_the_host_share_its_cores():
     """One busy device on two cores runs at full speed next to one foreign job; two busy
     devices next to it share the two cores three ways."""

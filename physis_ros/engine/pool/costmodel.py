@@ -165,6 +165,11 @@ class CostModel(Protocol):
     name: str
     comm_overlaps_compute: bool
     """False: a worker is busy while it sends (charge hops to the sender's compute)."""
+    comm_threads: bool
+    """True: each device's sends and receives are served by its own send and receive threads
+    beside the worker (CPU ranks over gloo): ``send_cpu_ms`` and ``recv_cpu_ms`` are those
+    threads' processor time per message, which shares the host's cores but never stops the
+    worker."""
 
     def group_ms(self, cfg: ModelConfig, sampler: SamplerConfig, tasks: int) -> float:
         """One batched forward of one block over ``tasks`` tasks (full KV windows)."""
@@ -194,6 +199,7 @@ class AnalyticCostModel:
         self.device = device
         self.name = f"analytic:{device.name}"
         self.comm_overlaps_compute = device.comm_overlaps_compute
+        self.comm_threads = False
 
     def group_ms(self, cfg: ModelConfig, sampler: SamplerConfig, tasks: int) -> float:
         if tasks < 1:
@@ -262,6 +268,12 @@ class Profile:
     batch_overhead_ms: float = 0.0
     """Worker-loop cost per batched forward (pick, stack, loop turn), calibrated likewise."""
     comm_overlaps_compute: bool = False
+    comm_threads: bool = False
+    """Messages are served by each rank's send and receive threads (``CostModel``)."""
+    rank_work_scale: float = 1.0
+    """Processor time of a rank's worker-loop work (forwards, loop) inside a multi-rank job
+    relative to a one-rank job on the same host, measured: every message wakes threads that
+    take the GIL and the processor from the worker. 1: not measured."""
     send_cpu_ms: float = 0.0
     """Processor time one remote send costs the sending rank (packing, the send thread, the
     transport's own threads, and the GIL contention they cause the worker's forwards); 0
@@ -292,6 +304,8 @@ class Profile:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.rank_work_scale > 0:
+            raise ValueError(f"rank_work_scale must be > 0, got {self.rank_work_scale}")
         sizes = [e.tasks for e in self.entries]
         if sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"profile batch sizes must be increasing and >= 1, got {sizes}")
@@ -316,6 +330,8 @@ class Profile:
                 task_overhead_ms=float(data.get("task_overhead_ms", 0.0)),
                 batch_overhead_ms=float(data.get("batch_overhead_ms", 0.0)),
                 comm_overlaps_compute=bool(data.get("comm_overlaps_compute", False)),
+                comm_threads=bool(data.get("comm_threads", False)),
+                rank_work_scale=float(data.get("rank_work_scale", 1.0)),
                 send_cpu_ms=float(data.get("send_cpu_ms", 0.0)),
                 recv_cpu_ms=float(data.get("recv_cpu_ms", 0.0)),
                 chunk_overhead_ms=float(data.get("chunk_overhead_ms", 0.0)),
@@ -342,6 +358,7 @@ class ProfileCostModel:
         self.profile = profile
         self.name = f"profile:{profile.device}:{profile.model}"
         self.comm_overlaps_compute = profile.comm_overlaps_compute
+        self.comm_threads = profile.comm_threads
         self._points = [(e.tasks, e.ms_p99 if use_p99 else e.ms_p50) for e in profile.entries]
 
     def _check(self, cfg: ModelConfig, sampler: SamplerConfig) -> None:

@@ -117,6 +117,7 @@ def measure(args: argparse.Namespace) -> Profile:
         entries=tuple(entries),
         **costs,
         comm_overlaps_compute=False,
+        comm_threads=args.runtime == "gloo",
         host_cores=len(os.sched_getaffinity(0)) if args.device == "cpu" else 0,
         calibrated_on=args.runtime,
     )

@@ -10,9 +10,14 @@ It follows the workers' scheduling rules:
   one hop (``cost.hop_ms``) otherwise; hops out of a device are serialised on its link, and
   when communication does not overlap compute the device is busy while it sends;
 - messages cost processor time where the cost model says so (CPU ranks: packing, the
-  transport's threads, the GIL): ``cost.send_cpu_ms`` is added to the sending batch,
-  ``cost.recv_cpu_ms`` to the receiving device's work, ``cost.chunk_overhead_ms`` to the sink
-  (the controller) per finished chunk. A device with such work and no ready task runs it alone;
+  transport's threads, the GIL): ``cost.send_cpu_ms`` at the sender, ``cost.recv_cpu_ms`` at
+  the receiver, ``cost.chunk_overhead_ms`` at the sink (the controller) per finished chunk.
+  With ``cost.comm_threads`` (gloo ranks) a send and a receive are served in order by the
+  device's own send and receive threads, beside its worker: the message reaches the next
+  stage after the sender's thread, the wire (``hop_ms`` less both threads' times) and the
+  receiver's thread, and both threads' time shares the host's cores. Otherwise the send is
+  added to the sending batch and the receive to the receiving device's work (a device with
+  such work and no ready task runs it alone);
 - devices that share ``host_cores`` processors (ranks on one CPU host) slow down together
   (processor sharing among the busy ones).
 
@@ -163,7 +168,7 @@ def _pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
 
 
-_RELEASE, _ARRIVE, _DONE = 0, 1, 2
+_RELEASE, _ARRIVE, _DONE, _WIRE = 0, 1, 2, 3
 
 
 def simulate(
@@ -215,6 +220,43 @@ def simulate(
         return max(hop_ms(si, a, b) - comm[si][0] - comm[si][1], 0.0)
 
     debt = [0.0] * G  # processor time owed by each device for messages and the controller
+    # With ``cost.comm_threads`` a device's messages are handled by its send thread (entity
+    # G + d) and its receive thread (entity 2G + d), one message at a time each, in order;
+    # their processor time shares the host's cores with the workers but never stops one.
+    threads = cost.comm_threads
+    server_queue: dict[int, deque] = {e: deque() for e in range(G, 3 * G)}
+
+    def serve(t: float, e: int) -> None:
+        q = server_queue[e]
+        if e in remaining or not q:
+            return
+        si = q[0][0]
+        advance(t)
+        remaining[e] = comm[si][0] if e < 2 * G else comm[si][1]
+        started[e] = t
+        reschedule(t)
+
+    def message(t: float, si: int, d: int, nxt: int, chunk: int) -> None:
+        """Stage ``nxt`` of chunk ``chunk`` goes from d to a remote device (the sink when
+        ``nxt`` is past the last stage): the sender's thread, the wire, the receiver's."""
+        sd = plans[si].stage_devices
+        dst = sd[nxt] if nxt < len(sd) else config.sink_device
+        server_queue[G + d].append((si, nxt, chunk, dst))
+        serve(t, G + d)
+
+    def served(t: float, e: int) -> None:
+        advance(t)
+        del remaining[e]
+        scheduled.discard(e)
+        reschedule(t)
+        si, nxt, chunk, dst = server_queue[e].popleft()
+        if e < 2 * G:  # on the wire; the event carries chunk and receiver in one integer
+            push(t + wire_ms(si, e - G, dst), _WIRE, si, nxt, chunk * G + dst)
+        elif nxt == plans[si].num_stages:
+            complete(t, si, chunk)
+        else:
+            arrive(t, si, nxt, chunk)
+        serve(t, e)
 
     release = [[math.nan] * C for _ in range(n)]
     start = [[math.nan] * C for _ in range(n)]
@@ -304,7 +346,7 @@ def simulate(
             nxt = stage + 1
             sd = plans[si].stage_devices
             dst = sd[nxt] if nxt < len(sd) else config.sink_device
-            if dst is not None and dst != d:
+            if dst is not None and dst != d and not threads:
                 work += comm[si][0]
         for _, si, stage, chunk in group:
             if stage == 0:
@@ -346,9 +388,9 @@ def simulate(
 
     group_store: list[list] = []
     remaining: dict[int, float] = {}  # busy device -> full-speed work left (ms)
-    started = [0.0] * G
-    current = [0] * G
-    version = [0] * G
+    started = [0.0] * (3 * G)
+    current = [0] * (3 * G)
+    version = [0] * (3 * G)
     scheduled: set[int] = set()
     last_t = 0.0
 
@@ -376,7 +418,9 @@ def simulate(
             nxt = stage + 1
             if nxt == plan.num_stages:
                 sink = config.sink_device
-                if sink is not None and sink != d:
+                if sink is not None and sink != d and threads:
+                    message(t, si, d, nxt, chunk)
+                elif sink is not None and sink != d:
                     delay = hop_ms(si, d, sink)
                     if not cost.comm_overlaps_compute:
                         delay = wire_ms(si, d, sink)
@@ -387,6 +431,8 @@ def simulate(
             dst = plan.stage_devices[nxt]
             if dst == d:
                 arrive(t, si, nxt, chunk)
+            elif threads:
+                message(t, si, d, nxt, chunk)
             else:
                 h = hop_ms(si, d, dst)
                 if cost.comm_overlaps_compute:
@@ -419,6 +465,12 @@ def simulate(
                     complete(t, a, c)
                 else:
                     arrive(t, a, b, c)
+            elif kind == _WIRE:  # c encodes chunk and receiver
+                chunk, dst = divmod(c, G)
+                server_queue[2 * G + dst].append((a, b, chunk, dst))
+                serve(t, 2 * G + dst)
+            elif c == version[a] and a >= G:
+                served(t, a)
             elif c == version[a]:  # a DONE made stale by a change of speed is skipped
                 group = group_store[b]
                 group_store[b] = []
