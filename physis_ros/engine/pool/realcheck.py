@@ -2,12 +2,17 @@
 
 ``calibrate_gloo`` measures, on the torch.distributed runtime itself, what the simulator needs
 beyond the per-block times: the worker loop's cost per task and per batched forward and the
-controller's cost per finished chunk (one-rank runs, with and without batching), the
-processor time of one message and how much slower forwards run inside a multi-rank job
-(processor-time accounting of a two-rank run), and a hop's latency (ping-pong). ``realcheck`` then
-runs free-running ``tiny`` streams (every chunk queued at once, stages split evenly over the
-ranks) for each (ranks, streams) case and simulates the same cases with that profile and the
-host's core count; it reports predicted, measured and relative error per case.
+controller's cost per finished chunk (one-rank runs, with and without batching); by accounting
+every thread of rank 0 in a two-rank run, the processor time its send and receive threads
+spend per message and how much more processor time the worker's own work takes beside another
+rank than alone; and a hop's latency (ping-pong). ``realcheck`` then runs free-running
+``tiny`` streams (every chunk queued at once, stages split evenly over the ranks) for each
+(ranks, streams) case and simulates the same cases with that profile and the host's core
+count; it reports predicted, measured and relative error per case.
+
+Other jobs on the host (other users' tests) take processor time the simulation does not have,
+so calibration and every measured run record the other jobs' load while they ran, and only
+quiet runs count (see ``realcheck``).
 
 Calibration uses one rank and a two-rank layout that no checked case uses (each rank one
 block at every step). The one-rank one-stream case repeats a calibration run; every other
@@ -24,6 +29,8 @@ import time
 
 K, W = 4, 2
 """Steps and window of the real checks (the ``tiny`` model has L = 2: 8 stages)."""
+QUIET_CORES = 0.1
+"""A run counts as quiet when other jobs used fewer processors than this while it ran."""
 
 
 def host_cores() -> int:
@@ -129,7 +136,7 @@ def run_free(engine, layouts: list, chunks: int, timeout_s: float = 120.0) -> li
 
 
 def calibrate_gloo(
-    model: str, steps: int, window: int, entries, *, chunks: int = 40, repeats: int = 3
+    model: str, steps: int, window: int, entries, *, chunks: int = 40, repeats: int = 5
 ) -> dict:
     """Worker-loop, controller and message costs measured on the gloo runtime.
 
@@ -149,7 +156,8 @@ def calibrate_gloo(
        time of its send threads and of the threads Python does not own (gloo's transport)
        per message sent; ``rank_work_scale`` the worker thread's time per unit of modelled
        work here over that of step 1 (the wakeups and GIL handoffs the message threads cause
-       the worker). Medians over the runs. ``hop_ms``: half a ping-pong round trip.
+       the worker). Medians over ``repeats`` runs during which other jobs used under
+       ``QUIET_CORES`` (up to ``3 * repeats`` tries). ``hop_ms``: half a ping-pong round trip.
     """
 
     from physis_ros.engine.config import get_preset
@@ -170,7 +178,8 @@ def calibrate_gloo(
         hop_ms=0.0,
     )
     block = ProfileCostModel(probe).block_ms
-    runs: dict[bool, list[tuple[float, float, list[int], float]]] = {False: [], True: []}
+    # per run: wall ms, controller ms, batch sizes, worker thread ms, other jobs' cores
+    runs: dict[bool, list[tuple[float, float, list[int], float, float]]] = {False: [], True: []}
     with DistEngine.launch_local(cfg, 1) as engine:
         worker = engine.host.worker
         worker.record_block_times()
@@ -181,15 +190,17 @@ def calibrate_gloo(
                 worker.batching = batching  # read by the worker's loop at each pick
                 n0 = len(worker.stats.block_times)
                 w0 = task_cpu_ms(worker_tid)
+                meter = ForeignLoad([os.getpid()])
                 cpu0, t0 = time.thread_time(), time.perf_counter()
                 run_free(engine, [None], chunks)
                 wall_ms = (time.perf_counter() - t0) * 1e3
                 main_ms = (time.thread_time() - cpu0) * 1e3
                 sizes = [b for _, b, _, _ in worker.stats.block_times[n0:]]
-                runs[batching].append((wall_ms, main_ms, sizes, task_cpu_ms(worker_tid) - w0))
+                worker_ms = task_cpu_ms(worker_tid) - w0
+                runs[batching].append((wall_ms, main_ms, sizes, worker_ms, meter.cores()))
     chunk_oh = min(r[1] for r in runs[False] + runs[True]) / chunks
     a = min(r[0] for r in runs[False]) / tasks - block(1) - chunk_oh * chunks / tasks
-    wall_b, _, sizes, _ = min(runs[True], key=lambda r: r[0])
+    wall_b, _, sizes, _, _ = min(runs[True], key=lambda r: r[0])
     rest = wall_b - sum(block(b) for b in sizes) - chunk_oh * chunks
     batch_oh = (a * tasks - rest) / (tasks - len(sizes)) if len(sizes) < tasks else a
     batch_oh = min(max(batch_oh, 0.0), max(a, 0.0))
@@ -203,13 +214,23 @@ def calibrate_gloo(
         """The worker's work as the simulator charges it: forwards and loop overheads."""
         return sum(block(b) + batch_oh + b * costs["task_overhead_ms"] for b in sizes)
 
-    one_rank = statistics.median(r[3] / modelled_ms(r[2]) for r in runs[True])
+    # Processor-time ratios only from runs other jobs left alone: contention for the cores
+    # makes every thread's work cost more processor time (switches, cold caches).
+    quiet = [r for r in runs[True] if r[4] < QUIET_CORES] or runs[True]
+    one_rank = statistics.median(r[3] / modelled_ms(r[2]) for r in quiet)
     by_block = layout_by_block_even(steps, L, 2)
     with DistEngine.launch_local(cfg, 2) as engine:
         hops = engine.measure_hop_ms(rounds=50, warmup=10)
         engine.host.worker.record_block_times()
         run_free(engine, [by_block], 8)  # warm-up (and the send thread to rank 1 exists)
-        shares = [_thread_shares(engine, by_block, chunks, modelled_ms) for _ in range(repeats)]
+        pids = [os.getpid()] + [proc.pid for proc in engine.procs]
+        shares, others = [], []
+        while len(shares) < repeats and len(shares) + len(others) < 3 * repeats:
+            wait_for_quiet(5.0)
+            meter = ForeignLoad(pids)
+            share = _thread_shares(engine, by_block, chunks, modelled_ms)
+            (shares if meter.cores() < QUIET_CORES else others).append(share)
+        shares = shares or others
     return {
         **costs,
         "hop_ms": statistics.median(hops),
@@ -346,7 +367,7 @@ def realcheck(
     repeats: int = 5,
     profile=None,
     quiet_wait_s: float = 10.0,
-    max_foreign_cores: float = 0.1,
+    max_foreign_cores: float = QUIET_CORES,
 ) -> dict:
     """Calibrate (unless ``profile`` is given), then measure and predict every case.
 
