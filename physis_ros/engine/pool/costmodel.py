@@ -275,13 +275,13 @@ class Profile:
     relative to a one-rank job on the same host, measured: every message wakes threads that
     take the GIL and the processor from the worker. 1: not measured."""
     send_cpu_ms: float = 0.0
-    """Processor time one remote send costs the sending rank (packing, the send thread, the
-    transport's own threads, and the GIL contention they cause the worker's forwards); 0
-    with ``recv_cpu_ms`` 0: not measured (a worker that cannot overlap sends is then charged
-    ``hop_ms``)."""
+    """Processor time one remote send costs the sending rank (with ``comm_threads``: its send
+    thread and a share of gloo's transport thread; what the messages cost the worker itself
+    is in ``rank_work_scale``); 0 with ``recv_cpu_ms`` 0: not measured (a worker that cannot
+    overlap sends is then charged ``hop_ms``)."""
     recv_cpu_ms: float = 0.0
-    """Processor time one remote receive costs the receiving rank (receive thread, copies,
-    GIL contention)."""
+    """Processor time one remote receive costs the receiving rank (with ``comm_threads``: its
+    receive thread and a share of gloo's transport thread)."""
     chunk_overhead_ms: float = 0.0
     """Processor time the controller (rank 0's driver thread) spends per finished chunk."""
     host_cores: int = 0
