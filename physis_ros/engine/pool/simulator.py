@@ -363,8 +363,8 @@ def simulate(
         tasks_run += len(group)
         reschedule(t)
 
-    # Devices share ``host_cores`` processors (0: each device is its own processor): with b
-    # busy devices on c cores each progresses at min(1, c / b) (processor sharing).
+    # Devices and message threads share ``host_cores`` processors (0: each its own): with b
+    # of them busy on c cores each progresses at min(1, c / b) (processor sharing).
     def speed() -> float:
         demand = len(remaining) + config.foreign_load
         if not config.host_cores or demand <= config.host_cores:
@@ -387,7 +387,7 @@ def simulate(
                 scheduled.add(dev)
 
     group_store: list[list] = []
-    remaining: dict[int, float] = {}  # busy device -> full-speed work left (ms)
+    remaining: dict[int, float] = {}  # busy device or message thread -> work left (ms)
     started = [0.0] * (3 * G)
     current = [0] * (3 * G)
     version = [0] * (3 * G)
