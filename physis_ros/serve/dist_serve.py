@@ -20,8 +20,10 @@ The ``distributed`` section of the YAML file configures the runtime (``RuntimeCo
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 from typing import Any
 
 import torch
@@ -64,6 +66,8 @@ def serve_torchrun(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads if args.threads is not None else cfg.threads)
     rank = int(os.environ["RANK"])
     if rank != 0:
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
         ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
         stop = StopFlag()  # after init: until then SIGTERM ends the process at once
         stop.install_signal_handlers()

@@ -473,6 +473,9 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
         )
         stop.set(f"error: {exc}")
         code = 1
+    # The goodbye below is bounded (flush, receive join) but gloo's teardown has no timeout
+    # of its own; a rank must never outlive its launcher's SIGTERM grace, so leave anyway.
+    _exit_after(CLEANUP_FLUSH_S + cfg.fault_timeout_s + CLEANUP_SLACK_S, code)
     stats = {"cpu_s": time.process_time(), "transport": dict(transport.counters)}
     if host is not None:
         ws = host.worker.stats
@@ -486,7 +489,7 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
             drops={**dict(ws.drops), **host.dropped},
         )
     transport.send_control(0, "bye", {"rank": ctx.rank, "reason": stop.reason, "stats": stats})
-    transport.close(flush_timeout_s=2.0)
+    transport.close(flush_timeout_s=CLEANUP_FLUSH_S)
     # Left on our own (signal, lost controller): rank 0's ``shutdown`` may still come and
     # end the receive thread; if not, only exiting the process drops its posted receive.
     if not transport.join_recv(timeout_s=cfg.fault_timeout_s if code == 0 else 0.0):
@@ -513,6 +516,18 @@ def main(argv: list[str] | None = None) -> int:
     code = run_worker_rank(cfg, ctx, stop)
     exit_now(code)
     return code
+
+
+CLEANUP_FLUSH_S = 2.0
+"""Longest a stopping worker rank waits for its last messages to leave."""
+CLEANUP_SLACK_S = 3.0
+"""Beyond the flush and the receive join, what a stopping rank's cleanup may take."""
+
+
+def _exit_after(seconds: float, code: int) -> None:
+    timer = threading.Timer(seconds, exit_now, args=(code,))
+    timer.daemon = True
+    timer.start()
 
 
 def exit_now(code: int) -> None:

@@ -101,6 +101,19 @@ def server(tmp_path):
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # a rank did not leave: its threads' stacks (faulthandler on SIGUSR1) go to the log
+            for pid in ranks.values():
+                if _alive(pid):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            proc.kill()
+            proc.wait(timeout=10)
+            log.close()
+            raise AssertionError(
+                "torchrun outlived SIGTERM by 30 s; log with stacks:\n"
+                + log_path.read_text(errors="replace")[-6000:]
+            ) from None
         finally:
             if proc.poll() is None:
                 proc.kill()
