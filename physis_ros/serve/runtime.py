@@ -38,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -407,11 +408,15 @@ class StopFlag:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.reason = ""
+        self.wake: Callable[[], None] | None = None
+        """Called once set: ends the loop's wait at once (see TorchDistTransport.wake)."""
 
     def set(self, reason: str) -> None:
         if not self.event.is_set():
             self.reason = reason
             self.event.set()
+            if self.wake is not None:
+                self.wake()
 
     def install_signal_handlers(self) -> None:
         def handler(signum, _frame):
@@ -425,6 +430,7 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
     """The loop of ranks 1..N-1 (rank 0 runs its host inside DistEngine). Returns exit code."""
     shapes = cfg.shapes()
     transport = TorchDistTransport(shapes=shapes, device=ctx.device)
+    stop.wake = transport.wake
     check_shapes_agree(shapes, ctx.device if ctx.backend == "nccl" else torch.device("cpu"))
     host = None
     code = 0

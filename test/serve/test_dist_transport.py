@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -202,3 +203,21 @@ def test_ranks_running_different_wire_code_are_refused_at_start_up():
 
 if __name__ == "__main__":
     sys.exit(old_protocol_main() if sys.argv[1:] == ["old-protocol"] else relay_main())
+
+
+def test_a_stopping_rank_wakes_its_receive_wait_and_the_wake_is_never_delivered():
+    """StopFlag.set wakes the transport's queues: a worker blocked in a receive must not rely
+    on the get's own timeout (a signal near its deadline makes CPython 3.11 wait forever)."""
+    from physis_ros.serve.runtime import StopFlag
+
+    inbox = dist_transport.queue.SimpleQueue()
+    stop = StopFlag()
+    stop.wake = lambda: inbox.put(dist_transport._WAKE)
+    threading.Timer(0.1, stop.set, args=("SIGTERM",)).start()
+    t0 = time.monotonic()
+    assert dist_transport._drain(inbox, 30.0) == []
+    assert time.monotonic() - t0 < 5.0
+    assert stop.reason == "SIGTERM"
+    inbox.put("activation")
+    inbox.put(dist_transport._WAKE)
+    assert dist_transport._drain(inbox, 0.0) == ["activation"]
