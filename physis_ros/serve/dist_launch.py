@@ -121,12 +121,13 @@ def init_from_env(*, device: str = "auto", comm_timeout_s: float = 60.0) -> Rank
     )
 
 
-def tie_to_parent() -> None:
-    """In a rank started by ``spawn_ranks``: get SIGTERM when the parent dies (Linux).
+def tie_to_parent(parent_pid: int | None = None) -> None:
+    """In a rank started by ``spawn_ranks`` (or by torchrun, with ``parent_pid`` = the
+    launcher's pid): get SIGTERM when the parent dies (Linux).
 
     Called by the child itself at start-up (a ``preexec_fn`` is unsafe in a threaded parent);
     if the parent is already gone by then, exit at once."""
-    parent = os.environ.get(_PARENT_PID_ENV)
+    parent = parent_pid if parent_pid is not None else os.environ.get(_PARENT_PID_ENV)
     if parent is None or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL("libc.so.6", use_errno=True)

@@ -59,12 +59,13 @@ def runtime_config(config: dict[str, Any], model: str | None = None) -> RuntimeC
 
 def serve_torchrun(args: argparse.Namespace) -> int:
     """Entry of every rank of ``torchrun ... -m physis_ros.serve.main``."""
-    from physis_ros.serve.dist_launch import init_from_env
+    from physis_ros.serve.dist_launch import init_from_env, tie_to_parent
     from physis_ros.serve.main import load_config, serve_single_process
 
     cfg = runtime_config(load_config(args.config), args.model)
     torch.set_num_threads(args.threads if args.threads is not None else cfg.threads)
     rank = int(os.environ["RANK"])
+    tie_to_parent(os.getppid())  # a killed torchrun takes its ranks with it
     if rank != 0:
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
         logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
