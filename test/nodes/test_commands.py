@@ -7,6 +7,7 @@ running."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import subprocess
@@ -133,20 +134,11 @@ def _lines(stream) -> queue.Queue:
     return lines
 
 
-def test_bridge_sends_the_command_in_force_and_the_engine_gets_it(ros_env, monitor, tmp_path):
-    from rclpy.qos import QoSProfile, ReliabilityPolicy
-    from sensor_msgs.msg import Image
-    from trajectory_msgs.msg import JointTrajectory
-
-    params = {
-        "server_port_file": str(tmp_path / "port"),
-        "input_reliability": "reliable",
-        "require_wrench": False,
-        "require_joints": False,
-        "command_joint_names": ["shoulder", "elbow"],
-        "command_max_age_s": 0.05,
-        "target_interval_ms": 30.0,
-    }
+@contextlib.contextmanager
+def _command_bridge(ros_env, tmp_path, params: dict):
+    """The bridge and front end over a recording engine (helpers/command_bridge.py), ready;
+    yields ``finish()``, which ends it and returns its report (events, counts, drops)."""
+    params = {"server_port_file": str(tmp_path / "port"), **params}
     child = subprocess.Popen(
         [sys.executable, HELPER, str(tmp_path / "port"), *ros_args(params)],
         env=ros_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -154,6 +146,33 @@ def test_bridge_sends_the_command_in_force_and_the_engine_gets_it(ros_env, monit
     try:
         out = _lines(child.stdout)
         assert out.get(timeout=60).strip() == "ready"
+
+        def finish() -> dict:
+            child.stdin.write("done\n")
+            child.stdin.flush()
+            report = json.loads(out.get(timeout=30))
+            assert child.wait(timeout=15) == 0
+            return report
+
+        yield finish
+    finally:
+        _stop(child)
+
+
+def test_bridge_sends_the_command_in_force_and_the_engine_gets_it(ros_env, monitor, tmp_path):
+    from rclpy.qos import QoSProfile, ReliabilityPolicy
+    from sensor_msgs.msg import Image
+    from trajectory_msgs.msg import JointTrajectory
+
+    params = {
+        "input_reliability": "reliable",
+        "require_wrench": False,
+        "require_joints": False,
+        "command_joint_names": ["shoulder", "elbow"],
+        "command_max_age_s": 0.05,
+        "target_interval_ms": 30.0,
+    }
+    with _command_bridge(ros_env, tmp_path, params) as finish:
         node = monitor.node
         qos = QoSProfile(depth=20, reliability=ReliabilityPolicy.RELIABLE)
         images = node.create_publisher(Image, "camera/image", qos)
@@ -209,12 +228,7 @@ def test_bridge_sends_the_command_in_force_and_the_engine_gets_it(ros_env, monit
         expected[90] = [-0.75, 0.375]
         images.publish(_image(base, 90))
         time.sleep(0.5)
-        child.stdin.write("done\n")
-        child.stdin.flush()
-        report = json.loads(out.get(timeout=30))
-        assert child.wait(timeout=15) == 0
-    finally:
-        _stop(child)
+        report = finish()
 
     counts, drops, events = report["counts"], report["drops"], report["events"]
     # every image went to the link, with a command where one was in force
@@ -256,18 +270,11 @@ def test_a_replayed_bag_conditions_the_engine_as_the_model_was_trained(ros_env, 
     record_episode(bag, RecordConfig(seed=5, duration_s=3.0, image_height=16, image_width=16))
     episode = read_episode(bag)
     params = {
-        "server_port_file": str(tmp_path / "port"),
         "image_topic": IMAGE_TOPIC,
         "input_reliability": "reliable",
         "target_interval_ms": 30.0,
     }
-    child = subprocess.Popen(
-        [sys.executable, HELPER, str(tmp_path / "port"), *ros_args(params)],
-        env=ros_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        out = _lines(child.stdout)
-        assert out.get(timeout=60).strip() == "ready"
+    with _command_bridge(ros_env, tmp_path, params) as finish:
         replay = subprocess.run(
             [sys.executable, "-m", "physis_ros.eval.replay", str(bag), "--reliable",
              "--wait-subscribers-s", "15"],
@@ -275,12 +282,7 @@ def test_a_replayed_bag_conditions_the_engine_as_the_model_was_trained(ros_env, 
         )  # fmt: skip
         assert replay.returncode == 0, replay.stderr
         time.sleep(0.5)
-        child.stdin.write("done\n")
-        child.stdin.flush()
-        report = json.loads(out.get(timeout=30))
-        assert child.wait(timeout=15) == 0
-    finally:
-        _stop(child)
+        report = finish()
 
     # frames are told apart by their mean pixel value (those sharing one are left out)
     means = [float(frame.mean()) for frame in episode.frames]
