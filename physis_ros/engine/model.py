@@ -254,10 +254,15 @@ def embed_tokens(model: WanDiT, x: torch.Tensor) -> torch.Tensor:
 
 
 def head_velocity(
-    model: WanDiT, h: torch.Tensor, e: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor
+    model: WanDiT,
+    h: torch.Tensor,
+    e: torch.Tensor,
+    x: torch.Tensor | None = None,
+    sigma: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """h [..., n, D], e [..., D], the chunk states x [..., X] and their noise levels sigma
-    [...] -> v [..., X] float32 (zero on conditioning action values)."""
+    """h [..., n, D], e [..., D] -> v [..., X] float32 (zero on conditioning action values).
+    An x0-predicting head also needs the chunk states x [..., X] and their noise levels
+    sigma [...]."""
     cfg = model.cfg
     nv = cfg.video_tokens
     shift, scale = (model.head.modulation + e.unsqueeze(-2)).unsqueeze(-2).unbind(-3)
@@ -266,6 +271,7 @@ def head_velocity(
     if cfg.action_mode == "predict":
         out = torch.cat([out, model.action_head(y[..., nv:, :]).flatten(-2).float()], dim=-1)
     if cfg.prediction == "x0":
+        assert x is not None and sigma is not None, "an x0 head needs the states and sigmas"
         # v = (x - x0) / sigma; context chunks (sigma 0) are never stepped: their v only has
         # to stay finite (the training loss masks it)
         s = sigma.float().clamp_min(X0_MIN_SIGMA)[..., None]

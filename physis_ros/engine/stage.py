@@ -160,6 +160,8 @@ def run_block(
 
     h = M.block_forward(model, block, h[:, None], e0[:, None], rope[:, None], ck, cv, attend)[:, 0]
     if block == cfg.num_blocks - 1:
+        if cfg.prediction != "x0":  # the velocity head needs neither (no host-to-device copy)
+            return h, M.head_velocity(model, h, e)
         sig = torch.tensor(caches.noise_levels(tasks), device=xs.device)
         return h, M.head_velocity(model, h, e, xs, sig)
     return h, None

@@ -137,8 +137,7 @@ def test_head_output_follows_upstream_unpatchify(tiny):
     h = torch.randn(1, cfg.tokens_per_chunk, cfg.dim)
     e = torch.randn(1, cfg.dim)
     with torch.no_grad():
-        x = torch.zeros(1, M.chunk_numel(cfg))  # the velocity head ignores the state
-        v = M.head_velocity(tiny, h, e, x, torch.ones(1))[0]
+        v = M.head_velocity(tiny, h, e)[0]
         shift, scale = (tiny.head.modulation + e[:, None]).chunk(2, dim=1)
         raw = tiny.head.head(F.layer_norm(h, (cfg.dim,), eps=cfg.eps) * (1 + scale) + shift)
     nv = cfg.video_tokens
