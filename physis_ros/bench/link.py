@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from physis_ros.children import stop_child
 from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.wire import rgb_image
 
@@ -177,12 +178,7 @@ def run(samples: int, warmup: int, rate_hz: float, interval_ms: float) -> dict:
                 context_input=context_input,
             )
         finally:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait(10)
+            stop_child(child)
 
 
 def _measure(target, samples, warmup, rate_hz, interval_ms, *, context_input) -> dict:

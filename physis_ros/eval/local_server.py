@@ -9,7 +9,6 @@ goes to ``serve.log`` in the report folder. Stopped with SIGTERM (SIGKILL if it 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 import yaml
+
+from physis_ros.children import stop_child
 
 
 class LocalServerError(Exception):
@@ -84,15 +85,9 @@ class LocalServer:
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout_s)
+        code = stop_child(self.proc, timeout_s=timeout_s)
         self._cleanup()
-        return self.proc.returncode
+        return code
 
     def _cleanup(self) -> None:
         if os.path.isdir(self._dir.name):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from physis_ros.children import stop_child
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 
@@ -52,14 +52,7 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM, then SIGKILL if it does not exit in time; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_child(self.proc, timeout_s=timeout_s)
 
 
 def start_server(

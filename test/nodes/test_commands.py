@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from physis_ros.children import stop_child
 from physis_ros.nodes.system import ros_args
 
 HELPER = str(Path(__file__).parent / "helpers" / "command_bridge.py")
@@ -37,19 +39,6 @@ def monitor(ros_env, monkeypatch):
         yield mon
     finally:
         mon.close()
-
-
-def _stop(child: subprocess.Popen) -> int:
-    import signal
-
-    if child.poll() is None:
-        child.send_signal(signal.SIGINT)
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait(timeout=10)
-    return child.returncode
 
 
 def _stamp_ns(header) -> int:
@@ -104,7 +93,7 @@ def test_sim_robot_publishes_the_joint_targets_it_applies(ros_env, monitor):
         assert monitor.wait_for(followed, timeout_s=5), monitor.get("joint_command")
         assert child.poll() is None
     finally:
-        code = _stop(child)
+        code = stop_child(child, sig=signal.SIGINT)
     assert code == 0  # it ran until stopped and exited cleanly on SIGINT
 
 
@@ -156,7 +145,7 @@ def _command_bridge(ros_env, tmp_path, params: dict):
 
         yield finish
     finally:
-        _stop(child)
+        stop_child(child, sig=signal.SIGINT)
 
 
 def test_bridge_sends_the_command_in_force_and_the_engine_gets_it(ros_env, monitor, tmp_path):
