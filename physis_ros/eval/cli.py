@@ -240,11 +240,8 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict):
 def _write(result, report_engine: dict, out: Path) -> int:
     from physis_ros.eval.report import write_report
 
-    report = write_report(result, out)
     # the engine settings belong in the report too (steps, window, shift, workers, mode)
-    full = json.loads((out / "report.json").read_text())
-    full["engine"] = report_engine
-    (out / "report.json").write_text(json.dumps(full, indent=2) + "\n")
+    report = write_report(result, out, engine=report_engine)
     for bag in report["skipped_bags"]:
         print(f"physis-eval: skipped bag {bag['path']}: {bag['reason']}", file=sys.stderr)
     for reason, n in report["skipped_windows"].items():

@@ -245,11 +245,14 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(result: EvalResult, out_dir: Path | str) -> dict:
-    """Write report.json, report.md and the plots into ``out_dir``; returns the report."""
+def write_report(result: EvalResult, out_dir: Path | str, *, engine: dict | None = None) -> dict:
+    """Write report.json, report.md and the plots into ``out_dir``; returns the report.
+    ``engine``: what served the predictions (settings), kept in report.json as ``engine``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(result)
+    if engine is not None:
+        report["engine"] = engine
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(render_markdown(report))
     steps = [e["step"] for e in report["horizon"]]
