@@ -26,22 +26,10 @@ __all__ = [
     "W",
     "intervals_ms",
     "profile_gloo",
-    "profile_here",
     "realcheck",
     "run_free",
     "runtime_config",
 ]
-
-
-def profile_here(model: str = "tiny"):
-    """Block times and in-process loop costs of this CPU (fast; no gloo calibration)."""
-    import torch
-
-    from physis_ros.engine.pool.profile_cli import _parser, measure
-
-    torch.set_num_threads(1)
-    argv = ["--model", model, "--steps", str(K), "--window", str(W), "--repeats", "20"]
-    return measure(_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

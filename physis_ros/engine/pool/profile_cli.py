@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument(
+        "--gloo-repeats",
+        type=int,
+        default=5,
+        help="with --runtime gloo: runs per calibration measurement (see calibrate_gloo)",
+    )
+    p.add_argument(
         "--runtime",
         choices=("inproc", "gloo"),
         default="inproc",
@@ -59,12 +65,37 @@ def _p99(values: list[float]) -> float:
     return v[min(len(v) - 1, int(0.99 * len(v)))]
 
 
+def block_entries(
+    model, batches: list[int], *, window: int, repeats: int, warmup: int = 5, rounds: int = 1
+) -> list[ProfileEntry]:
+    """One batched forward of a middle block of ``model`` (the worker's hot path, KV windows
+    full), timed for every batch size in ``batches``, ``rounds`` times round robin: ms_p50 is
+    the smallest of the rounds' medians (other jobs on a shared host only ever add time)."""
+    from physis_ros.engine.stage import time_block_forward
+
+    samples: dict[int, list[list[float]]] = {b: [] for b in batches}
+    for _ in range(rounds):
+        for b in batches:
+            samples[b].append(
+                time_block_forward(
+                    model, [window] * b, repeats=repeats, warmup=warmup, window=window
+                )
+            )
+    return [
+        ProfileEntry(
+            tasks=b,
+            ms_p50=min(statistics.median(r) for r in rounds_ms),
+            ms_p99=_p99([t for r in rounds_ms for t in r]),
+        )
+        for b, rounds_ms in samples.items()
+    ]
+
+
 def measure(args: argparse.Namespace) -> Profile:
     import torch
 
     from physis_ros.engine.config import get_preset
     from physis_ros.engine.model import build_model
-    from physis_ros.engine.stage import time_block_forward
 
     try:
         batches = sorted({int(b) for b in args.batches.split(",")})
@@ -72,37 +103,29 @@ def measure(args: argparse.Namespace) -> Profile:
         raise ValueError(f"--batches must be integers, got {args.batches!r}") from None
     if not batches or batches[0] < 1:
         raise ValueError(f"--batches must be >= 1, got {args.batches!r}")
-    if args.repeats < 3 or args.warmup < 0 or args.rounds < 1:
-        raise ValueError("--repeats must be >= 3, --warmup >= 0 and --rounds >= 1")
+    if args.repeats < 3 or args.warmup < 0 or args.rounds < 1 or args.gloo_repeats < 1:
+        raise ValueError(
+            "--repeats must be >= 3, --warmup >= 0, --rounds >= 1 and --gloo-repeats >= 1"
+        )
     if args.runtime == "gloo" and args.device != "cpu":
         raise ValueError("--runtime gloo calibrates CPU ranks: use --device cpu")
     torch.set_num_threads(args.threads)
     cfg = get_preset(args.model)
     model = build_model(cfg, device=args.device, dtype=getattr(torch, args.dtype))
-    samples: dict[int, list[list[float]]] = {b: [] for b in batches}
-    for _ in range(args.rounds):
-        for b in batches:
-            samples[b].append(
-                time_block_forward(
-                    model,
-                    [args.window] * b,
-                    repeats=args.repeats,
-                    warmup=args.warmup,
-                    window=args.window,
-                )
-            )
-    entries = [
-        ProfileEntry(
-            tasks=b,
-            ms_p50=min(statistics.median(r) for r in rounds),
-            ms_p99=_p99([t for r in rounds for t in r]),
-        )
-        for b, rounds in samples.items()
-    ]
+    entries = block_entries(
+        model,
+        batches,
+        window=args.window,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        rounds=args.rounds,
+    )
     if args.runtime == "gloo":
         from physis_ros.engine.pool.realcheck import calibrate_gloo
 
-        costs = calibrate_gloo(cfg.name, args.steps, args.window, entries)
+        costs = calibrate_gloo(
+            cfg.name, args.steps, args.window, entries, repeats=args.gloo_repeats
+        )
     else:
         costs = {
             "hop_ms": _inproc_hop_ms(cfg, args.device),

@@ -1,23 +1,26 @@
 """The simulator against the real runtime on this machine (CPU ranks over gloo).
 
-``calibrate_gloo`` measures, on the torch.distributed runtime itself, what the simulator needs
-beyond the per-block times: the worker loop's cost per task and per batched forward and the
-controller's cost per finished chunk (one-rank runs, with and without batching); by accounting
-every thread of rank 0 in a two-rank run, the processor time its send and receive threads
-spend per message and how much more processor time the worker's own work takes beside another
-rank than alone; and a hop's latency (ping-pong). ``realcheck`` then runs free-running
-``tiny`` streams (every chunk queued at once, stages split evenly over the ranks) for each
-(ranks, streams) case and simulates the same cases with that profile and the host's core
-count; it reports predicted, measured and relative error per case.
+``calibrate_on`` measures, on a live torch.distributed job, what the simulator needs beyond
+the per-block times: the worker loop's cost per task and per batched forward and the
+controller's cost per finished chunk (every stage on rank 0, with and without batching); with
+two ranks or more, by accounting every thread of rank 0, the processor time its send and
+receive threads spend per message, how much more processor time the worker's own work takes
+beside another rank than alone (ranks 0 and 1 each holding one block at every step), and a
+hop's latency (ping-pong). ``realcheck`` runs free-running ``tiny`` streams (every chunk
+queued at once, stages split evenly over the ranks) for each (ranks, streams) case,
+calibrating each job in rounds between its cases, and simulates the same cases with those
+calibrations and the host's core count; it reports predicted, measured and relative error per
+case. ``calibrate_gloo`` (``physis-profile --runtime gloo``) is the same calibration on a
+two-rank job, for profiles used elsewhere.
 
 Other jobs on the host (other users' tests) take processor time the simulation does not have,
 so calibration and every measured run record the other jobs' load while they ran, and only
 quiet runs count (see ``realcheck``).
 
-Calibration uses one rank and a two-rank layout that no checked case uses (each rank one
-block at every step). The one-rank one-stream case repeats a calibration run; every other
-case is a prediction. ``physis-sim --experiment realcheck`` prints the result as JSON.
-This module imports ``physis_ros.serve`` lazily: the rest of the pool package does not need
+Calibration layouts are ones no checked case uses, except that with one rank "every stage on
+rank 0" is the one-rank case itself: that case repeats a calibration run; every other case is
+a prediction. ``physis-sim --experiment realcheck`` prints the result as JSON. This module
+imports ``physis_ros.serve`` lazily: the rest of the pool package does not need
 torch.distributed.
 """
 
@@ -30,6 +33,13 @@ import time
 
 K, W = 4, 2
 """Steps and window of the real checks (the ``tiny`` model has L = 2: 8 stages)."""
+BATCHES = [1, 2, 3, 4, 6, 8, 12]
+"""Batch sizes the checked cases form (up to 3 streams x 4 steps on one rank)."""
+WARM_CHUNKS = 30
+"""Unmeasured chunks run just before every measured run (and 0.1 s of forwards before the
+block timing): a run that starts after the host sat idle for a moment is slower. On this VM,
+120-chunk one-rank runs after 0.3 s idle had a median of 1.53 ms, right after another run
+1.26 ms (16 runs each); an engine serving streams is never idle that long."""
 QUIET_CORES = 0.1
 """A run counts as quiet when other jobs used fewer processors than this while it ran."""
 
@@ -136,121 +146,130 @@ def run_free(engine, layouts: list, chunks: int, timeout_s: float = 120.0) -> li
     return [left[sid] for sid in sids]
 
 
-def calibrate_gloo(
-    model: str, steps: int, window: int, entries, *, chunks: int = 120, repeats: int = 5
-) -> dict:
-    """Worker-loop, controller and message costs measured on the gloo runtime.
+def calibrate_on(engine, entries, *, chunks: int = 120, older: set[int]) -> tuple[dict, float]:
+    """One calibration of each kind on a live gloo ``engine`` (rank 0 in this process), as
+    the simulator needs it beyond the block times ``entries``; returns the costs and the
+    most processor time other jobs used during any of its runs (cores).
 
-    Contention on a shared host only ever adds time, so every wall time below is the fastest
-    of ``repeats`` runs (on a quiet host fastest and median agree).
-
-    1. One rank, one free-running stream, all ``chunks`` queued. Without batching (one task
-       per forward) the rank's serial work is ``tasks * (block(1) + batch_oh + task_oh) +
-       chunks * chunk_oh``; with batching (batch sizes recorded) ``sum(block(b) + batch_oh)
-       + tasks * task_oh + chunks * chunk_oh``. ``chunk_oh`` is the controller thread's
-       processor time per chunk, measured directly. The worker thread's processor time per
-       unit of that modelled work is recorded too (the one-rank reference).
-    2. Two ranks. A ping-pong of 100 activations with rank 1 (a microbenchmark, no
-       forwards), every thread of rank 0 accounted (``/proc`` schedstat): ``hop_ms`` is half
-       a round trip; ``send_cpu_ms`` its send thread's time per message sent and
-       ``recv_cpu_ms`` its receive thread's per message received, each plus an even share of
-       the job's threads Python does not own (gloo's transport). Median of 3 tries.
-    3. The same two ranks, each holding one block at every step (``layout_by_block``: 8
-       messages per chunk for the tiny model, a layout the checked cases do not use), one
-       free-running stream: ``rank_work_scale`` is rank 0's worker thread time per unit of
-       its modelled work here over that of step 1 (the wakeups, GIL handoffs and cold caches
-       that the other rank and the message threads cost the worker). Median of ``repeats``
-       runs.
-    Steps 2 and 3 only count tries during which other jobs used under ``QUIET_CORES`` (up to
-    ``3 * repeats`` tries).
+    1. All stages on rank 0 (``layout_single``), one free-running stream, ``chunks`` queued,
+       once without batching (one task per forward) and once with. The rank's serial work is
+       ``tasks * (block(1) + batch_oh + task_oh) + chunks * chunk_oh`` without batching and
+       ``sum(block(b) + batch_oh) + tasks * task_oh + chunks * chunk_oh`` with it (batch
+       sizes recorded); ``chunk_oh`` is the controller thread's processor time per chunk,
+       measured directly. The worker thread's processor time per unit of that modelled work
+       is the one-rank reference of step 3.
+    2. With two ranks or more: a ping-pong of 100 activations with rank 1 (no forwards),
+       every thread of rank 0 accounted (``/proc`` schedstat): ``hop_ms`` is half a round
+       trip; ``send_cpu_ms`` its send thread's time per message sent and ``recv_cpu_ms``
+       its receive thread's per message received, each plus an even share of the threads
+       Python does not own (gloo's transport). ``older``: this process's threads from
+       before the engine started (not its).
+    3. With two ranks or more: ranks 0 and 1 each holding one block at every step
+       (``layout_by_block_even``: 8 messages per chunk for the tiny model, a layout no
+       checked case uses), one free-running stream: ``rank_work_scale`` is rank 0's worker
+       thread time per unit of its modelled work here over step 1's (the wakeups, GIL
+       handoffs and cold caches that the other rank and the message threads cost the
+       worker).
     """
-
-    from physis_ros.engine.config import get_preset
-    from physis_ros.engine.placement import layout_by_block_even
+    from physis_ros.engine.placement import layout_by_block_even, layout_single
     from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
-    from physis_ros.serve.dist_engine import DistEngine
 
-    cfg = runtime_config(model, steps, window)
-    L = get_preset(model).num_blocks
+    cfg = engine.model_cfg
+    steps, L = engine.cfg.steps, cfg.num_blocks
     tasks = chunks * steps * L
     probe = Profile(
-        device="-",
-        model=model,
-        steps=steps,
-        window=window,
-        dtype="-",
-        entries=tuple(entries),
-        hop_ms=0.0,
+        device="-", model="-", steps=steps, window=0, dtype="-", entries=tuple(entries), hop_ms=0.0
     )
     block = ProfileCostModel(probe).block_ms
-    # per run: wall ms, controller ms, batch sizes, worker thread ms, other jobs' cores
-    runs: dict[bool, list[tuple[float, float, list[int], float, float]]] = {False: [], True: []}
-    with DistEngine.launch_local(cfg, 1) as engine:
-        worker = engine.host.worker
+    worker = engine.host.worker
+    worker_tid = engine._threads[0].native_id
+    pids = [os.getpid()] + [proc.pid for proc in engine.procs]
+    foreign = []
+    single: dict[bool, tuple[float, float, list[int], float]] = {}
+    for batching in (False, True):
+        worker.batching = batching  # read by the worker's loop at each pick
+        run_free(engine, [layout_single(steps, L)], WARM_CHUNKS)
         worker.record_block_times()
-        worker_tid = engine._threads[0].native_id
-        run_free(engine, [None], 8)  # warm-up
-        for _ in range(repeats):
-            for batching in (False, True):
-                worker.batching = batching  # read by the worker's loop at each pick
-                n0 = len(worker.stats.block_times)
-                w0 = task_cpu_ms(worker_tid)
-                meter = ForeignLoad([os.getpid()])
-                cpu0, t0 = time.thread_time(), time.perf_counter()
-                run_free(engine, [None], chunks)
-                wall_ms = (time.perf_counter() - t0) * 1e3
-                main_ms = (time.thread_time() - cpu0) * 1e3
-                sizes = [b for _, b, _, _ in worker.stats.block_times[n0:]]
-                worker_ms = task_cpu_ms(worker_tid) - w0
-                runs[batching].append((wall_ms, main_ms, sizes, worker_ms, meter.cores()))
-    chunk_oh = min(r[1] for r in runs[False] + runs[True]) / chunks
-    a = min(r[0] for r in runs[False]) / tasks - block(1) - chunk_oh * chunks / tasks
-    wall_b, _, sizes, _, _ = min(runs[True], key=lambda r: r[0])
+        w0 = task_cpu_ms(worker_tid)
+        meter = ForeignLoad(pids)
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        run_free(engine, [layout_single(steps, L)], chunks)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        main_ms = (time.thread_time() - cpu0) * 1e3
+        sizes = [b for _, b, _, _ in worker.stats.block_times]
+        single[batching] = (wall_ms, main_ms, sizes, task_cpu_ms(worker_tid) - w0)
+        foreign.append(meter.cores())
+    worker.batching = True
+    chunk_oh = statistics.mean(r[1] for r in single.values()) / chunks
+    a = single[False][0] / tasks - block(1) - chunk_oh * chunks / tasks
+    wall_b, _, sizes, worker_ms = single[True]
     rest = wall_b - sum(block(b) for b in sizes) - chunk_oh * chunks
     batch_oh = (a * tasks - rest) / (tasks - len(sizes)) if len(sizes) < tasks else a
     batch_oh = min(max(batch_oh, 0.0), max(a, 0.0))
+    task_oh = max(a - batch_oh, 0.0)
     costs = {
-        "task_overhead_ms": max(a - batch_oh, 0.0),
+        "task_overhead_ms": task_oh,
         "batch_overhead_ms": batch_oh,
         "chunk_overhead_ms": chunk_oh,
+        "hop_ms": 0.0,
+        "send_cpu_ms": 0.0,
+        "recv_cpu_ms": 0.0,
+        "rank_work_scale": 1.0,
     }
+    if engine.world_size < 2:
+        return costs, max(foreign)
 
     def modelled_ms(sizes: list[int]) -> float:
         """The worker's work as the simulator charges it: forwards and loop overheads."""
-        return sum(block(b) + batch_oh + b * costs["task_overhead_ms"] for b in sizes)
+        return sum(block(b) + batch_oh + b * task_oh for b in sizes)
 
-    # Processor-time ratios only from runs other jobs left alone: contention for the cores
-    # makes every thread's work cost more processor time (switches, cold caches).
-    quiet = [r for r in runs[True] if r[4] < QUIET_CORES] or runs[True]
-    one_rank = statistics.median(r[3] / modelled_ms(r[2]) for r in quiet)
-    by_block = layout_by_block_even(steps, L, 2)
-    older = set(_all_tasks_cpu_ms())  # threads of earlier jobs in this process are not its
-    with DistEngine.launch_local(cfg, 2) as engine:
-        engine.measure_hop_ms(rounds=5, warmup=5)  # the transport's threads exist
-        pids = [os.getpid()] + [proc.pid for proc in engine.procs]
-        pingpong, noisy = [], []  # (hop ms, message threads' ms per message)
-        while len(pingpong) < 3 and len(pingpong) + len(noisy) < 3 * repeats:
+    one_rank = worker_ms / modelled_ms(sizes)
+    meter = ForeignLoad(pids)
+    hop_ms, message_ms = _message_threads_ms(engine, older, rounds=100)
+    foreign.append(meter.cores())
+    meter = ForeignLoad(pids)
+    by_block = _worker_per_modelled(
+        engine, layout_by_block_even(steps, L, 2), 2 * chunks, modelled_ms
+    )
+    foreign.append(meter.cores())
+    costs.update(
+        hop_ms=hop_ms,
+        send_cpu_ms=message_ms["send_ms"],
+        recv_cpu_ms=message_ms["recv_ms"],
+        rank_work_scale=by_block / one_rank,
+    )
+    return costs, max(foreign)
+
+
+def calibrate_gloo(
+    model: str, steps: int, window: int, entries, *, chunks: int = 120, repeats: int = 5
+) -> dict:
+    """Worker-loop, controller and message costs of a two-rank gloo job on this host: the
+    median of ``repeats`` calibrations (``calibrate_on``), counting only those during which
+    other jobs used under ``QUIET_CORES`` (up to ``3 * repeats`` tries; all of them when
+    none was quiet)."""
+    from physis_ros.serve.dist_engine import DistEngine
+
+    older = set(_all_tasks_cpu_ms())
+    quiet, noisy = [], []
+    with DistEngine.launch_local(runtime_config(model, steps, window), 2) as engine:
+        warm_up(engine)
+        while len(quiet) < repeats and len(quiet) + len(noisy) < 3 * repeats:
             wait_for_quiet(5.0)
-            meter = ForeignLoad(pids)
-            result = _message_threads_ms(engine, older, rounds=100)
-            (pingpong if meter.cores() < QUIET_CORES else noisy).append(result)
-        pingpong = pingpong or noisy
-        engine.host.worker.record_block_times()
-        run_free(engine, [by_block], 8)  # warm-up
-        shares, others = [], []
-        while len(shares) < repeats and len(shares) + len(others) < 3 * repeats:
-            wait_for_quiet(5.0)
-            meter = ForeignLoad(pids)
-            ratio = _worker_per_modelled(engine, by_block, chunks, modelled_ms)
-            (shares if meter.cores() < QUIET_CORES else others).append(ratio)
-        shares = shares or others
-    return {
-        **costs,
-        "hop_ms": statistics.median(h for h, _ in pingpong),
-        "send_cpu_ms": statistics.median(t["send_ms"] for _, t in pingpong),
-        "recv_cpu_ms": statistics.median(t["recv_ms"] for _, t in pingpong),
-        "rank_work_scale": statistics.median(shares) / one_rank,
-    }
+            costs, foreign = calibrate_on(engine, entries, chunks=chunks, older=older)
+            (quiet if foreign < QUIET_CORES else noisy).append(costs)
+    runs = quiet or noisy
+    return {key: statistics.median(c[key] for c in runs) for key in runs[0]}
+
+
+def warm_up(engine) -> None:
+    """A few chunks through every rank and the transport's threads (first-use costs)."""
+    from physis_ros.engine.placement import layout_even
+
+    K_, L = engine.cfg.steps, engine.model_cfg.num_blocks
+    run_free(engine, [layout_even(K_, L, engine.world_size)], 8)
+    if engine.world_size > 1:
+        engine.measure_hop_ms(rounds=5, warmup=5)
 
 
 def task_cpu_ms(tid: int) -> float:
@@ -279,6 +298,7 @@ def _message_threads_ms(engine, older: set[int], rounds: int) -> tuple[float, di
     known |= {threading.get_native_id()} | older  # the caller (the controller)
     recv_tid = transport._recv_thread.native_id
     send_tids = {t.native_id for t in transport._send_threads.values()}
+    engine.measure_hop_ms(rounds=1, warmup=WARM_CHUNKS)
     sent0, recv0 = transport.counters["sent"], transport.counters["received"]
     before = _all_tasks_cpu_ms()
     hop_ms = statistics.median(engine.measure_hop_ms(rounds=rounds, warmup=0))
@@ -297,6 +317,7 @@ def _worker_per_modelled(engine, layout, chunks: int, modelled_ms) -> float:
     """One run of ``layout``: rank 0's worker thread time per unit of its modelled work."""
     worker = engine.host.worker
     worker_tid = engine._threads[0].native_id
+    run_free(engine, [layout], WARM_CHUNKS)
     n0 = len(worker.stats.block_times)
     cpu0 = task_cpu_ms(worker_tid)
     run_free(engine, [layout], chunks)
@@ -312,10 +333,11 @@ def profile_gloo(
     *,
     batches: str = "1,2,3,4,6,8,12",
     rounds: int = 3,
+    gloo_repeats: int = 5,
 ):
     """A ``physis-profile --runtime gloo`` profile of this CPU (one torch thread per rank).
     The default batch sizes are every size the checked cases form (up to 3 streams x 4 steps
-    on one rank), each the fastest of 3 round-robin medians."""
+    on one rank), each the fastest of ``rounds`` round-robin medians."""
     import torch
 
     from physis_ros.engine.pool.profile_cli import _parser, measure
@@ -323,7 +345,50 @@ def profile_gloo(
     torch.set_num_threads(1)
     argv = ["--model", model, "--steps", str(steps), "--window", str(window), "--runtime", "gloo"]
     argv += ["--batches", batches, "--repeats", str(repeats), "--rounds", str(rounds)]
+    argv += ["--gloo-repeats", str(gloo_repeats)]
     return measure(_parser().parse_args(argv))
+
+
+POOLED = ("rank_work_scale", "send_cpu_ms", "recv_cpu_ms", "hop_ms")
+"""Calibrated numbers that ``pool_message_costs`` takes from all of a job's rounds."""
+
+
+def pool_message_costs(profiles: list) -> list:
+    """The calibrations with their message costs and rank work scale replaced by the median
+    over all of them. Each is a ratio or a per-message time from runs of its own, so pooling
+    them averages out one round's unlucky run (one round's rank work scale ranged 1.0-1.8);
+    the block times and loop overheads stay per round, since the overheads were derived from
+    that round's block times."""
+    from dataclasses import replace
+
+    pooled = {key: statistics.median(getattr(p, key) for p in profiles) for key in POOLED}
+    return [replace(p, **pooled) for p in profiles]
+
+
+def mean_block_entries(timers: dict, window_s: float = 0.4) -> list:
+    """Block forward times by batch size, as the runs see them: every size sampled in turn
+    (one forward each) for ``window_s``, so that all sizes see the same stretch of the host's
+    speed, and averaged (a run's time is the sum of its forwards, so the mean, not the
+    median, is what it pays). ``ms_p50`` holds that mean; ``ms_p99`` the 99th percentile."""
+    from physis_ros.engine.pool.costmodel import ProfileEntry
+
+    samples: dict[int, list[float]] = {b: [] for b in timers}
+    warm_until = time.perf_counter() + 0.1
+    while time.perf_counter() < warm_until:
+        for timer in timers.values():
+            timer.sample()
+    deadline = time.perf_counter() + window_s
+    while time.perf_counter() < deadline or min(map(len, samples.values())) < 5:
+        for b, timer in timers.items():
+            samples[b].append(timer.sample())
+    return [
+        ProfileEntry(
+            tasks=b,
+            ms_p50=statistics.mean(ms),
+            ms_p99=sorted(ms)[min(len(ms) - 1, int(0.99 * len(ms)))],
+        )
+        for b, ms in samples.items()
+    ]
 
 
 def simulate_free(
@@ -384,86 +449,115 @@ def realcheck(
     model: str = "tiny",
     chunks: int = 120,
     skip: int = 8,
-    repeats: int = 5,
+    rounds: int = 10,
+    runs_per_round: int = 2,
     profile=None,
     quiet_wait_s: float = 10.0,
     max_foreign_cores: float = QUIET_CORES,
 ) -> dict:
-    """Calibrate (unless ``profile`` is given), then measure and predict every case.
+    """Calibrate and measure every case in interleaved rounds, then predict.
+
+    This host's speed is not steady: on the shared 2-core VM, 240-chunk runs of the same
+    one-rank case back to back ranged 1.18-2.22 ms (8 runs), with no other job on the host (a
+    neighbour under the VM, on the scale of tens of milliseconds to seconds), and a
+    block-forward probe just before or after a run did not predict it (correlation 0.2-0.5
+    over 25 runs). So one run, or one calibration, is a sample of a wide distribution, and
+    a calibration done once before the cases compares different stretches of time. Instead
+    each number of ranks gets one job that calibrates itself (``calibrate_on``: block times
+    in this process, then the single-rank, ping-pong and by-block runs on the job's own
+    ranks) and runs every case ``runs_per_round`` times, in ``rounds`` rounds, so that the
+    calibrations and the runs sample the same minutes. A case's prediction is the median of
+    the predictions of the job's calibrations (``_compare``; message costs and the rank work
+    scale pooled over the job, ``pool_message_costs``), its measured interval the median of
+    its runs. A given ``profile`` is used for every job instead.
 
     Other jobs on the host take processor time the simulation does not have (a multi-rank
     case needs both cores), so every run's foreign load is measured while it runs (the
-    host's busy time less our processes'); a run counts as quiet below ``max_foreign_cores``.
-    A case runs until it has ``repeats`` quiet runs, or ``3 * repeats`` runs in all, waiting
-    up to ``quiet_wait_s`` for a quiet host before each; its measured interval is the median
-    of its quiet runs (of all runs, and the case is marked not quiet, when none was)."""
+    host's busy time less our processes'); a run counts as quiet below ``max_foreign_cores``
+    and is retried (up to 3 tries, waiting up to ``quiet_wait_s`` for a quiet host before
+    each) when it is not. A case with no quiet run is measured on all of its runs and marked
+    not quiet."""
+    import torch
+
     from physis_ros.engine.config import get_preset
+    from physis_ros.engine.model import build_model
     from physis_ros.engine.placement import layout_even
+    from physis_ros.engine.pool.costmodel import Profile
+    from physis_ros.engine.stage import BlockTimer
     from physis_ros.serve.dist_engine import DistEngine
 
+    torch.set_num_threads(1)  # rank 0 lives in this process
     t_start = time.perf_counter()
     load_before = os.getloadavg()[0]
-    calibration_foreign = None
-    for _ in range(3 if profile is None else 0):  # calibrate on a quiet host
-        wait_for_quiet(quiet_wait_s)
-        meter = ForeignLoad([os.getpid()], children=True)  # the ranks are waited for
-        profile = profile_gloo(model)
-        calibration_foreign = round(meter.cores(), 2)
-        if calibration_foreign < max_foreign_cores:
-            break
-    cores = profile.host_cores or host_cores()
-    L = get_preset(profile.model).num_blocks
-    cases = []
+    cores = host_cores()
+    block_model = build_model(get_preset(model), device="cpu")
+    L = block_model.cfg.num_blocks
+    timers = {b: BlockTimer(block_model, [W] * b, window=W) for b in BATCHES}
+    cases, profiles = [], {}
     for world in ranks:
-        with DistEngine.launch_local(runtime_config(profile.model), world) as engine:
-            run_free(engine, [layout_even(K, L, world)], 8)  # warm-up
-            for n in streams:
-                layouts = [layout_even(K, L, world)] * n
-                pids = [os.getpid()] + [proc.pid for proc in engine.procs]
-                runs = []  # (interval ms, foreign load in cores)
-                while sum(r[1] < max_foreign_cores for r in runs) < repeats:
-                    if len(runs) == 3 * repeats:
-                        break
+        calibrations = []  # (profile, other jobs' cores while it ran)
+        runs: dict[int, list[tuple[float, float]]] = {n: [] for n in streams}
+        older = set(_all_tasks_cpu_ms())
+        with DistEngine.launch_local(runtime_config(model), world) as engine:
+            warm_up(engine)
+            pids = [os.getpid()] + [proc.pid for proc in engine.procs]
+            for _ in range(rounds):
+                if profile is None:
                     wait_for_quiet(quiet_wait_s)
-                    meter = ForeignLoad(pids)
-                    lefts = run_free(engine, layouts, chunks)
-                    interval = statistics.mean(
-                        statistics.mean(intervals_ms(x, skip)) for x in lefts
+                    entries = mean_block_entries(timers)
+                    costs, foreign = calibrate_on(engine, entries, chunks=chunks, older=older)
+                    calibrations.append(
+                        (
+                            Profile(
+                                device="cpu x1 threads",
+                                model=model,
+                                steps=K,
+                                window=W,
+                                dtype="float32",
+                                entries=tuple(entries),
+                                **costs,
+                                comm_threads=True,
+                                host_cores=cores,
+                                calibrated_on="gloo",
+                            ),
+                            foreign,
+                        )
                     )
-                    runs.append((interval, meter.cores()))
-                quiet = [r for r in runs if r[1] < max_foreign_cores] or runs
-                measured = [m for m, _ in quiet]
-                foreign = statistics.median(f for _, f in runs)
-                pred = statistics.mean(
-                    simulate_free(profile, world, layouts, chunks, skip=skip, cores=cores)
+                for n in [*streams] * runs_per_round:
+                    for _try in range(3):
+                        wait_for_quiet(quiet_wait_s)
+                        layouts = [layout_even(K, L, world)] * n
+                        run_free(engine, layouts, WARM_CHUNKS)
+                        meter = ForeignLoad(pids)
+                        lefts = run_free(engine, layouts, chunks)
+                        interval = statistics.mean(
+                            statistics.mean(intervals_ms(x, skip)) for x in lefts
+                        )
+                        runs[n].append((interval, meter.cores()))
+                        if runs[n][-1][1] < max_foreign_cores:
+                            break
+        job_profiles = [profile]
+        if profile is None:
+            quiet_calibrations = [p for p, f in calibrations if f < max_foreign_cores]
+            job_profiles = pool_message_costs(quiet_calibrations or [p for p, _ in calibrations])
+            profiles[world] = {
+                "calibrations": [p.to_json() for p in job_profiles],
+                "calibrations_quiet": len(quiet_calibrations),
+                "calibration_foreign_cores": [round(f, 2) for _, f in calibrations],
+            }
+        for n, case_runs in runs.items():
+            cases.append(
+                _compare(
+                    job_profiles,
+                    world,
+                    n,
+                    case_runs,
+                    chunks=chunks,
+                    skip=skip,
+                    cores=cores,
+                    max_foreign_cores=max_foreign_cores,
                 )
-                pred_load = statistics.mean(
-                    simulate_free(
-                        profile, world, layouts, chunks, skip=skip, cores=cores, foreign=foreign
-                    )
-                )
-                # The median run: on a quiet host the 40-chunk runs of one case differed by up
-                # to +-30% (how the OS interleaves 2-4 ranks' threads on 2 cores; a probe of the
-                # host's single-thread speed stayed flat meanwhile), so the fastest run is an
-                # outlier, not the uncontended value; 120 chunks per run average more of it.
-                real = statistics.median(measured)
-                cases.append(
-                    {
-                        "ranks": world,
-                        "streams": n,
-                        "measured_interval_ms": round(real, 3),
-                        "quiet": any(f < max_foreign_cores for _, f in runs),
-                        "runs": [
-                            {"interval_ms": round(m, 3), "foreign_cores": round(f, 2)}
-                            for m, f in runs
-                        ],
-                        "predicted_interval_ms": round(pred, 3),
-                        "error": round(pred / real - 1, 4),
-                        "error_vs_fastest_run": round(pred / min(measured) - 1, 4),
-                        "predicted_with_measured_load_ms": round(pred_load, 3),
-                        "error_with_measured_load": round(pred_load / real - 1, 4),
-                    }
-                )
+            )
     worst = max(abs(c["error"]) for c in cases)
     noisy = [(c["ranks"], c["streams"]) for c in cases if not c["quiet"]]
     worst_load = max(abs(c["error_with_measured_load"]) for c in cases)
@@ -475,20 +569,72 @@ def realcheck(
         "cases_without_a_quiet_run": noisy,
         "max_abs_error_with_measured_load": worst_load,
         "host_cores": cores,
-        "foreign_cores_during_calibration": calibration_foreign,
         "loadavg_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "runtime_s": round(time.perf_counter() - t_start, 1),
-        "profile": profile.to_json(),
+        "profiles_by_ranks": profiles if profile is None else {"given": profile.to_json()},
         "method": (
+            f"per number of ranks, one gloo job; {rounds} rounds in it, each a calibration "
+            "(block times; all stages on rank 0 without and with batching; with 2+ ranks a "
+            f"ping-pong and a by-block layout on ranks 0-1) then {runs_per_round} runs of "
+            "every case: "
             f"free-running streams (all {chunks} chunks queued), stages split evenly over the "
-            f"ranks (layout_even), mean interval after {skip} chunks, median of {repeats} runs "
-            f"with other jobs below {max_foreign_cores} cores (measured during each run); "
-            "prediction: physis-sim with the gloo-calibrated profile (block times vs batch "
-            "size, worker-loop/controller/hop costs, message threads' processor time, a "
-            "rank's work scale beside other ranks), the worker's pick rule, processor "
-            f"sharing of {cores} cores among busy ranks and message threads; "
-            "'_with_measured_load': the same, "
-            "with the other jobs' load (median over the case's runs, in processors) sharing "
-            "those cores"
+            f"ranks (layout_even), mean interval after {skip} chunks; measured: the median "
+            f"of the runs with other jobs below {max_foreign_cores} cores "
+            "(measured during each run); prediction: the median over the job's calibrations of "
+            "physis-sim with that calibration (message costs and rank work scale: the job's "
+            "medians), the worker's pick rule, processor sharing of "
+            f"{cores} cores among busy ranks and message threads; '_with_measured_load': the "
+            "same, with the other jobs' load (median over the case's runs, in processors) "
+            "sharing those cores"
         ),
+    }
+
+
+def _compare(
+    profiles: list,
+    world: int,
+    n: int,
+    case_runs,
+    *,
+    chunks: int,
+    skip: int,
+    cores: int,
+    max_foreign_cores: float,
+) -> dict:
+    """One case's measured runs against the simulator's prediction: the median of the
+    predictions of the job's calibrations, each used whole (its loop overheads were derived
+    from its own block times, so mixing numbers of different calibrations would not add up
+    to any run's time)."""
+    from physis_ros.engine.config import get_preset
+    from physis_ros.engine.placement import layout_even
+
+    layouts = [layout_even(K, get_preset(profiles[0].model).num_blocks, world)] * n
+    quiet = [m for m, f in case_runs if f < max_foreign_cores] or [m for m, _ in case_runs]
+    foreign = statistics.median(f for _, f in case_runs)
+
+    def predict(other_cores: float) -> list[float]:
+        return [
+            statistics.mean(
+                simulate_free(
+                    p, world, layouts, chunks, skip=skip, cores=cores, foreign=other_cores
+                )
+            )
+            for p in profiles
+        ]
+
+    by_calibration = predict(0.0)
+    pred = statistics.median(by_calibration)
+    pred_load = statistics.median(predict(foreign))
+    real = statistics.median(quiet)
+    return {
+        "ranks": world,
+        "streams": n,
+        "measured_interval_ms": round(real, 3),
+        "quiet": any(f < max_foreign_cores for _, f in case_runs),
+        "runs": [{"interval_ms": round(m, 3), "foreign_cores": round(f, 2)} for m, f in case_runs],
+        "predicted_interval_ms": round(pred, 3),
+        "predicted_by_calibration_ms": [round(v, 3) for v in by_calibration],
+        "error": round(pred / real - 1, 4),
+        "predicted_with_measured_load_ms": round(pred_load, 3),
+        "error_with_measured_load": round(pred_load / real - 1, 4),
     }
