@@ -3,15 +3,15 @@
 ``calibrate_on`` measures, on a live torch.distributed job, what the simulator needs beyond
 the per-block times: the worker loop's cost per task and per batched forward and the
 controller's cost per finished chunk (every stage on rank 0, with and without batching); with
-two ranks or more, by accounting every thread of rank 0, the processor time its send and
-receive threads spend per message, how much more processor time the worker's own work takes
-beside another rank than alone (ranks 0 and 1 each holding one block at every step), and a
-hop's latency (ping-pong). ``realcheck`` runs free-running ``tiny`` streams (every chunk
-queued at once, stages split evenly over the ranks) for each (ranks, streams) case,
-calibrating each job in rounds between its cases, and simulates the same cases with those
-calibrations and the host's core count; it reports predicted, measured and relative error per
-case. ``calibrate_gloo`` (``physis-profile --runtime gloo``) is the same calibration on a
-two-rank job, for profiles used elsewhere.
+two ranks or more, a hop's latency (ping-pong) and, by accounting every thread of rank 0
+while the stages are dealt round robin over all the job's ranks, the processor time its send
+and receive threads spend per message and how much more processor time the worker's own
+work takes beside the other ranks than alone. ``realcheck`` runs free-running ``tiny``
+streams (every chunk queued at once, stages split evenly over the ranks) for each (ranks,
+streams) case, calibrating each job in rounds between its cases, and simulates the same cases
+with those calibrations and the host's core count; it reports predicted, measured and
+relative error per case. ``calibrate_gloo`` (``physis-profile --runtime gloo``) is the same
+calibration on a two-rank job, for profiles used elsewhere.
 
 Other jobs on the host (other users' tests) take processor time the simulation does not have,
 so calibration and every measured run record the other jobs' load while they ran, and only
@@ -158,20 +158,21 @@ def calibrate_on(engine, entries, *, chunks: int = 120, older: set[int]) -> tupl
        sizes recorded); ``chunk_oh`` is the controller thread's processor time per chunk,
        measured directly. The worker thread's processor time per unit of that modelled work
        is the one-rank reference of step 3.
-    2. With two ranks or more: a ping-pong of 100 activations with rank 1 (no forwards),
-       every thread of rank 0 accounted (``/proc`` schedstat): ``hop_ms`` is half a round
-       trip; ``send_cpu_ms`` its send thread's time per message sent and ``recv_cpu_ms``
-       its receive thread's per message received, each plus an even share of the threads
-       Python does not own (gloo's transport). ``older``: this process's threads from
-       before the engine started (not its).
-    3. With two ranks or more: ranks 0 and 1 each holding one block at every step
-       (``layout_by_block_even``: 8 messages per chunk for the tiny model, a layout no
-       checked case uses), one free-running stream: ``rank_work_scale`` is rank 0's worker
-       thread time per unit of its modelled work here over step 1's (the wakeups, GIL
-       handoffs and cold caches that the other rank and the message threads cost the
-       worker).
+    2. With two ranks or more: a ping-pong of 100 activations with rank 1 (no forwards):
+       ``hop_ms`` is half a round trip.
+    3. With two ranks or more: the stages dealt round robin over all the job's ranks
+       (``layout_strided``: every hop crosses ranks, a layout no checked case uses), one
+       free-running stream, every thread of rank 0 accounted (``/proc`` schedstat):
+       ``rank_work_scale`` is rank 0's worker thread time per unit of its modelled work
+       here over step 1's (the wakeups, GIL handoffs, run-queue waits and cold caches that
+       the other ranks and the message threads cost the worker: on 2 cores, 1.3 with 2
+       ranks, more with 4); ``send_cpu_ms`` is its send threads' time per message sent and
+       ``recv_cpu_ms`` its receive thread's per message received, each plus an even share
+       of the threads Python does not own (gloo's transport). Both are measured with as
+       many ranks sharing the cores as the job has, since both grow with that number.
+       ``older``: this process's threads from before the engine started (not its).
     """
-    from physis_ros.engine.placement import layout_by_block_even, layout_single
+    from physis_ros.engine.placement import layout_single
     from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
 
     cfg = engine.model_cfg
@@ -224,21 +225,26 @@ def calibrate_on(engine, entries, *, chunks: int = 120, older: set[int]) -> tupl
         return sum(block(b) + batch_oh + b * task_oh for b in sizes)
 
     one_rank = worker_ms / modelled_ms(sizes)
+    engine.measure_hop_ms(rounds=1, warmup=WARM_CHUNKS)
+    hop_ms = statistics.median(engine.measure_hop_ms(rounds=100, warmup=0))
+    strided = layout_strided(steps, L, engine.world_size)
+    run_free(engine, [strided], WARM_CHUNKS)
     meter = ForeignLoad(pids)
-    hop_ms, message_ms = _message_threads_ms(engine, older, rounds=100)
-    foreign.append(meter.cores())
-    meter = ForeignLoad(pids)
-    by_block = _worker_per_modelled(
-        engine, layout_by_block_even(steps, L, 2), 2 * chunks, modelled_ms
-    )
+    worker_ratio, message_ms = _rank0_under_load(engine, strided, 2 * chunks, older, modelled_ms)
     foreign.append(meter.cores())
     costs.update(
         hop_ms=hop_ms,
         send_cpu_ms=message_ms["send_ms"],
         recv_cpu_ms=message_ms["recv_ms"],
-        rank_work_scale=by_block / one_rank,
+        rank_work_scale=worker_ratio / one_rank,
     )
     return costs, max(foreign)
+
+
+def layout_strided(steps: int, blocks: int, workers: int) -> list[list[int]]:
+    """Stage s (step-major) on rank s mod ``workers``: every hop crosses ranks (with 2 ranks
+    it is ``layout_by_block_even``)."""
+    return [[(k * blocks + b) % workers for b in range(blocks)] for k in range(steps)]
 
 
 def calibrate_gloo(
@@ -288,41 +294,32 @@ def _all_tasks_cpu_ms() -> dict[int, float]:
     return out
 
 
-def _message_threads_ms(engine, older: set[int], rounds: int) -> tuple[float, dict]:
-    """Ping-pong with rank 1 (``measure_hop_ms``), rank 0's threads accounted: the median hop
-    and, per message, its send thread's time per message sent, its receive thread's per
-    message received, and the job's non-Python threads (gloo's transport, serving both
-    directions) split evenly over all messages. ``older``: threads from before the job."""
-    transport = engine.transport
-    known = {engine._threads[0].native_id, engine._threads[1].native_id}  # worker, monitor
+def _rank0_under_load(engine, layout, chunks: int, older: set[int], modelled_ms):
+    """One free-running run of ``layout`` with rank 0's threads accounted: its worker
+    thread's time per unit of its modelled work, and per message its send threads' time per
+    message sent, its receive thread's per message received, and the job's non-Python
+    threads (gloo's transport, serving both directions) split evenly over all messages.
+    ``older``: threads from before the job."""
+    transport, worker = engine.transport, engine.host.worker
+    worker_tid = engine._threads[0].native_id
+    known = {worker_tid, engine._threads[1].native_id}  # worker, monitor
     known |= {threading.get_native_id()} | older  # the caller (the controller)
     recv_tid = transport._recv_thread.native_id
     send_tids = {t.native_id for t in transport._send_threads.values()}
-    engine.measure_hop_ms(rounds=1, warmup=WARM_CHUNKS)
     sent0, recv0 = transport.counters["sent"], transport.counters["received"]
+    n0 = len(worker.stats.block_times)
     before = _all_tasks_cpu_ms()
-    hop_ms = statistics.median(engine.measure_hop_ms(rounds=rounds, warmup=0))
+    run_free(engine, [layout], chunks)
     used = {tid: ms - before.get(tid, 0.0) for tid, ms in _all_tasks_cpu_ms().items()}
+    sizes = [b for _, b, _, _ in worker.stats.block_times[n0:]]
     sent = max(transport.counters["sent"] - sent0, 1)
     received = max(transport.counters["received"] - recv0, 1)
     native = sum(ms for tid, ms in used.items() if tid not in known | send_tids | {recv_tid})
     shared = native / (sent + received)
-    return hop_ms, {
+    return used.get(worker_tid, 0.0) / modelled_ms(sizes), {
         "send_ms": sum(used.get(t, 0.0) for t in send_tids) / sent + shared,
         "recv_ms": used.get(recv_tid, 0.0) / received + shared,
     }
-
-
-def _worker_per_modelled(engine, layout, chunks: int, modelled_ms) -> float:
-    """One run of ``layout``: rank 0's worker thread time per unit of its modelled work."""
-    worker = engine.host.worker
-    worker_tid = engine._threads[0].native_id
-    run_free(engine, [layout], WARM_CHUNKS)
-    n0 = len(worker.stats.block_times)
-    cpu0 = task_cpu_ms(worker_tid)
-    run_free(engine, [layout], chunks)
-    sizes = [b for _, b, _, _ in worker.stats.block_times[n0:]]
-    return (task_cpu_ms(worker_tid) - cpu0) / modelled_ms(sizes)
 
 
 def profile_gloo(
