@@ -6,9 +6,10 @@ device synchronised, warm-up excluded) for batches of 1, 2, 4, ... tasks whose K
 are full (W previous chunks). It also times one activation hop through the engine's in-process
 transport, and the worker loop's own cost per task (a one-worker run of the engine without
 batching, minus the block forward): ``task_overhead_ms``. With ``--runtime gloo`` (CPU) the
-loop, controller and hop costs are measured on the torch.distributed runtime instead (one- and
-two-rank jobs on this host; see ``pool.realcheck.calibrate_gloo``). The output is the
-``Profile`` JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
+loop, controller, message and hop costs are measured on the torch.distributed runtime instead
+(a two-rank job on this host), and the block times are scaled to the level the worker's own
+forwards ran at there (see ``pool.realcheck.calibrate_gloo``). The output is the ``Profile``
+JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def measure(args: argparse.Namespace) -> Profile:
     if args.runtime == "gloo":
         from physis_ros.engine.pool.realcheck import calibrate_gloo
 
-        costs = calibrate_gloo(
+        costs, entries = calibrate_gloo(
             cfg.name, args.steps, args.window, entries, repeats=args.gloo_repeats
         )
     else:

@@ -30,6 +30,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import replace
 
 K, W = 4, 2
 """Steps and window of the real checks (the ``tiny`` model has L = 2: 8 stages)."""
@@ -37,9 +38,11 @@ BATCHES = [1, 2, 3, 4, 6, 8, 12]
 """Batch sizes the checked cases form (up to 3 streams x 4 steps on one rank)."""
 WARM_CHUNKS = 30
 """Unmeasured chunks run just before every measured run (and 0.1 s of forwards before the
-block timing): a run that starts after the host sat idle for a moment is slower. On this VM,
-120-chunk one-rank runs after 0.3 s idle had a median of 1.53 ms, right after another run
-1.26 ms (16 runs each); an engine serving streams is never idle that long."""
+block timing), and no run follows an idle wait unless it retries a run other jobs disturbed:
+a run that starts after the host sat idle for a moment is slower, for longer than a few
+chunks. On this VM, 120-chunk one-rank runs after 0.3 s idle had a median of 1.53 ms, right
+after another run 1.26 ms (16 runs each); an engine serving streams is never idle that
+long."""
 QUIET_CORES = 0.1
 """A run counts as quiet when other jobs used fewer processors than this while it ran."""
 
@@ -146,18 +149,25 @@ def run_free(engine, layouts: list, chunks: int, timeout_s: float = 120.0) -> li
     return [left[sid] for sid in sids]
 
 
-def calibrate_on(engine, entries, *, chunks: int = 120, older: set[int]) -> tuple[dict, float]:
+def calibrate_on(
+    engine, entries, *, chunks: int = 120, older: set[int]
+) -> tuple[dict, list, float]:
     """One calibration of each kind on a live gloo ``engine`` (rank 0 in this process), as
-    the simulator needs it beyond the block times ``entries``; returns the costs and the
-    most processor time other jobs used during any of its runs (cores).
+    the simulator needs it beyond the probed block times ``entries``; returns the costs, the
+    block times at the level the worker's own forwards ran at, and the most processor time
+    other jobs used during any of its runs (cores).
 
     1. All stages on rank 0 (``layout_single``), one free-running stream, ``chunks`` queued,
        once without batching (one task per forward) and once with. The rank's serial work is
        ``tasks * (block(1) + batch_oh + task_oh) + chunks * chunk_oh`` without batching and
        ``sum(block(b) + batch_oh) + tasks * task_oh + chunks * chunk_oh`` with it (batch
        sizes recorded); ``chunk_oh`` is the controller thread's processor time per chunk,
-       measured directly. The worker thread's processor time per unit of that modelled work
-       is the one-rank reference of step 3.
+       measured directly. ``block`` is the probed ``entries`` scaled so that they add up to
+       the worker's own processor time in its forwards of both runs: the probe gives the
+       shape over batch sizes, the runs the level (the host's speed moves between the probe
+       and the runs, and loop overheads derived from a slower probe would come out
+       negative). The worker thread's processor time per unit of that modelled work is the
+       one-rank reference of step 3.
     2. With two ranks or more: a ping-pong of 100 activations with rank 1 (no forwards):
        ``hop_ms`` is half a round trip.
     3. With two ranks or more: the stages dealt round robin over all the job's ranks
@@ -181,12 +191,13 @@ def calibrate_on(engine, entries, *, chunks: int = 120, older: set[int]) -> tupl
     probe = Profile(
         device="-", model="-", steps=steps, window=0, dtype="-", entries=tuple(entries), hop_ms=0.0
     )
-    block = ProfileCostModel(probe).block_ms
+    probed = ProfileCostModel(probe).block_ms
     worker = engine.host.worker
     worker_tid = engine._threads[0].native_id
     pids = [os.getpid()] + [proc.pid for proc in engine.procs]
     foreign = []
     single: dict[bool, tuple[float, float, list[int], float]] = {}
+    forwards: list[tuple[int, float]] = []  # (tasks, worker processor ms) of every forward
     for batching in (False, True):
         worker.batching = batching  # read by the worker's loop at each pick
         run_free(engine, [layout_single(steps, L)], WARM_CHUNKS)
@@ -199,8 +210,15 @@ def calibrate_on(engine, entries, *, chunks: int = 120, older: set[int]) -> tupl
         main_ms = (time.thread_time() - cpu0) * 1e3
         sizes = [b for _, b, _, _ in worker.stats.block_times]
         single[batching] = (wall_ms, main_ms, sizes, task_cpu_ms(worker_tid) - w0)
+        forwards += zip(sizes, worker.stats.block_cpu_ms, strict=True)
         foreign.append(meter.cores())
     worker.batching = True
+    level = sum(ms for _, ms in forwards) / sum(probed(b) for b, _ in forwards)
+    entries = [replace(e, ms_p50=e.ms_p50 * level, ms_p99=e.ms_p99 * level) for e in entries]
+
+    def block(tasks: int) -> float:
+        return probed(tasks) * level
+
     chunk_oh = statistics.mean(r[1] for r in single.values()) / chunks
     a = single[False][0] / tasks - block(1) - chunk_oh * chunks / tasks
     wall_b, _, sizes, worker_ms = single[True]
@@ -218,7 +236,7 @@ def calibrate_on(engine, entries, *, chunks: int = 120, older: set[int]) -> tupl
         "rank_work_scale": 1.0,
     }
     if engine.world_size < 2:
-        return costs, max(foreign)
+        return costs, entries, max(foreign)
 
     def modelled_ms(sizes: list[int]) -> float:
         """The worker's work as the simulator charges it: forwards and loop overheads."""
@@ -238,7 +256,7 @@ def calibrate_on(engine, entries, *, chunks: int = 120, older: set[int]) -> tupl
         recv_cpu_ms=message_ms["recv_ms"],
         rank_work_scale=worker_ratio / one_rank,
     )
-    return costs, max(foreign)
+    return costs, entries, max(foreign)
 
 
 def layout_strided(steps: int, blocks: int, workers: int) -> list[list[int]]:
@@ -249,9 +267,10 @@ def layout_strided(steps: int, blocks: int, workers: int) -> list[list[int]]:
 
 def calibrate_gloo(
     model: str, steps: int, window: int, entries, *, chunks: int = 120, repeats: int = 5
-) -> dict:
-    """Worker-loop, controller and message costs of a two-rank gloo job on this host: the
-    median of ``repeats`` calibrations (``calibrate_on``), counting only those during which
+) -> tuple[dict, list]:
+    """Worker-loop, controller and message costs of a two-rank gloo job on this host, and
+    the probed block times ``entries`` at the level the worker's forwards ran at: the
+    medians of ``repeats`` calibrations (``calibrate_on``), counting only those during which
     other jobs used under ``QUIET_CORES`` (up to ``3 * repeats`` tries; all of them when
     none was quiet)."""
     from physis_ros.serve.dist_engine import DistEngine
@@ -261,11 +280,14 @@ def calibrate_gloo(
     with DistEngine.launch_local(runtime_config(model, steps, window), 2) as engine:
         warm_up(engine)
         while len(quiet) < repeats and len(quiet) + len(noisy) < 3 * repeats:
-            wait_for_quiet(5.0)
-            costs, foreign = calibrate_on(engine, entries, chunks=chunks, older=older)
-            (quiet if foreign < QUIET_CORES else noisy).append(costs)
+            if noisy:
+                wait_for_quiet(5.0)
+            costs, scaled, foreign = calibrate_on(engine, entries, chunks=chunks, older=older)
+            (quiet if foreign < QUIET_CORES else noisy).append((costs, scaled))
     runs = quiet or noisy
-    return {key: statistics.median(c[key] for c in runs) for key in runs[0]}
+    medians = {key: statistics.median(c[key] for c, _ in runs) for key in runs[0][0]}
+    level = statistics.median(e[0].ms_p50 for _, e in runs) / entries[0].ms_p50
+    return medians, [replace(e, ms_p50=e.ms_p50 * level, ms_p99=e.ms_p99 * level) for e in entries]
 
 
 def warm_up(engine) -> None:
@@ -446,7 +468,7 @@ def realcheck(
     model: str = "tiny",
     chunks: int = 120,
     skip: int = 8,
-    rounds: int = 10,
+    rounds: int = 14,
     runs_per_round: int = 2,
     profile=None,
     quiet_wait_s: float = 10.0,
@@ -471,9 +493,9 @@ def realcheck(
     Other jobs on the host take processor time the simulation does not have (a multi-rank
     case needs both cores), so every run's foreign load is measured while it runs (the
     host's busy time less our processes'); a run counts as quiet below ``max_foreign_cores``
-    and is retried (up to 3 tries, waiting up to ``quiet_wait_s`` for a quiet host before
-    each) when it is not. A case with no quiet run is measured on all of its runs and marked
-    not quiet."""
+    and is retried when it is not (up to 3 tries, each retry waiting up to ``quiet_wait_s``
+    for a quiet host; no other run waits, see ``WARM_CHUNKS``). A case with no quiet run is
+    measured on all of its runs and marked not quiet."""
     import torch
 
     from physis_ros.engine.config import get_preset
@@ -500,9 +522,11 @@ def realcheck(
             pids = [os.getpid()] + [proc.pid for proc in engine.procs]
             for _ in range(rounds):
                 if profile is None:
-                    wait_for_quiet(quiet_wait_s)
-                    entries = mean_block_entries(timers)
-                    costs, foreign = calibrate_on(engine, entries, chunks=chunks, older=older)
+                    if calibrations and calibrations[-1][1] >= max_foreign_cores:
+                        wait_for_quiet(quiet_wait_s)
+                    costs, entries, foreign = calibrate_on(
+                        engine, mean_block_entries(timers), chunks=chunks, older=older
+                    )
                     calibrations.append(
                         (
                             Profile(
@@ -521,8 +545,9 @@ def realcheck(
                         )
                     )
                 for n in [*streams] * runs_per_round:
-                    for _try in range(3):
-                        wait_for_quiet(quiet_wait_s)
+                    for attempt in range(3):
+                        if attempt:  # the last run was not quiet
+                            wait_for_quiet(quiet_wait_s)
                         layouts = [layout_even(K, L, world)] * n
                         run_free(engine, layouts, WARM_CHUNKS)
                         meter = ForeignLoad(pids)
