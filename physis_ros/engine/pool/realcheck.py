@@ -30,7 +30,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 K, W = 4, 2
 """Steps and window of the real checks (the ``tiny`` model has L = 2: 8 stages)."""
@@ -175,8 +175,8 @@ def calibrate_on(
        free-running stream, every thread of rank 0 accounted (``/proc`` schedstat):
        ``rank_work_scale`` is rank 0's worker thread time per unit of its modelled work
        here over step 1's (the wakeups, GIL handoffs, run-queue waits and cold caches that
-       the other ranks and the message threads cost the worker: on 2 cores, 1.3 with 2
-       ranks, more with 4); ``send_cpu_ms`` is its send threads' time per message sent and
+       the other ranks and the message threads cost the worker: 1.3-1.6 with 2-4 ranks on
+       this 2-core host); ``send_cpu_ms`` is its send threads' time per message sent and
        ``recv_cpu_ms`` its receive thread's per message received, each plus an even share
        of the threads Python does not own (gloo's transport). Both are measured with as
        many ranks sharing the cores as the job has, since both grow with that number.
@@ -378,8 +378,6 @@ def pool_message_costs(profiles: list) -> list:
     them averages out one round's unlucky run (one round's rank work scale ranged 1.0-1.8);
     the block times and loop overheads stay per round, since the overheads were derived from
     that round's block times."""
-    from dataclasses import replace
-
     pooled = {key: statistics.median(getattr(p, key) for p in profiles) for key in POOLED}
     return [replace(p, **pooled) for p in profiles]
 
@@ -468,7 +466,8 @@ def realcheck(
     model: str = "tiny",
     chunks: int = 120,
     skip: int = 8,
-    rounds: int = 14,
+    jobs: int = 3,
+    rounds: int = 5,
     runs_per_round: int = 2,
     profile=None,
     quiet_wait_s: float = 10.0,
@@ -482,13 +481,16 @@ def realcheck(
     block-forward probe just before or after a run did not predict it (correlation 0.2-0.5
     over 25 runs). So one run, or one calibration, is a sample of a wide distribution, and
     a calibration done once before the cases compares different stretches of time. Instead
-    each number of ranks gets one job that calibrates itself (``calibrate_on``: block times
-    in this process, then the single-rank, ping-pong and by-block runs on the job's own
-    ranks) and runs every case ``runs_per_round`` times, in ``rounds`` rounds, so that the
-    calibrations and the runs sample the same minutes. A case's prediction is the median of
-    the predictions of the job's calibrations (``_compare``; message costs and the rank work
-    scale pooled over the job, ``pool_message_costs``), its measured interval the median of
-    its runs. A given ``profile`` is used for every job instead.
+    each number of ranks gets ``jobs`` jobs that calibrate themselves (``calibrate_on``:
+    block times in this process, then the single-rank, ping-pong and round-robin runs on
+    the job's own ranks) and run every case ``runs_per_round`` times, in ``rounds`` rounds
+    each, so that the calibrations and the runs sample the same minutes. Several jobs,
+    because a job's processes keep how the kernel placed them: within one job the
+    calibrations and the runs differed by up to 16% in the same direction, a fresh job
+    drew again. A case's prediction is the median of the predictions of the calibrations
+    (``_compare``; message costs and the rank work scale pooled, ``pool_message_costs``),
+    its measured interval the median of its runs. A given ``profile`` is used instead of
+    calibrating.
 
     Other jobs on the host take processor time the simulation does not have (a multi-rank
     case needs both cores), so every run's foreign load is measured while it runs (the
@@ -500,64 +502,30 @@ def realcheck(
 
     from physis_ros.engine.config import get_preset
     from physis_ros.engine.model import build_model
-    from physis_ros.engine.placement import layout_even
-    from physis_ros.engine.pool.costmodel import Profile
     from physis_ros.engine.stage import BlockTimer
-    from physis_ros.serve.dist_engine import DistEngine
 
     torch.set_num_threads(1)  # rank 0 lives in this process
     t_start = time.perf_counter()
     load_before = os.getloadavg()[0]
     cores = host_cores()
     block_model = build_model(get_preset(model), device="cpu")
-    L = block_model.cfg.num_blocks
     timers = {b: BlockTimer(block_model, [W] * b, window=W) for b in BATCHES}
     cases, profiles = [], {}
     for world in ranks:
-        calibrations = []  # (profile, other jobs' cores while it ran)
+        calibrations: list = []  # (profile, other jobs' cores while it ran)
         runs: dict[int, list[tuple[float, float]]] = {n: [] for n in streams}
-        older = set(_all_tasks_cpu_ms())
-        with DistEngine.launch_local(runtime_config(model), world) as engine:
-            warm_up(engine)
-            pids = [os.getpid()] + [proc.pid for proc in engine.procs]
-            for _ in range(rounds):
-                if profile is None:
-                    if calibrations and calibrations[-1][1] >= max_foreign_cores:
-                        wait_for_quiet(quiet_wait_s)
-                    costs, entries, foreign = calibrate_on(
-                        engine, mean_block_entries(timers), chunks=chunks, older=older
-                    )
-                    calibrations.append(
-                        (
-                            Profile(
-                                device="cpu x1 threads",
-                                model=model,
-                                steps=K,
-                                window=W,
-                                dtype="float32",
-                                entries=tuple(entries),
-                                **costs,
-                                comm_threads=True,
-                                host_cores=cores,
-                                calibrated_on="gloo",
-                            ),
-                            foreign,
-                        )
-                    )
-                for n in [*streams] * runs_per_round:
-                    for attempt in range(3):
-                        if attempt:  # the last run was not quiet
-                            wait_for_quiet(quiet_wait_s)
-                        layouts = [layout_even(K, L, world)] * n
-                        run_free(engine, layouts, WARM_CHUNKS)
-                        meter = ForeignLoad(pids)
-                        lefts = run_free(engine, layouts, chunks)
-                        interval = statistics.mean(
-                            statistics.mean(intervals_ms(x, skip)) for x in lefts
-                        )
-                        runs[n].append((interval, meter.cores()))
-                        if runs[n][-1][1] < max_foreign_cores:
-                            break
+        for _ in range(jobs):
+            _Job(
+                world=world,
+                model=model,
+                chunks=chunks,
+                skip=skip,
+                max_foreign_cores=max_foreign_cores,
+                quiet_wait_s=quiet_wait_s,
+                timers=timers,
+                calibrations=calibrations if profile is None else None,
+                runs=runs,
+            ).run(rounds, runs_per_round)
         job_profiles = [profile]
         if profile is None:
             quiet_calibrations = [p for p, f in calibrations if f < max_foreign_cores]
@@ -595,21 +563,93 @@ def realcheck(
         "runtime_s": round(time.perf_counter() - t_start, 1),
         "profiles_by_ranks": profiles if profile is None else {"given": profile.to_json()},
         "method": (
-            f"per number of ranks, one gloo job; {rounds} rounds in it, each a calibration "
-            "(block times; all stages on rank 0 without and with batching; with 2+ ranks a "
-            f"ping-pong and a by-block layout on ranks 0-1) then {runs_per_round} runs of "
-            "every case: "
+            f"per number of ranks, {jobs} gloo jobs; {rounds} rounds in each, a calibration "
+            "(block times: shape from a round-robin probe, level from the worker's forwards; "
+            "all stages on rank 0 without and with batching; with 2+ ranks a ping-pong and "
+            f"the stages dealt round robin over all ranks) then {runs_per_round} runs of "
+            "every case, each after an unmeasured warm-up: "
             f"free-running streams (all {chunks} chunks queued), stages split evenly over the "
             f"ranks (layout_even), mean interval after {skip} chunks; measured: the median "
             f"of the runs with other jobs below {max_foreign_cores} cores "
-            "(measured during each run); prediction: the median over the job's calibrations of "
-            "physis-sim with that calibration (message costs and rank work scale: the job's "
-            "medians), the worker's pick rule, processor sharing of "
+            "(measured during each run); prediction: the median over the calibrations of "
+            "physis-sim with that calibration (message costs and rank work scale: medians "
+            "over the calibrations), the worker's pick rule, processor sharing of "
             f"{cores} cores among busy ranks and message threads; '_with_measured_load': the "
             "same, with the other jobs' load (median over the case's runs, in processors) "
             "sharing those cores"
         ),
     }
+
+
+@dataclass(kw_only=True)
+class _Job:
+    """One gloo job of ``world`` ranks in ``realcheck``: rounds of one calibration (unless
+    ``calibrations`` is None) and ``runs_per_round`` runs of every case, appended to
+    ``calibrations`` and ``runs``."""
+
+    world: int
+    model: str
+    chunks: int
+    skip: int
+    max_foreign_cores: float
+    quiet_wait_s: float
+    timers: dict
+    calibrations: list | None
+    runs: dict[int, list[tuple[float, float]]]
+
+    def run(self, rounds: int, runs_per_round: int) -> None:
+        from physis_ros.serve.dist_engine import DistEngine
+
+        older = set(_all_tasks_cpu_ms())
+        with DistEngine.launch_local(runtime_config(self.model), self.world) as engine:
+            warm_up(engine)
+            pids = [os.getpid()] + [proc.pid for proc in engine.procs]
+            for _ in range(rounds):
+                if self.calibrations is not None:
+                    last = self.calibrations[-1:]
+                    if last and last[0][1] >= self.max_foreign_cores:
+                        wait_for_quiet(self.quiet_wait_s)
+                    self.calibrations.append(self._calibrate(engine, self.timers, older))
+                for n in [*self.runs] * runs_per_round:
+                    self.runs[n].append(self._measure(engine, pids, n))
+
+    def _calibrate(self, engine, timers, older) -> tuple:
+        from physis_ros.engine.pool.costmodel import Profile
+
+        costs, entries, foreign = calibrate_on(
+            engine, mean_block_entries(timers), chunks=self.chunks, older=older
+        )
+        profile = Profile(
+            device="cpu x1 threads",
+            model=self.model,
+            steps=K,
+            window=W,
+            dtype="float32",
+            entries=tuple(entries),
+            **costs,
+            comm_threads=True,
+            host_cores=host_cores(),
+            calibrated_on="gloo",
+        )
+        return profile, foreign
+
+    def _measure(self, engine, pids, n: int) -> tuple[float, float]:
+        """Mean interval of ``n`` free-running streams and other jobs' load meanwhile; a run
+        other jobs disturbed is retried (twice at most) after waiting for a quiet host."""
+        from physis_ros.engine.placement import layout_even
+
+        layouts = [layout_even(K, engine.model_cfg.num_blocks, self.world)] * n
+        for attempt in range(3):
+            if attempt:
+                wait_for_quiet(self.quiet_wait_s)
+            run_free(engine, layouts, WARM_CHUNKS)
+            meter = ForeignLoad(pids)
+            lefts = run_free(engine, layouts, self.chunks)
+            interval = statistics.mean(statistics.mean(intervals_ms(x, self.skip)) for x in lefts)
+            foreign = meter.cores()
+            if foreign < self.max_foreign_cores:
+                break
+        return interval, foreign
 
 
 def _compare(
@@ -624,9 +664,9 @@ def _compare(
     max_foreign_cores: float,
 ) -> dict:
     """One case's measured runs against the simulator's prediction: the median of the
-    predictions of the job's calibrations, each used whole (its loop overheads were derived
-    from its own block times, so mixing numbers of different calibrations would not add up
-    to any run's time)."""
+    predictions of the calibrations for its number of ranks, each used whole (its loop
+    overheads were derived from its own block times, so mixing numbers of different
+    calibrations would not add up to any run's time)."""
     from physis_ros.engine.config import get_preset
     from physis_ros.engine.placement import layout_even
 
