@@ -214,7 +214,7 @@ def calibrate_on(
         foreign.append(meter.cores())
     worker.batching = True
     level = sum(ms for _, ms in forwards) / sum(probed(b) for b, _ in forwards)
-    entries = [replace(e, ms_p50=e.ms_p50 * level, ms_p99=e.ms_p99 * level) for e in entries]
+    entries = scaled_entries(entries, level)
 
     def block(tasks: int) -> float:
         return probed(tasks) * level
@@ -287,7 +287,12 @@ def calibrate_gloo(
     runs = quiet or noisy
     medians = {key: statistics.median(c[key] for c, _ in runs) for key in runs[0][0]}
     level = statistics.median(e[0].ms_p50 for _, e in runs) / entries[0].ms_p50
-    return medians, [replace(e, ms_p50=e.ms_p50 * level, ms_p99=e.ms_p99 * level) for e in entries]
+    return medians, scaled_entries(entries, level)
+
+
+def scaled_entries(entries, level: float) -> list:
+    """Profile entries with both block times multiplied by ``level``."""
+    return [replace(e, ms_p50=e.ms_p50 * level, ms_p99=e.ms_p99 * level) for e in entries]
 
 
 def warm_up(engine) -> None:
@@ -369,7 +374,8 @@ def profile_gloo(
 
 
 POOLED = ("rank_work_scale", "send_cpu_ms", "recv_cpu_ms", "hop_ms")
-"""Calibrated numbers that ``pool_message_costs`` takes from all of a job's rounds."""
+"""Calibrated numbers that ``pool_message_costs`` takes from all calibrations of one number of
+ranks (every round of every job)."""
 
 
 def pool_message_costs(profiles: list) -> list:
@@ -609,15 +615,15 @@ class _Job:
                     last = self.calibrations[-1:]
                     if last and last[0][1] >= self.max_foreign_cores:
                         wait_for_quiet(self.quiet_wait_s)
-                    self.calibrations.append(self._calibrate(engine, self.timers, older))
+                    self.calibrations.append(self._calibrate(engine, older))
                 for n in [*self.runs] * runs_per_round:
                     self.runs[n].append(self._measure(engine, pids, n))
 
-    def _calibrate(self, engine, timers, older) -> tuple:
+    def _calibrate(self, engine, older: set[int]) -> tuple:
         from physis_ros.engine.pool.costmodel import Profile
 
         costs, entries, foreign = calibrate_on(
-            engine, mean_block_entries(timers), chunks=self.chunks, older=older
+            engine, mean_block_entries(self.timers), chunks=self.chunks, older=older
         )
         profile = Profile(
             device="cpu x1 threads",
