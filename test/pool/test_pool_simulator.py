@@ -262,7 +262,8 @@ def test_devices_sharing_host_cores_slow_down_and_the_sink_hop_adds_latency():
 
 def test_message_processor_time_loads_both_ends_and_forward_scale_slows_forwards():
     """CPU ranks: a hop costs the sender send_cpu_ms and the receiver recv_cpu_ms of work,
-    the sink pays the controller's chunk_overhead_ms, and forward_scale stretches forwards."""
+    the sink pays the controller's chunk_overhead_ms, forward_scale stretches forwards and
+    worker_message_ms charges both ends' workers."""
     prof = Profile(
         device="test",
         model="tiny",
@@ -293,6 +294,20 @@ def test_message_processor_time_loads_both_ends_and_forward_scale_slows_forwards
         ),
     )
     assert slow.streams[0].interval_p50_ms == pytest.approx(1.5 * 2.0 + 0.2 + 0.3 + 0.4)
+    # worker_message_ms: device 0's worker pays it for its send and for the finished chunk
+    chatty = simulate(
+        [SimStream(plan=plan, max_inflight=8)],
+        ProfileCostModel(prof),
+        SimConfig(
+            num_devices=2,
+            chunks=30,
+            warmup_chunks=10,
+            batching=False,
+            sink_device=0,
+            worker_message_ms=0.1,
+        ),
+    )
+    assert chatty.streams[0].interval_p50_ms == pytest.approx(2.0 + 0.2 + 0.3 + 0.4 + 2 * 0.1)
     # one chunk in flight: its stages, both sends, the wire time left of each hop, device 1's
     # receive, and device 0 first pays the previous chunk's arrival (receive + controller)
     one = simulate(
@@ -305,6 +320,8 @@ def test_message_processor_time_loads_both_ends_and_forward_scale_slows_forwards
     assert one.streams[0].latency_p50_ms == pytest.approx(want)
     with pytest.raises(ValueError, match="forward_scale"):
         SimConfig(num_devices=1, forward_scale=0.0)
+    with pytest.raises(ValueError, match="worker_message_ms"):
+        SimConfig(num_devices=1, worker_message_ms=-0.1)
 
 
 def test_message_threads_serve_messages_beside_the_worker():
@@ -325,7 +342,7 @@ def test_message_threads_serve_messages_beside_the_worker():
     )
     plan = _plan(0, [0, 0, 1, 1])
 
-    def run(inflight: int, cores: float):
+    def run(inflight: int, cores: float, worker_message_ms: float = 0.0):
         cfg = SimConfig(
             num_devices=2,
             chunks=30,
@@ -333,6 +350,7 @@ def test_message_threads_serve_messages_beside_the_worker():
             batching=False,
             sink_device=0,
             host_cores=cores,
+            worker_message_ms=worker_message_ms,
         )
         return simulate([SimStream(plan=plan, max_inflight=inflight)], ProfileCostModel(prof), cfg)
 
@@ -343,6 +361,8 @@ def test_message_threads_serve_messages_beside_the_worker():
     # one core for both workers and all threads: per chunk 4 ms of stages + 2 x 0.5 ms of
     # message threads
     assert run(8, 1.0).streams[0].interval_p50_ms == pytest.approx(5.0, rel=0.02)
+    # what the messages cost the workers: each device's worker sends one and receives one
+    assert run(8, 0.0, 0.25).streams[0].interval_p50_ms == pytest.approx(2.0 + 2 * 0.25)
 
 
 def test_other_jobs_on_the_host_share_its_cores():

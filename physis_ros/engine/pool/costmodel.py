@@ -272,12 +272,16 @@ class Profile:
     """Messages are served by each rank's send and receive threads (``CostModel``)."""
     rank_work_scale: float = 1.0
     """Processor time of a rank's worker-loop work (forwards, loop) inside a multi-rank job
-    relative to a one-rank job on the same host, measured: every message wakes threads that
-    take the GIL and the processor from the worker. 1: not measured."""
+    relative to a one-rank job on the same host, measured (the processor is slower beside
+    other ranks). 1: not measured."""
+    worker_message_ms: float = 0.0
+    """Processor time each message a rank sends or receives costs that rank's worker inside
+    a multi-rank job (CPU ranks: the wakeups, GIL handoffs and cold caches of its message
+    threads' work), measured with ``rank_work_scale``. 0: not measured."""
     send_cpu_ms: float = 0.0
     """Processor time one remote send costs the sending rank (with ``comm_threads``: its send
     thread and a share of gloo's transport thread; what the messages cost the worker itself
-    is in ``rank_work_scale``); 0 with ``recv_cpu_ms`` 0: not measured (a worker that cannot
+    is in ``worker_message_ms``); 0 with ``recv_cpu_ms`` 0: not measured (a worker that cannot
     overlap sends is then charged ``hop_ms``)."""
     recv_cpu_ms: float = 0.0
     """Processor time one remote receive costs the receiving rank (with ``comm_threads``: its
@@ -300,6 +304,7 @@ class Profile:
             "send_cpu_ms",
             "recv_cpu_ms",
             "chunk_overhead_ms",
+            "worker_message_ms",
             "host_cores",
         ):
             if getattr(self, name) < 0:
@@ -332,6 +337,7 @@ class Profile:
                 comm_overlaps_compute=bool(data.get("comm_overlaps_compute", False)),
                 comm_threads=bool(data.get("comm_threads", False)),
                 rank_work_scale=float(data.get("rank_work_scale", 1.0)),
+                worker_message_ms=float(data.get("worker_message_ms", 0.0)),
                 send_cpu_ms=float(data.get("send_cpu_ms", 0.0)),
                 recv_cpu_ms=float(data.get("recv_cpu_ms", 0.0)),
                 chunk_overhead_ms=float(data.get("chunk_overhead_ms", 0.0)),

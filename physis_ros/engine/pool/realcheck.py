@@ -30,7 +30,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 K, W = 4, 2
 """Steps and window of the real checks (the ``tiny`` model has L = 2: 8 stages)."""
@@ -151,11 +151,9 @@ def run_free(engine, layouts: list, chunks: int, timeout_s: float = 120.0) -> li
 
 def calibrate_on(
     engine, entries, *, chunks: int = 120, older: set[int]
-) -> tuple[dict, list, float]:
+) -> tuple[dict, list, float, list[WorkerSample]]:
     """One calibration of each kind on a live gloo ``engine`` (rank 0 in this process), as
-    the simulator needs it beyond the probed block times ``entries``; returns the costs, the
-    block times at the level the worker's own forwards ran at, and the most processor time
-    other jobs used during any of its runs (cores).
+    the simulator needs it beyond the probed block times ``entries``.
 
     1. All stages on rank 0 (``layout_single``), one free-running stream, ``chunks`` queued,
        once without batching (one task per forward) and once with. The rank's serial work is
@@ -170,17 +168,26 @@ def calibrate_on(
        one-rank reference of step 3.
     2. With two ranks or more: a ping-pong of 100 activations with rank 1 (no forwards):
        ``hop_ms`` is half a round trip.
-    3. With two ranks or more: the stages dealt round robin over all the job's ranks
-       (``layout_strided``: every hop crosses ranks, a layout no checked case uses), one
-       free-running stream, every thread of rank 0 accounted (``/proc`` schedstat):
-       ``rank_work_scale`` is rank 0's worker thread time per unit of its modelled work
-       here over step 1's (the wakeups, GIL handoffs, run-queue waits and cold caches that
-       the other ranks and the message threads cost the worker: 1.3-1.6 with 2-4 ranks on
-       this 2-core host); ``send_cpu_ms`` is its send threads' time per message sent and
-       ``recv_cpu_ms`` its receive thread's per message received, each plus an even share
-       of the threads Python does not own (gloo's transport). Both are measured with as
-       many ranks sharing the cores as the job has, since both grow with that number.
-       ``older``: this process's threads from before the engine started (not its).
+    3. With two ranks or more: two free-running runs of one stream, with every thread of rank
+       0 accounted (``/proc`` schedstat): the stages dealt round robin over all the job's
+       ranks (``layout_strided``: every hop crosses ranks) and whole steps dealt round robin
+       (``layout_whole_steps``: a quarter to a half of the messages per forward), layouts no
+       checked case uses. ``send_cpu_ms`` is rank 0's send threads' time per message sent
+       and ``recv_cpu_ms`` its receive thread's per message received, over both runs, each
+       plus an even share of the threads Python does not own (gloo's transport). The worker
+       thread's time beside the other ranks is fitted over the two runs
+       (``fit_worker_costs``) as ``rank_work_scale`` times its modelled work (relative to
+       step 1) plus ``worker_message_ms`` per message rank 0 sent or received: the wakeups,
+       GIL handoffs and cold caches every message costs the worker, and the slower
+       processor beside other ranks. A single scale measured on the strided run over-charged
+       layouts with fewer messages per forward (2 ranks, layout_even: worker time 1.22x its
+       modelled work, strided 1.52x). All are measured with as many ranks sharing the cores
+       as the job has, since they grow with that number. ``older``: this process's threads
+       from before the engine started (not its).
+
+    Returns the costs (``rank_work_scale`` and ``worker_message_ms`` fitted on this
+    calibration alone), the scaled block times, the other jobs' load, and step 3's two
+    ``WorkerSample`` (empty with one rank) for a fit pooled over many calibrations.
     """
     from physis_ros.engine.placement import layout_single
     from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
@@ -234,9 +241,10 @@ def calibrate_on(
         "send_cpu_ms": 0.0,
         "recv_cpu_ms": 0.0,
         "rank_work_scale": 1.0,
+        "worker_message_ms": 0.0,
     }
     if engine.world_size < 2:
-        return costs, entries, max(foreign)
+        return costs, entries, max(foreign), []
 
     def modelled_ms(sizes: list[int]) -> float:
         """The worker's work as the simulator charges it: forwards and loop overheads."""
@@ -245,18 +253,65 @@ def calibrate_on(
     one_rank = worker_ms / modelled_ms(sizes)
     engine.measure_hop_ms(rounds=1, warmup=WARM_CHUNKS)
     hop_ms = statistics.median(engine.measure_hop_ms(rounds=100, warmup=0))
-    strided = layout_strided(steps, L, engine.world_size)
-    run_free(engine, [strided], WARM_CHUNKS)
-    meter = ForeignLoad(pids)
-    worker_ratio, message_ms = _rank0_under_load(engine, strided, 2 * chunks, older, modelled_ms)
-    foreign.append(meter.cores())
+    runs = []
+    for layout in (layout_strided, layout_whole_steps):
+        lay = layout(steps, L, engine.world_size)
+        run_free(engine, [lay], WARM_CHUNKS)
+        meter = ForeignLoad(pids)
+        runs.append(_rank0_under_load(engine, lay, 2 * chunks, older, modelled_ms))
+        foreign.append(meter.cores())
+    sent, received = sum(r.sent for r in runs), sum(r.received for r in runs)
+    shared = sum(r.native_ms for r in runs) / max(sent + received, 1)
+    samples = [
+        WorkerSample(
+            modelled_ms=r.modelled_ms / r.chunks,
+            messages=(r.sent + r.received) / r.chunks,
+            worker_ms=r.worker_ms / r.chunks / one_rank,
+        )
+        for r in runs
+    ]
+    scale, per_message_ms = fit_worker_costs([samples])
     costs.update(
         hop_ms=hop_ms,
-        send_cpu_ms=message_ms["send_ms"],
-        recv_cpu_ms=message_ms["recv_ms"],
-        rank_work_scale=worker_ratio / one_rank,
+        send_cpu_ms=sum(r.send_ms for r in runs) / max(sent, 1) + shared,
+        recv_cpu_ms=sum(r.recv_ms for r in runs) / max(received, 1) + shared,
+        rank_work_scale=scale,
+        worker_message_ms=per_message_ms,
     )
-    return costs, entries, max(foreign)
+    return costs, entries, max(foreign), samples
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    """Rank 0's worker in one calibration run, per chunk: its work as the simulator models
+    it, the messages rank 0 sent and received, and its processor time (in units of the
+    one-rank run's processor time per modelled ms)."""
+
+    modelled_ms: float
+    messages: float
+    worker_ms: float
+
+
+def fit_worker_costs(calibrations: list[list[WorkerSample]]) -> tuple[float, float]:
+    """``(rank_work_scale, worker_message_ms)`` with worker_ms = scale * modelled_ms +
+    worker_message_ms * messages through the two layouts' samples, each the median over
+    ``calibrations`` (one run of each layout is noisy: solved alone, a calibration's two runs
+    gave scales from -1.9 to 3.4 on this host). When the solution is not physical (a
+    negative cost per message, or a scale <= 0) there is no message term: one scale fits
+    both."""
+    (m1, n1, w1), (m2, n2, w2) = (
+        [statistics.median(getattr(c[i], f) for c in calibrations) for f in WORKER_FIELDS]
+        for i in range(2)
+    )
+    det = m1 * n2 - m2 * n1
+    if det:
+        scale, per_message = (w1 * n2 - w2 * n1) / det, (m1 * w2 - m2 * w1) / det
+        if scale > 0 and per_message >= 0:
+            return scale, per_message
+    return (w1 + w2) / (m1 + m2), 0.0
+
+
+WORKER_FIELDS = ("modelled_ms", "messages", "worker_ms")
 
 
 def layout_strided(steps: int, blocks: int, workers: int) -> list[list[int]]:
@@ -265,14 +320,29 @@ def layout_strided(steps: int, blocks: int, workers: int) -> list[list[int]]:
     return [[(k * blocks + b) % workers for b in range(blocks)] for k in range(steps)]
 
 
+def layout_whole_steps(steps: int, blocks: int, workers: int) -> list[list[int]]:
+    """Each step's blocks on one rank, the steps dealt round robin (step k on rank k mod
+    ``workers``), the fewest messages per forward of a layout on all ranks; backwards (step k
+    on rank -k-1 mod ``workers``) where forwards is ``layout_even`` (``workers`` = K), which
+    the checked cases use."""
+    from physis_ros.engine.placement import layout_even
+
+    if not 1 <= workers <= steps:
+        raise ValueError(f"whole steps on {workers} ranks needs 1 <= ranks <= K = {steps}")
+    forwards = [[k % workers] * blocks for k in range(steps)]
+    if forwards != [list(row) for row in layout_even(steps, blocks, workers)]:
+        return forwards
+    return [[(-k - 1) % workers] * blocks for k in range(steps)]
+
+
 def calibrate_gloo(
     model: str, steps: int, window: int, entries, *, chunks: int = 120, repeats: int = 5
 ) -> tuple[dict, list]:
     """Worker-loop, controller and message costs of a two-rank gloo job on this host, and
     the probed block times ``entries`` at the level the worker's forwards ran at: the
-    medians of ``repeats`` calibrations (``calibrate_on``), counting only those during which
-    other jobs used under ``QUIET_CORES`` (up to ``3 * repeats`` tries; all of them when
-    none was quiet)."""
+    medians of ``repeats`` calibrations (``calibrate_on``; the worker's scale and cost per
+    message fitted over all of them), counting only those during which other jobs used
+    under ``QUIET_CORES`` (up to ``3 * repeats`` tries; all of them when none was quiet)."""
     from physis_ros.serve.dist_engine import DistEngine
 
     older = set(_all_tasks_cpu_ms())
@@ -282,11 +352,15 @@ def calibrate_gloo(
         while len(quiet) < repeats and len(quiet) + len(noisy) < 3 * repeats:
             if noisy:
                 wait_for_quiet(5.0)
-            costs, scaled, foreign = calibrate_on(engine, entries, chunks=chunks, older=older)
-            (quiet if foreign < QUIET_CORES else noisy).append((costs, scaled))
+            costs, scaled, foreign, samples = calibrate_on(
+                engine, entries, chunks=chunks, older=older
+            )
+            (quiet if foreign < QUIET_CORES else noisy).append((costs, scaled, samples))
     runs = quiet or noisy
-    medians = {key: statistics.median(c[key] for c, _ in runs) for key in runs[0][0]}
-    level = statistics.median(e[0].ms_p50 for _, e in runs) / entries[0].ms_p50
+    medians = {key: statistics.median(c[key] for c, _, _ in runs) for key in runs[0][0]}
+    scale, per_message_ms = fit_worker_costs([samples for _, _, samples in runs])
+    medians.update(rank_work_scale=scale, worker_message_ms=per_message_ms)
+    level = statistics.median(e[0].ms_p50 for _, e, _ in runs) / entries[0].ms_p50
     return medians, scaled_entries(entries, level)
 
 
@@ -321,12 +395,25 @@ def _all_tasks_cpu_ms() -> dict[int, float]:
     return out
 
 
-def _rank0_under_load(engine, layout, chunks: int, older: set[int], modelled_ms):
-    """One free-running run of ``layout`` with rank 0's threads accounted: its worker
-    thread's time per unit of its modelled work, and per message its send threads' time per
-    message sent, its receive thread's per message received, and the job's non-Python
-    threads (gloo's transport, serving both directions) split evenly over all messages.
-    ``older``: threads from before the job."""
+@dataclass(frozen=True)
+class _Rank0Run:
+    """Rank 0's threads in one run (processor ms, totals over ``chunks``)."""
+
+    chunks: int
+    worker_ms: float
+    modelled_ms: float
+    """The worker's work as the simulator models it."""
+    send_ms: float
+    sent: int
+    recv_ms: float
+    received: int
+    native_ms: float
+    """Threads Python does not own (gloo's transport, serving both directions)."""
+
+
+def _rank0_under_load(engine, layout, chunks: int, older: set[int], modelled_ms) -> _Rank0Run:
+    """One free-running run of ``layout`` with rank 0's threads accounted. ``older``:
+    threads from before the job."""
     transport, worker = engine.transport, engine.host.worker
     worker_tid = engine._threads[0].native_id
     known = {worker_tid, engine._threads[1].native_id}  # worker, monitor
@@ -339,14 +426,16 @@ def _rank0_under_load(engine, layout, chunks: int, older: set[int], modelled_ms)
     run_free(engine, [layout], chunks)
     used = {tid: ms - before.get(tid, 0.0) for tid, ms in _all_tasks_cpu_ms().items()}
     sizes = [b for _, b, _, _ in worker.stats.block_times[n0:]]
-    sent = max(transport.counters["sent"] - sent0, 1)
-    received = max(transport.counters["received"] - recv0, 1)
-    native = sum(ms for tid, ms in used.items() if tid not in known | send_tids | {recv_tid})
-    shared = native / (sent + received)
-    return used.get(worker_tid, 0.0) / modelled_ms(sizes), {
-        "send_ms": sum(used.get(t, 0.0) for t in send_tids) / sent + shared,
-        "recv_ms": used.get(recv_tid, 0.0) / received + shared,
-    }
+    return _Rank0Run(
+        chunks=chunks,
+        worker_ms=used.get(worker_tid, 0.0),
+        modelled_ms=modelled_ms(sizes),
+        send_ms=sum(used.get(t, 0.0) for t in send_tids),
+        sent=transport.counters["sent"] - sent0,
+        recv_ms=used.get(recv_tid, 0.0),
+        received=transport.counters["received"] - recv0,
+        native_ms=sum(ms for tid, ms in used.items() if tid not in known | send_tids | {recv_tid}),
+    )
 
 
 def profile_gloo(
@@ -373,18 +462,22 @@ def profile_gloo(
     return measure(_parser().parse_args(argv))
 
 
-POOLED = ("rank_work_scale", "send_cpu_ms", "recv_cpu_ms", "hop_ms")
-"""Calibrated numbers that ``pool_message_costs`` takes from all calibrations of one number of
-ranks (every round of every job)."""
+POOLED = ("send_cpu_ms", "recv_cpu_ms", "hop_ms")
+"""Calibrated message costs that ``pool_message_costs`` takes as the median over all
+calibrations of one number of ranks (every round of every job)."""
 
 
-def pool_message_costs(profiles: list) -> list:
-    """The calibrations with their message costs and rank work scale replaced by the median
-    over all of them. Each is a ratio or a per-message time from runs of its own, so pooling
-    them averages out one round's unlucky run (one round's rank work scale ranged 1.0-1.8);
-    the block times and loop overheads stay per round, since the overheads were derived from
-    that round's block times."""
+def pool_message_costs(profiles: list, samples: list[list[WorkerSample]]) -> list:
+    """The calibrations with their message costs replaced by the median over all of them and
+    the worker's scale and cost per message by one fit over all their ``samples``
+    (``fit_worker_costs``). Each is a ratio or a per-message time from runs of its own, so
+    pooling them averages out one round's unlucky run (one round's rank work scale, from one
+    run, ranged 1.0-1.8); the block times and loop overheads stay per round, since the
+    overheads were derived from that round's block times."""
     pooled = {key: statistics.median(getattr(p, key) for p in profiles) for key in POOLED}
+    if any(samples):
+        scale, per_message_ms = fit_worker_costs([s for s in samples if s])
+        pooled.update(rank_work_scale=scale, worker_message_ms=per_message_ms)
     return [replace(p, **pooled) for p in profiles]
 
 
@@ -460,6 +553,7 @@ def simulate_free(
             foreign_load=foreign,
             # A rank's own work costs more processor time beside other ranks (calibrated).
             forward_scale=profile.rank_work_scale if world > 1 else 1.0,
+            worker_message_ms=profile.worker_message_ms if world > 1 else 0.0,
         ),
     )
     return [s.interval_mean_ms for s in rep.streams]
@@ -518,7 +612,7 @@ def realcheck(
     timers = {b: BlockTimer(block_model, [W] * b, window=W) for b in BATCHES}
     cases, profiles = [], {}
     for world in ranks:
-        calibrations: list = []  # (profile, other jobs' cores while it ran)
+        calibrations: list = []  # (profile, other jobs' cores while it ran, worker samples)
         runs: dict[int, list[tuple[float, float]]] = {n: [] for n in streams}
         for _ in range(jobs):
             _Job(
@@ -534,12 +628,15 @@ def realcheck(
             ).run(rounds, runs_per_round)
         job_profiles = [profile]
         if profile is None:
-            quiet_calibrations = [p for p, f in calibrations if f < max_foreign_cores]
-            job_profiles = pool_message_costs(quiet_calibrations or [p for p, _ in calibrations])
+            quiet = [c for c in calibrations if c[1] < max_foreign_cores]
+            job_profiles = pool_message_costs(
+                [p for p, _, _ in quiet or calibrations], [s for _, _, s in quiet or calibrations]
+            )
             profiles[world] = {
                 "calibrations": [p.to_json() for p in job_profiles],
-                "calibrations_quiet": len(quiet_calibrations),
-                "calibration_foreign_cores": [round(f, 2) for _, f in calibrations],
+                "calibrations_quiet": len(quiet),
+                "calibration_foreign_cores": [round(f, 2) for _, f, _ in calibrations],
+                "worker_samples": [[asdict(x) for x in s] for _, _, s in calibrations],
             }
         for n, case_runs in runs.items():
             cases.append(
@@ -622,7 +719,7 @@ class _Job:
     def _calibrate(self, engine, older: set[int]) -> tuple:
         from physis_ros.engine.pool.costmodel import Profile
 
-        costs, entries, foreign = calibrate_on(
+        costs, entries, foreign, samples = calibrate_on(
             engine, mean_block_entries(self.timers), chunks=self.chunks, older=older
         )
         profile = Profile(
@@ -637,7 +734,7 @@ class _Job:
             host_cores=host_cores(),
             calibrated_on="gloo",
         )
-        return profile, foreign
+        return profile, foreign, samples
 
     def _measure(self, engine, pids, n: int) -> tuple[float, float]:
         """Mean interval of ``n`` free-running streams and other jobs' load meanwhile; a run

@@ -12,6 +12,7 @@ It follows the workers' scheduling rules:
 - messages cost processor time where the cost model says so (CPU ranks: packing, the
   transport's threads, the GIL): ``cost.send_cpu_ms`` at the sender, ``cost.recv_cpu_ms`` at
   the receiver, ``cost.chunk_overhead_ms`` at the sink (the controller) per finished chunk.
+  ``SimConfig.worker_message_ms`` more at each end's worker (CPU ranks beside each other).
   With ``cost.comm_threads`` (gloo ranks) a send and a receive are served in order by the
   device's own send and receive threads, beside its worker: the message reaches the next
   stage after the sender's thread, the wire (``hop_ms`` less both threads' times) and the
@@ -69,7 +70,12 @@ class SimConfig:
     None: the exit hop is not modelled."""
     forward_scale: float = 1.0
     """Multiplies every batched forward's cost (``cost.group_ms``): a slowdown of every
-    forward that the cost model's isolated timing does not see (what-if studies)."""
+    forward that the cost model's isolated timing does not see (what-if studies; CPU ranks
+    beside each other: ``Profile.rank_work_scale``)."""
+    worker_message_ms: float = 0.0
+    """Work each remote message adds to the sending and to the receiving device (the sink
+    for a finished chunk), beside the message's own ``send_cpu_ms`` / ``recv_cpu_ms``
+    (CPU ranks: ``Profile.worker_message_ms``)."""
     host_cores: float = 0.0
     """Processors the devices share (CPU workers on one host; may be fractional: the share of
     a loaded host that is left); 0: each device is its own processor."""
@@ -102,6 +108,8 @@ class SimConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if not self.forward_scale > 0:
             raise ValueError(f"forward_scale must be > 0, got {self.forward_scale}")
+        if self.worker_message_ms < 0:
+            raise ValueError(f"worker_message_ms must be >= 0, got {self.worker_message_ms}")
         if self.foreign_load < 0:
             raise ValueError(f"foreign_load must be >= 0, got {self.foreign_load}")
         if self.host_cores < 0:
@@ -252,10 +260,12 @@ def simulate(
         si, nxt, chunk, dst = server_queue[e].popleft()
         if e < 2 * G:  # on the wire; the event carries chunk and receiver in one integer
             push(t + wire_ms(si, e - G, dst), _WIRE, si, nxt, chunk * G + dst)
-        elif nxt == plans[si].num_stages:
-            complete(t, si, chunk)
-        else:
-            arrive(t, si, nxt, chunk)
+        else:  # received
+            charge_worker(dst)
+            if nxt == plans[si].num_stages:
+                complete(t, si, chunk)
+            else:
+                arrive(t, si, nxt, chunk)
         serve(t, e)
 
     release = [[math.nan] * C for _ in range(n)]
@@ -277,6 +287,12 @@ def simulate(
     completed = [0] * n
     tasks_run = 0
     dirty: set[int] = set()
+
+    def charge_worker(d: int) -> None:
+        """A remote message sent or received: its cost to device d's worker."""
+        if config.worker_message_ms:
+            debt[d] += config.worker_message_ms
+            dirty.add(d)
 
     def push(t: float, kind: int, a: int, b: int, c: int) -> None:
         nonlocal seq
@@ -418,6 +434,8 @@ def simulate(
             nxt = stage + 1
             if nxt == plan.num_stages:
                 sink = config.sink_device
+                if sink is not None and sink != d:
+                    charge_worker(d)
                 if sink is not None and sink != d and threads:
                     message(t, si, d, nxt, chunk)
                 elif sink is not None and sink != d:
@@ -429,6 +447,8 @@ def simulate(
                     complete(t, si, chunk)
                 continue
             dst = plan.stage_devices[nxt]
+            if dst != d:
+                charge_worker(d)
             if dst == d:
                 arrive(t, si, nxt, chunk)
             elif threads:
@@ -458,6 +478,7 @@ def simulate(
                 do_release(t, a)
             elif kind == _ARRIVE:  # a remote hop: the receiver pays its processor time
                 dst = config.sink_device if b == plans[a].num_stages else plans[a].stage_devices[b]
+                charge_worker(dst)
                 if comm[a][1] > 0:
                     debt[dst] += comm[a][1]
                     dirty.add(dst)
