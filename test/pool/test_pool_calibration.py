@@ -56,10 +56,15 @@ def test_fit_recovers_scale_and_cost_per_message_from_the_medians():
     assert scale == pytest.approx(1.1) and per_message == pytest.approx(0.05)
 
 
-def test_fit_without_a_physical_solution_is_one_scale():
-    # more processor time on the run with fewer messages: a negative cost per message
+def test_fit_outside_the_physical_bounds_is_the_best_fit_on_a_bound():
+    # more processor time on the run with fewer messages: no cost per message, one scale
     samples = [WorkerSample(1.0, 8.0, 1.0), WorkerSample(1.0, 4.0, 1.4)]
     assert fit_worker_costs([samples]) == (pytest.approx(1.2), 0.0)
+    # a worker faster beside other ranks than alone (scale 0.8): scale 1, and the cost per
+    # message that fits both runs best
+    scale, per_message = fit_worker_costs([_samples(0.8, 0.1)])
+    assert scale == 1.0
+    assert per_message == pytest.approx((8 * (1.68 - 1.1) + 4 * (1.2 - 1.0)) / (8**2 + 4**2))
 
 
 def test_pooling_takes_message_costs_median_and_one_fit_over_all_calibrations():

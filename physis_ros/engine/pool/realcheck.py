@@ -296,9 +296,10 @@ def fit_worker_costs(calibrations: list[list[WorkerSample]]) -> tuple[float, flo
     """``(rank_work_scale, worker_message_ms)`` with worker_ms = scale * modelled_ms +
     worker_message_ms * messages through the two layouts' samples, each the median over
     ``calibrations`` (one run of each layout is noisy: solved alone, a calibration's two runs
-    gave scales from -1.9 to 3.4 on this host). When the solution is not physical (a
-    negative cost per message, or a scale <= 0) there is no message term: one scale fits
-    both."""
+    gave scales from -1.9 to 3.4 on this host). Bounded to what is physical: a worker is
+    never faster beside other ranks than alone (scale >= 1) and a message never saves it
+    time (cost >= 0); when the exact solution is outside the bounds, the least-squares fit
+    on a bound."""
     (m1, n1, w1), (m2, n2, w2) = (
         [statistics.median(getattr(c[i], f) for c in calibrations) for f in WORKER_FIELDS]
         for i in range(2)
@@ -306,9 +307,18 @@ def fit_worker_costs(calibrations: list[list[WorkerSample]]) -> tuple[float, flo
     det = m1 * n2 - m2 * n1
     if det:
         scale, per_message = (w1 * n2 - w2 * n1) / det, (m1 * w2 - m2 * w1) / det
-        if scale > 0 and per_message >= 0:
+        if scale >= 1 and per_message >= 0:
             return scale, per_message
-    return (w1 + w2) / (m1 + m2), 0.0
+    on_bounds = [
+        (1.0, max((n1 * (w1 - m1) + n2 * (w2 - m2)) / (n1 * n1 + n2 * n2), 0.0)),
+        (max((m1 * w1 + m2 * w2) / (m1 * m1 + m2 * m2), 1.0), 0.0),
+    ]
+
+    def squared_error(fit: tuple[float, float]) -> float:
+        a, c = fit
+        return (w1 - a * m1 - c * n1) ** 2 + (w2 - a * m2 - c * n2) ** 2
+
+    return min(on_bounds, key=squared_error)
 
 
 WORKER_FIELDS = ("modelled_ms", "messages", "worker_ms")
