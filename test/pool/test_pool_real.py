@@ -110,9 +110,10 @@ def test_admitted_streams_meet_the_target_and_the_next_is_refused():
 @QUIET
 def test_simulator_predicts_the_measured_interval_within_15_percent():
     """1-4 gloo ranks x 1-3 free-running tiny streams: the simulator, calibrated in rounds
-    between the cases of each job (all stages on rank 0, a ping-pong and the stages dealt
-    round robin over the job's ranks, layouts no multi-rank case uses), predicts every
-    measured mean interval (median of the runs other jobs left alone) within 15%."""
+    between the cases of each job (all stages on rank 0, a ping-pong, and the stages and
+    whole steps dealt round robin over the job's ranks: layouts no multi-rank case uses),
+    predicts every measured mean interval (median of the runs other jobs left alone) within
+    15%."""
     out = realcheck((1, 2, 3, 4), (1, 2, 3))
     if out["cases_without_a_quiet_run"]:
         pytest.skip(f"other jobs kept the host busy: {out['cases_without_a_quiet_run']}")

@@ -4,14 +4,15 @@
 the per-block times: the worker loop's cost per task and per batched forward and the
 controller's cost per finished chunk (every stage on rank 0, with and without batching); with
 two ranks or more, a hop's latency (ping-pong) and, by accounting every thread of rank 0
-while the stages are dealt round robin over all the job's ranks, the processor time its send
-and receive threads spend per message and how much more processor time the worker's own
-work takes beside the other ranks than alone. ``realcheck`` runs free-running ``tiny``
-streams (every chunk queued at once, stages split evenly over the ranks) for each (ranks,
-streams) case, calibrating each job in rounds between its cases, and simulates the same cases
-with those calibrations and the host's core count; it reports predicted, measured and
-relative error per case. ``calibrate_gloo`` (``physis-profile --runtime gloo``) is the same
-calibration on a two-rank job, for profiles used elsewhere.
+in two layouts on all the job's ranks (stages dealt round robin, whole steps dealt round
+robin), the processor time its send and receive threads spend per message and what the
+worker's own work costs beside the other ranks (a scale, and a cost per message).
+``realcheck`` runs free-running ``tiny`` streams (every chunk queued at once, stages split
+evenly over the ranks) for each (ranks, streams) case, calibrating each job in rounds
+between its cases, and simulates the same cases with those calibrations and the host's core
+count; it reports predicted, measured and relative error per case. ``calibrate_gloo``
+(``physis-profile --runtime gloo``) is the same calibration on a two-rank job, for profiles
+used elsewhere.
 
 Other jobs on the host (other users' tests) take processor time the simulation does not have,
 so calibration and every measured run record the other jobs' load while they ran, and only
@@ -592,13 +593,14 @@ def realcheck(
     over 25 runs). So one run, or one calibration, is a sample of a wide distribution, and
     a calibration done once before the cases compares different stretches of time. Instead
     each number of ranks gets ``jobs`` jobs that calibrate themselves (``calibrate_on``:
-    block times in this process, then the single-rank, ping-pong and round-robin runs on
-    the job's own ranks) and run every case ``runs_per_round`` times, in ``rounds`` rounds
+    block times in this process, then the single-rank, ping-pong, strided and whole-step
+    runs on the job's own ranks) and run every case ``runs_per_round`` times, in ``rounds`` rounds
     each, so that the calibrations and the runs sample the same minutes. Several jobs,
     because a job's processes keep how the kernel placed them: within one job the
     calibrations and the runs differed by up to 16% in the same direction, a fresh job
     drew again. A case's prediction is the median of the predictions of the calibrations
-    (``_compare``; message costs and the rank work scale pooled, ``pool_message_costs``),
+    (``_compare``; message costs and the worker's scale and cost per message pooled,
+    ``pool_message_costs``),
     its measured interval the median of its runs. A given ``profile`` is used instead of
     calibrating.
 
@@ -679,14 +681,16 @@ def realcheck(
             f"per number of ranks, {jobs} gloo jobs; {rounds} rounds in each, a calibration "
             "(block times: shape from a round-robin probe, level from the worker's forwards; "
             "all stages on rank 0 without and with batching; with 2+ ranks a ping-pong and "
-            f"the stages dealt round robin over all ranks) then {runs_per_round} runs of "
+            "two runs on all ranks, the stages and whole steps dealt round robin) then "
+            f"{runs_per_round} runs of "
             "every case, each after an unmeasured warm-up: "
             f"free-running streams (all {chunks} chunks queued), stages split evenly over the "
             f"ranks (layout_even), mean interval after {skip} chunks; measured: the median "
             f"of the runs with other jobs below {max_foreign_cores} cores "
             "(measured during each run); prediction: the median over the calibrations of "
-            "physis-sim with that calibration (message costs and rank work scale: medians "
-            "over the calibrations), the worker's pick rule, processor sharing of "
+            "physis-sim with that calibration (message costs: medians over the "
+            "calibrations; the worker's scale and cost per message: one fit over them), "
+            "the worker's pick rule, processor sharing of "
             f"{cores} cores among busy ranks and message threads; '_with_measured_load': the "
             "same, with the other jobs' load (median over the case's runs, in processors) "
             "sharing those cores"
