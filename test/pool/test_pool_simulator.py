@@ -277,37 +277,19 @@ def test_message_processor_time_loads_both_ends_and_forward_scale_slows_forwards
         chunk_overhead_ms=0.4,
     )
     plan = _plan(0, [0, 0, 1, 1])
-    cfg = SimConfig(num_devices=2, chunks=30, warmup_chunks=10, batching=False, sink_device=0)
-    rep = simulate([SimStream(plan=plan, max_inflight=8)], ProfileCostModel(prof), cfg)
+
+    def interval_ms(**config) -> float:
+        cfg = SimConfig(
+            num_devices=2, chunks=30, warmup_chunks=10, batching=False, sink_device=0, **config
+        )
+        rep = simulate([SimStream(plan=plan, max_inflight=8)], ProfileCostModel(prof), cfg)
+        return rep.streams[0].interval_p50_ms
+
     # device 0: 2 stages + 1 send + 1 receive (the finished chunk) + the controller's share
-    assert rep.streams[0].interval_p50_ms == pytest.approx(2.0 + 0.2 + 0.3 + 0.4)
-    slow = simulate(
-        [SimStream(plan=plan, max_inflight=8)],
-        ProfileCostModel(prof),
-        SimConfig(
-            num_devices=2,
-            chunks=30,
-            warmup_chunks=10,
-            batching=False,
-            sink_device=0,
-            forward_scale=1.5,
-        ),
-    )
-    assert slow.streams[0].interval_p50_ms == pytest.approx(1.5 * 2.0 + 0.2 + 0.3 + 0.4)
+    assert interval_ms() == pytest.approx(2.0 + 0.2 + 0.3 + 0.4)
+    assert interval_ms(forward_scale=1.5) == pytest.approx(1.5 * 2.0 + 0.2 + 0.3 + 0.4)
     # worker_message_ms: device 0's worker pays it for its send and for the finished chunk
-    chatty = simulate(
-        [SimStream(plan=plan, max_inflight=8)],
-        ProfileCostModel(prof),
-        SimConfig(
-            num_devices=2,
-            chunks=30,
-            warmup_chunks=10,
-            batching=False,
-            sink_device=0,
-            worker_message_ms=0.1,
-        ),
-    )
-    assert chatty.streams[0].interval_p50_ms == pytest.approx(2.0 + 0.2 + 0.3 + 0.4 + 2 * 0.1)
+    assert interval_ms(worker_message_ms=0.1) == pytest.approx(2.0 + 0.2 + 0.3 + 0.4 + 2 * 0.1)
     # one chunk in flight: its stages, both sends, the wire time left of each hop, device 1's
     # receive, and device 0 first pays the previous chunk's arrival (receive + controller)
     one = simulate(
