@@ -31,7 +31,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 
 K, W = 4, 2
 """Steps and window of the real checks (the ``tiny`` model has L = 2: 8 stages)."""
@@ -186,9 +186,9 @@ def calibrate_on(
        as the job has, since they grow with that number. ``older``: this process's threads
        from before the engine started (not its).
 
-    Returns the costs (``rank_work_scale`` and ``worker_message_ms`` fitted on this
-    calibration alone), the scaled block times, the other jobs' load, and step 3's two
-    ``WorkerSample`` (empty with one rank) for a fit pooled over many calibrations.
+    Returns the costs, the scaled block times, the other jobs' load, and step 3's two
+    ``WorkerSample`` (empty with one rank): ``rank_work_scale`` and ``worker_message_ms``
+    are left to ``fit_worker_costs`` over many calibrations (the callers pool them).
     """
     from physis_ros.engine.placement import layout_single
     from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
@@ -241,8 +241,6 @@ def calibrate_on(
         "hop_ms": 0.0,
         "send_cpu_ms": 0.0,
         "recv_cpu_ms": 0.0,
-        "rank_work_scale": 1.0,
-        "worker_message_ms": 0.0,
     }
     if engine.world_size < 2:
         return costs, entries, max(foreign), []
@@ -271,13 +269,10 @@ def calibrate_on(
         )
         for r in runs
     ]
-    scale, per_message_ms = fit_worker_costs([samples])
     costs.update(
         hop_ms=hop_ms,
         send_cpu_ms=sum(r.send_ms for r in runs) / max(sent, 1) + shared,
         recv_cpu_ms=sum(r.recv_ms for r in runs) / max(received, 1) + shared,
-        rank_work_scale=scale,
-        worker_message_ms=per_message_ms,
     )
     return costs, entries, max(foreign), samples
 
@@ -302,7 +297,7 @@ def fit_worker_costs(calibrations: list[list[WorkerSample]]) -> tuple[float, flo
     time (cost >= 0); when the exact solution is outside the bounds, the least-squares fit
     on a bound."""
     (m1, n1, w1), (m2, n2, w2) = (
-        [statistics.median(getattr(c[i], f) for c in calibrations) for f in WORKER_FIELDS]
+        map(statistics.median, zip(*(astuple(c[i]) for c in calibrations), strict=True))
         for i in range(2)
     )
     det = m1 * n2 - m2 * n1
@@ -320,9 +315,6 @@ def fit_worker_costs(calibrations: list[list[WorkerSample]]) -> tuple[float, flo
         return (w1 - a * m1 - c * n1) ** 2 + (w2 - a * m2 - c * n2) ** 2
 
     return min(on_bounds, key=squared_error)
-
-
-WORKER_FIELDS = ("modelled_ms", "messages", "worker_ms")
 
 
 def layout_strided(steps: int, blocks: int, workers: int) -> list[list[int]]:

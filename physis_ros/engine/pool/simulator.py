@@ -434,24 +434,24 @@ def simulate(
             nxt = stage + 1
             if nxt == plan.num_stages:
                 sink = config.sink_device
-                if sink is not None and sink != d:
-                    charge_worker(d)
-                if sink is not None and sink != d and threads:
+                if sink is None or sink == d:  # same device, or the exit hop is not modelled
+                    complete(t, si, chunk)
+                    continue
+                charge_worker(d)
+                if threads:
                     message(t, si, d, nxt, chunk)
-                elif sink is not None and sink != d:
+                else:
                     delay = hop_ms(si, d, sink)
                     if not cost.comm_overlaps_compute:
                         delay = wire_ms(si, d, sink)
                     push(t + delay, _ARRIVE, si, nxt, chunk)
-                else:  # same device, or the exit hop is not modelled
-                    complete(t, si, chunk)
                 continue
             dst = plan.stage_devices[nxt]
-            if dst != d:
-                charge_worker(d)
             if dst == d:
                 arrive(t, si, nxt, chunk)
-            elif threads:
+                continue
+            charge_worker(d)
+            if threads:
                 message(t, si, d, nxt, chunk)
             else:
                 h = hop_ms(si, d, dst)
