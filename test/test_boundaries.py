@@ -26,6 +26,7 @@ FORBIDDEN = {
     "nodes": {"torch"},
     "eval": {"rclpy"},
     "sim": {"torch", "rclpy"},
+    "tools": {"rclpy"},
 }
 # Files allowed to break their part's rule, and why.
 EXCEPTIONS = {
@@ -65,6 +66,36 @@ def test_no_forbidden_import_statements(part):
         bad = (_imported_roots(path) & FORBIDDEN[part]) - EXCEPTIONS.get(path, set())
         if bad:
             offenders.append(f"{path.relative_to(REPO_ROOT)} imports {sorted(bad)}")
+    assert not offenders, "\n".join(offenders)
+
+
+# part -> parts of this package it must never import (DESIGN.md §5: the engine is the bottom
+# layer; the server, the tools and the benchmarks build on it, never the other way round)
+FORBIDDEN_PARTS = {
+    "engine": {"serve", "tools", "bench", "nodes", "eval", "link", "sim", "train"},
+    "link": {"engine", "serve", "nodes", "tools", "bench"},
+}
+
+
+def _imported_parts(path: Path) -> set[str]:
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        parts.update(n.split(".")[1] for n in names if n.startswith("physis_ros.") and "." in n)
+    return parts
+
+
+@pytest.mark.parametrize("part", sorted(FORBIDDEN_PARTS))
+def test_no_imports_of_higher_parts(part):
+    offenders = []
+    for path in sorted((PKG / part).rglob("*.py")):
+        bad = _imported_parts(path) & FORBIDDEN_PARTS[part]
+        if bad:
+            offenders.append(f"{path.relative_to(REPO_ROOT)} imports physis_ros.{sorted(bad)}")
     assert not offenders, "\n".join(offenders)
 
 

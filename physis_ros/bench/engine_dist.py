@@ -29,8 +29,8 @@ from physis_ros.engine.config import get_preset
 from physis_ros.engine.model import build_model
 from physis_ros.engine.oracle import sample_noisy
 from physis_ros.engine.stage import measure_block_ms
-from physis_ros.serve.dist_engine import DistEngine
-from physis_ros.serve.runtime import RuntimeConfig
+from physis_ros.serve.dist.engine import DistEngine
+from physis_ros.serve.dist.runtime import RuntimeConfig
 
 
 def _share(before: dict, after: dict, key: str) -> float:

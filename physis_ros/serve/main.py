@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        from physis_ros.serve.dist_serve import serve_torchrun, under_torchrun
+        from physis_ros.serve.dist.serve import serve_torchrun, under_torchrun
 
         if under_torchrun():  # torchrun: rank 0 serves over a DistEngine, others are workers
             return serve_torchrun(args)

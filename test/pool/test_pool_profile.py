@@ -8,7 +8,7 @@ import json
 import pytest
 
 from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
-from physis_ros.engine.pool.profile_cli import main
+from physis_ros.tools.profile_cli import main
 
 
 def test_profile_measures_every_batch_size_and_round_trips(tmp_path, capsys):

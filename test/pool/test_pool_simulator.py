@@ -224,7 +224,7 @@ def test_pool24_shared_verified_at_least_static_for_every_backbone():
 
 def test_physis_sim_cli_depth_json_and_bad_input():
     run = subprocess.run(
-        [sys.executable, "-m", "physis_ros.engine.pool.sim_cli", "--experiment", "depth", "--json"],
+        [sys.executable, "-m", "physis_ros.tools.sim_cli", "--experiment", "depth", "--json"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -234,7 +234,7 @@ def test_physis_sim_cli_depth_json_and_bad_input():
     out = json.loads(run.stdout)
     assert {"interval_ms", "response_latency_ms", "assumptions"} <= set(out)
     bad = subprocess.run(
-        [sys.executable, "-m", "physis_ros.engine.pool.sim_cli", "--model", "nope"],
+        [sys.executable, "-m", "physis_ros.tools.sim_cli", "--model", "nope"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

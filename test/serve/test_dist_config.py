@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from physis_ros.serve.dist_serve import runtime_config
-from physis_ros.serve.runtime import RuntimeConfig, blocks_for_rank, parse_placement
+from physis_ros.serve.dist.runtime import RuntimeConfig, blocks_for_rank, parse_placement
+from physis_ros.serve.dist.serve import runtime_config
 
 
 @pytest.mark.parametrize(

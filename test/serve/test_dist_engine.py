@@ -17,9 +17,9 @@ import torch
 from stream_plans import random_plan, run_plans, worst_oracle_error
 
 from physis_ros.engine.api import StreamFailed, StreamSpec
-from physis_ros.serve.dist_engine import DistEngine
-from physis_ros.serve.dist_launch import RANK_VARS
-from physis_ros.serve.runtime import RuntimeConfig
+from physis_ros.serve.dist.engine import DistEngine
+from physis_ros.serve.dist.launch import RANK_VARS
+from physis_ros.serve.dist.runtime import RuntimeConfig
 
 torch.set_num_threads(1)
 TOL = 1e-5

@@ -146,7 +146,7 @@ def spawn_ranks(
     log_dir: str | None = None,
 ) -> list[subprocess.Popen]:
     """Start ``python <argv...>`` once per rank in ``ranks`` (default 1..N-1), e.g.
-    ``argv = ["-m", "physis_ros.serve.runtime", "--model", "tiny"]``."""
+    ``argv = ["-m", "physis_ros.serve.dist.runtime", "--model", "tiny"]``."""
     procs = []
     for rank in ranks if ranks is not None else range(1, world_size):
         env = dict(os.environ)

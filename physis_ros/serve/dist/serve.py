@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from physis_ros.serve.runtime import RuntimeConfig, StopFlag, exit_now, run_worker_rank
+from physis_ros.serve.dist.runtime import RuntimeConfig, StopFlag, exit_now, run_worker_rank
 
 log = logging.getLogger("physis-serve")
 
@@ -59,7 +59,7 @@ def runtime_config(config: dict[str, Any], model: str | None = None) -> RuntimeC
 
 def serve_torchrun(args: argparse.Namespace) -> int:
     """Entry of every rank of ``torchrun ... -m physis_ros.serve.main``."""
-    from physis_ros.serve.dist_launch import init_from_env, tie_to_parent
+    from physis_ros.serve.dist.launch import init_from_env, tie_to_parent
     from physis_ros.serve.main import load_config, serve_single_process
 
     cfg = runtime_config(load_config(args.config), args.model)
@@ -75,7 +75,7 @@ def serve_torchrun(args: argparse.Namespace) -> int:
         exit_now(run_worker_rank(cfg, ctx, stop))
 
     def factory(_engine_section: dict[str, Any]):
-        from physis_ros.serve.dist_engine import DistEngine
+        from physis_ros.serve.dist.engine import DistEngine
         from physis_ros.serve.frontend import ServerDescription
 
         ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)

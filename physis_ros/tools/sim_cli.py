@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.experiment == "depth":
             result = depth(sampler=SamplerConfig(steps=args.steps, window=args.window))
         elif args.experiment == "realcheck":
-            from physis_ros.engine.pool.realcheck import realcheck
+            from physis_ros.tools.realcheck import realcheck
 
             profile = Profile.load(args.profile) if args.profile else None
             result = realcheck(profile=profile)

@@ -8,8 +8,8 @@ transport, and the worker loop's own cost per task (a one-worker run of the engi
 batching, minus the block forward): ``task_overhead_ms``. With ``--runtime gloo`` (CPU) the
 loop, controller, message and hop costs are measured on the torch.distributed runtime instead
 (a two-rank job on this host), and the block times are scaled to the level the worker's own
-forwards ran at there (see ``pool.realcheck.calibrate_gloo``). The output is the ``Profile``
-JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
+forwards ran at there (see ``physis_ros.tools.realcheck.calibrate_gloo``). The output is the
+``Profile`` JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def measure(args: argparse.Namespace) -> Profile:
         rounds=args.rounds,
     )
     if args.runtime == "gloo":
-        from physis_ros.engine.pool.realcheck import calibrate_gloo
+        from physis_ros.tools.realcheck import calibrate_gloo
 
         costs, entries = calibrate_gloo(
             cfg.name, args.steps, args.window, entries, repeats=args.gloo_repeats

@@ -108,7 +108,7 @@ class ForeignLoad:
 
 
 def runtime_config(model: str = "tiny", steps: int = K, window: int = W):
-    from physis_ros.serve.runtime import RuntimeConfig
+    from physis_ros.serve.dist.runtime import RuntimeConfig
 
     return RuntimeConfig(
         model=model,
@@ -346,7 +346,7 @@ def calibrate_gloo(
     medians of ``repeats`` calibrations (``calibrate_on``; the worker's scale and cost per
     message fitted over all of them), counting only those during which other jobs used
     under ``QUIET_CORES`` (up to ``3 * repeats`` tries; all of them when none was quiet)."""
-    from physis_ros.serve.dist_engine import DistEngine
+    from physis_ros.serve.dist.engine import DistEngine
 
     older = set(_all_tasks_cpu_ms())
     quiet, noisy = [], []
@@ -456,7 +456,7 @@ def profile_gloo(
     on one rank), each the fastest of ``rounds`` round-robin medians."""
     import torch
 
-    from physis_ros.engine.pool.profile_cli import _parser, measure
+    from physis_ros.tools.profile_cli import _parser, measure
 
     torch.set_num_threads(1)
     argv = ["--model", model, "--steps", str(steps), "--window", str(window), "--runtime", "gloo"]
@@ -707,7 +707,7 @@ class _Job:
     runs: dict[int, list[tuple[float, float]]]
 
     def run(self, rounds: int, runs_per_round: int) -> None:
-        from physis_ros.serve.dist_engine import DistEngine
+        from physis_ros.serve.dist.engine import DistEngine
 
         older = set(_all_tasks_cpu_ms())
         with DistEngine.launch_local(runtime_config(self.model), self.world) as engine:

@@ -38,7 +38,7 @@ from physis_ros.engine.runtime import ChunkResult, Controller
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 from physis_ros.engine.transport import Activation
 from physis_ros.link.memtune import freeze_startup_objects
-from physis_ros.serve.dist_launch import (
+from physis_ros.serve.dist.launch import (
     RankContext,
     as_rank,
     free_port,
@@ -46,9 +46,9 @@ from physis_ros.serve.dist_launch import (
     spawn_ranks,
     stop_ranks,
 )
-from physis_ros.serve.dist_placement import PlacementControl
-from physis_ros.serve.dist_transport import TorchDistTransport, check_shapes_agree
-from physis_ros.serve.runtime import (
+from physis_ros.serve.dist.placement import PlacementControl
+from physis_ros.serve.dist.transport import TorchDistTransport, check_shapes_agree
+from physis_ros.serve.dist.runtime import (
     ECHO_STREAM_ID,
     RuntimeConfig,
     StageHost,
@@ -81,7 +81,7 @@ class DistEngine(PlacementControl):
     """Rank 0 of a torch.distributed job; the other ranks run ``runtime.run_worker_rank``.
 
     Placement by measured cost, loading blocks and moving running streams: ``PlacementControl``
-    (dist_placement.py)."""
+    (dist/placement.py)."""
 
     def __init__(self, cfg: RuntimeConfig, ctx: RankContext, *, procs=None) -> None:
         if ctx.rank != 0:
@@ -149,7 +149,7 @@ class DistEngine(PlacementControl):
             ),
             "OMP_NUM_THREADS": str(cfg.threads),
         }
-        argv = ["-m", "physis_ros.serve.runtime", *cfg.to_argv()]
+        argv = ["-m", "physis_ros.serve.dist.runtime", *cfg.to_argv()]
         procs = spawn_ranks(
             world_size=world_size, master_port=port, argv=argv, extra_env=env, log_dir=log_dir
         )

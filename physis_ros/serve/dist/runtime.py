@@ -1,7 +1,7 @@
 """The per-rank runtime: configuration, the worker loop of ranks 1..N-1, control, shutdown.
 
 Every rank runs one engine ``Worker`` (``StageHost`` below) on its device over a
-``TorchDistTransport``. Rank 0 is also the controller (``physis_ros.serve.dist_engine``):
+``TorchDistTransport``. Rank 0 is also the controller (``physis_ros.serve.dist.engine``):
 it places streams and sends control messages; the other ranks run ``run_worker_rank``:
 
     loop: apply control messages -> worker.run_once(poll_interval_s) -> heartbeat to rank 0
@@ -19,11 +19,11 @@ No barrier on the data path: an activation that reaches a worker before its stre
 ``open`` (it came from another rank) waits in ``StageHost`` until the ``open`` arrives.
 
 Faults: a worker exits (code 3) when it hears nothing from rank 0 for ``fault_timeout_s``;
-rank 0 detects a silent worker the same way (see dist_engine). SIGINT/SIGTERM end the loop,
+rank 0 detects a silent worker the same way (see dist/engine.py). SIGINT/SIGTERM end the loop,
 say ``bye`` and leave the process group.
 
-Run as ``python -m physis_ros.serve.runtime [flags]`` under the torchrun environment (the
-programmatic launcher ``dist_launch.spawn_ranks`` sets the same variables).
+Run as ``python -m physis_ros.serve.dist.runtime [flags]`` under the torchrun environment (the
+programmatic launcher ``launch.spawn_ranks`` sets the same variables).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from physis_ros.engine.placement import (
     validate_layout,
 )
 from physis_ros.link.memtune import freeze_startup_objects
-from physis_ros.serve.dist_launch import RankContext, init_from_env, tie_to_parent
-from physis_ros.serve.dist_transport import (
+from physis_ros.serve.dist.launch import RankContext, init_from_env, tie_to_parent
+from physis_ros.serve.dist.transport import (
     ActivationShapes,
     TorchDistTransport,
     check_shapes_agree,
@@ -506,7 +506,7 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry of a worker rank (torchrun or spawn_ranks): ``python -m physis_ros.serve.runtime``."""
+    """Entry of a worker rank (torchrun or spawn_ranks): ``python -m physis_ros.serve.dist.runtime``."""
     tie_to_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
