@@ -4,7 +4,9 @@
 == f bit for bit. ``vae_standin`` (Wan presets): the Wan VAE's shapes and strides (temporal x4,
 spatial x8 or x16, 16 or 48 channels) as strided space-to-depth plus a fixed random projection,
 so that benchmarks can time a codec of the right shapes apart from the DiT. It is not a VAE:
-its images mean nothing.
+its images mean nothing. ``wan_vae``: the real Wan VAE through diffusers, causal per stream
+(``physis_ros.engine.vae``). ``make_codec`` picks the one a config names; every codec takes
+``stream_id`` and ``chunk`` (the stateless ones ignore them) and forgets a stream on ``close``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ class Codec:
         if cfg.codec == "pixel":
             if self.block != cfg.in_channels:
                 raise ValueError(
-                    f"pixel codec with stride {cfg.codec_stride} gives {self.block} channels, "
-                    f"model {cfg.name} has {cfg.in_channels}"
+                    f"codec pixel with stride {cfg.codec_stride} gives 3 x {st * sh * sw} = "
+                    f"{self.block} latent channels, model {cfg.name} has {cfg.in_channels}: "
+                    "use its VAE (--vae DIR) or vae_standin (shapes only)"
                 )
             self.proj = None
         else:
@@ -44,23 +47,12 @@ class Codec:
         return self.cfg.frames_per_chunk
 
     def check_frames(self, frames: np.ndarray) -> np.ndarray:
-        """Validate [F, H, W, 3] uint8 with F <= frames per chunk; pad with the newest frame."""
-        h, w = self.cfg.image_size
-        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
-            raise ValueError(f"frames must be a uint8 numpy array, got {type(frames).__name__}")
-        if frames.ndim != 4 or frames.shape[1:] != (h, w, 3) or frames.shape[0] < 1:
-            raise ValueError(
-                f"frames have shape {frames.shape}, model {self.cfg.name} needs "
-                f"[F<={self.frames}, {h}, {w}, 3]"
-            )
-        if frames.shape[0] > self.frames:
-            raise ValueError(f"{frames.shape[0]} frames, a chunk holds at most {self.frames}")
-        if frames.shape[0] < self.frames:
-            pad = np.repeat(frames[-1:], self.frames - frames.shape[0], axis=0)
-            frames = np.concatenate([frames, pad])
-        return frames
+        return check_frames(self.cfg, frames)
 
-    def encode(self, frames: np.ndarray) -> torch.Tensor:
+    def close(self, stream_id: int) -> None:
+        """Nothing to forget: this codec keeps no state per stream."""
+
+    def encode(self, frames: np.ndarray, *, stream_id: int = 0, chunk: int = 0) -> torch.Tensor:
         """[F, H, W, 3] uint8 -> latent [C, T, h, w] float32 on the codec's device."""
         frames = self.check_frames(frames)
         cfg = self.cfg
@@ -73,7 +65,7 @@ class Codec:
             x = x @ self.proj
         return x.permute(3, 0, 1, 2).contiguous()
 
-    def decode(self, latent: torch.Tensor) -> np.ndarray:
+    def decode(self, latent: torch.Tensor, *, stream_id: int = 0, chunk: int = 0) -> np.ndarray:
         """latent [C, T, h, w] -> [F, H, W, 3] uint8."""
         cfg = self.cfg
         st, sh, sw = cfg.codec_stride
@@ -84,3 +76,30 @@ class Codec:
         x = x.reshape(t, hh, ww, 3, st, sh, sw).permute(0, 4, 1, 5, 2, 6, 3)
         x = x.reshape(t * st, hh * sh, ww * sw, 3)
         return ((x + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
+
+
+def check_frames(cfg: ModelConfig, frames: np.ndarray) -> np.ndarray:
+    """Validate [F, H, W, 3] uint8 with F <= frames per chunk; pad with the newest frame."""
+    h, w = cfg.image_size
+    n = cfg.frames_per_chunk
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
+        raise ValueError(f"frames must be a uint8 numpy array, got {type(frames).__name__}")
+    if frames.ndim != 4 or frames.shape[1:] != (h, w, 3) or frames.shape[0] < 1:
+        raise ValueError(
+            f"frames have shape {frames.shape}, model {cfg.name} needs [F<={n}, {h}, {w}, 3]"
+        )
+    if frames.shape[0] > n:
+        raise ValueError(f"{frames.shape[0]} frames, a chunk holds at most {n}")
+    if frames.shape[0] < n:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], n - frames.shape[0], axis=0)])
+    return frames
+
+
+def make_codec(cfg: ModelConfig, *, device: str | torch.device = "cpu"):
+    """The codec ``cfg.codec`` names, checked against the model's latent channels (the
+    latent grid's fit to the patch is checked by ModelConfig)."""
+    if cfg.codec == "wan_vae":
+        from physis_ros.engine.vae import WanVAECodec
+
+        return WanVAECodec(cfg, device=device)
+    return Codec(cfg, device=device)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 ACTION_MODES = ("none", "condition", "predict")
-CODECS = ("pixel", "vae_standin")
+CODECS = ("pixel", "vae_standin", "wan_vae")
 PREDICTIONS = ("velocity", "x0")
 
 
@@ -46,7 +46,11 @@ class ModelConfig:
     latent_width: int
     """Latent grid width per frame."""
     codec: str = "pixel"
-    """``pixel`` (exact space-to-depth, tiny/small) or ``vae_standin`` (VAE shapes, timed apart)."""
+    """``pixel`` (exact space-to-depth, tiny/small), ``vae_standin`` (VAE shapes, timed apart) or
+    ``wan_vae`` (the Wan VAE of ``vae_path`` through diffusers, streaming and causal)."""
+    vae_path: str = ""
+    """Directory of a diffusers ``AutoencoderKLWan`` (``config.json`` + safetensors), for
+    ``codec="wan_vae"``."""
     codec_stride: tuple[int, int, int] = (1, 4, 4)
     """Image -> latent stride (t, h, w)."""
     action_dim: int = 0
@@ -58,6 +62,10 @@ class ModelConfig:
     ``predict`` (world-action model: action tokens denoised and decoded per chunk)."""
     eps: float = 1e-6
     """Norm epsilon (Wan2.1: 1e-6)."""
+    qk_norm: bool = True
+    """RMSNorm over the full width on q and k of both attentions (Wan: ``qk_norm``)."""
+    cross_attn_norm: bool = True
+    """Affine LayerNorm before cross-attention (Wan: ``cross_attn_norm``, key ``norm3``)."""
     prediction: str = "velocity"
     """What the head outputs: ``velocity`` eps - x0 (Wan2.1), or ``x0``, the clean state, turned
     into the velocity (x - x0) / sigma the sampler steps with. A narrow model over wide pixel
@@ -75,6 +83,8 @@ class ModelConfig:
             raise ValueError(f"prediction {self.prediction!r} is not one of {PREDICTIONS}")
         if self.codec not in CODECS:
             raise ValueError(f"codec {self.codec!r} is not one of {CODECS}")
+        if (self.codec == "wan_vae") != bool(self.vae_path):
+            raise ValueError("codec 'wan_vae' and vae_path go together (the VAE's directory)")
         if self.action_mode != "none" and (self.action_dim <= 0 or self.action_horizon <= 0):
             raise ValueError(
                 f"action_mode {self.action_mode!r} needs action_dim and action_horizon > 0"
@@ -138,9 +148,10 @@ class ModelConfig:
     def block_params(self) -> int:
         """Parameters of one transformer block (self-attn, cross-attn, norms, FFN, modulation)."""
         d, f = self.dim, self.ffn_dim
-        attn = 4 * (d * d + d) + 2 * d  # q, k, v, o with bias + q/k RMSNorm
+        attn = 4 * (d * d + d) + (2 * d if self.qk_norm else 0)  # q, k, v, o + q/k RMSNorm
         ffn = d * f + f + f * d + d
-        return 2 * attn + ffn + 2 * d + 6 * d  # norm3 affine + modulation
+        norm3 = 2 * d if self.cross_attn_norm else 0
+        return 2 * attn + ffn + norm3 + 6 * d  # + modulation
 
     def num_params(self) -> int:
         """Approximate parameter count of the whole DiT."""

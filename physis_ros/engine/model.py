@@ -40,25 +40,30 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """q, k, v, o projections with RMSNorm on q and k over the full width (Wan2.1)."""
+    """q, k, v, o projections with RMSNorm on q and k over the full width (Wan2.1; identity
+    without ``qk_norm``, as upstream)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, qk_norm: bool = True) -> None:
         super().__init__()
         self.q = nn.Linear(dim, dim)
         self.k = nn.Linear(dim, dim)
         self.v = nn.Linear(dim, dim)
         self.o = nn.Linear(dim, dim)
-        self.norm_q = RMSNorm(dim, eps)
-        self.norm_k = RMSNorm(dim, eps)
+        self.norm_q = RMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.norm_k = RMSNorm(dim, eps) if qk_norm else nn.Identity()
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.dim
-        self.self_attn = Attention(d, cfg.eps)
-        self.norm3 = nn.LayerNorm(d, eps=cfg.eps, elementwise_affine=True)
-        self.cross_attn = Attention(d, cfg.eps)
+        self.self_attn = Attention(d, cfg.eps, cfg.qk_norm)
+        self.norm3 = (
+            nn.LayerNorm(d, eps=cfg.eps, elementwise_affine=True)
+            if cfg.cross_attn_norm
+            else nn.Identity()
+        )
+        self.cross_attn = Attention(d, cfg.eps, cfg.qk_norm)
         self.ffn = nn.Sequential(
             nn.Linear(d, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, d)
         )
@@ -388,9 +393,28 @@ def make_cond(cfg: ModelConfig, cond_seed: int) -> torch.Tensor:
     return torch.randn(cfg.text_len, cfg.text_dim, generator=gen)
 
 
+def pad_text(cfg: ModelConfig, cond: torch.Tensor) -> torch.Tensor:
+    """[..., n, text_dim] with n <= text_len -> [..., text_len, text_dim], zero-padded at the end.
+
+    Upstream pads every prompt's encoder output (its real tokens only) with zeros to text_len
+    and attends to all text_len tokens (no mask): the padding embeds to the text projection's
+    bias, so an unpadded context gives a different (wrong) cross-attention."""
+    if cond.dim() < 2 or cond.shape[-1] != cfg.text_dim:
+        raise ValueError(
+            f"conditioning has shape {tuple(cond.shape)}, model {cfg.name} needs "
+            f"[n <= {cfg.text_len}, {cfg.text_dim}]"
+        )
+    n = cond.shape[-2]
+    if n > cfg.text_len:
+        raise ValueError(f"conditioning has {n} tokens, model {cfg.name} takes {cfg.text_len}")
+    if n == cfg.text_len:
+        return cond
+    return F.pad(cond, (0, 0, 0, cfg.text_len - n))
+
+
 def embed_cond(model: WanDiT, cond: torch.Tensor) -> torch.Tensor:
-    """[..., Lt, text_dim] -> [..., Lt, D]."""
-    return model.text_embedding(cond.to(model.device, model.dtype))
+    """[..., n, text_dim] raw conditioning (n <= text_len, padded here) -> [..., Lt, D]."""
+    return model.text_embedding(pad_text(model.cfg, cond).to(model.device, model.dtype))
 
 
 def window_mask(chunks: int, tokens: int, window: int, device: torch.device) -> torch.Tensor:
