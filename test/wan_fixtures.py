@@ -34,6 +34,7 @@ TINY_VAE = dict(
     temperal_downsample=[True, True],
     latents_mean=[0.1, -0.2, 0.3, 0.05],
     latents_std=[1.5, 0.8, 2.0, 1.1],
+    scale_factor_spatial=4,
 )
 """Wan VAE architecture at toy width: temporal stride 4, spatial stride 4, 4 latent channels."""
 

@@ -61,9 +61,8 @@ def read_vae_config(path: str | Path) -> VAEConfig:
     mults = c.get("dim_mult", [1, 2, 4, 4])
     t = 2 ** sum(bool(d) for d in downs)
     s = 2 ** (len(mults) - 1) * int(c.get("patch_size") or 1)
-    for key, got in (("scale_factor_temporal", t), ("scale_factor_spatial", s)):
-        if c.get(key) is not None and int(c[key]) != got:
-            raise ValueError(f"VAE {path}: {key} {c[key]} but its layers give {got}")
+    # (config.scale_factor_* are not read: diffusers writes its defaults there whatever the
+    # layers are; the strides follow from the layers)
     if t != TEMPORAL_GROUP:
         raise ValueError(f"VAE {path}: temporal stride {t}; the Wan VAE loop needs 4")
     return VAEConfig(z_dim=int(c.get("z_dim", 16)), stride=(t, s, s))
@@ -104,7 +103,7 @@ class WanVAECodec:
         self.cfg = cfg
         self.device = torch.device(device)
         self.vae = AutoencoderKLWan.from_pretrained(
-            str(path), torch_dtype=torch.float32, use_safetensors=True
+            str(path), torch_dtype=torch.float32, use_safetensors=True, low_cpu_mem_usage=False
         )
         self.vae.to(self.device).eval()
         conf = self.vae.config
@@ -138,12 +137,12 @@ class WanVAECodec:
         x = x.permute(3, 0, 1, 2)[None]  # [1, 3, F, H, W]
         if st.enc is None:  # the stream's first latent frame is one camera frame
             x = x[:, :, TEMPORAL_GROUP - 1 :]
-        raw = self.encode_raw(x, st)
+        latent = (self.encode_raw(x, st) - self.mean) / self.std
         if chunk >= st.next_chunk:
-            st.context[chunk] = raw
+            st.context[chunk] = latent
             if len(st.context) > MAX_PENDING_CONTEXT:
                 self._catch_up(st, max(st.context) + 1)
-        return (raw - self.mean) / self.std
+        return latent
 
     def encode_raw(self, x: torch.Tensor, st: _StreamCaches) -> torch.Tensor:
         """[1, 3, F, H, W] in [-1, 1] -> the posterior mean [C, T, h, w], diffusers' loop."""
@@ -163,26 +162,32 @@ class WanVAECodec:
         return h[0, : self.cfg.in_channels]  # the mean half of (mu, logvar)
 
     # ---- decode -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def decode(self, latent: torch.Tensor, *, stream_id: int = 0, chunk: int = 0) -> np.ndarray:
-        """latent [C, T, h, w] (normalised) -> [F, H, W, 3] uint8, after the stream's earlier
-        chunks (observed ones decoded first for the cache, their output dropped)."""
-        st = self._streams.setdefault(stream_id, _StreamCaches())
-        self._catch_up(st, chunk)
-        raw = latent.to(self.device, torch.float32) * self.std + self.mean
-        video = self.decode_raw(raw, st)
-        st.next_chunk = chunk + 1
-        x = video[0].permute(1, 2, 3, 0)  # [F, H, W, 3]
+        """latent [C, T, h, w] (normalised) -> [F, H, W, 3] uint8 (see ``decode_float``)."""
+        x = self.decode_float(latent, stream_id=stream_id, chunk=chunk)
         return ((x + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
 
-    def decode_raw(self, z: torch.Tensor, st: _StreamCaches) -> torch.Tensor:
-        """Raw latent [C, T, h, w] -> video [1, 3, F, H, W] in [-1, 1], diffusers' loop."""
+    @torch.inference_mode()
+    def decode_float(
+        self, latent: torch.Tensor, *, stream_id: int = 0, chunk: int = 0
+    ) -> torch.Tensor:
+        """latent [C, T, h, w] (normalised) -> frames [F, H, W, 3] in [-1, 1], after the
+        stream's earlier chunks (observed ones decoded first for the cache, output dropped)."""
+        st = self._streams.setdefault(stream_id, _StreamCaches())
+        self._catch_up(st, chunk)
+        video = self._decode_latent(latent, st)
+        st.next_chunk = chunk + 1
+        return video[0].permute(1, 2, 3, 0)
+
+    def _decode_latent(self, latent: torch.Tensor, st: _StreamCaches) -> torch.Tensor:
+        """Normalised latent [C, T, h, w] -> video [1, 3, F, H, W] in [-1, 1], diffusers' loop."""
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
         vae = self.vae
         first = st.dec is None
         if first:
             st.dec = [None] * self._convs["decoder"]
+        z = latent.to(self.device, torch.float32) * self.std + self.mean
         x = vae.post_quant_conv(z[None])
         out = [
             vae.decoder(
@@ -199,6 +204,6 @@ class WanVAECodec:
         """Pass the decoder over the observed chunks before ``chunk`` it has not seen."""
         for c in sorted(k for k in st.context if k < chunk):
             if c >= st.next_chunk:
-                self.decode_raw(st.context[c], st)
+                self._decode_latent(st.context[c], st)
                 st.next_chunk = c + 1
             del st.context[c]
