@@ -118,10 +118,10 @@ def test_round_trip_matches_diffusers(vae_setup):
 
 def test_codec_that_does_not_fit_is_refused(vae_setup, tmp_path):
     _, cfg, root = vae_setup
-    with pytest.raises(ValueError, match="pixel with stride.*12 latent channels.*has 4"):
+    with pytest.raises(ValueError, match=r"pixel with stride.*12 latent channels.*has 4"):
         make_codec(
             get_preset("tiny", in_channels=4, action_mode="none", action_dim=0, action_horizon=0)
         )
-    with pytest.raises(ValueError, match="VAE .* has 4 latent channels, model tiny has 12"):
+    with pytest.raises(ValueError, match=r"VAE .* has 4 latent channels, model tiny has 12"):
         resolve_model("tiny", vae=str(root / "vae"))
     assert TINY_VAE["z_dim"] == cfg.in_channels
