@@ -9,7 +9,7 @@ import time
 import torch
 
 from physis_ros.engine.config import ModelConfig
-from physis_ros.engine.model import build_model, chunk_numel
+from physis_ros.engine.model import build_model, chunk_numel, make_cond
 from physis_ros.engine.oracle import sample_noisy
 
 
@@ -22,6 +22,13 @@ def random_plan(cfg: ModelConfig, seed: int, chunks: int, context_at: tuple[int,
         else ("generate", None)
         for c in range(chunks)
     ]
+
+
+def tiny_cond(seed: int, cfg: ModelConfig | None = None):
+    """A random prompt embedding [text_len, text_dim] (numpy) for StreamSpec.prompt_embedding."""
+    from physis_ros.engine.config import get_preset
+
+    return make_cond(cfg or get_preset("tiny"), seed).numpy()
 
 
 def run_plans(engine, plans: dict, timeout_s: float = 90.0) -> dict[int, dict[int, torch.Tensor]]:
@@ -49,9 +56,8 @@ def worst_oracle_error(cfg, plans: dict, specs: dict, got: dict, device: str = "
     model = build_model(cfg.model_config, seed=cfg.weights_seed, device=device)
     worst = 0.0
     for sid, plan in plans.items():
-        ref = sample_noisy(
-            model, cfg.sampler_config, plan, seed=specs[sid].seed, cond_seed=specs[sid].cond_seed
-        )
+        cond = torch.from_numpy(specs[sid].prompt_embedding)
+        ref = sample_noisy(model, cfg.sampler_config, plan, seed=specs[sid].seed, cond=cond)
         assert sorted(got[sid]) == sorted(ref)
         for c, x in ref.items():
             worst = max(worst, (got[sid][c] - x.cpu()).abs().max().item())

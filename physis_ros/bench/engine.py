@@ -21,7 +21,7 @@ import torch
 
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import PRESETS, SamplerConfig, get_preset
-from physis_ros.engine.model import build_model, param_count
+from physis_ros.engine.model import build_model, make_cond, param_count
 from physis_ros.engine.oracle import sample as oracle_sample
 from physis_ros.engine.placement import layout_by_block_even, layout_even
 from physis_ros.engine.runtime import MODES, InProcRuntime, run_plan
@@ -133,7 +133,7 @@ def _run_mode(
         max_in_flight=in_flight,
         threads=N > 1,
         seeds={s: args.seed + s for s in plans},
-        cond_seeds={s: 100 + s for s in plans},
+        conds={s: make_cond(model.cfg, 100 + s) for s in plans},
         on_output=None if N > 1 or timer is None else sample,
     )
     wall_s = time.monotonic() - t0
@@ -347,9 +347,8 @@ def run(args: argparse.Namespace) -> dict:
             if "outputs" not in r:
                 continue
             for sid, plan in plans.items():
-                ref = oracle_sample(
-                    model, sampler, plan, mode=m, seed=args.seed + sid, cond_seed=100 + sid
-                )
+                cond = make_cond(model.cfg, 100 + sid)
+                ref = oracle_sample(model, sampler, plan, mode=m, seed=args.seed + sid, cond=cond)
                 diffs += [
                     (r["outputs"][sid][c].x.float().cpu() - ref[c].float().cpu()).abs().max().item()
                     for c in ref

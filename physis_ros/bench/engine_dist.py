@@ -26,7 +26,7 @@ import torch
 from physis_ros.engine.api import StreamSpec
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import build_model
+from physis_ros.engine.model import build_model, make_cond
 from physis_ros.engine.oracle import sample_noisy
 from physis_ros.engine.stage import measure_block_ms
 from physis_ros.serve.dist.engine import DistEngine
@@ -89,7 +89,8 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
         block_before = _block_ms(engine, args.window, 20)
         sids = {}
         for s in plans:
-            spec = StreamSpec(seed=args.seed + s, cond_seed=100 + s)
+            cond = make_cond(engine.model_cfg, 100 + s).numpy()
+            spec = StreamSpec(seed=args.seed + s, prompt_embedding=cond)
             sids[s] = engine.open_stream(spec, max_in_flight=in_flight).stream_id
         expected = 0
         usage0 = engine.rank_usage()
@@ -174,7 +175,8 @@ def run(args: argparse.Namespace) -> dict:
     )
     diffs = []
     for s, plan in plans.items() if check else ():
-        ref = sample_noisy(model, rcfg.sampler_config, plan, seed=args.seed + s, cond_seed=100 + s)
+        cond = make_cond(cfg, 100 + s)
+        ref = sample_noisy(model, rcfg.sampler_config, plan, seed=args.seed + s, cond=cond)
         for run_ in (base, multi):
             diffs += [
                 (run_["outputs"][s][c] - ref[c].float().cpu()).abs().max().item() for c in ref

@@ -22,8 +22,10 @@ class StreamSpec:
     """Seeds the initial noise of chunk c as (seed, c)."""
     target_interval_ms: float = 0.0
     """Interval the client needs between chunks; 0: as fast as the pool allows."""
-    cond_seed: int = 0
-    """Seeds the stream's conditioning tokens (stand-in for a text/task prompt)."""
+    prompt: str = ""
+    """Name of a prompt embedding the server holds ("": the model's empty prompt)."""
+    prompt_embedding: np.ndarray | None = None
+    """Or the embedding itself: [n <= text_len, text_dim] float32/float16 (not with ``prompt``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,8 @@ spatial x8 or x16, 16 or 48 channels) as strided space-to-depth plus a fixed ran
 so that benchmarks can time a codec of the right shapes apart from the DiT. It is not a VAE:
 its images mean nothing. ``wan_vae``: the real Wan VAE through diffusers, causal per stream
 (``physis_ros.engine.vae``). ``make_codec`` picks the one a config names; every codec takes
-``stream_id`` and ``chunk`` (the stateless ones ignore them) and forgets a stream on ``close``.
+``stream_id`` (and ``chunk`` to decode; the stateless ones ignore them), hears which chunk an
+encoded observation became (``observed``) and forgets a stream on ``close``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ class Codec:
     def close(self, stream_id: int) -> None:
         """Nothing to forget: this codec keeps no state per stream."""
 
-    def encode(self, frames: np.ndarray, *, stream_id: int = 0, chunk: int = 0) -> torch.Tensor:
+    def observed(self, stream_id: int, chunk: int, latent: torch.Tensor) -> None:
+        """Nothing to remember: decoding does not depend on a stream's history."""
+
+    def encode(self, frames: np.ndarray, *, stream_id: int = 0) -> torch.Tensor:
         """[F, H, W, 3] uint8 -> latent [C, T, h, w] float32 on the codec's device."""
         frames = self.check_frames(frames)
         cfg = self.cfg

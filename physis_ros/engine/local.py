@@ -8,6 +8,7 @@ collects finished chunks from the sink, decodes them with the codec and queues t
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -22,13 +23,18 @@ from physis_ros.engine.api import (
     StreamPromise,
     StreamSpec,
 )
-from physis_ros.engine.codec import Codec
-from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
+from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model, summary
+from physis_ros.engine.codec import make_codec
+from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.model import build_model
 from physis_ros.engine.placement import Layout, layout_by_block_even, layout_even
+from physis_ros.engine.prompts import PromptBook, trained_empty_prompt
 from physis_ros.engine.runtime import MODES, ChunkResult, InProcRuntime
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 from physis_ros.engine.stage import measure_block_ms
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LocalEngine:
@@ -48,23 +54,51 @@ class LocalEngine:
         max_in_flight: int = 0,
         max_streams: int = 64,
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         seed: int = 0,
         checkpoint: str | None = None,
+        prompts: list[str] | tuple[str, ...] = (),
+        latent_frames: int = 0,
+        resolution: str = "",
+        vae: str = "",
     ) -> None:
+        """``model``: a preset name, a model directory (``checkpoints.resolve_model``, with
+        ``latent_frames``, ``resolution`` and ``vae``) or a ModelConfig; ``checkpoint``: a
+        physis-train weights file for a preset; ``prompts``: prompt-embedding files whose
+        names streams may ask for (``engine.prompts``)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
-        self.cfg = get_preset(model) if isinstance(model, str) else model
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        resolved = (
+            resolve_model(model, latent_frames=latent_frames, resolution=resolution, vae=vae)
+            if isinstance(model, str)
+            else ResolvedModel(cfg=model)
+        )
+        if resolved.weights is not None and checkpoint is not None:
+            raise ValueError(f"model {model} is a directory with its weights; drop checkpoint")
+        self.cfg = resolved.cfg
         self.sampler = SamplerConfig(steps=steps, window=window, shift=shift)
         self.mode = mode
         self.max_in_flight = max_in_flight
         self.max_streams = max_streams
         self.model = build_model(self.cfg, seed=seed, device=device, dtype=dtype)
-        if checkpoint is not None:
+        meta = None
+        if resolved.weights is not None:
+            load_weights(self.model, resolved.weights)
+        elif checkpoint is not None:
+            from physis_ros.weights import read_metadata
+
             self.model.load_safetensors(checkpoint)
-        self.codec = Codec(self.cfg, device=device)
+            meta = read_metadata(checkpoint)
+        empty = None if resolved.weights is not None else trained_empty_prompt(self.cfg, meta)
+        self.prompts = PromptBook(self.cfg, list(prompts), empty=empty)
+        self.codec = make_codec(self.cfg, device=device)
+        log.info("\n%s", summary(resolved, self.sampler, dtype, checkpoint=checkpoint or ""))
         L = self.cfg.num_blocks
         if layout is None and mode == "sequential-clean":
             layout = layout_by_block_even(steps, L, workers)  # caches shared over steps
@@ -88,6 +122,7 @@ class LocalEngine:
     # ---- StreamEngine ------------------------------------------------------------------------
     def open_stream(self, spec: StreamSpec) -> StreamPromise:
         self._check_alive()
+        cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding)
         cfg, k, L = self.cfg, self.sampler.steps, self.cfg.num_blocks
         per_chunk_ms = k * L * self.block_ms
         if self.mode == "pipelined":
@@ -118,7 +153,7 @@ class LocalEngine:
             self.runtime.open_stream(
                 sid,
                 seed=spec.seed,
-                cond_seed=spec.cond_seed,
+                cond=cond,
                 mode=self.mode,
                 max_in_flight=self.max_in_flight,
             )
@@ -143,12 +178,13 @@ class LocalEngine:
                 raise ValueError(f"stream {stream_id} is not open")
             self.runtime.close_stream(stream_id)
             self._closed.add(stream_id)
+        self.codec.close(stream_id)
 
     def submit_context(
         self, stream_id: int, frames: np.ndarray, actions: np.ndarray | None = None
     ) -> int:
         self._check_alive()
-        latent = self.codec.encode(frames)
+        latent = self.codec.encode(frames, stream_id=stream_id)
         act = (
             self._actions(actions) if self.cfg.action_mode != "none" else self._no_actions(actions)
         )
@@ -156,6 +192,7 @@ class LocalEngine:
         with self._lock:
             c = self.runtime.controller.submit_context(stream_id, x)
             self.runtime.controller.pump()
+        self.codec.observed(stream_id, c, latent)
         return c
 
     def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
@@ -240,7 +277,7 @@ class LocalEngine:
 
     def _decode(self, res: ChunkResult) -> ChunkOutput:
         latent, actions = unpack_chunk(self.cfg, res.x.float().cpu())
-        frames = self.codec.decode(latent)
+        frames = self.codec.decode(latent, stream_id=res.stream_id, chunk=res.chunk)
         return ChunkOutput(
             stream_id=res.stream_id,
             chunk=res.chunk,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.model import WanDiT, forward_sequence, make_cond
+from physis_ros.engine.model import WanDiT, forward_sequence
 from physis_ros.engine.sampler import initial_noise, sigmas
 
 Plan = list[tuple[str, torch.Tensor | None]]
@@ -35,12 +35,12 @@ def _initial(model: WanDiT, plan: Plan, seed: int) -> tuple[torch.Tensor, list[b
 
 @torch.inference_mode()
 def sample_noisy(
-    model: WanDiT, sampler: SamplerConfig, plan: Plan, *, seed: int, cond_seed: int
+    model: WanDiT, sampler: SamplerConfig, plan: Plan, *, seed: int, cond: torch.Tensor
 ) -> dict[int, torch.Tensor]:
-    """Full-sequence noisy-history sampling. Returns chunk -> x^(K) [X] for generated chunks."""
+    """Full-sequence noisy-history sampling on prompt embedding ``cond`` [n, text_dim].
+    Returns chunk -> x^(K) [X] for generated chunks."""
     x, is_gen = _initial(model, plan, seed)
     gen = torch.tensor(is_gen, device=x.device)
-    cond = make_cond(model.cfg, cond_seed)
     sig = sigmas(sampler)
     for k in range(sampler.steps):
         s = torch.where(gen, torch.tensor(sig[k]), torch.tensor(0.0)).to(x.device)
@@ -51,11 +51,10 @@ def sample_noisy(
 
 @torch.inference_mode()
 def sample_clean(
-    model: WanDiT, sampler: SamplerConfig, plan: Plan, *, seed: int, cond_seed: int
+    model: WanDiT, sampler: SamplerConfig, plan: Plan, *, seed: int, cond: torch.Tensor
 ) -> dict[int, torch.Tensor]:
     """Clean-history sampling, chunk by chunk. Returns chunk -> x^(K) for generated chunks."""
     x0, is_gen = _initial(model, plan, seed)
-    cond = make_cond(model.cfg, cond_seed)
     sig = sigmas(sampler)
     clean: list[torch.Tensor] = []
     out = {}
@@ -74,8 +73,8 @@ def sample_clean(
 
 
 def sample(
-    model: WanDiT, sampler: SamplerConfig, plan: Plan, *, mode: str, seed: int, cond_seed: int
+    model: WanDiT, sampler: SamplerConfig, plan: Plan, *, mode: str, seed: int, cond: torch.Tensor
 ) -> dict[int, torch.Tensor]:
     """The oracle of executor ``mode``."""
     fn = sample_clean if mode == "sequential-clean" else sample_noisy
-    return fn(model, sampler, plan, seed=seed, cond_seed=cond_seed)
+    return fn(model, sampler, plan, seed=seed, cond=cond)

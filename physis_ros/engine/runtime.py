@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.model import WanDiT
+from physis_ros.engine.model import WanDiT, make_cond
 from physis_ros.engine.placement import Layout, Placement
 from physis_ros.engine.sampler import initial_noise
 from physis_ros.engine.transport import FLAG_CONTEXT, Activation, InProcTransport
@@ -195,15 +195,16 @@ class InProcRuntime:
         stream_id: int,
         *,
         seed: int = 0,
-        cond_seed: int = 0,
+        cond: torch.Tensor | None = None,
         mode: str = "pipelined",
         max_in_flight: int = 0,
         layout: Layout | None = None,
     ) -> None:
+        """``cond`` [n <= text_len, text_dim]: the stream's prompt embedding (None: none)."""
         layout = layout or self.layout
         history = "clean" if mode == "sequential-clean" else "noisy"
         for w in self.workers:
-            w.open_stream(stream_id, layout=layout, cond_seed=cond_seed, history=history)
+            w.open_stream(stream_id, layout=layout, cond=cond, history=history)
         self.placement = self.placement.with_stream(stream_id, layout)
         self.controller.open_stream(
             stream_id, seed=seed, mode=mode, entry_rank=layout[0][0], max_in_flight=max_in_flight
@@ -313,19 +314,20 @@ def run_plan(
     *,
     mode: str,
     seeds: dict[int, int] | None = None,
-    cond_seeds: dict[int, int] | None = None,
+    conds: dict[int, torch.Tensor] | None = None,
     max_in_flight: int = 0,
     threads: bool = False,
     timeout_s: float = 600.0,
     on_output: Callable[[ChunkResult], None] | None = None,
 ) -> dict[int, dict[int, ChunkResult]]:
     """Open one stream per plan, submit every item (``("context", x)`` or
-    ``("generate", actions_or_None)``), run to completion; results per stream per chunk."""
+    ``("generate", actions_or_None)``), run to completion; results per stream per chunk.
+    ``conds``: prompt embeddings per stream (default: ``make_cond`` seeded 100 + stream)."""
     for sid in plans:
         runtime.open_stream(
             sid,
             seed=(seeds or {}).get(sid, sid),
-            cond_seed=(cond_seeds or {}).get(sid, 100 + sid),
+            cond=(conds or {}).get(sid, make_cond(runtime.model.cfg, 100 + sid)),
             mode=mode,
             max_in_flight=max_in_flight,
         )

@@ -23,6 +23,7 @@ Needs the optional ``diffusers`` package (the workstation's ``models`` extra).
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,6 +114,8 @@ class WanVAECodec:
         self.patch = conf.patch_size
         self._convs = dict(self.vae._cached_conv_counts)
         self._streams: dict[int, _StreamCaches] = {}
+        self._lock = threading.Lock()
+        """Guards the per-stream state between the encoding and the decoding threads."""
 
     @property
     def frames(self) -> int:
@@ -124,25 +127,32 @@ class WanVAECodec:
         return check_frames(self.cfg, frames)
 
     def close(self, stream_id: int) -> None:
-        self._streams.pop(stream_id, None)
+        with self._lock:
+            self._streams.pop(stream_id, None)
 
     # ---- encode -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def encode(self, frames: np.ndarray, *, stream_id: int = 0, chunk: int = 0) -> torch.Tensor:
+    def encode(self, frames: np.ndarray, *, stream_id: int = 0) -> torch.Tensor:
         """[F, H, W, 3] uint8 -> latent [C, T, h, w] (normalised), advancing the stream's
-        encoder cache; the decoder will pass this chunk's latent on its way (``decode``)."""
+        encoder cache (one caller per stream at a time)."""
         frames = self.check_frames(frames)
-        st = self._streams.setdefault(stream_id, _StreamCaches())
+        with self._lock:
+            st = self._streams.setdefault(stream_id, _StreamCaches())
         x = torch.from_numpy(frames).to(self.device).float() / 127.5 - 1.0
         x = x.permute(3, 0, 1, 2)[None]  # [1, 3, F, H, W]
         if st.enc is None:  # the stream's first latent frame is one camera frame
             x = x[:, :, TEMPORAL_GROUP - 1 :]
-        latent = (self.encode_raw(x, st) - self.mean) / self.std
-        if chunk >= st.next_chunk:
-            st.context[chunk] = latent
-            if len(st.context) > MAX_PENDING_CONTEXT:
-                self._catch_up(st, max(st.context) + 1)
-        return latent
+        return (self.encode_raw(x, st) - self.mean) / self.std
+
+    @torch.inference_mode()
+    def observed(self, stream_id: int, chunk: int, latent: torch.Tensor) -> None:
+        """The encoded observation became chunk ``chunk``: the decoder passes it on its way."""
+        with self._lock:
+            st = self._streams.setdefault(stream_id, _StreamCaches())
+            if chunk >= st.next_chunk:
+                st.context[chunk] = latent
+                if len(st.context) > MAX_PENDING_CONTEXT:
+                    self._catch_up(st, max(st.context) + 1)
 
     def encode_raw(self, x: torch.Tensor, st: _StreamCaches) -> torch.Tensor:
         """[1, 3, F, H, W] in [-1, 1] -> the posterior mean [C, T, h, w], diffusers' loop."""
@@ -173,10 +183,11 @@ class WanVAECodec:
     ) -> torch.Tensor:
         """latent [C, T, h, w] (normalised) -> frames [F, H, W, 3] in [-1, 1], after the
         stream's earlier chunks (observed ones decoded first for the cache, output dropped)."""
-        st = self._streams.setdefault(stream_id, _StreamCaches())
-        self._catch_up(st, chunk)
-        video = self._decode_latent(latent, st)
-        st.next_chunk = chunk + 1
+        with self._lock:
+            st = self._streams.setdefault(stream_id, _StreamCaches())
+            self._catch_up(st, chunk)
+            video = self._decode_latent(latent, st)
+            st.next_chunk = chunk + 1
         return video[0].permute(1, 2, 3, 0)
 
     def _decode_latent(self, latent: torch.Tensor, st: _StreamCaches) -> torch.Tensor:

@@ -47,7 +47,8 @@ class _StreamState:
     layout: Layout
     """Layout of the latest epoch."""
     history: str
-    cond_seed: int = 0
+    cond: torch.Tensor | None = None
+    """The stream's raw conditioning tokens [n, text_dim] (padded when embedded)."""
     rings: dict[tuple[int, int], KVRing] = field(default_factory=dict)
     cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     last_chunk: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -135,11 +136,14 @@ class Worker:
         stream_id: int,
         *,
         layout: Layout | None = None,
-        cond_seed: int = 0,
+        cond: torch.Tensor | None = None,
         history: str = "noisy",
     ) -> None:
-        """Allocate the stream's KV rings and cross-attention K/V for the stages on this rank.
-        Must be called (on every rank) before the stream's first chunk is sent."""
+        """Allocate the stream's KV rings and cross-attention K/V for the stages on this rank;
+        ``cond`` [n <= text_len, text_dim]: its prompt embedding (None: no tokens, all
+        padding). Must be called (on every rank) before the stream's first chunk is sent."""
+        if cond is None:
+            cond = torch.zeros(0, self.cfg.text_dim)
         layout = layout if layout is not None else self.placement.layouts[stream_id]
         validate_layout(layout, self.steps, self.blocks, self.placement.num_workers)
         if history not in HISTORIES:
@@ -149,7 +153,8 @@ class Worker:
                 "clean history shares each block's cache over all steps: every "
                 "block's stages must be on one worker (use layout_by_block)"
             )
-        self._control.put(("open", stream_id, layout, cond_seed, history))
+        M.pad_text(self.cfg, cond)  # a bad conditioning fails here, not in the worker loop
+        self._control.put(("open", stream_id, layout, cond, history))
 
     def close_stream(self, stream_id: int) -> None:
         """Free the stream's rings; its activations still in flight are dropped and counted."""
@@ -183,10 +188,10 @@ class Worker:
             if cmd[0] == "relayout":
                 self._apply_relayout(*cmd[1:])
                 continue
-            _, sid, layout, cond_seed, history = cmd
+            _, sid, layout, cond, history = cmd
             if sid in self._streams:
                 raise ValueError(f"stream {sid} is already open on rank {self.rank}")
-            self._streams[sid] = self._allocate(layout, cond_seed, history)
+            self._streams[sid] = self._allocate(layout, cond, history)
 
     def _apply_relayout(self, sid: int, epoch: int, first_chunk: int, layout: Layout) -> None:
         st = self._streams.get(sid)
@@ -213,7 +218,7 @@ class Worker:
                     st.ship.append((k, blk, first_chunk - 1, layout[k][blk]))
                 elif now and not was and blk not in st.cross:
                     if ctx is None:
-                        ctx = M.embed_cond(self.model, M.make_cond(self.cfg, st.cond_seed))
+                        ctx = M.embed_cond(self.model, st.cond)
                     st.cross[blk] = M.cross_kv(self.model, blk, ctx)
         self._ship_ready(sid, st)
         held, st.held = st.held, []
@@ -284,8 +289,7 @@ class Worker:
         )
 
     @torch.inference_mode()
-    def _allocate(self, layout: Layout, cond_seed: int, history: str) -> _StreamState:
-        cfg = self.cfg
+    def _allocate(self, layout: Layout, cond: torch.Tensor, history: str) -> _StreamState:
         st = _StreamState(layout=layout, history=history)
         mine = [
             (k, blk)
@@ -296,9 +300,9 @@ class Worker:
         missing = {blk for _, blk in mine} - self.model.block_ids
         if missing:
             raise ValueError(f"rank {self.rank} hosts blocks {sorted(missing)} its model lacks")
-        st.cond_seed = cond_seed
+        st.cond = cond
         st.epochs.append((0, layout))
-        ctx = M.embed_cond(self.model, M.make_cond(cfg, cond_seed)) if mine else None
+        ctx = M.embed_cond(self.model, cond) if mine else None
         for k, blk in mine:
             key = (0, blk) if history == "clean" else (k, blk)
             if key not in st.rings:

@@ -132,7 +132,7 @@ def run_free(engine, layouts: list, chunks: int, timeout_s: float = 120.0) -> li
     from physis_ros.engine.api import StreamSpec
 
     sids = [
-        engine.open_stream(StreamSpec(seed=i, cond_seed=i), layout=lay).stream_id
+        engine.open_stream(StreamSpec(seed=i), layout=lay).stream_id
         for i, lay in enumerate(layouts)
     ]
     for sid in sids:

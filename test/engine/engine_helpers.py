@@ -6,7 +6,7 @@ import torch
 
 from physis_ros.engine import oracle
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.model import chunk_numel
+from physis_ros.engine.model import chunk_numel, make_cond
 from physis_ros.engine.runtime import InProcRuntime, run_plan
 
 SAMPLER = SamplerConfig(steps=3, window=2)
@@ -64,11 +64,13 @@ def run_and_compare(
         threads=threads,
         max_in_flight=max_in_flight,
         seeds={s: 7 + s for s in plans},
-        cond_seeds={s: 70 + s for s in plans},
+        conds={s: make_cond(model.cfg, 70 + s) for s in plans},
     )
     worst = 0.0
     for s, plan in plans.items():
-        ref = oracle.sample(model, sampler, plan, mode=mode, seed=7 + s, cond_seed=70 + s)
+        ref = oracle.sample(
+            model, sampler, plan, mode=mode, seed=7 + s, cond=make_cond(model.cfg, 70 + s)
+        )
         assert sorted(out[s]) == sorted(ref), (
             f"stream {s}: chunks {sorted(out[s])} != {sorted(ref)}"
         )

@@ -8,6 +8,7 @@ from engine_helpers import SAMPLER, TOL, plan_for, run_and_compare
 
 from physis_ros.engine import oracle
 from physis_ros.engine.config import SamplerConfig
+from physis_ros.engine.model import make_cond
 from physis_ros.engine.placement import (
     blocks_share_worker,
     layout_by_block,
@@ -93,10 +94,19 @@ def test_longer_window_and_steps(tiny):
 def test_comparison_is_sensitive(tiny):
     """The oracle tells the history modes and windows apart, so the checks above can fail."""
     plan = plan_for(tiny, 0)
-    noisy = oracle.sample(tiny, SAMPLER, plan, mode="pipelined", seed=7, cond_seed=70)
-    clean = oracle.sample(tiny, SAMPLER, plan, mode="sequential-clean", seed=7, cond_seed=70)
+    noisy = oracle.sample(
+        tiny, SAMPLER, plan, mode="pipelined", seed=7, cond=make_cond(tiny.cfg, 70)
+    )
+    clean = oracle.sample(
+        tiny, SAMPLER, plan, mode="sequential-clean", seed=7, cond=make_cond(tiny.cfg, 70)
+    )
     narrow = oracle.sample(
-        tiny, SamplerConfig(steps=3, window=1), plan, mode="pipelined", seed=7, cond_seed=70
+        tiny,
+        SamplerConfig(steps=3, window=1),
+        plan,
+        mode="pipelined",
+        seed=7,
+        cond=make_cond(tiny.cfg, 70),
     )
     last = max(noisy)
     assert (noisy[last] - clean[last]).abs().max() > 1e-3

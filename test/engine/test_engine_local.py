@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import TOL
+from stream_plans import tiny_cond
 
 from physis_ros.engine import oracle
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
@@ -29,7 +30,7 @@ def _poll_until(engine, count, timeout_s=30.0):
 def test_local_engine_end_to_end_equals_oracle(mode):
     workers = 2
     with LocalEngine("tiny", steps=3, window=2, mode=mode, workers=workers) as eng:
-        promise = eng.open_stream(StreamSpec(seed=4, cond_seed=9))
+        promise = eng.open_stream(StreamSpec(seed=4, prompt_embedding=tiny_cond(9)))
         assert promise.chunk_frames == 2 and (promise.image_height, promise.image_width) == (16, 16)
         assert promise.action_horizon == 4 and promise.expected_interval_ms > 0
         rng = np.random.default_rng(0)
@@ -45,7 +46,12 @@ def test_local_engine_end_to_end_equals_oracle(mode):
     plan = [("context", pack_chunk(cfg, codec.encode(frames), torch.from_numpy(observed)))]
     plan += [("generate", None)] * 3
     ref = oracle.sample(
-        eng.model, SamplerConfig(steps=3, window=2), plan, mode=mode, seed=4, cond_seed=9
+        eng.model,
+        SamplerConfig(steps=3, window=2),
+        plan,
+        mode=mode,
+        seed=4,
+        cond=torch.from_numpy(tiny_cond(9)),
     )
     for o in outs:
         assert o.frames.dtype == np.uint8 and o.frames.shape == (2, 16, 16, 3)

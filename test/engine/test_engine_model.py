@@ -89,8 +89,8 @@ def test_safetensors_round_trip_with_upstream_names(tiny, tmp_path):
             M.forward_sequence(tiny, x, sig, cond, window=2),
         )
     plan = plan_for(tiny, 0)
-    a = sample_noisy(tiny, SAMPLER, plan, seed=1, cond_seed=2)
-    b = sample_noisy(other, SAMPLER, plan, seed=1, cond_seed=2)
+    a = sample_noisy(tiny, SAMPLER, plan, seed=1, cond=M.make_cond(tiny.cfg, 2))
+    b = sample_noisy(other, SAMPLER, plan, seed=1, cond=M.make_cond(tiny.cfg, 2))
     assert all(torch.equal(a[c], b[c]) for c in a)
 
 

@@ -8,6 +8,7 @@ import pytest
 from engine_helpers import SAMPLER, TOL, plan_for
 
 from physis_ros.engine import oracle
+from physis_ros.engine.model import make_cond
 from physis_ros.engine.placement import layout_groups, layout_one_stage_per_worker
 from physis_ros.engine.runtime import InProcRuntime
 
@@ -29,7 +30,7 @@ def _run_with_changes(model, start, changes, *, streams=2, stagger=False, batchi
     rt = InProcRuntime(model, SAMPLER, start, num_workers=workers, batching=batching)
     plans = {s: plan_for(model, s) for s in range(streams)}
     for s, plan in plans.items():
-        rt.open_stream(s, seed=7 + s, cond_seed=70 + s, max_in_flight=3)
+        rt.open_stream(s, seed=7 + s, cond=make_cond(model.cfg, 70 + s), max_in_flight=3)
         for kind, val in plan:
             if kind == "context":
                 rt.controller.submit_context(s, val)
@@ -57,7 +58,9 @@ def _run_with_changes(model, start, changes, *, streams=2, stagger=False, batchi
     got = {s: {c: r for (sid, c), r in out.items() if sid == s} for s in plans}
     worst = 0.0
     for s, plan in plans.items():
-        ref = oracle.sample(model, SAMPLER, plan, mode="pipelined", seed=7 + s, cond_seed=70 + s)
+        ref = oracle.sample(
+            model, SAMPLER, plan, mode="pipelined", seed=7 + s, cond=make_cond(model.cfg, 70 + s)
+        )
         assert sorted(got[s]) == sorted(ref)
         worst = max(worst, *((got[s][c].x - x).abs().max().item() for c, x in ref.items()))
     assert all(not w.stats.drops for w in rt.workers), [w.stats.drops for w in rt.workers]

@@ -7,6 +7,7 @@ import torch
 from engine_helpers import SAMPLER, TOL, plan_for
 
 from physis_ros.engine import oracle
+from physis_ros.engine.model import make_cond
 from physis_ros.engine.placement import (
     Placement,
     layout_even,
@@ -63,7 +64,9 @@ def test_batching_groups_tasks_of_one_block(tiny):
     capped = InProcRuntime(tiny, SAMPLER, layout_single(K, L), batching=True, max_batch=2)
     out = run_plan(capped, plans, mode="pipelined")
     assert capped.workers[0].stats.batches >= tasks / 2
-    ref = oracle.sample(tiny, SAMPLER, plans[1], mode="pipelined", seed=1, cond_seed=101)
+    ref = oracle.sample(
+        tiny, SAMPLER, plans[1], mode="pipelined", seed=1, cond=make_cond(tiny.cfg, 101)
+    )
     assert max((out[1][c].x - x).abs().max().item() for c, x in ref.items()) <= TOL
 
 
@@ -76,7 +79,7 @@ def test_bad_activations_are_dropped_and_counted(tiny):
     t0.send(0, Activation(0, 0, K + 1, 0, 0, x, None))  # no such step
     assert w.run_once(0.0) == 0
     assert w.stats.drops == {"unknown or closed stream": 2}
-    w.open_stream(0, cond_seed=1)
+    w.open_stream(0, cond=make_cond(tiny.cfg, 1))
     t0.send(0, Activation(0, 0, 5, 0, 0, x, None))
     w.run_once(0.0)
     assert w.stats.drops["stage out of range"] == 1
@@ -103,8 +106,8 @@ def test_worker_refuses_a_model_without_its_blocks(tiny):
 
 def test_close_stream_keeps_other_streams_exact(tiny):
     rt = InProcRuntime(tiny, SAMPLER, layout_groups(K, L, [2, 4]))
-    rt.open_stream(0, seed=7, cond_seed=70)
-    rt.open_stream(1, seed=8, cond_seed=71)
+    rt.open_stream(0, seed=7, cond=make_cond(tiny.cfg, 70))
+    rt.open_stream(1, seed=8, cond=make_cond(tiny.cfg, 71))
     plan = plan_for(tiny, 1)
     for kind, val in plan:
         getattr(rt.controller, f"submit_{kind}")(1, val)
@@ -115,7 +118,7 @@ def test_close_stream_keeps_other_streams_exact(tiny):
     rt.close_stream(0)
     out = rt.run_inline()
     assert {r.stream_id for r in out} == {1}
-    ref = oracle.sample(tiny, SAMPLER, plan, mode="pipelined", seed=8, cond_seed=71)
+    ref = oracle.sample(tiny, SAMPLER, plan, mode="pipelined", seed=8, cond=make_cond(tiny.cfg, 71))
     got = {r.chunk: r.x for r in out}
     assert max((got[c] - x).abs().max().item() for c, x in ref.items()) <= TOL
     assert (
@@ -142,8 +145,10 @@ def test_bfloat16_pipeline_runs_and_tracks_its_oracle(tiny):
     model = build_model(tiny.cfg, seed=0, dtype=torch.bfloat16)
     rt = InProcRuntime(model, SAMPLER, layout_groups(K, L, [2, 4]))
     plan = plan_for(tiny, 0)
-    out = run_plan(rt, {0: plan}, mode="pipelined", seeds={0: 3}, cond_seeds={0: 4})
-    ref = oracle.sample(model, SAMPLER, plan, mode="pipelined", seed=3, cond_seed=4)
+    out = run_plan(
+        rt, {0: plan}, mode="pipelined", seeds={0: 3}, conds={0: make_cond(model.cfg, 4)}
+    )
+    ref = oracle.sample(model, SAMPLER, plan, mode="pipelined", seed=3, cond=make_cond(tiny.cfg, 4))
     for c, x in ref.items():
         assert out[0][c].x.dtype == torch.float32
         assert (out[0][c].x - x).abs().max().item() < 0.1  # bf16 round-off, not a bug

@@ -63,10 +63,7 @@ def test_streaming_encode_equals_whole_video_encode(vae_setup):
     video = _video(4 * T * chunks, seed=0)  # chunk 0's 3 oldest frames are dropped
     used = video[3:]
     streamed = torch.cat(
-        [
-            codec.encode(video[c * 4 * T : (c + 1) * 4 * T], stream_id=7, chunk=c)
-            for c in range(chunks)
-        ],
+        [codec.encode(video[c * 4 * T : (c + 1) * 4 * T], stream_id=7) for c in range(chunks)],
         dim=1,
     )
     x = torch.from_numpy(used).float().permute(3, 0, 1, 2)[None] / 127.5 - 1.0
@@ -86,7 +83,8 @@ def test_streaming_decode_equals_whole_video_decode(vae_setup):
     # the decoder before chunk 2 (its output dropped)
     lat0 = torch.randn(4, T, 8, 8, generator=gen)
     out0 = codec.decode_float(lat0, stream_id=5, chunk=0)
-    lat1 = codec.encode(_video(4 * T, seed=2), stream_id=5, chunk=1)
+    lat1 = codec.encode(_video(4 * T, seed=2), stream_id=5)
+    codec.observed(5, 1, lat1)
     lat2 = torch.randn(4, T, 8, 8, generator=gen)
     out2 = codec.decode_float(lat2, stream_id=5, chunk=2)
     latents = torch.cat([lat0, lat1, lat2], dim=1)
@@ -105,7 +103,7 @@ def test_round_trip_matches_diffusers(vae_setup):
     vae, cfg, _ = vae_setup
     codec = make_codec(cfg)
     video = _video(4 * T, seed=1)
-    lat = codec.encode(video, stream_id=1, chunk=0)
+    lat = codec.encode(video, stream_id=1)
     ours = codec.decode(lat, stream_id=1, chunk=0)
     x = torch.from_numpy(video[3:]).float().permute(3, 0, 1, 2)[None] / 127.5 - 1.0
     with torch.no_grad():

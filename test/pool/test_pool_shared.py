@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stream_plans import random_plan, run_plans, worst_oracle_error
+from stream_plans import random_plan, run_plans, tiny_cond, worst_oracle_error
 
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
@@ -58,7 +58,9 @@ def test_admitted_streams_share_workers_batch_across_streams_and_match_the_oracl
         gate = AdmittedEngine(engine, controller, cfg, sampler)
 
         def admit(i: int):
-            spec = StreamSpec(seed=11 + i, cond_seed=200 + i, target_interval_ms=target_ms)
+            spec = StreamSpec(
+                seed=11 + i, prompt_embedding=tiny_cond(200 + i), target_interval_ms=target_ms
+            )
             promise, admission = gate.open_stream(spec)
             specs[promise.stream_id], plans[promise.stream_id] = (
                 spec,

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from stream_plans import random_plan, run_plans, worst_oracle_error
+from stream_plans import random_plan, run_plans, tiny_cond, worst_oracle_error
 
 from physis_ros.engine.api import StreamFailed, StreamSpec
 from physis_ros.serve.dist.engine import DistEngine
@@ -80,7 +80,7 @@ def test_dist_output_equals_oracle(case):
     plans = {}
     with DistEngine.launch_local(cfg, world) as engine:
         for i, layout in enumerate(layouts):
-            spec = StreamSpec(seed=11 + i, cond_seed=200 + i)
+            spec = StreamSpec(seed=11 + i, prompt_embedding=tiny_cond(200 + i))
             promise = engine.open_stream(spec, layout=layout)
             assert promise.steps == 4 and promise.blocks == 2
             specs[promise.stream_id] = spec
@@ -109,7 +109,7 @@ def test_placement_computed_from_costs_loads_missing_blocks_and_equals_oracle():
         assert engine.rank_blocks[0] == {0, 1}
         specs, plans = {}, {}
         for i, lay in enumerate([layout, None]):
-            spec = StreamSpec(seed=21 + i, cond_seed=300 + i)
+            spec = StreamSpec(seed=21 + i, prompt_embedding=tiny_cond(300 + i))
             sid = engine.open_stream(spec, layout=lay).stream_id
             specs[sid], plans[sid] = spec, random_plan(_cfg().model_config, i, 5, context_at=(0, 2))
         got = run_plans(engine, plans)
@@ -139,7 +139,7 @@ def test_running_stream_moves_to_new_layouts_and_equals_oracle(case):
     with DistEngine.launch_local(cfg, world) as engine:
         default = engine.default_layout
         for i in range(2):
-            spec = StreamSpec(seed=31 + i, cond_seed=400 + i)
+            spec = StreamSpec(seed=31 + i, prompt_embedding=tiny_cond(400 + i))
             sid = engine.open_stream(spec, max_in_flight=3).stream_id
             specs[sid], plans[sid], got[sid] = (
                 spec,
@@ -175,7 +175,10 @@ def test_failed_rank_fails_its_streams_within_timeout_and_others_finish(fault):
     layout_a = ((0, 1),) * 4  # ranks 0 and 1
     layout_b = ((0, 2),) * 4  # ranks 0 and 2
     with DistEngine.launch_local(cfg, 3) as engine:
-        spec_a, spec_b = StreamSpec(seed=1, cond_seed=5), StreamSpec(seed=2, cond_seed=6)
+        spec_a, spec_b = (
+            StreamSpec(seed=1, prompt_embedding=tiny_cond(5)),
+            StreamSpec(seed=2, prompt_embedding=tiny_cond(6)),
+        )
         sid_a = engine.open_stream(spec_a, layout=layout_a).stream_id
         sid_b = engine.open_stream(spec_b, layout=layout_b).stream_id
         # warm both streams up, then kill rank 2 mid-stream

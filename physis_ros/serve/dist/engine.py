@@ -32,8 +32,10 @@ from physis_ros.engine.api import (
     StreamPromise,
     StreamSpec,
 )
-from physis_ros.engine.codec import Codec
+from physis_ros.engine.checkpoints import summary
+from physis_ros.engine.codec import make_codec
 from physis_ros.engine.placement import Layout, Placement, validate_layout
+from physis_ros.engine.prompts import PromptBook, cond_to_json, trained_empty_prompt
 from physis_ros.engine.runtime import ChunkResult, Controller
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 from physis_ros.engine.transport import Activation
@@ -83,7 +85,11 @@ class DistEngine(PlacementControl):
     Placement by measured cost, loading blocks and moving running streams: ``PlacementControl``
     (dist/placement.py)."""
 
-    def __init__(self, cfg: RuntimeConfig, ctx: RankContext, *, procs=None) -> None:
+    def __init__(
+        self, cfg: RuntimeConfig, ctx: RankContext, *, procs=None, prompts: tuple | list = ()
+    ) -> None:
+        """``prompts``: prompt-embedding files whose names streams may ask for (read here on
+        rank 0 only: a stream's embedding travels to the ranks in its ``open`` message)."""
         if ctx.rank != 0:
             raise ValueError(f"DistEngine runs on rank 0, this is rank {ctx.rank}")
         self.cfg = cfg
@@ -99,7 +105,10 @@ class DistEngine(PlacementControl):
         self.host = StageHost(cfg, ctx, self.transport, blocks_for_rank(cfg, 0, ctx.world_size))
         self.model_cfg = cfg.model_config
         self.controller = Controller(self.host.model, cfg.sampler_config, self.transport.send)
-        self.codec = Codec(self.model_cfg, device=ctx.device)
+        self.codec = make_codec(self.model_cfg, device=ctx.device)
+        self.prompts = PromptBook(self.model_cfg, list(prompts), empty=self._empty_prompt())
+        log.info("\n%s", summary(cfg.resolved, cfg.sampler_config, cfg.torch_dtype,
+                                 checkpoint=cfg.weights_path))
         self._lock = threading.RLock()
         self._host_control: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -139,8 +148,25 @@ class DistEngine(PlacementControl):
                 raise
         freeze_startup_objects()
 
+    def _empty_prompt(self) -> torch.Tensor | None:
+        if self.cfg.resolved.weights is not None:
+            return None  # a Wan checkpoint's empty prompt is its text encoder's: a prompts file
+        meta = None
+        if self.cfg.weights_path:
+            from physis_ros.weights import read_metadata
+
+            meta = read_metadata(self.cfg.weights_path)
+        return trained_empty_prompt(self.model_cfg, meta)
+
     @classmethod
-    def launch_local(cls, cfg: RuntimeConfig, world_size: int, *, log_dir: str | None = None):
+    def launch_local(
+        cls,
+        cfg: RuntimeConfig,
+        world_size: int,
+        *,
+        log_dir: str | None = None,
+        prompts: tuple | list = (),
+    ):
         """Start ranks 1..N-1 as child processes on this machine and become rank 0."""
         port = free_port()
         env = {
@@ -156,7 +182,7 @@ class DistEngine(PlacementControl):
         try:
             with as_rank(rank=0, world_size=world_size, master_port=port):
                 ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
-            engine = cls(cfg, ctx, procs=procs)
+            engine = cls(cfg, ctx, procs=procs, prompts=prompts)
             engine.master_port = port
             return engine
         except BaseException:
@@ -274,6 +300,7 @@ class DistEngine(PlacementControl):
         if layout is None:
             layout = self.default_layout
         validate_layout(layout, K, L, self.world_size)
+        cond = cond_to_json(self.prompts.resolve(spec.prompt, spec.prompt_embedding))
         ranks = {r for row in layout for r in row}
         with self._lock:
             dead = sorted(ranks & set(self.failed_ranks))
@@ -297,7 +324,7 @@ class DistEngine(PlacementControl):
             body = {
                 "stream_id": sid,
                 "seed": spec.seed,
-                "cond_seed": spec.cond_seed,
+                "cond": cond,
                 "layout": [list(row) for row in layout],
                 "history": "clean" if mode == "sequential-clean" else "noisy",
             }
@@ -353,6 +380,7 @@ class DistEngine(PlacementControl):
         self._host_control.put(("close", stream_id))
         self.controller.close_stream(stream_id)
         self._streams.pop(stream_id, None)
+        self.codec.close(stream_id)
 
     def close_stream(self, stream_id: int) -> None:
         with self._lock:
@@ -373,9 +401,11 @@ class DistEngine(PlacementControl):
     ) -> int:
         """Encode an observation with the codec and append it as a context chunk."""
         allowed = self.model_cfg.action_mode != "none"
-        latent = self.codec.encode(frames).cpu()
-        x = pack_chunk(self.model_cfg, latent, self._actions(actions, allowed=allowed))
-        return self.submit_context_x(stream_id, x)
+        latent = self.codec.encode(frames, stream_id=stream_id)
+        x = pack_chunk(self.model_cfg, latent.cpu(), self._actions(actions, allowed=allowed))
+        chunk = self.submit_context_x(stream_id, x)
+        self.codec.observed(stream_id, chunk, latent)
+        return chunk
 
     def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
         act = self._actions(actions, allowed=self.model_cfg.action_mode == "condition")
@@ -429,7 +459,7 @@ class DistEngine(PlacementControl):
                 ChunkOutput(
                     stream_id=res.stream_id,
                     chunk=res.chunk,
-                    frames=self.codec.decode(latent),
+                    frames=self.codec.decode(latent, stream_id=res.stream_id, chunk=res.chunk),
                     actions=actions.numpy().copy() if predict else None,
                     entered_s=res.created_s,
                     left_s=res.left_s,

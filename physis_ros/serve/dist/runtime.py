@@ -7,7 +7,8 @@ it places streams and sends control messages; the other ranks run ``run_worker_r
     loop: apply control messages -> worker.run_once(poll_interval_s) -> heartbeat to rank 0
 
 Control messages (JSON on the p2p channel, kind -> body):
-  rank 0 -> worker: ``open`` {stream_id, seed, cond_seed, layout}, ``close`` {stream_id},
+  rank 0 -> worker: ``open`` {stream_id, seed, cond (prompt embedding, prompts.cond_to_json),
+                    layout}, ``close`` {stream_id},
                     ``measure`` {repeats} (time each held block), ``load`` {blocks} (build or
                     load the weights of more blocks), ``relayout`` {stream_id, epoch,
                     first_chunk, layout} (see engine/worker.py), ``usage`` {},
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import functools
 import gc
 import logging
 import os
@@ -44,7 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
+from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model
+from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.placement import (
     Layout,
     layout_even,
@@ -53,6 +56,7 @@ from physis_ros.engine.placement import (
     layout_single,
     validate_layout,
 )
+from physis_ros.engine.prompts import cond_from_json
 from physis_ros.link.memtune import freeze_startup_objects
 from physis_ros.serve.dist.launch import RankContext, init_from_env, tie_to_parent
 from physis_ros.serve.dist.transport import (
@@ -74,7 +78,14 @@ class RuntimeConfig:
     """What every rank must agree on (rank 0 passes it to the others as flags)."""
 
     model: str = "tiny"
-    """Model preset name (``physis_ros.engine.config.PRESETS``)."""
+    """Model preset name (``physis_ros.engine.config.PRESETS``) or model directory (upstream
+    Wan or diffusers; ``engine.checkpoints``): every rank must see it at the same path."""
+    latent_frames: int = 0
+    """Latent frames per chunk of a model directory (0: its default)."""
+    resolution: str = ""
+    """Camera image ``HxW`` of a model directory ("": its default)."""
+    vae: str = ""
+    """diffusers AutoencoderKLWan directory: the real codec ("": the preset's or a stand-in)."""
     steps: int = 4
     """K: denoising steps."""
     window: int = 2
@@ -110,7 +121,8 @@ class RuntimeConfig:
     """Longest a worker waits for an activation before checking control and heartbeats."""
 
     def __post_init__(self) -> None:
-        get_preset(self.model)  # raises ValueError naming an unknown preset
+        # raises ValueError naming an unknown preset or what is wrong with a directory
+        _resolve(self.model, self.latent_frames, self.resolution, self.vae)
         SamplerConfig(steps=self.steps, window=self.window, shift=self.shift)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
@@ -139,8 +151,12 @@ class RuntimeConfig:
         check_placement_spec(self.placement)
 
     @property
+    def resolved(self) -> ResolvedModel:
+        return _resolve(self.model, self.latent_frames, self.resolution, self.vae)
+
+    @property
     def model_config(self) -> ModelConfig:
-        return get_preset(self.model)
+        return self.resolved.cfg
 
     @property
     def sampler_config(self) -> SamplerConfig:
@@ -194,6 +210,12 @@ class RuntimeConfig:
             if getattr(ns, f.name, None) is not None:
                 values[f.name] = getattr(ns, f.name)
         return cls(**values)
+
+
+@functools.lru_cache(maxsize=4)
+def _resolve(model: str, latent_frames: int, resolution: str, vae: str) -> ResolvedModel:
+    # a model directory's headers are read once per process, not on every model_config
+    return resolve_model(model, latent_frames=latent_frames, resolution=resolution, vae=vae)
 
 
 def _group_sizes(spec: str) -> list[int]:
@@ -261,8 +283,7 @@ class StageHost:
             dtype=cfg.torch_dtype,
             block_ids=self.blocks,
         )
-        if cfg.weights_path:
-            self.model.load_safetensors(cfg.weights_path, strict=False)
+        self._load_weights()
         self.open_streams: set[int] = set()
         self.closed_streams: set[int] = set()
         self._held: list = []
@@ -276,6 +297,15 @@ class StageHost:
             sink_rank=0,
         )
         self.worker = Worker(self.model, cfg.sampler_config, self, placement, batching=cfg.batching)
+
+    def _load_weights(self) -> None:
+        weights = self.cfg.resolved.weights
+        if weights is not None:
+            if self.cfg.weights_path:
+                raise ValueError(f"model {self.cfg.model} is a directory: drop weights_path")
+            load_weights(self.model, weights)
+        elif self.cfg.weights_path:
+            self.model.load_safetensors(self.cfg.weights_path, strict=False)
 
     # Transport interface seen by the engine Worker --------------------------------------
     def send(self, dst: int, msg) -> None:
@@ -307,7 +337,7 @@ class StageHost:
         self.worker.open_stream(
             stream_id,
             layout=layout,
-            cond_seed=int(body.get("cond_seed", 0)),
+            cond=cond_from_json(body["cond"]),
             history=str(body.get("history", "noisy")),
         )
         self.closed_streams.discard(stream_id)
@@ -385,8 +415,7 @@ class StageHost:
         for blk in missing:
             self.model.blocks[blk] = extra.blocks[blk]
         self.model.block_ids = frozenset(set(self.model.block_ids) | missing)
-        if self.cfg.weights_path:
-            self.model.load_safetensors(self.cfg.weights_path, strict=False)
+        self._load_weights()
         self.blocks |= missing
         return missing
 
