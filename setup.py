@@ -24,6 +24,7 @@ CONSOLE_SCRIPTS = [
     "physis-train = physis_ros.train.train:main",
     "physis-eval = physis_ros.eval.cli:main",
     "physis-replay = physis_ros.eval.replay:main",
+    "physis-embed = physis_ros.tools.embed_cli:main",
 ]
 
 
@@ -60,6 +61,9 @@ setup(
         # robot side link client (no torch)
         "link": ["grpcio", "protobuf"],
         "eval": ["rosbags", "pillow", "tqdm"],
+        # workstation, optional: the real Wan VAE codec (diffusers) and physis-embed's text
+        # encoder (transformers); never needed on the robot
+        "models": ["diffusers", "transformers"],
     },
     entry_points={"console_scripts": CONSOLE_SCRIPTS},
     zip_safe=False,

@@ -122,3 +122,41 @@ def make_vae(root: Path, seed: int = 1):
     randomize(vae, seed, scale=0.2)
     vae.save_pretrained(root / "vae")
     return vae
+
+
+WORDS = "a the robot arm picks up red blue cube holds still moves left right slowly".split()  # noqa: SIM905
+
+
+def make_text_encoder(root: Path, seed: int = 2, d_model: int = 16):
+    """A random umT5 encoder (``root/text_encoder``) and a word-level tokenizer with the T5
+    end token (``root/tokenizer``): the layout of a diffusers Wan pipeline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", 1)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(root / "tokenizer"))
+    torch.manual_seed(seed)
+    config = UMT5Config(
+        vocab_size=len(vocab),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    encoder = UMT5EncoderModel(config).eval()
+    encoder.save_pretrained(str(root / "text_encoder"), safe_serialization=True)
+    return fast, encoder

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from physis_ros.link.clock import ClockOffsetEstimator
 from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
@@ -32,6 +33,7 @@ from physis_ros.link.wire import (
     Observation,
     Prediction,
     WireError,
+    array_to_tensor,
     parse_server_message,
     serialize_observation,
     tensor_to_array,
@@ -108,7 +110,8 @@ class LinkClient:
         client_key_path: str | None = None,
         connect_timeout_s: float = 5.0,
         reconnect_backoff_s: tuple[float, float] = (0.1, 2.0),
-        cond_seed: int = 0,
+        prompt: str = "",
+        prompt_embedding: np.ndarray | None = None,
         client_name: str = "",
         clock_ns: Callable[[], int] = time.time_ns,
         prediction_queue_size: int = 32,
@@ -147,9 +150,11 @@ class LinkClient:
             protocol_version=PROTOCOL_VERSION,
             seed=seed,
             target_interval_ms=target_interval_ms,
-            cond_seed=cond_seed,
             client_name=client_name,
+            prompt=prompt,
         )
+        if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
+            array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
         self._metadata: tuple[tuple[str, str], ...] = (
             ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
         )

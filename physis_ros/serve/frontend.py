@@ -30,6 +30,8 @@ from physis_ros.link.wire import (
     PROMISE_FIELDS,
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
+    WireError,
+    tensor_to_array,
 )
 from physis_ros.serve.session import EngineLoop, Session, SessionEnded, SessionLimits
 
@@ -199,8 +201,17 @@ class Frontend:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{open_now} streams open, front end max_streams is {self._config.max_streams}",
             )
+        embedding = None
+        if spec.HasField("prompt_embedding"):
+            try:
+                embedding = tensor_to_array(spec.prompt_embedding, name="prompt_embedding")
+            except WireError as exc:
+                self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         engine_spec = StreamSpec(
-            seed=spec.seed, target_interval_ms=spec.target_interval_ms, cond_seed=spec.cond_seed
+            seed=spec.seed,
+            target_interval_ms=spec.target_interval_ms,
+            prompt=spec.prompt,
+            prompt_embedding=embedding,
         )
         try:
             promise = self._loop.call(

@@ -83,6 +83,7 @@ def build_local_engine(engine_section: dict[str, Any]) -> tuple[StreamEngine, Se
             "open_streams": len(engine.runtime.controller.streams),
             "max_streams": engine.max_streams,
             "block_ms": f"{engine.block_ms:.3f}",
+            "prompts": ",".join(engine.prompts.names()),
         }
 
     return engine, ServerDescription(
@@ -155,9 +156,7 @@ def serve_single_process(
 ) -> int:
     """physis-serve with an in-process engine, until SIGINT / SIGTERM."""
     cfg = load_config(args.config)
-    engine_section = dict(cfg["engine"])
-    if args.model is not None:
-        engine_section["model"] = args.model
+    engine_section = model_section(cfg["engine"], args)
     frontend_section = dict(cfg["frontend"])
     loop_options = {k: float(frontend_section[k]) for k in _LOOP_KEYS if k in frontend_section}
     token = args.token
@@ -185,6 +184,51 @@ def serve_single_process(
     )
 
 
+MODEL_FLAGS = ("model", "dtype", "vae", "resolution", "latent_frames")
+"""Flags that override the YAML ``engine`` section's keys of the same name."""
+
+
+def model_section(engine: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The YAML ``engine`` section with the model flags (and ``--prompts``) applied."""
+    section = dict(engine)
+    for key in MODEL_FLAGS:
+        if getattr(args, key, None) is not None:
+            section[key] = getattr(args, key)
+    if getattr(args, "prompts", None):
+        section["prompts"] = [*section.get("prompts", []), *args.prompts]
+    return section
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model and what goes with a model directory; shared by physis-serve and physis-eval."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model preset, or a model directory: upstream Wan (config.json + safetensors) "
+        "or diffusers (transformer/config.json); overrides engine.model",
+    )
+    parser.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="weights dtype"
+    )
+    parser.add_argument(
+        "--prompts",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="prompt-embedding file (physis-embed); streams pick its prompts by name "
+        "(repeatable; added to engine.prompts)",
+    )
+    parser.add_argument(
+        "--vae", default=None, help="diffusers AutoencoderKLWan directory: the real codec"
+    )
+    parser.add_argument(
+        "--resolution", default=None, help="camera image HxW of a model directory, e.g. 480x832"
+    )
+    parser.add_argument(
+        "--latent-frames", type=int, default=None, help="latent frames per chunk (default 3)"
+    )
+
+
 def _factory_from_name(spec: str):
     module, _, name = spec.partition(":")
     if not module or not name:
@@ -200,7 +244,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None,
         help="YAML parameters (default: config/serve.yaml of the source tree, if present)",
     )
-    parser.add_argument("--model", default=None, help="model preset (overrides engine.model)")
+    add_model_arguments(parser)
     parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port; 0 = ephemeral")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")

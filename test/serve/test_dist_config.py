@@ -61,6 +61,9 @@ def test_yaml_section_merges_engine_keys_and_refuses_unknown_ones():
         {"engine": {"model": "small", "steps": 3}, "distributed": {"placement": "single"}}
     )
     assert (cfg.model, cfg.steps, cfg.placement) == ("small", 3, "single")
-    assert runtime_config({"engine": {"model": "small"}}, model="tiny").model == "tiny"
+    assert (
+        runtime_config({"engine": {"model": "small"}}, argparse.Namespace(model="tiny")).model
+        == "tiny"
+    )
     with pytest.raises(ValueError, match="unknown distributed keys \\['heartbeat_s'\\]"):
         runtime_config({"distributed": {"heartbeat_s": 1}})

@@ -40,16 +40,22 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-def runtime_config(config: dict[str, Any], model: str | None = None) -> RuntimeConfig:
-    """RuntimeConfig from the YAML ``engine`` (model, steps, window) and ``distributed``
-    sections; ``model`` (the --model flag) overrides."""
+ENGINE_KEYS = ("model", "steps", "window", "dtype", "vae", "resolution", "latent_frames")
+"""Keys of the YAML ``engine`` section every rank takes (unless ``distributed`` sets them)."""
+
+
+def runtime_config(config: dict[str, Any], args: argparse.Namespace | None = None) -> RuntimeConfig:
+    """RuntimeConfig from the YAML ``engine`` (model, steps, window, ...) and ``distributed``
+    sections; the model flags (--model, --dtype, --vae, ...) override."""
+    from physis_ros.serve.main import model_section
+
     engine = config.get("engine", {}) or {}
     section = dict(config.get("distributed", {}) or {})
-    for key in ("model", "steps", "window"):
+    for key in ENGINE_KEYS:
         if key in engine and key not in section:
             section[key] = engine[key]
-    if model is not None:
-        section["model"] = model
+    flags = model_section({}, args) if args is not None else {}
+    section.update({k: v for k, v in flags.items() if k in ENGINE_KEYS})
     known = {f for f in RuntimeConfig.__dataclass_fields__}
     unknown = sorted(set(section) - known)
     if unknown:
@@ -60,9 +66,11 @@ def runtime_config(config: dict[str, Any], model: str | None = None) -> RuntimeC
 def serve_torchrun(args: argparse.Namespace) -> int:
     """Entry of every rank of ``torchrun ... -m physis_ros.serve.main``."""
     from physis_ros.serve.dist.launch import init_from_env, tie_to_parent
-    from physis_ros.serve.main import load_config, serve_single_process
+    from physis_ros.serve.main import load_config, model_section, serve_single_process
 
-    cfg = runtime_config(load_config(args.config), args.model)
+    file_config = load_config(args.config)
+    cfg = runtime_config(file_config, args)
+    prompts = model_section(file_config["engine"], args).get("prompts", [])
     torch.set_num_threads(args.threads if args.threads is not None else cfg.threads)
     rank = int(os.environ["RANK"])
     tie_to_parent(os.getppid())  # a killed torchrun takes its ranks with it
@@ -79,7 +87,7 @@ def serve_torchrun(args: argparse.Namespace) -> int:
         from physis_ros.serve.frontend import ServerDescription
 
         ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
-        engine = DistEngine(cfg, ctx)
+        engine = DistEngine(cfg, ctx, prompts=prompts)
 
         def engine_info() -> dict[str, Any]:
             return {
@@ -89,6 +97,7 @@ def serve_torchrun(args: argparse.Namespace) -> int:
                 "placement": cfg.placement,
                 "open_streams": str(len(engine.controller.streams)),
                 "failed_ranks": str(engine.failed_ranks),
+                "prompts": ",".join(engine.prompts.names()),
             }
 
         mc = cfg.model_config

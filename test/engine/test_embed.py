@@ -1,0 +1,123 @@
+"""physis-embed: prompts through a local umT5 encoder into a prompt-embeddings file, equal to
+what diffusers' WanPipeline feeds its transformer; refusals when no encoder is usable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from wan_fixtures import make_text_encoder
+
+from physis_ros.engine.config import get_preset
+from physis_ros.engine.model import pad_text
+from physis_ros.engine.prompts import EMPTY, PromptBook, read_prompts, write_prompts
+from physis_ros.tools import embed_cli
+
+TEXT_LEN = 12
+
+
+@pytest.fixture(scope="module")
+def encoder_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe")
+    make_text_encoder(root)
+    return root
+
+
+def test_embeddings_equal_diffusers_prompt_encoding(encoder_dir, tmp_path):
+    from diffusers import WanPipeline
+
+    out = tmp_path / "prompts.safetensors"
+    prompts = {"pick": "a robot  arm picks up the red cube", "idle": "the arm holds &amp; still"}
+    code = embed_cli.main(
+        ["--encoder", str(encoder_dir), "--out", str(out), "--text-len", str(TEXT_LEN)]
+        + [f"--prompt={n}={t}" for n, t in prompts.items()]
+    )
+    assert code == 0
+    pf = read_prompts(out)
+    assert set(pf.embeddings) == {"pick", "idle", EMPTY} and pf.text_dim == 16
+    assert pf.embeddings[EMPTY].shape[0] == 1  # "" is the end token alone
+    enc = embed_cli.TextEncoder(encoder_dir)
+    pipe = WanPipeline(tokenizer=enc.tokenizer, text_encoder=enc.model, vae=None, scheduler=None)
+    cfg = get_preset("tiny", text_dim=16, text_len=TEXT_LEN)
+    for name, text in {**prompts, EMPTY: ""}.items():
+        ref = pipe._get_t5_prompt_embeds(text, max_sequence_length=TEXT_LEN)[0]
+        ours = pad_text(cfg, pf.embeddings[name])
+        assert ours.shape == ref.shape == (TEXT_LEN, 16)
+        diff = (ours - ref.float()).abs().max().item()
+        print(name, "max |physis-embed - diffusers|", diff)
+        assert diff <= 1e-5, name  # float rounding of batched vs single-prompt GEMMs
+        n = pf.embeddings[name].shape[0]  # the real tokens; diffusers pads with zeros after them
+        assert ref[n - 1].any() and not ref[n:].any(), name
+
+
+def test_prompt_book_by_name_raw_and_empty(encoder_dir, tmp_path):
+    out = tmp_path / "p.safetensors"
+    embed_cli.main(
+        [
+            "--encoder",
+            str(encoder_dir),
+            "--out",
+            str(out),
+            "--text-len",
+            "8",
+            "--prompt",
+            "pick=red cube",
+        ]
+    )
+    cfg = get_preset("tiny", text_dim=16, text_len=8)
+    book = PromptBook(cfg, [out])
+    assert book.names() == ["empty", "pick"]
+    assert torch.equal(book.resolve(), book.resolve("empty"))
+    raw = np.ones((3, 16), np.float16)
+    assert torch.equal(book.resolve(raw=raw), torch.ones(3, 16))
+    with pytest.raises(ValueError, match="unknown prompt 'nope'"):
+        book.resolve("nope")
+    with pytest.raises(ValueError, match="not both"):
+        book.resolve("pick", raw)
+    with pytest.raises(ValueError, match=r"\[9, 16\].*\[n <= 8, 16\]"):
+        book.resolve(raw=np.zeros((9, 16), np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        book.resolve(raw=np.full((2, 16), np.nan, np.float32))
+    with pytest.raises(ValueError, match="float32 or float16"):
+        book.resolve(raw=np.zeros((2, 16), np.float64))
+    with pytest.raises(ValueError, match="width 16, model tiny takes 4"):
+        PromptBook(get_preset("tiny", text_dim=4, text_len=8), [out])
+    with pytest.raises(ValueError, match=r"no empty-prompt embedding.*physis-embed"):
+        PromptBook(cfg).resolve()
+
+
+def test_refusals_say_what_is_missing(tmp_path):
+    (tmp_path / embed_cli.PICKLED_T5).write_bytes(b"pickle")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "physis_ros.tools.embed_cli",
+            "--encoder",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o.safetensors"),
+            "--prompt",
+            "a=b",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 2 and "pickle file, which is never loaded" in run.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+    with pytest.raises(embed_cli.EncoderUnavailable, match="no text encoder found"):
+        embed_cli.find_encoder(tmp_path / "nothing")
+    bad = tmp_path / "bad.safetensors"
+    write_prompts(bad, {"x": torch.zeros(2, 4)}, texts={}, encoder="test", text_len=4)
+    shown = subprocess.run(
+        [sys.executable, "-m", "physis_ros.tools.embed_cli", "--show", str(bad)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(shown.stdout)["prompts"]["x"]["tokens"] == 2
