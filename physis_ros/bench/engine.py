@@ -19,8 +19,9 @@ import time
 import numpy as np
 import torch
 
+from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
 from physis_ros.engine.codec import Codec
-from physis_ros.engine.config import PRESETS, SamplerConfig, get_preset
+from physis_ros.engine.config import PRESETS, SamplerConfig
 from physis_ros.engine.model import build_model, make_cond, param_count
 from physis_ros.engine.oracle import sample as oracle_sample
 from physis_ros.engine.placement import layout_by_block_even, layout_even
@@ -37,7 +38,12 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help=f"model preset {sorted(PRESETS)} or a model directory (its shapes, random weights)",
+    )
+    add_layout_arguments(p)
     p.add_argument("--steps", "-K", type=int, default=4, help="denoising steps K")
     p.add_argument("--window", "-W", type=int, default=2, help="history window W (chunks)")
     # 60: a steady state many times the pipeline depth; with 20 the 15 measured gaps of a
@@ -207,7 +213,9 @@ def _run_block_ms(res: dict) -> float | None:
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    cfg = get_preset(args.model)
+    cfg = resolve_model_config(
+        args.model, resolution=args.resolution, latent_frames=args.latent_frames
+    )
     sampler = SamplerConfig(steps=args.steps, window=args.window)
     dtype = DTYPES[args.dtype]
     model = build_model(cfg, seed=args.seed, device=args.device, dtype=dtype)

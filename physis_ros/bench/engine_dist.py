@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from physis_ros.engine.api import StreamSpec
+from physis_ros.engine.checkpoints import load_weights, resolve_model_config
 from physis_ros.engine.codec import Codec
-from physis_ros.engine.config import get_preset
 from physis_ros.engine.model import build_model, make_cond
 from physis_ros.engine.oracle import sample_noisy
 from physis_ros.engine.stage import measure_block_ms
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.mode not in ("pipelined",):
         raise ValueError("--ranks runs the pipelined mode only")
     torch.set_num_threads(args.threads)
-    cfg = get_preset(args.model)
+    cfg = resolve_model_config(args.model)
     K, L, N, S = args.steps, cfg.num_blocks, args.ranks, args.streams
     plans = _plans(cfg, args, Codec(cfg))
     in_flight = args.max_in_flight if args.max_in_flight >= 0 else K * min(N, L)
@@ -173,6 +173,8 @@ def run(args: argparse.Namespace) -> dict:
         if check
         else None
     )
+    if model is not None and rcfg.resolved.weights is not None:  # the ranks loaded these too
+        load_weights(model, rcfg.resolved.weights)
     diffs = []
     for s, plan in plans.items() if check else ():
         cond = make_cond(cfg, 100 + s)

@@ -120,6 +120,16 @@ def resolve_model_config(name_or_path: str, **layout) -> ModelConfig:
     return resolve_model(name_or_path, **layout).cfg
 
 
+def add_layout_arguments(parser) -> None:
+    """--resolution and --latent-frames: the chunk of a model directory (for the CLIs)."""
+    parser.add_argument(
+        "--resolution", default="", help="camera HxW of a model directory (default: its own)"
+    )
+    parser.add_argument(
+        "--latent-frames", type=int, default=0, help="latent frames per chunk (default 3)"
+    )
+
+
 # ---- finding the layout -------------------------------------------------------------------
 def find_model_dir(path: Path) -> tuple[str, Path, dict]:
     """(layout, directory holding config.json and weights, parsed config) or ValueError."""

@@ -34,8 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights", default=None, help="safetensors checkpoint (default: the shipped push-wm)"
     )
     g.add_argument(
-        "--model", default=None, help="model preset (default: from the checkpoint's metadata)"
+        "--model",
+        default=None,
+        help="model preset (default: from the checkpoint's metadata), or a model directory "
+        "(upstream Wan or diffusers; its own weights, no --weights)",
     )
+    g.add_argument("--vae", default=None, help="diffusers AutoencoderKLWan dir: the real codec")
+    g.add_argument("--resolution", default=None, help="camera HxW of a model directory")
+    g.add_argument("--latent-frames", type=int, default=None, help="latent frames per chunk")
+    g.add_argument(
+        "--prompts", action="append", default=None, help="prompt-embedding file (physis-embed)"
+    )
+    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     g.add_argument(
         "--random-weights", action="store_true", help="no checkpoint: random init (timing runs)"
     )
@@ -112,11 +122,15 @@ def _expand(paths: list[str]) -> list[str]:
 def engine_settings(args) -> tuple[dict, dict]:
     """LocalEngine keyword arguments for the arguments, and the settings reported (those plus
     the frame rate the weights were trained at)."""
+    from physis_ros.engine.checkpoints import is_model_dir
     from physis_ros.weights import DEFAULT_STEPS, DEFAULT_WEIGHTS, engine_kwargs, read_metadata
 
     kwargs: dict = {"steps": DEFAULT_STEPS, "window": 2, "shift": 3.0}
     meta: dict[str, str] = {}
-    if not args.random_weights:
+    own_weights = args.model is not None and is_model_dir(args.model)
+    if own_weights and args.weights:
+        raise ValueError(f"--model {args.model} is a directory with its weights: drop --weights")
+    if not args.random_weights and not own_weights:
         weights = Path(args.weights) if args.weights else DEFAULT_WEIGHTS
         if not weights.exists():
             raise FileNotFoundError(
@@ -127,9 +141,13 @@ def engine_settings(args) -> tuple[dict, dict]:
             kwargs = engine_kwargs(weights)
         else:
             kwargs["checkpoint"] = str(weights)
-    for key in ("model", "steps", "window", "shift"):
-        if getattr(args, key) is not None:
+    for key in ("model", "steps", "window", "shift", "vae", "resolution", "latent_frames"):
+        if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
+    if getattr(args, "prompts", None):
+        kwargs["prompts"] = list(args.prompts)
+    if getattr(args, "dtype", None):
+        kwargs["dtype"] = args.dtype
     if "model" not in kwargs:
         raise ValueError("no model preset: the checkpoint has no metadata, pass --model")
     kwargs.update(workers=args.workers, mode=args.mode)

@@ -29,7 +29,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="physis-profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="model preset")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="model preset, or a model directory (timed with random weights of its shapes)",
+    )
+    p.add_argument("--resolution", default="", help="camera HxW of a model directory")
+    p.add_argument("--latent-frames", type=int, default=0, help="latent frames per chunk")
     p.add_argument("--steps", type=int, default=4, help="K (recorded; the block cost ignores it)")
     p.add_argument("--window", type=int, default=2, help="W: previous chunks in every KV ring")
     p.add_argument("--batches", default="1,2,4,8", help="batch sizes (tasks), comma separated")
@@ -95,7 +101,7 @@ def block_entries(
 def measure(args: argparse.Namespace) -> Profile:
     import torch
 
-    from physis_ros.engine.config import get_preset
+    from physis_ros.engine.checkpoints import resolve_model_config
     from physis_ros.engine.model import build_model
 
     try:
@@ -111,7 +117,9 @@ def measure(args: argparse.Namespace) -> Profile:
     if args.runtime == "gloo" and args.device != "cpu":
         raise ValueError("--runtime gloo calibrates CPU ranks: use --device cpu")
     torch.set_num_threads(args.threads)
-    cfg = get_preset(args.model)
+    cfg = resolve_model_config(
+        args.model, resolution=args.resolution, latent_frames=args.latent_frames
+    )
     model = build_model(cfg, device=args.device, dtype=getattr(torch, args.dtype))
     entries = block_entries(
         model,

@@ -14,7 +14,8 @@ import json
 import sys
 
 from physis_ros.engine.api import AdmissionRefused
-from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
+from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, Profile, ProfileCostModel
 from physis_ros.engine.pool.experiments import depth, max_verified_concurrency, pool24, sim_streams
@@ -29,7 +30,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=("pool24", "depth", "realcheck"),
         help="run a fixed experiment (realcheck: the simulator against gloo ranks on this host)",
     )
-    p.add_argument("--model", default="wan2.1-14b", help="model preset")
+    p.add_argument(
+        "--model",
+        default="wan2.1-14b",
+        help="model preset, or a model directory (upstream Wan or diffusers: its shapes)",
+    )
+    add_layout_arguments(p)
     p.add_argument("--steps", type=int, default=4, help="K denoising steps")
     p.add_argument("--window", type=int, default=2, help="W history window (chunks)")
     p.add_argument("--devices", type=int, default=24, help="G devices in the pool")
@@ -58,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_pool(args: argparse.Namespace) -> dict:
     sampler = SamplerConfig(steps=args.steps, window=args.window)
-    cfg = get_preset(args.model)
+    cfg = resolve_model_config(
+        args.model, resolution=args.resolution, latent_frames=args.latent_frames
+    )
     if args.profile:
         profile = Profile.load(args.profile)
         cost = ProfileCostModel(profile)
