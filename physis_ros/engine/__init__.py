@@ -4,7 +4,10 @@ Imports torch; never rclpy. Modules (pool/ is the shared-pool admission and simu
   config     presets (tiny, small, Wan2.1/2.2 backbones, 22B/33B) and the sampler config
   model      Wan2.1-style DiT (upstream key names), block math, forward_sequence (training)
   sampler    shifted flow-matching sigmas, seeded initial noise, packed chunk layout
-  codec      image <-> latent: exact pixel space-to-depth, or a VAE-shaped stand-in
+  checkpoints  model directories (upstream Wan, diffusers): config, strict loading, summary
+  prompts    prompt-embedding files, the conditioning a stream gets (never random tokens)
+  codec      image <-> latent: exact pixel space-to-depth, a VAE-shaped stand-in, or
+  vae        the Wan VAE through diffusers, causal per stream
   oracle     offline full-sequence samplers (noisy and clean history) every mode must equal
   stage      KV rings, one batched block forward over tasks (run_block), block timing
   placement  stages (k, l) -> virtual ranks -> worker ranks; printable

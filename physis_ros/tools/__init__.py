@@ -1,5 +1,6 @@
 """Command-line tools over the engine and the server: ``physis-sim`` (the pool simulator and
-its experiments), ``physis-profile`` (per-block costs on a device or on gloo ranks) and the
+its experiments), ``physis-profile`` (per-block costs on a device or on gloo ranks),
+``physis-embed`` (prompts -> prompt embeddings with a local text encoder) and the
 simulator-vs-real check (``realcheck``), which runs the real torch.distributed server.
 
 They may import ``physis_ros.engine`` and ``physis_ros.serve``; the engine imports neither.
