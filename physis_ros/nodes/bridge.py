@@ -134,6 +134,7 @@ class Bridge(Node):
         return LinkClient(
             target,
             seed=p.seed,
+            prompt=p.prompt,
             target_interval_ms=p.target_interval_ms,
             token=p.token or None,
             root_cert_path=p.root_cert_path or None,

@@ -59,6 +59,9 @@ class BridgeParams:
     """Deadline of one connection attempt."""
     seed: int = 0
     """Stream seed (initial noise of chunk c is seeded by (seed, c))."""
+    prompt: str = ""
+    """Name of a prompt embedding the server holds (its --prompts files); '' for the model's
+    empty prompt."""
     target_interval_ms: float = 0.0
     """Interval the robot needs between chunks (0: as fast as the server can)."""
     # actions
@@ -144,7 +147,7 @@ _READ_ONLY = {
     "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic",
     "command_topic", "command_joint_names",
     "input_reliability", "input_depth", "server", "server_port_file", "token", "root_cert_path",
-    "client_cert_path", "client_key_path", "seed", "target_interval_ms",
+    "client_cert_path", "client_key_path", "seed", "target_interval_ms", "prompt",
 }  # fmt: skip
 _ARRAY_TYPES = {
     "command_joint_names": Parameter.Type.STRING_ARRAY,
