@@ -36,7 +36,17 @@ TINY_VAE = dict(
     latents_std=[1.5, 0.8, 2.0, 1.1],
     scale_factor_spatial=4,
 )
-"""Wan VAE architecture at toy width: temporal stride 4, spatial stride 4, 4 latent channels."""
+"""Wan2.1 VAE architecture at toy width: temporal stride 4, spatial stride 4, 4 latent channels."""
+TINY_VAE22 = dict(
+    TINY_VAE,
+    decoder_base_dim=12,
+    is_residual=True,
+    patch_size=2,
+    in_channels=12,
+    out_channels=12,
+    scale_factor_spatial=8,
+)
+"""Wan2.2 VAE architecture (residual blocks, 2x2 patchify) at toy width: stride 4x8x8."""
 
 
 def randomize(module: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
@@ -114,11 +124,11 @@ def save_upstream_wan(diffusers_model, root: Path, shards: int = 2) -> Path:
     return root
 
 
-def make_vae(root: Path, seed: int = 1):
-    """A random AutoencoderKLWan saved as ``root/vae``."""
+def make_vae(root: Path, seed: int = 1, config: dict | None = None):
+    """A random AutoencoderKLWan (``TINY_VAE`` unless ``config``) saved as ``root/vae``."""
     from diffusers import AutoencoderKLWan
 
-    vae = AutoencoderKLWan(**TINY_VAE).eval()
+    vae = AutoencoderKLWan(**(config or TINY_VAE)).eval()
     randomize(vae, seed, scale=0.2)
     vae.save_pretrained(root / "vae")
     return vae

@@ -77,23 +77,31 @@ class Head(nn.Module):
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
 
-def _seeded(seed: int, part: int, make: Callable[[], nn.Module], device, dtype) -> nn.Module:
+def _seeded(
+    seed: int | None, part: int, make: Callable[[], nn.Module], device, dtype
+) -> nn.Module:
     # Each part is initialised from its own seed on the CPU, so a worker that builds only
     # blocks 10..19 gets exactly the weights the full model has there, on any device; each
     # part moves to the device at once, so a 14B model never sits whole in host memory.
+    # seed None: the weights are loaded next, so the part is built on the device directly
+    # (a 14B model's random init on the CPU alone takes minutes).
+    if seed is None:
+        with torch.device(device):
+            return make().to(dtype=dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((seed * 1_000_003 + part + 7) % (2**63))
         return make().to(device=device, dtype=dtype)
 
 
 class WanDiT(nn.Module):
-    """Wan2.1-style DiT. ``block_ids`` limits which blocks exist (the rest are None)."""
+    """Wan2.1-style DiT. ``block_ids`` limits which blocks exist (the rest are None);
+    ``seed`` None: unseeded init on the device, for weights that are loaded next."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         *,
-        seed: int = 0,
+        seed: int | None = 0,
         block_ids: set[int] | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
@@ -489,12 +497,13 @@ def chunk_numel(cfg: ModelConfig) -> int:
 def build_model(
     cfg: ModelConfig,
     *,
-    seed: int = 0,
+    seed: int | None = 0,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     block_ids: set[int] | None = None,
 ) -> WanDiT:
-    """Random-init (by seed) model on ``device`` in ``dtype``, in eval mode."""
+    """Random-init (by seed; None: unseeded, to load weights into) model on ``device`` in
+    ``dtype``, in eval mode."""
     model = WanDiT(cfg, seed=seed, block_ids=block_ids, device=device, dtype=dtype)
     return model.to(device=device).eval()  # the head_perm buffer
 

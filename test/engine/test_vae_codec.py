@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from wan_fixtures import TINY_VAE, make_vae
+from wan_fixtures import TINY_VAE, TINY_VAE22, make_vae
 
 from physis_ros.engine.checkpoints import resolve_model
 from physis_ros.engine.codec import make_codec
@@ -17,10 +17,11 @@ T = 2
 """Latent frames per chunk: chunk 0 covers 1 + 4 camera frames, later chunks 8."""
 
 
-@pytest.fixture(scope="module")
-def vae_setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=["wan2.1", "wan2.2"])
+def vae_setup(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("vae")
-    vae = make_vae(root)
+    vae = make_vae(root, config=TINY_VAE if request.param == "wan2.1" else TINY_VAE22)
+    stride = read_vae_config(root / "vae").stride
     cfg = get_preset(
         "tiny",
         in_channels=4,
@@ -29,7 +30,9 @@ def vae_setup(tmp_path_factory):
         action_horizon=0,
         codec="wan_vae",
         vae_path=str(root / "vae"),
-        codec_stride=(4, 4, 4),
+        codec_stride=stride,
+        latent_height=32 // stride[1],
+        latent_width=32 // stride[2],
         latent_frames=T,
     )
     return vae, cfg, root
@@ -52,7 +55,7 @@ def _norm(vae, z: torch.Tensor) -> torch.Tensor:
 def test_vae_config_strides(vae_setup):
     _, cfg, root = vae_setup
     vc = read_vae_config(root / "vae")
-    assert vc.z_dim == 4 and vc.stride == (4, 4, 4)
+    assert vc.z_dim == 4 and vc.stride in ((4, 4, 4), (4, 8, 8))  # Wan2.2's patchify: x2
     assert cfg.image_size == (32, 32) and cfg.frames_per_chunk == 4 * T
 
 
@@ -69,7 +72,7 @@ def test_streaming_encode_equals_whole_video_encode(vae_setup):
     x = torch.from_numpy(used).float().permute(3, 0, 1, 2)[None] / 127.5 - 1.0
     with torch.no_grad():
         whole = _norm(vae, vae.encode(x).latent_dist.mode()[0])
-    assert streamed.shape == whole.shape == (4, T * chunks, 8, 8)
+    assert streamed.shape == whole.shape == (4, T * chunks, cfg.latent_height, cfg.latent_width)
     diff = (streamed - whole).abs().max().item()
     print("encode streamed vs whole", diff)
     assert diff <= 1e-5
@@ -81,11 +84,12 @@ def test_streaming_decode_equals_whole_video_decode(vae_setup):
     gen = torch.Generator().manual_seed(3)
     # chunk 0 generated, chunk 1 observed (encoded), chunk 2 generated: chunk 1's latent passes
     # the decoder before chunk 2 (its output dropped)
-    lat0 = torch.randn(4, T, 8, 8, generator=gen)
+    grid = (cfg.latent_height, cfg.latent_width)
+    lat0 = torch.randn(4, T, *grid, generator=gen)
     out0 = codec.decode_float(lat0, stream_id=5, chunk=0)
     lat1 = codec.encode(_video(4 * T, seed=2), stream_id=5)
     codec.observed(5, 1, lat1)
-    lat2 = torch.randn(4, T, 8, 8, generator=gen)
+    lat2 = torch.randn(4, T, *grid, generator=gen)
     out2 = codec.decode_float(lat2, stream_id=5, chunk=2)
     latents = torch.cat([lat0, lat1, lat2], dim=1)
     raw = latents * codec.std + codec.mean

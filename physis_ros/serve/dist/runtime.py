@@ -278,7 +278,7 @@ class StageHost:
         self.blocks = set(blocks)
         self.model = build_model(
             cfg.model_config,
-            seed=cfg.weights_seed,
+            seed=self._init_seed(),
             device=ctx.device,
             dtype=cfg.torch_dtype,
             block_ids=self.blocks,
@@ -297,6 +297,10 @@ class StageHost:
             sink_rank=0,
         )
         self.worker = Worker(self.model, cfg.sampler_config, self, placement, batching=cfg.batching)
+
+    def _init_seed(self) -> int | None:
+        # a model directory's weights are loaded next: build on the device, unseeded
+        return None if self.cfg.resolved.weights is not None else self.cfg.weights_seed
 
     def _load_weights(self) -> None:
         weights = self.cfg.resolved.weights
@@ -407,7 +411,7 @@ class StageHost:
         # Blocks are seeded per block index: the same weights as on every other rank.
         extra = build_model(
             self.cfg.model_config,
-            seed=self.cfg.weights_seed,
+            seed=self._init_seed(),
             device=self.model.device,
             dtype=self.model.dtype,
             block_ids=missing,
