@@ -87,9 +87,7 @@ class LocalEngine:
         self.max_in_flight = max_in_flight
         self.max_streams = max_streams
         own = resolved.weights is not None  # loaded below: no seeded init on the CPU first
-        self.model = build_model(
-            self.cfg, seed=None if own else seed, device=device, dtype=dtype
-        )
+        self.model = build_model(self.cfg, seed=None if own else seed, device=device, dtype=dtype)
         meta = None
         if resolved.weights is not None:
             load_weights(self.model, resolved.weights)

@@ -77,9 +77,7 @@ class Head(nn.Module):
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
 
 
-def _seeded(
-    seed: int | None, part: int, make: Callable[[], nn.Module], device, dtype
-) -> nn.Module:
+def _seeded(seed: int | None, part: int, make: Callable[[], nn.Module], device, dtype) -> nn.Module:
     # Each part is initialised from its own seed on the CPU, so a worker that builds only
     # blocks 10..19 gets exactly the weights the full model has there, on any device; each
     # part moves to the device at once, so a 14B model never sits whole in host memory.
