@@ -19,7 +19,12 @@ from PIL import Image
 from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
-from physis_ros.link.wire import PROTOCOL_VERSION, STREAM_ID_METADATA_KEY, rgb_image
+from physis_ros.link.wire import (
+    PROTOCOL_VERSION,
+    STREAM_ID_METADATA_KEY,
+    array_to_tensor,
+    rgb_image,
+)
 
 MAX_OBSERVATION_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -377,12 +382,22 @@ def test_unknown_and_missing_stream_ids(server, channel):
     first.close()
 
 
+def _emb(array: np.ndarray) -> pb.Tensor:
+    return array_to_tensor(array)
+
+
 @pytest.mark.parametrize(
     ("spec", "what"),
     [
         ({"protocol_version": 0}, "protocol_version"),
         ({"target_interval_ms": -5.0}, "target_interval_ms"),
         ({"target_interval_ms": float("nan")}, "target_interval_ms"),
+        ({"prompt": "nope"}, "unknown prompt 'nope'"),
+        ({"prompt": "empty", "prompt_embedding": _emb(np.zeros((2, 16), np.float32))}, "not both"),
+        ({"prompt_embedding": _emb(np.zeros((5, 16), np.float32))}, "[n <= 4, 16]"),
+        ({"prompt_embedding": _emb(np.zeros((2, 16), np.int32))}, "float32 or float16"),
+        ({"prompt_embedding": _emb(np.full((2, 16), np.inf, np.float16))}, "NaN or inf"),
+        ({"prompt_embedding": pb.Tensor(dtype="float32", shape=[2, 16], data=b"x")}, "bytes"),
     ],
 )
 def test_bad_stream_spec_is_invalid_argument(server, channel, spec, what):
@@ -390,6 +405,15 @@ def test_bad_stream_spec_is_invalid_argument(server, channel, spec, what):
         open_stream(channel, **spec)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert what in err.value.details()
+
+
+def test_prompt_embedding_sent_with_the_stream_is_admitted(server, channel):
+    embedding = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float16)
+    promise = open_stream(channel, prompt_embedding=_emb(embedding), client_name="raw-prompt")
+    assert promise.model == "tiny"
+    pb_grpc.PhysisStub(channel).CloseStream(
+        pb.CloseStreamRequest(stream_id=promise.stream_id), timeout=10
+    )
 
 
 def test_malformed_unary_requests(server, channel):
