@@ -121,3 +121,16 @@ def test_refusals_say_what_is_missing(tmp_path):
         check=True,
     )
     assert json.loads(shown.stdout)["prompts"]["x"]["tokens"] == 2
+
+
+def test_empty_prompt_of_models_without_a_text_encoder():
+    from physis_ros.engine.model import make_cond
+    from physis_ros.engine.prompts import cond_from_json, cond_to_json, trained_empty_prompt
+    from physis_ros.weights import DEFAULT_WEIGHTS, read_metadata
+
+    # the shipped push-wm was trained on make_cond(cfg, 0): its metadata says cond_seed 0
+    cfg = get_preset("push-wm")
+    shipped = trained_empty_prompt(cfg, read_metadata(DEFAULT_WEIGHTS))
+    assert torch.equal(shipped, make_cond(cfg, 0))
+    assert trained_empty_prompt(get_preset("tiny"), None).shape == (0, 16)  # random weights
+    assert torch.equal(cond_from_json(cond_to_json(shipped)), shipped)  # to the ranks, exact
