@@ -38,7 +38,18 @@ PROTO_GEN := physis_ros/link/proto_gen/physis_pb2_grpc.py
 $(PROTO_GEN): proto/physis.proto proto/generate.py $(DEPS_STAMP)
 	$(PY) proto/generate.py > /dev/null
 
-setup: $(BUILD_STAMP) $(PROTO_GEN)
+# tf2_msgs/TFMessage (sim_robot's TF) has no PyPI wheel: built from vendor/ into the venv.
+TF2_STAMP := $(VENV)/.tf2-msgs-installed
+$(TF2_STAMP): $(DEPS_STAMP) $(wildcard vendor/tf2_msgs/*.* vendor/tf2_msgs/msg/*)
+	rm -rf build-vendor/tf2_msgs
+	{ AMENT_PREFIX_PATH=$(CURDIR)/$(VENV) cmake -S vendor/tf2_msgs -B build-vendor/tf2_msgs \
+	    -DCMAKE_PREFIX_PATH=$(CURDIR)/$(VENV) -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(VENV) \
+	    -DPython3_EXECUTABLE=$(CURDIR)/$(PY) -DBUILD_TESTING=OFF -Wno-dev \
+	  && cmake --build build-vendor/tf2_msgs -j2 && cmake --install build-vendor/tf2_msgs; } \
+	  > build-vendor.log 2>&1 || { tail -40 build-vendor.log; exit 1; }
+	touch $@
+
+setup: $(BUILD_STAMP) $(PROTO_GEN) $(TF2_STAMP)
 	@# a no-op build and re-install take ~2 s; the install picks up new source files
 	@{ AMENT_PREFIX_PATH=$(CURDIR)/$(VENV) cmake --build build -j2 && cmake --install build; } \
 	  >> build.log 2>&1 \
@@ -71,4 +82,4 @@ shell: setup
 	@bash --rcfile <(echo 'source ~/.bashrc 2>/dev/null; source scripts/env.sh; PS1="(physis) $$PS1"')
 
 clean:
-	rm -rf build build.log
+	rm -rf build build.log build-vendor build-vendor.log

@@ -16,6 +16,7 @@ CONSOLE_SCRIPTS = [
     "physis-bench = physis_ros.bench.cli:main",
     "physis-demo = physis_ros.demo:main",
     "physis-serve = physis_ros.serve.main:main",
+    "physis-torchrun = physis_ros.tools.torchrun:main",
     "bridge = physis_ros.nodes.bridge:main",
     "sim_robot = physis_ros.nodes.sim_robot:main",
     "physis-sim = physis_ros.tools.sim_cli:main",

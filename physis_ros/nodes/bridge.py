@@ -37,7 +37,7 @@ from visualization_msgs.msg import MarkerArray
 from physis_ros.link.client import CameraImage, LinkClient, Observation, Prediction
 from physis_ros.msg import ActionChunk, PipelineStats
 from physis_ros.nodes import outputs
-from physis_ros.nodes.bridge_params import BridgeParams, declare_bridge_params
+from physis_ros.nodes.bridge_params import BridgeParams, declare_bridge_params, parameter_docs
 from physis_ros.nodes.conversions import (
     ConversionError,
     command_positions,
@@ -55,7 +55,7 @@ from physis_ros.nodes.pairing import (
     PairedObservation,
     Sample,
 )
-from physis_ros.nodes.run import run_node
+from physis_ros.nodes.run import NodeUsage, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
 
@@ -114,6 +114,7 @@ class Bridge(Node):
         self._last_chunk_s: float | None = None
         self._stream_id: int | None = None
         self._promise = None  # the link's promise, refreshed by the receive thread and timers
+        self._link_error_logged = ""
 
         self.client = client or self._make_client()
         self._make_io()
@@ -131,12 +132,16 @@ class Bridge(Node):
         target = p.server
         if p.server_port_file:
             target = f"{p.server.rsplit(':', 1)[0]}:{_wait_for_port(p.server_port_file, 30.0)}"
+        token = p.token or None
+        if p.token_file:
+            with open(p.token_file) as f:
+                token = f.read().strip()
         return LinkClient(
             target,
             seed=p.seed,
             prompt=p.prompt,
             target_interval_ms=p.target_interval_ms,
-            token=p.token or None,
+            token=token,
             root_cert_path=p.root_cert_path or None,
             client_cert_path=p.client_cert_path or None,
             client_key_path=p.client_key_path or None,
@@ -535,11 +540,18 @@ class Bridge(Node):
 
         link = self.client.stats()
         self._promise = link.promise
+        if link.last_error != self._link_error_logged:  # a refusal is not silent
+            if link.last_error:
+                self.get_logger().warning(f"link: {link.last_error}")
+            self._link_error_logged = link.last_error
         now_ns = self.now_ns()
         self.stats_pub.publish(pipeline_stats_msg(self, link, now_ns))
         self.diag_pub.publish(
             outputs.diagnostic_array(
-                stamp_ns=now_ns, node_name=self.get_name(), report=diagnostics_report(self, link)
+                stamp_ns=now_ns,
+                # namespace/name: two robots' bridges on one /diagnostics stay apart
+                node_name=self.get_fully_qualified_name().lstrip("/"),
+                report=diagnostics_report(self, link),
             )
         )
 
@@ -564,11 +576,24 @@ def _wait_for_port(path: str, timeout_s: float) -> int:
     raise TimeoutError(f"no port in {path} after {timeout_s} s")
 
 
+def usage() -> NodeUsage:
+    docs = parameter_docs()
+    return NodeUsage(
+        prog="bridge",
+        description=__doc__.replace("``", ""),
+        parameters=[
+            (f.name, f.default, docs[f.name]) for f in BridgeParams.__dataclass_fields__.values()
+        ],
+        params_file="bridge.yaml",
+        example="ros2 run physis_ros bridge --ros-args -r __ns:=/arm1 -p server:=gpu-box:50051",
+    )
+
+
 def main(args=None) -> int:
     # Callbacks, the link's gRPC threads and the publishing thread share the GIL; the default
     # 5 ms switch interval makes the publishing thread wait for it several times per chunk.
     sys.setswitchinterval(0.0005)
-    return run_node(Bridge, args, executor="events")
+    return run_node(Bridge, args, usage=usage(), executor="events")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,14 @@ def serve_single_process(
     """physis-serve with an in-process engine, until SIGINT / SIGTERM."""
     cfg = load_config(args.config)
     engine_section = model_section(cfg["engine"], args)
+    if args.weights:
+        from physis_ros.weights import engine_kwargs
+
+        engine_section.update(engine_kwargs(args.weights))  # model, window, steps, shift
+        if args.model is not None and args.model != engine_section["model"]:
+            raise ValueError(
+                f"--model {args.model} but {args.weights} holds {engine_section['model']}"
+            )
     frontend_section = dict(cfg["frontend"])
     loop_options = {k: float(frontend_section[k]) for k in _LOOP_KEYS if k in frontend_section}
     token = args.token
@@ -245,6 +253,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="YAML parameters (default: config/serve.yaml of the source tree, if present)",
     )
     add_model_arguments(parser)
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="safetensors weights written by physis-train; model, window and steps come from "
+        "its metadata (default: a preset's shipped weights, else random; single process only)",
+    )
     parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port; 0 = ephemeral")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
@@ -286,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         from physis_ros.serve.dist.serve import serve_torchrun, under_torchrun
 
         if under_torchrun():  # torchrun: rank 0 serves over a DistEngine, others are workers
+            if args.weights:
+                raise ValueError("--weights is not read under torchrun yet; serve a preset")
             return serve_torchrun(args)
         return serve_single_process(args)
     except (ValueError, OSError) as exc:
