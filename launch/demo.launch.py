@@ -22,7 +22,11 @@ def generate_launch_description():
     launch_dir = os.path.join(get_package_share_directory("physis_ros"), "launch")
     arguments = [
         ("model", "push-wm", "model preset physis-serve runs (push-wm: shipped trained weights)"),
-        ("weights", "", "weights from physis-train, model named inside ('' = model's shipped ones)"),
+        (
+            "weights",
+            "",
+            "weights from physis-train, model named inside ('' = model's shipped ones)",
+        ),
         ("port", "50051", "port of the local physis-serve (0: ephemeral, needs port_file)"),
         ("port_file", "", "physis-serve writes its port here and the bridge reads it"),
         ("namespace", "", "namespace of the robot's nodes and topics ('' = none)"),

@@ -42,7 +42,9 @@ def server_command(context) -> list:
     if not value["weights"]:  # weights name their own model
         cmd += ["--model", value["model"]]
     cmd += ["--host", value["host"], "--port", value["port"]]
-    cmd += [arg for name, flag in OPTIONAL_FLAGS.items() if value[name] for arg in (flag, value[name])]
+    cmd += [
+        arg for name, flag in OPTIONAL_FLAGS.items() if value[name] for arg in (flag, value[name])
+    ]
     ranks = int(value["nproc_per_node"])
     if ranks < 1:
         raise ValueError(f"nproc_per_node must be >= 1, got {ranks}")
@@ -57,7 +59,11 @@ def generate_launch_description():
     share = get_package_share_directory("physis_ros")
     arguments = [
         ("model", "push-wm", "model preset (push-wm: the shipped trained world model)"),
-        ("weights", "", "weights from physis-train, model named inside ('' = model's shipped ones)"),
+        (
+            "weights",
+            "",
+            "weights from physis-train, model named inside ('' = model's shipped ones)",
+        ),
         (
             "config",
             os.path.join(share, "config", "serve.yaml"),

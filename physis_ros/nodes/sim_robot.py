@@ -35,7 +35,6 @@ from physis_ros.nodes.conversions import fill_image_msg
 from physis_ros.nodes.run import NodeUsage, run_node
 from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
 
-
 PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
     # name, default, description, kind: "rate" (0.1..1000, settable), "fixed" (read-only), ""
     ("camera_rate_hz", 30.0, "camera images per second (camera/image)", "rate"),
