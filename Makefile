@@ -10,7 +10,7 @@ BUILD_STAMP := build/.installed
 MSGS := $(wildcard msg/*.msg)
 DEMO_ARGS ?=
 
-.PHONY: setup ros-cli demo test lint format shell clean
+.PHONY: setup ros-cli heldout demo test lint format shell clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ ROS_CLI_INSTALL := ../shared/ros_cli/install.sh
 ros-cli: $(DEPS_STAMP)
 	@if [ -x $(ROS_CLI_INSTALL) ]; then $(ROS_CLI_INSTALL) $(VENV); \
 	else echo "ros-cli: no $(ROS_CLI_INSTALL); tests that run ros2 launch/run will be skipped"; fi
+
+# Held-out bags for physis-eval: seeds 10000-10009, never used in training (docs/push_wm).
+heldout: setup
+	source scripts/env.sh && physis-record data/heldout --episodes 10 --seed 10000 \
+	  --duration-s 60 --height 32 --width 32
 
 demo: setup
 	source scripts/env.sh && physis-demo $(DEMO_ARGS)

@@ -109,7 +109,9 @@ class LaunchRun:
         assert set(started) == clean, (
             f"not finished cleanly: {[started[p] for p in set(started) - clean]}\n{log[-3000:]}"
         )
-        assert "Traceback" not in log, log[-5000:]
+        # a Python traceback, or a callback error the EventsExecutor logged with its stack
+        for sign in ("Traceback", "[FATAL]", "Error occurred at"):
+            assert sign not in log, log[-5000:]
         assert returncode == 0, f"ros2 launch exited {returncode}:\n{log[-3000:]}"
         return sorted(started.values())
 

@@ -55,7 +55,7 @@ from physis_ros.nodes.pairing import (
     PairedObservation,
     Sample,
 )
-from physis_ros.nodes.run import NodeUsage, run_node
+from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
 
@@ -350,6 +350,8 @@ class Bridge(Node):
             try:
                 self._publish_prediction(prediction)
             except Exception as exc:  # noqa: BLE001 - a bad chunk must not kill the output thread
+                if not self.context.ok():
+                    return  # Ctrl-C shut the context down under the publish
                 self.drops.add("bad_prediction")
                 self.get_logger().error(
                     f"prediction {prediction.chunk_index} not published: {exc!r}"
@@ -507,6 +509,7 @@ class Bridge(Node):
     def now_ns(self) -> int:
         return self.get_clock().now().nanoseconds
 
+    @quiet_at_shutdown
     def _on_watchdog(self) -> None:
         now_ns = self.now_ns()
         if not self.gate.check_deadline(now_ns):
@@ -535,6 +538,7 @@ class Bridge(Node):
         self._publish_actions(rows, now_ns, self.gate.deadline_s / horizon, source)
         self.counts["fallbacks"] += 1
 
+    @quiet_at_shutdown
     def _on_stats_timer(self) -> None:
         from physis_ros.nodes.bridge_report import diagnostics_report, pipeline_stats_msg
 

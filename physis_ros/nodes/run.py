@@ -13,6 +13,7 @@ with a timeout, which works.
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import textwrap
@@ -63,10 +64,32 @@ def check_command_line(usage: NodeUsage, args: Sequence[str] | None = None) -> N
     parser.parse_args(own)
 
 
-def run_node(factory, args=None, *, usage: NodeUsage, executor: str = "single") -> int:
+def quiet_at_shutdown(callback):
+    """For a node's callbacks that publish: Ctrl-C shuts the context down under a callback that is
+    publishing, whose publish then raises RCLError; that is the shutdown, and the
+    EventsExecutor would log it as a FATAL error with a stack. Other errors pass."""
+
+    @functools.wraps(callback)
+    def guarded(node, *args, **kwargs):
+        try:
+            return callback(node, *args, **kwargs)
+        except RCLError:
+            if node.context.ok():
+                raise
+            return None
+
+    return guarded
+
+
+def run_node(
+    factory, args=None, *, usage: NodeUsage | None = None, executor: str = "single"
+) -> int:
+    """``usage``: the node's command line is checked (--help, --ros-args); None: the caller
+    parsed its own arguments (a helper process such as physis-bench's feed)."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor {executor!r} is not one of {EXECUTORS}")
-    check_command_line(usage, args)
+    if usage is not None:
+        check_command_line(usage, args)
     try:
         with rclpy.init(args=args):
             context = rclpy.get_default_context()

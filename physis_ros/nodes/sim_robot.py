@@ -32,7 +32,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
 from physis_ros.nodes import frames
 from physis_ros.nodes.conversions import fill_image_msg
-from physis_ros.nodes.run import NodeUsage, run_node
+from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
 
 PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
@@ -193,6 +193,7 @@ class SimRobot(Node):
         self.follower.set(start_ns, times, points)
         self.trajectories_received += 1
 
+    @quiet_at_shutdown
     def _on_state_timer(self) -> None:
         now = self.get_clock().now()
         t_s = (now.nanoseconds - self._t0_ns) * 1e-9
@@ -228,6 +229,7 @@ class SimRobot(Node):
         w.wrench.torque.x, w.wrench.torque.y, w.wrench.torque.z = (float(v) for v in wrench[3:])
         self.wrench_pub.publish(w)
 
+    @quiet_at_shutdown
     def _on_camera_timer(self) -> None:
         stamp = self.get_clock().now().to_msg()
         with self._lock:
