@@ -280,6 +280,10 @@ class LinkClient:
                 )
             except grpc.RpcError as exc:  # the server may already be gone: say so, go on
                 self._set_error(f"CloseStream: {_rpc_error_text(exc)}")
+            except ValueError:
+                # "Cannot invoke RPC on closed channel": the stream ended meanwhile (the
+                # server stopping too, as on a Ctrl-C of both) and its channel is closed
+                pass
         if call is not None:
             call.cancel()
         if self._thread is not None:
