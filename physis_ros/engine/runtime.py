@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from physis_ros.engine.config import SamplerConfig
+from physis_ros.engine.devcopy import to_device
 from physis_ros.engine.model import WanDiT, make_cond
 from physis_ros.engine.placement import Layout, Placement
 from physis_ros.engine.sampler import initial_noise
@@ -38,7 +39,8 @@ class ChunkResult:
     stream_id: int
     chunk: int
     x: torch.Tensor
-    """[X] float32 final state x^(K) (on the sink worker's device)."""
+    """[X] float32 final state x^(K): on the host from a GPU worker (pinned, copied on a side
+    stream), else on the sink worker's device."""
     created_s: float
     """time.monotonic() when the chunk entered the pipeline."""
     left_s: float
@@ -133,9 +135,8 @@ class Controller:
         for sid, st in self.streams.items():
             while st.pending and (st.max_in_flight == 0 or st.in_flight < st.max_in_flight):
                 c, is_ctx, x = st.pending.popleft()
-                act = Activation(
-                    sid, c, 0, 0, FLAG_CONTEXT if is_ctx else 0, x.to(self.device), None
-                )
+                x = to_device(x, self.device)  # asynchronous: the GPU's queue is not drained
+                act = Activation(sid, c, 0, 0, FLAG_CONTEXT if is_ctx else 0, x, None)
                 act.epoch = st.epoch
                 if is_ctx:
                     st.context_entered_s[c] = act.created_s
