@@ -93,9 +93,11 @@ class HostCopier:
         outs, done = copy_to_host_async(tensors, self.stream)
         self._todo.put((done, outs, deliver))
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the copier's thread after the copies asked for so far."""
         self._todo.put(None)
-        self._thread.join(timeout=10.0)
+        if wait:
+            self._thread.join(timeout=10.0)
 
     def _loop(self) -> None:
         while True:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import queue
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -484,6 +485,8 @@ class Worker:
             return
         if self._host_copier is None:
             self._host_copier = HostCopier(msg.x.device)
+            # its thread ends with the worker
+            weakref.finalize(self, self._host_copier.close, wait=False)
 
         def deliver(host: list[torch.Tensor]) -> None:
             msg.x = host[0]
