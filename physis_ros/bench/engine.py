@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -71,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--block-impl",
+        choices=("eager", "fused"),
+        default=None,
+        help="how blocks run (engine/fused.py); default: $PHYSIS_BLOCK_IMPL or eager",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--ranks",
@@ -218,7 +225,9 @@ def run(args: argparse.Namespace) -> dict:
     )
     sampler = SamplerConfig(steps=args.steps, window=args.window)
     dtype = DTYPES[args.dtype]
-    model = build_model(cfg, seed=args.seed, device=args.device, dtype=dtype)
+    model = build_model(
+        cfg, seed=args.seed, device=args.device, dtype=dtype, block_impl=args.block_impl
+    )
     codec = Codec(cfg, device=args.device)
     K, L, N, S = sampler.steps, cfg.num_blocks, args.workers, args.streams
     plans = _plans(cfg, args, codec)
@@ -267,6 +276,7 @@ def run(args: argparse.Namespace) -> dict:
         "batching": batching,
         "device": args.device,
         "dtype": args.dtype,
+        "block_impl": "fused" if getattr(model, "fused_blocks", None) is not None else "eager",
         "threads": args.threads,
         "tokens_per_chunk": cfg.tokens_per_chunk,
         "block_ms": block_ms,
@@ -402,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.block_impl:  # the ranks of --ranks build their models from the environment
+        os.environ["PHYSIS_BLOCK_IMPL"] = args.block_impl
     try:
         if args.ranks:
             from physis_ros.bench.engine_dist import run as run_dist
