@@ -39,7 +39,7 @@ TORCH_2_11 = {
     "torch.arange", "torch.meshgrid", "torch.isfinite",
     "F.gelu", "F.layer_norm", "F.linear", "F.scaled_dot_product_attention",
     "tl.arange", "tl.constexpr", "tl.float32", "tl.int64", "tl.load", "tl.program_id",
-    "tl.rsqrt", "tl.store", "tl.sum", "tl.where", "triton.jit", "triton.next_power_of_2",
+    "tl.rsqrt", "tl.store", "tl.sum", "tl.where", "triton.jit",
 }  # fmt: skip
 
 

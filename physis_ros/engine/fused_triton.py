@@ -17,13 +17,21 @@ GPU: test_fused.py).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # importable without Triton (CPU machines); the kernels need it
+    triton = tl = None
 
 NORM_NONE, NORM_MODULATE, NORM_AFFINE = 0, 1, 2
 
 
-@triton.jit
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
 def _norm_kernel(  # noqa: PLR0917
     x_ptr,
     a_ptr,
@@ -72,7 +80,7 @@ def _norm_kernel(  # noqa: PLR0917
         tl.store(y_ptr + base + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@_jit
 def _rms_rope_kernel(  # noqa: PLR0917
     src_ptr,
     src_stride,
@@ -114,6 +122,10 @@ def _rms_rope_kernel(  # noqa: PLR0917
     tl.store(dst + 1, xo.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def _warps(block: int) -> int:
     return max(4, min(16, block // 256))
 
@@ -135,7 +147,7 @@ def norm(
     LayerNorm modulated by shift/scale[task] [B, D] (rows of a [B, 6, D] tensor), or affine
     by weight/bias [D], or h itself when not ``normalize``."""
     rows, dim = x.shape
-    block = triton.next_power_of_2(dim)
+    block = _next_power_of_2(dim)
     h = torch.empty_like(x) if residual is not None else x
     if not normalize:
         if residual is None:
@@ -192,7 +204,7 @@ def rms_rope(
         raise ValueError(f"rms_rope: src {tuple(src.shape)} -> dst {tuple(dst.shape)} layout")
     if rope is not None and (rope.dtype != torch.float32 or not rope.is_contiguous()):
         raise ValueError("rms_rope: the rope table must be contiguous float32 [T, d/2, 2]")
-    block = triton.next_power_of_2(dim // 2)
+    block = _next_power_of_2(dim // 2)
     _rms_rope_kernel[(rows,)](
         src,
         src.stride(0),
