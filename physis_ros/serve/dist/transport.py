@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from physis_ros.engine.devcopy import copy_to_device_sync, copy_to_host_async
+from physis_ros.engine.devcopy import copy_to_device_sync
 from physis_ros.engine.transport import Activation
 
 log = logging.getLogger(__name__)
@@ -172,8 +172,6 @@ class TorchDistTransport:
             up, down = dist.new_group(backend="nccl"), dist.new_group(backend="nccl")
             self._groups_by_direction = (up, down)
         staging = self.wire_device.type == "cpu" and self.device.type == "cuda"
-        self._stage_stream = torch.cuda.Stream(self.device) if staging else None
-        """gloo with a CUDA device: device -> host copies of sends."""
         self._h2d_stream = torch.cuda.Stream(self.device) if staging else None
         """gloo with a CUDA device: host -> device copies of receives."""
         self._next_x, self._next_h = self._alloc_payload()
@@ -201,16 +199,11 @@ class TorchDistTransport:
                 f"{self.shapes.h_dim})"
             )
         header = self._header(KIND_DATA, msg=msg)
-        tensors = [msg.x.detach().reshape(-1).to(torch.float32)]
+        x = msg.x.detach().reshape(-1).to(self.wire_device, torch.float32)
+        payload = [x]
         if msg.h is not None:
-            tensors.append(msg.h.detach().to(self.shapes.h_dtype).contiguous())
-        if self._stage_stream is not None and tensors[0].device.type == "cuda":
-            # gloo from a GPU: staged through pinned memory on a copy stream; the send thread
-            # waits for that copy, the worker's thread for nothing
-            payload, staged = copy_to_host_async(tensors, self._stage_stream)
-            self._enqueue(dst, header, payload, staged=staged)
-            return
-        self._enqueue(dst, header, [t.to(self.wire_device) for t in tensors])
+            payload.append(msg.h.detach().to(self.wire_device, self.shapes.h_dtype).contiguous())
+        self._enqueue(dst, header, payload)
 
     def wake(self) -> None:
         """End a wait in ``recv``/``recv_sink``/``recv_control`` now (safe in a signal handler).
@@ -327,15 +320,8 @@ class TorchDistTransport:
             values[_H_EPOCH] = msg.epoch
         return torch.tensor(values, dtype=torch.int64, device=self.wire_device)
 
-    def _enqueue(
-        self,
-        dst: int,
-        header: torch.Tensor,
-        payload: list[torch.Tensor],
-        *,
-        staged: torch.cuda.Event | None = None,
-    ) -> None:
-        ready = staged  # gloo: the payload's copy from the GPU (the send thread waits on it)
+    def _enqueue(self, dst: int, header: torch.Tensor, payload: list[torch.Tensor]) -> None:
+        ready = None
         if self.wire_device.type == "cuda":  # where the caller produced header and payload
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.wire_device))
@@ -373,8 +359,6 @@ class TorchDistTransport:
             header, payload, ready = item
             try:
                 if group is None:  # gloo: one message, header ++ payload bytes (see docstring)
-                    if ready is not None:
-                        ready.synchronize()  # the payload's copy from the GPU, nothing else
                     parts = [header, *payload]
                     packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in parts])
                     works = [dist.isend(packed, dst=dst, tag=TAG_HEADER)]
