@@ -140,16 +140,17 @@ def _run_mode(
         return (t1 - t0 - sum(d for s, d in pauses if t0 <= s < t1)) * 1e3
 
     t0, cpu0 = time.monotonic(), time.process_time()
-    out = run_plan(
-        rt,
-        plans,
-        mode=mode,
-        max_in_flight=in_flight,
-        threads=N > 1,
-        seeds={s: args.seed + s for s in plans},
-        conds={s: make_cond(model.cfg, 100 + s) for s in plans},
-        on_output=None if N > 1 or timer is None else sample,
-    )
+    with rt:  # its threads (worker loops, host copiers) joined when the run is done
+        out = run_plan(
+            rt,
+            plans,
+            mode=mode,
+            max_in_flight=in_flight,
+            threads=N > 1,
+            seeds={s: args.seed + s for s in plans},
+            conds={s: make_cond(model.cfg, 100 + s) for s in plans},
+            on_output=None if N > 1 or timer is None else sample,
+        )
     wall_s = time.monotonic() - t0
     # CPU time is far less sensitive than wall time to other jobs taking the cores
     cpu_ms = (time.process_time() - cpu0 - sum(d for _, d in pauses)) * 1e3
@@ -236,11 +237,8 @@ def run(args: argparse.Namespace) -> dict:
     modes = list(MODES) if args.mode == "all" else [args.mode]
     # warm-up (excluded): allocator, kernels, caches
     warm = {0: plans[0][: 2 + min(K, args.chunks)]}
-    run_plan(
-        InProcRuntime(model, sampler, layout_even(K, L, 1), batching=batching),
-        warm,
-        mode="pipelined",
-    )
+    with InProcRuntime(model, sampler, layout_even(K, L, 1), batching=batching) as rt:
+        run_plan(rt, warm, mode="pipelined")
     timer = BlockTimer(model, [args.window])
     block_before = [timer.sample() for _ in range(25)][5:]
     main_mode = "pipelined" if "pipelined" in modes else modes[0]

@@ -239,7 +239,7 @@ class LocalEngine:
     def shutdown(self) -> None:
         self._stop.set()
         self._driver.join(timeout=10.0)
-        self.runtime.stop_threads()
+        self.runtime.close()
 
     def __enter__(self) -> LocalEngine:
         return self

@@ -131,7 +131,7 @@ def graph_ms(fn, dev: torch.device, *, reps: int) -> float:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
 
 
@@ -360,10 +360,11 @@ def check_engine(out: Path, name: str, dev: torch.device, dtype: torch.dtype, sm
         plan = {0: [("generate", None)] * chunks}
         _sync(dev)
         t0 = time.perf_counter()
-        res = run_plan(rt, plan, mode="pipelined", max_in_flight=K, seeds={0: 0},
-                       conds={0: torch.zeros(0, cfg.text_dim)})  # fmt: skip
-        _sync(dev)
-        wall = time.perf_counter() - t0
+        with rt:
+            res = run_plan(rt, plan, mode="pipelined", max_in_flight=K, seeds={0: 0},
+                           conds={0: torch.zeros(0, cfg.text_dim)})  # fmt: skip
+            _sync(dev)
+            wall = time.perf_counter() - t0
         left = sorted(r.left_s for r in res[0].values())
         gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(left[K:])]
         stats = rt.workers[0].stats

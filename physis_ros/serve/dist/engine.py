@@ -536,6 +536,7 @@ class DistEngine(PlacementControl):
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
+        self.host.worker.close()  # its host copier's thread (a CUDA sink)
         for ctl in self.transport.recv_control():  # goodbyes the monitor did not read
             if ctl.kind == "bye":
                 self.rank_stats[ctl.src] = ctl.body.get("stats", {})

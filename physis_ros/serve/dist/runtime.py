@@ -511,6 +511,7 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
     _exit_after(CLEANUP_FLUSH_S + cfg.fault_timeout_s + CLEANUP_SLACK_S, code)
     stats = {"cpu_s": time.process_time(), "transport": dict(transport.counters)}
     if host is not None:
+        host.worker.close()
         ws = host.worker.stats
         stats.update(
             tasks=ws.tasks,
