@@ -103,22 +103,57 @@ class ServerDescription:
     """What the engine reports about itself (workers, open streams / slots), on demand."""
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Every call must carry ``authorization: Bearer <token>``; otherwise UNAUTHENTICATED and
-    the handler never runs."""
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+"""Health checks need no token: they reveal only SERVING / NOT_SERVING, and load balancers
+and probes (grpc_health_probe, Kubernetes) do not carry one."""
 
-    def __init__(self, token: str) -> None:
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Every call but a health check must carry ``authorization: Bearer <token>``; otherwise
+    UNAUTHENTICATED and the handler never runs. Refusals are counted (``on_refused``) and
+    logged, at most once per ``log_interval_s`` with the count since."""
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        on_refused: Callable[[str], None] | None = None,
+        log_interval_s: float = 10.0,
+    ) -> None:
         self._expected = f"Bearer {token}".encode()
+        self._on_refused = on_refused
+        self._log_interval_s = log_interval_s
+        self._log_lock = threading.Lock()
+        self._log_due_s = 0.0
+        self._held = 0
 
     def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
+            return continuation(handler_call_details)
+        why = "no bearer token"
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY:
                 got = value.encode() if isinstance(value, str) else value
                 if hmac.compare_digest(got, self._expected):
                     return continuation(handler_call_details)
+                why = "wrong bearer token"
                 break
+        self._refused(handler_call_details.method, why)
         handler = continuation(handler_call_details)
         return _refusing_handler(handler)
+
+    def _refused(self, method: str, why: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused(why)
+        now_s = time.monotonic()
+        with self._log_lock:
+            if now_s < self._log_due_s:
+                self._held += 1
+                return
+            self._log_due_s = now_s + self._log_interval_s
+            held, self._held = self._held, 0
+        since = f" (+{held} more refused since the last report)" if held else ""
+        log.warning("refused %s: %s%s", method, why, since)
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
@@ -145,6 +180,7 @@ class Frontend:
         self._description = description
         self._lock = threading.Lock()
         self._sessions: dict[int, Session] = {}
+        self._opening = 0  # OpenStream calls between the max_streams check and their session
         self._started_s = time.monotonic()
         self.streams_opened = 0
         self.streams_closed = 0
@@ -172,9 +208,13 @@ class Frontend:
     # ---- OpenStream --------------------------------------------------------------------
 
     def _refuse(self, context, code: grpc.StatusCode, details: str):
-        with self._lock:
-            self.refusals[code.name] += 1
+        self.count_refusal(code.name)
         context.abort(code, details)
+
+    def count_refusal(self, status: str) -> None:
+        """A call refused with ``status`` (ServerInfo.refusals)."""
+        with self._lock:
+            self.refusals[status] += 1
 
     def open_stream(self, raw: bytes, context) -> pb.OpenStreamReply:
         try:
@@ -193,20 +233,30 @@ class Frontend:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"target_interval_ms must be finite and >= 0, got {spec.target_interval_ms}",
             )
-        with self._lock:
-            open_now = len(self._sessions)
-        if open_now >= self._config.max_streams:
-            self._refuse(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{open_now} streams open, front end max_streams is {self._config.max_streams}",
-            )
         embedding = None
         if spec.HasField("prompt_embedding"):
             try:
                 embedding = tensor_to_array(spec.prompt_embedding, name="prompt_embedding")
             except WireError as exc:
                 self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with self._lock:
+            # Counted and reserved under one lock: concurrent opens cannot all pass the check.
+            open_now = len(self._sessions) + self._opening
+            if open_now < self._config.max_streams:
+                self._opening += 1
+        if open_now >= self._config.max_streams:
+            self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{open_now} streams open, front end max_streams is {self._config.max_streams}",
+            )
+        try:
+            return self._admit(spec, embedding, context)
+        finally:
+            with self._lock:
+                self._opening -= 1
+
+    def _admit(self, spec: pb.StreamSpec, embedding, context) -> pb.OpenStreamReply:
         engine_spec = StreamSpec(
             seed=spec.seed,
             target_interval_ms=spec.target_interval_ms,
@@ -298,9 +348,14 @@ class Frontend:
     def _read(self, session: Session, request_iterator) -> None:
         try:
             for raw in request_iterator:
-                session.offer(raw, time.time_ns())
+                session.offer(raw, time.time_ns())  # never raises: faults are counted drops
         except grpc.RpcError as exc:  # the call was cancelled or broke: the writer ends it
             log.debug("stream %d reader ended: %s", session.stream_id, exc)
+        except Exception as exc:  # the stream is told, with the cause
+            # Nothing reads this stream's observations any more: end it rather than let it
+            # predict on from the last good one.
+            log.exception("stream %d: reading observations failed", session.stream_id)
+            session.end(grpc.StatusCode.INTERNAL, f"server stopped reading observations: {exc!r}")
 
     def _finish(self, session: Session, why: str) -> None:
         with self._lock:
@@ -321,7 +376,8 @@ class Frontend:
         with self._lock:
             session = self._sessions.get(request.stream_id)
         if session is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown stream id {request.stream_id}")
+            # As the proto promises: not open (already closed or never opened) is an answer.
+            return pb.CloseStreamReply(closed=False)
         self._finish(session, "CloseStream")
         return pb.CloseStreamReply(closed=True, counters=session.counters())
 
@@ -396,7 +452,15 @@ def start_server(
     retain_freed_memory()
     freeze_startup_objects()
     frontend = Frontend(loop, config=config, description=description)
-    interceptors = [TokenAuthInterceptor(config.token)] if config.token else []
+    interceptors = (
+        [
+            TokenAuthInterceptor(
+                config.token, on_refused=lambda _why: frontend.count_refusal("UNAUTHENTICATED")
+            )
+        ]
+        if config.token
+        else []
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=config.worker_threads, thread_name_prefix="physis-grpc"
@@ -443,4 +507,13 @@ def start_server(
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def impaired(why: str) -> None:
+        log.error("server impaired, health NOT_SERVING: %s", why)
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    loop.on_impaired = impaired
+    if loop.error:
+        impaired(loop.error)
     return ServerHandle(server=server, port=port, frontend=frontend, health=health_servicer)

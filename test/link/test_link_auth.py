@@ -182,10 +182,10 @@ def test_every_call_without_valid_token_is_unauthenticated(tls_server, certs, me
                 pb.CloseStreamRequest(stream_id=0), metadata=metadata, timeout=10
             )
         )
+        # Health needs no token (probes and load balancers carry none); it tells nothing else.
         health = health_pb2_grpc.HealthStub(channel)
-        _unauthenticated(
-            lambda: health.Check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=10)
-        )
+        reply = health.Check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
         # Stream, even naming a stream that exists: refused before the handler runs.
         real = open_stream(channel, BEARER, client_name="victim")
         raw = RawStream(channel, metadata=metadata, stream_id=real.stream_id)
@@ -198,6 +198,9 @@ def test_every_call_without_valid_token_is_unauthenticated(tls_server, certs, me
         )
     after = server_info(tls_server.target, BEARER, creds)
     assert after.streams_opened == before.streams_opened + 1  # only the authorised "victim"
+    # OpenStream, GetServerInfo, CloseStream and Stream refused: each counted.
+    refused = after.refusals["UNAUTHENTICATED"] - before.refusals["UNAUTHENTICATED"]
+    assert refused == 4
 
 
 def test_valid_token_is_accepted_by_every_call(tls_server, certs):
