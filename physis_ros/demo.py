@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from physis_ros.cli_errors import cli_main, finite_float
+
 
 def write_png(path: Path, rgb: np.ndarray) -> None:
     """[H, W, 3] uint8 -> an 8-bit RGB PNG."""
@@ -54,7 +56,7 @@ def strip(rows: list[np.ndarray], scale: int = 2) -> np.ndarray:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="physis-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--duration-s", type=float, default=20.0, help="run this long (Ctrl-C stops early)"
+        "--duration-s", type=finite_float, default=20.0, help="run this long (Ctrl-C stops early)"
     )
     parser.add_argument(
         "--model",
@@ -64,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--target-interval-ms",
-        type=float,
+        type=finite_float,
         default=None,
         help="pacing asked of the server (default: the video one chunk covers for a model "
         "with shipped weights, 200 ms for push-wm; else 100; 0: as fast as it can; the action "
@@ -111,6 +113,7 @@ def shipped_camera(model: str) -> dict | None:
     }
 
 
+@cli_main("physis-demo")
 def main(argv=None) -> int:
     args = parse_args(argv)
     from physis_ros.nodes.monitor import Monitor

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from physis_ros.cli_errors import UsageError
 from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.devices import checked_device
 
 ROPE_THETA = 10000.0
 TIME_SCALE = 1000.0
@@ -186,10 +188,22 @@ class WanDiT(nn.Module):
         save_file(to_upstream_state_dict(self), str(path))
 
     def load_safetensors(self, path: str | Path, *, strict: bool = True) -> None:
-        """Load upstream-named weights (blocks this model does not hold are skipped)."""
+        """Load upstream-named weights (blocks this model does not hold are skipped).
+        Raises ValueError naming the file when it is not a readable safetensors file, and
+        naming the tensor when one this model loads holds NaN or inf."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        load_upstream_state_dict(self, load_file(str(path), device="cpu"), strict=strict)
+        if not Path(path).is_file():
+            raise FileNotFoundError(2, "weights file not found", str(path))
+        try:
+            state = load_file(str(path), device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise UsageError(
+                f"{path} is not a readable safetensors file ({exc})",
+                "copy it again, or export it again (physis-train writes weights.safetensors)",
+            ) from exc
+        load_upstream_state_dict(self, state, strict=strict)
 
 
 class _Stem(nn.Module):
@@ -247,6 +261,13 @@ def load_upstream_state_dict(
         if tuple(val.shape) != tuple(own[key].shape):
             raise ValueError(
                 f"{key}: checkpoint shape {tuple(val.shape)} != model {tuple(own[key].shape)}"
+            )
+        if val.is_floating_point() and not bool(torch.isfinite(val).all()):
+            bad = int((~torch.isfinite(val)).sum())
+            raise UsageError(
+                f"checkpoint tensor {key} holds {bad} NaN/inf value(s) of {val.numel()}: "
+                "the weights are broken (a diverged training run?)",
+                "use a checkpoint from before it went non-finite",
             )
         fixed[key] = val
     model.load_state_dict(fixed, strict=False)
@@ -535,6 +556,7 @@ def build_model(
     ``fused`` (engine/fused.py; None: the ``PHYSIS_BLOCK_IMPL`` environment variable)."""
     from physis_ros.engine import fused
 
+    device = checked_device(device)
     model = WanDiT(cfg, seed=seed, block_ids=block_ids, device=device, dtype=dtype)
     model = model.to(device=device).eval()  # the head_perm buffer
     fused.set_block_impl(model, block_impl or fused.default_block_impl())

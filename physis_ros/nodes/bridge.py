@@ -34,6 +34,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 from visualization_msgs.msg import MarkerArray
 
+from physis_ros.cli_errors import cli_main
 from physis_ros.link.client import CameraImage, LinkClient, Observation, Prediction
 from physis_ros.msg import ActionChunk, PipelineStats
 from physis_ros.nodes import outputs
@@ -593,6 +594,7 @@ def usage() -> NodeUsage:
     )
 
 
+@cli_main("bridge")
 def main(args=None) -> int:
     # Callbacks, the link's gRPC threads and the publishing thread share the GIL; the default
     # 5 ms switch interval makes the publishing thread wait for it several times per chunk.

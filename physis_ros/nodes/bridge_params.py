@@ -3,6 +3,7 @@ declared with ParameterDescriptors and read into a frozen, validated ``BridgePar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from rcl_interfaces.msg import ParameterDescriptor
@@ -106,6 +107,11 @@ class BridgeParams:
     """How often pipeline_stats and /diagnostics are published."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            values = getattr(self, f.name)
+            for value in values if isinstance(values, tuple) else (values,):
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"{f.name} must be a finite number, got {value}")
         if self.input_reliability not in RELIABILITIES:
             raise ValueError(
                 f"input_reliability {self.input_reliability!r} is not one of {RELIABILITIES}"

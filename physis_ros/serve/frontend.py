@@ -33,6 +33,7 @@ from physis_ros.link.wire import (
     WireError,
     tensor_to_array,
 )
+from physis_ros.serve import listen
 from physis_ros.serve.session import EngineLoop, Session, SessionEnded, SessionLimits
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ class FrontendConfig:
     """When given, clients must present a certificate signed by this CA."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.open_timeout_s) and self.open_timeout_s > 0):
+            raise ValueError(
+                f"open_timeout_s must be a finite number > 0, got {self.open_timeout_s}"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if self.limits.max_observation_bytes > self.max_message_bytes:
@@ -480,30 +485,22 @@ def start_server(
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{config.host}:{config.port}"
+    credentials = None
     if config.tls_cert_path is not None:
-        with open(config.tls_key_path, "rb") as f:
-            key = f.read()
-        with open(config.tls_cert_path, "rb") as f:
-            cert = f.read()
-        client_ca = None
-        if config.tls_client_ca_path is not None:
-            with open(config.tls_client_ca_path, "rb") as f:
-                client_ca = f.read()
-        credentials = grpc.ssl_server_credentials(
-            [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        credentials = listen.tls_credentials(
+            config.tls_cert_path, config.tls_key_path, config.tls_client_ca_path
         )
-        port = server.add_secure_port(address, credentials)
-    else:
-        if config.token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning(
-                "bearer token over plaintext on %s: anyone on the path can read it; "
-                "use --tls-cert/--tls-key",
-                config.host,
-            )
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+    elif config.token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "bearer token over plaintext on %s: anyone on the path can read it; "
+            "use --tls-cert/--tls-key",
+            config.host,
+        )
+    try:
+        port = listen.bind(server, config.host, config.port, credentials)
+    except BaseException:
+        server.stop(None)
+        raise
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -165,7 +165,7 @@ def test_configs_name_the_bad_value():
         FrontendConfig(max_message_bytes=10, limits=SessionLimits(max_observation_bytes=20))
     with pytest.raises(ValueError, match="tls_key_path"):
         FrontendConfig(tls_cert_path="c.pem")
-    with pytest.raises(ValueError, match="unknown frontend keys"):
+    with pytest.raises(ValueError, match="frontend: unknown key"):
         frontend_config({"max_strems": 3})
     with pytest.raises(ValueError, match="outbound_queue"):
         SessionLimits(outbound_queue=0)

@@ -65,5 +65,5 @@ def test_yaml_section_merges_engine_keys_and_refuses_unknown_ones():
         runtime_config({"engine": {"model": "small"}}, argparse.Namespace(model="tiny")).model
         == "tiny"
     )
-    with pytest.raises(ValueError, match="unknown distributed keys \\['heartbeat_s'\\]"):
+    with pytest.raises(ValueError, match="distributed: unknown key\\(s\\) \\['heartbeat_s'\\]"):
         runtime_config({"distributed": {"heartbeat_s": 1}})

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from physis_ros.cli_errors import check_fields
 from physis_ros.serve.dist.runtime import RuntimeConfig, StopFlag, exit_now, run_worker_rank
 
 log = logging.getLogger("physis-serve")
@@ -56,10 +57,7 @@ def runtime_config(config: dict[str, Any], args: argparse.Namespace | None = Non
             section[key] = engine[key]
     flags = model_section({}, args) if args is not None else {}
     section.update({k: v for k, v in flags.items() if k in ENGINE_KEYS})
-    known = {f for f in RuntimeConfig.__dataclass_fields__}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"unknown distributed keys {unknown}; known: {sorted(known)}")
+    check_fields(RuntimeConfig, section, "distributed")  # keys, types, finite numbers
     return RuntimeConfig(**section)
 
 
