@@ -218,10 +218,11 @@ def tensor_to_array(
         raise WireError("bad_tensor", f"{name}: shape {shape} is not allowed")
     dtype = np.dtype(msg.dtype).newbyteorder("<")
     declared = math.prod(shape) * dtype.itemsize
-    if declared > max_bytes:
+    # The non-zero dimensions bound too: numpy refuses [0, 2**31, 2**32] although it is empty.
+    if max(declared, math.prod(d for d in shape if d) * dtype.itemsize) > max_bytes:
         raise WireError(
             "bad_tensor",
-            f"{name}: shape {shape} {msg.dtype} declares {declared} bytes, more than {max_bytes}",
+            f"{name}: shape {shape} {msg.dtype} declares more than {max_bytes} bytes",
         )
     if data is None:
         data = msg.data  # upb copies the bytes out on every read: read once
