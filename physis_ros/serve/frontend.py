@@ -362,12 +362,14 @@ class Frontend:
             log.exception("stream %d: reading observations failed", session.stream_id)
             session.end(grpc.StatusCode.INTERNAL, f"server stopped reading observations: {exc!r}")
 
-    def _finish(self, session: Session, why: str) -> None:
+    def _finish(
+        self, session: Session, why: str, code: grpc.StatusCode = grpc.StatusCode.OK
+    ) -> None:
         with self._lock:
             if self._sessions.pop(session.stream_id, None) is None:
                 return
             self.streams_closed += 1
-        session.end(grpc.StatusCode.OK, why)
+        session.end(code, why)
         self._loop.remove(session)
         log.info("closed stream %d: %s", session.stream_id, why)
 
@@ -423,11 +425,11 @@ class Frontend:
             info.engine["error"] = self._loop.error
         return info
 
-    def close_all(self, why: str) -> None:
+    def close_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
         with self._lock:
             sessions = list(self._sessions.values())
         for s in sessions:
-            self._finish(s, why)
+            self._finish(s, why, code)
 
 
 @dataclass
@@ -441,7 +443,9 @@ class ServerHandle:
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
-        self.frontend.close_all("server shutting down")
+        # UNAVAILABLE, not OK: the client is told its stream did not end by its own choice,
+        # and reconnects to whatever serves next (a restarted job, another server).
+        self.frontend.close_all("server shutting down", grpc.StatusCode.UNAVAILABLE)
         self.server.stop(grace_s).wait(grace_s + 1.0)
 
 
