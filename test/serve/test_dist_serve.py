@@ -17,7 +17,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-FAULT_TIMEOUT_S = 2.0
+FAULT_TIMEOUT_S = 5.0  # 2 s declared live ranks dead on a busy machine
 CONFIG = f"""
 engine: {{model: tiny}}
 distributed:
@@ -171,13 +171,13 @@ def test_hung_rank_is_reported_to_the_client_within_the_timeout(server):
     os.kill(ranks[1], signal.SIGSTOP)
     try:
         hung_s = time.monotonic()
-        while "rank 1" not in client.stats().last_error and time.monotonic() - hung_s < 15:
+        while "rank 1" not in client.stats().last_error and time.monotonic() - hung_s < 60:
             client.get_prediction(0.1)
         reported_s = time.monotonic() - hung_s
         error = client.stats().last_error
         client.close()
         assert "rank 1" in error, error
-        assert reported_s < FAULT_TIMEOUT_S + 3.0, f"reported after {reported_s:.1f} s: {error}"
+        assert reported_s < 2 * FAULT_TIMEOUT_S, f"reported after {reported_s:.1f} s: {error}"
     finally:
         os.kill(ranks[1], signal.SIGKILL)  # a stopped process cannot act on SIGTERM
 
