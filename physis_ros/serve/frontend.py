@@ -7,7 +7,6 @@ Handlers never call the engine: they hand work to the ``EngineLoop`` thread (ses
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import threading
@@ -26,7 +25,6 @@ from physis_ros.engine.api import AdmissionRefused, StreamFailed, StreamSpec
 from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
-    AUTH_METADATA_KEY,
     PROMISE_FIELDS,
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
@@ -34,6 +32,7 @@ from physis_ros.link.wire import (
     tensor_to_array,
 )
 from physis_ros.serve import listen
+from physis_ros.serve.auth import TokenAuthInterceptor
 from physis_ros.serve.session import EngineLoop, Session, SessionEnded, SessionLimits
 
 log = logging.getLogger(__name__)
@@ -106,72 +105,6 @@ class ServerDescription:
     """The model's action_mode; "condition": generate requests carry commanded actions."""
     engine_info: Callable[[], dict[str, Any]] | None = None
     """What the engine reports about itself (workers, open streams / slots), on demand."""
-
-
-HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
-"""Health checks need no token: they reveal only SERVING / NOT_SERVING, and load balancers
-and probes (grpc_health_probe, Kubernetes) do not carry one."""
-
-
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Every call but a health check must carry ``authorization: Bearer <token>``; otherwise
-    UNAUTHENTICATED and the handler never runs. Refusals are counted (``on_refused``) and
-    logged, at most once per ``log_interval_s`` with the count since."""
-
-    def __init__(
-        self,
-        token: str,
-        *,
-        on_refused: Callable[[str], None] | None = None,
-        log_interval_s: float = 10.0,
-    ) -> None:
-        self._expected = f"Bearer {token}".encode()
-        self._on_refused = on_refused
-        self._log_interval_s = log_interval_s
-        self._log_lock = threading.Lock()
-        self._log_due_s = 0.0
-        self._held = 0
-
-    def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
-            return continuation(handler_call_details)
-        why = "no bearer token"
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == AUTH_METADATA_KEY:
-                got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._expected):
-                    return continuation(handler_call_details)
-                why = "wrong bearer token"
-                break
-        self._refused(handler_call_details.method, why)
-        handler = continuation(handler_call_details)
-        return _refusing_handler(handler)
-
-    def _refused(self, method: str, why: str) -> None:
-        if self._on_refused is not None:
-            self._on_refused(why)
-        now_s = time.monotonic()
-        with self._log_lock:
-            if now_s < self._log_due_s:
-                self._held += 1
-                return
-            self._log_due_s = now_s + self._log_interval_s
-            held, self._held = self._held, 0
-        since = f" (+{held} more refused since the last report)" if held else ""
-        log.warning("refused %s: %s%s", method, why, since)
-
-
-def _refusing_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    def refuse(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    return grpc.unary_stream_rpc_method_handler(refuse)
 
 
 class Frontend:

@@ -46,6 +46,7 @@ from physis_ros.link.wire import (
     tensor_header,
 )
 from physis_ros.serve.observations import ContextInput, check_header, context_input
+from physis_ros.serve.ratelog import RateLimit, held_note
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,7 @@ class Session:
         self.predictions_sent = 0
         self.drops: collections.Counter[str] = collections.Counter()
         self.last_drop_detail = ""
-        self._drop_log_due_s: dict[str, float] = {}  # reason -> next time it may be logged
-        self._drop_log_held: collections.Counter[str] = collections.Counter()  # not logged yet
+        self._drop_log = RateLimit(limits.drop_log_interval_s)
         self.non_finite_in_a_row = 0  # engine thread
         # engine-thread state
         self.inflight = 0
@@ -261,27 +261,21 @@ class Session:
     def drop(self, reason: str, detail: str, *, exc_info: BaseException | None = None) -> None:
         """Count a dropped message, tell the client (one stats message at a time) and log
         it, rate limited per reason (``limits.drop_log_interval_s``)."""
-        now_s = time.monotonic()
         with self._lock:
             self.drops[reason] += 1
+            count = self.drops[reason]
             self.last_drop_detail = f"{reason}: {detail}"
             send_stats = not self._stats_pending
             self._stats_pending = True
-            log_now = now_s >= self._drop_log_due_s.get(reason, 0.0)
-            if log_now:
-                self._drop_log_due_s[reason] = now_s + self.limits.drop_log_interval_s
-                held = self._drop_log_held.pop(reason, 0)
-            else:
-                self._drop_log_held[reason] += 1
-        if log_now:
-            since = f" (+{held} more since the last report)" if held else ""
+        held = self._drop_log.due(reason)
+        if held is not None:
             log.warning(
                 "stream %d dropped %s: %s%s [%d in all]",
                 self.stream_id,
                 reason,
                 detail,
-                since,
-                self.drops[reason],
+                held_note(held),
+                count,
                 exc_info=exc_info,
             )
         if send_stats:

@@ -203,7 +203,7 @@ def test_max_streams_holds_under_concurrent_opens():
 
 
 def test_rejected_tokens_are_counted_logged_once_and_health_needs_no_token(caplog):
-    caplog.set_level(logging.WARNING, logger="physis_ros.serve.frontend")
+    caplog.set_level(logging.WARNING, logger="physis_ros.serve.auth")
     bearer = (("authorization", "Bearer s3cret"),)
     config = FrontendConfig(port=0, token="s3cret")
     with served(FakeEngine(slots=2), config=config) as (_loop, handle):
