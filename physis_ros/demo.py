@@ -5,9 +5,11 @@ CPU, ephemeral port), ``sim_robot`` (a planar arm pushing a box, its camera at t
 rate the model was trained on: 32x32 at 10 Hz) and the ``bridge`` as child processes on an
 isolated ROS domain with real topics and the real link; the sim robot executes the
 trajectories the bridge publishes (a world model publishes none: its scripted policy runs).
-Prints once a second the achieved interval, response latency and drops; stops after
-``--duration-s`` or Ctrl-C; stops every child; writes ``summary.json`` and ``strip.png``
-(observed | predicted, one row per sampled second) under ``--out``.
+Prints once a second the achieved interval, response latency and drops; stops
+``--duration-s`` after the first predicted chunk (start-up, which a busy machine can make
+long, does not count; ``--startup-timeout-s`` bounds it) or on Ctrl-C; stops every child;
+writes ``summary.json`` and ``strip.png`` (observed | predicted, one row per sampled second)
+under ``--out``.
 No torch in this process: the model runs in physis-serve.
 """
 
@@ -56,7 +58,16 @@ def strip(rows: list[np.ndarray], scale: int = 2) -> np.ndarray:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="physis-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--duration-s", type=finite_float, default=20.0, help="run this long (Ctrl-C stops early)"
+        "--duration-s",
+        type=finite_float,
+        default=20.0,
+        help="run the closed loop this long, from the first predicted chunk (Ctrl-C stops early)",
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=finite_float,
+        default=180.0,
+        help="give up when no chunk was predicted this long after start (default 180)",
     )
     parser.add_argument(
         "--model",
@@ -82,8 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="ROS_DOMAIN_ID (default: $ROS_DOMAIN_ID or a random one in 150..199)",
     )
     args = parser.parse_args(argv)
-    if not args.duration_s > 0:
-        parser.error(f"--duration-s must be positive, got {args.duration_s}")
+    if not args.duration_s > 0 or not args.startup_timeout_s > 0:
+        parser.error(
+            f"--duration-s {args.duration_s} and --startup-timeout-s {args.startup_timeout_s} "
+            "must be positive"
+        )
     camera = shipped_camera(args.model)
     if args.target_interval_ms is None:
         args.target_interval_ms = camera["chunk_ms"] if camera else 100.0
@@ -145,7 +159,15 @@ def main(argv=None) -> int:
             loop.start_sim_robot()
         loop.start_bridge(target_interval_ms=args.target_interval_ms)
         started_s = time.monotonic()
-        while time.monotonic() - started_s < args.duration_s:
+        live_s = None  # when the first chunk was predicted: the duration counts from there
+        while live_s is None or time.monotonic() - live_s < args.duration_s:
+            if live_s is None and time.monotonic() - started_s > args.startup_timeout_s:
+                print(
+                    f"physis-demo: no chunk predicted within --startup-timeout-s "
+                    f"{args.startup_timeout_s:g}; see {loop.log_dir}",
+                    file=sys.stderr,
+                )
+                break
             time.sleep(1.0)
             dead = [name for name, ok in loop.alive().items() if not ok]
             if dead:
@@ -160,6 +182,8 @@ def main(argv=None) -> int:
                 frames = monitor.count("camera/image")
                 print(f"[{t:5.1f} s] waiting for the bridge ({frames} camera frames)", flush=True)
                 continue
+            if live_s is None and stats.chunks_received > 0:
+                live_s = time.monotonic()
             drops = dict(zip(stats.drop_reasons, stats.drop_counts, strict=True))
             print(
                 f"[{t:5.1f} s] interval {stats.interval_median_ms:6.1f} ms "

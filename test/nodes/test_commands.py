@@ -312,7 +312,7 @@ def test_a_replayed_bag_conditions_the_engine_as_the_model_was_trained(ros_env, 
     # frames are told apart by their mean pixel value (those sharing one are left out)
     means = [float(frame.mean()) for frame in episode.frames]
     index = {m: i for i, m in enumerate(means) if means.count(m) == 1}
-    checked = exact = 0
+    checked = 0
     for kind, pixel, actions in report["events"]:
         if kind != "context" or pixel not in index:
             continue
@@ -321,23 +321,13 @@ def test_a_replayed_bag_conditions_the_engine_as_the_model_was_trained(ros_env, 
             assert actions is None
             continue
         want = np.float32(episode.actions_for_chunk(i, 1, 1)[0])
-        # The command in force when the frame was taken; on a busy machine that command
-        # (published one control tick before the image, on another topic) can still be in
-        # flight when the bridge takes the image: then the tick before it, never another.
-        j = int(np.searchsorted(episode.command_stamps_ns, episode.frame_stamps_ns[i])) - 1
-        tick_before = episode.commands[j - 1] if j >= 1 else want
-        got = np.asarray(actions, np.float32)
-        assert got.shape == (4, len(want)), f"frame {i}: {actions}"
-        assert np.array_equal(got, np.tile(want, (4, 1))) or np.array_equal(
-            got, np.tile(tick_before, (4, 1))
-        ), f"frame {i}: {got[0]} is neither {want} nor the tick before, {tick_before}"
-        exact += np.array_equal(got, np.tile(want, (4, 1)))
+        # the bridge waits (command_wait_s) for a command in flight: on a busy host too
+        np.testing.assert_array_equal(actions, np.tile(want, (4, 1)), f"frame {i}")
         checked += 1
     # Reliable QoS end to end; frames the server superseded (newest wins when the engine
     # falls behind, as on a busy machine) are the only ones missing.
     identifiable = len(index) - (0 in index)
     assert identifiable >= 10 and checked >= identifiable // 2, (checked, identifiable, report)
-    assert exact >= checked // 2, (exact, checked)
     counts = report["counts"]
     assert counts["observations_with_command"] >= counts["sent"] - 1, report
     assert report["drops"].get("command:none_before_image", 0) <= 1, report["drops"]

@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.ros, pytest.mark.slow]
 def test_demo_runs_the_closed_loop_and_leaves_a_summary_and_a_strip(tmp_path, ros_env):
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "physis_ros.demo", "--duration-s", "20", "--out", str(out),
+        [sys.executable, "-m", "physis_ros.demo", "--duration-s", "8", "--out", str(out),
          "--domain-id", ros_env["ROS_DOMAIN_ID"]],
-        check=False, env=ros_env, capture_output=True, text=True, timeout=300,
+        check=False, env=ros_env, capture_output=True, text=True, timeout=420,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
