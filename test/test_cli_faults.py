@@ -323,3 +323,20 @@ def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "physis-torchrun: SIGINT: the ranks were stopped", err
+
+
+def test_a_rank_with_a_config_error_ends_physis_torchrun_in_one_line(tmp_path):
+    """A config error every rank meets: the rank says it in one line (exit 2), and
+    physis-torchrun names the rank instead of torchrun's failure table and traceback."""
+    (tmp_path / "serve.yaml").write_text("engine: {model: tiny}\nfrontend: {max_streams: lots}\n")
+    out = subprocess.run(
+        [str(BIN / "physis-torchrun"), "--standalone", "--nproc-per-node", "2",
+         "-m", "physis_ros.serve.main", "--config", str(tmp_path / "serve.yaml")],
+        check=False, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith("physis-torchrun: error: rank 0 exited 2"), out.stderr
+    assert any("physis-serve: error:" in line and "max_streams is 'lots'" in line for line in lines)
