@@ -10,7 +10,7 @@ BUILD_STAMP := build/.installed
 MSGS := $(wildcard msg/*.msg)
 DEMO_ARGS ?=
 
-.PHONY: setup ros-cli heldout demo test lint format shell clean
+.PHONY: setup ros-cli heldout demo test test-stress lint format shell clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,13 @@ format: setup
 
 test: lint ros-cli
 	source scripts/env.sh && python -m pytest $(PYTEST_ARGS)
+
+# The suite with every core kept busy by a background load: no test may depend on an idle
+# machine (STRESS_LOAD busy processes per core, default 1).
+STRESS_LOAD ?= 1
+test-stress: lint ros-cli
+	source scripts/env.sh && python scripts/stress.py --load-per-core $(STRESS_LOAD) -- \
+	  python -m pytest $(PYTEST_ARGS)
 
 shell: setup
 	@echo "entering a shell with the venv and generated interfaces on the path (exit to leave)"

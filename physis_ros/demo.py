@@ -7,9 +7,11 @@ isolated ROS domain with real topics and the real link; the sim robot executes t
 trajectories the bridge publishes (a world model publishes none: its scripted policy runs).
 Prints once a second the achieved interval against the server's promise, the response
 latency, the chunk overlap (the share of chunks that entered the server's pipeline before
-the previous one left it: the assembly line at work) and drops; stops after
-``--duration-s`` or Ctrl-C; stops every child; writes ``summary.json`` and ``strip.png``
-(observed | predicted, one row per sampled second) under ``--out``.
+the previous one left it: the assembly line at work) and drops; stops ``--duration-s``
+after the first predicted chunk (start-up, which a busy machine can make long, does not
+count; ``--startup-timeout-s`` bounds it) or on Ctrl-C; stops every child; writes
+``summary.json`` and ``strip.png`` (observed | predicted, one row per sampled second) under
+``--out``.
 No torch in this process: the model runs in physis-serve.
 """
 
@@ -24,6 +26,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from physis_ros.cli_errors import cli_main, finite_float
 
 
 def write_png(path: Path, rgb: np.ndarray) -> None:
@@ -56,7 +60,16 @@ def strip(rows: list[np.ndarray], scale: int = 2) -> np.ndarray:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="physis-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--duration-s", type=float, default=20.0, help="run this long (Ctrl-C stops early)"
+        "--duration-s",
+        type=finite_float,
+        default=20.0,
+        help="run the closed loop this long, from the first predicted chunk (Ctrl-C stops early)",
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=finite_float,
+        default=180.0,
+        help="give up when no chunk was predicted this long after start (default 180)",
     )
     parser.add_argument(
         "--model",
@@ -66,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--target-interval-ms",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="interval asked of the server (default 0: the interval physis-serve planned for "
         "at start-up, the fastest it can promise a stream; the video one chunk covers, 200 ms "
@@ -88,8 +101,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="ROS_DOMAIN_ID (default: $ROS_DOMAIN_ID or a random one in 150..199)",
     )
     args = parser.parse_args(argv)
-    if not args.duration_s > 0:
-        parser.error(f"--duration-s must be positive, got {args.duration_s}")
+    if not args.duration_s > 0 or not args.startup_timeout_s > 0:
+        parser.error(
+            f"--duration-s {args.duration_s} and --startup-timeout-s {args.startup_timeout_s} "
+            "must be positive"
+        )
     if args.ranks < 0:
         parser.error(f"--ranks must be >= 0, got {args.ranks}")
     if args.target_interval_ms < 0:
@@ -118,6 +134,7 @@ def shipped_camera(model: str) -> dict | None:
     }
 
 
+@cli_main("physis-demo")
 def main(argv=None) -> int:
     args = parse_args(argv)
     from physis_ros.nodes.monitor import Monitor
@@ -151,7 +168,15 @@ def main(argv=None) -> int:
         monitor = Monitor(domain_id=domain_id)
         loop.start_bridge(target_interval_ms=args.target_interval_ms)
         started_s = time.monotonic()
-        while time.monotonic() - started_s < args.duration_s:
+        live_s = None  # when the first chunk was predicted: the duration counts from there
+        while live_s is None or time.monotonic() - live_s < args.duration_s:
+            if live_s is None and time.monotonic() - started_s > args.startup_timeout_s:
+                print(
+                    f"physis-demo: no chunk predicted within --startup-timeout-s "
+                    f"{args.startup_timeout_s:g}; see {loop.log_dir}",
+                    file=sys.stderr,
+                )
+                break
             time.sleep(1.0)
             dead = [name for name, ok in loop.alive().items() if not ok]
             if dead:
@@ -166,6 +191,8 @@ def main(argv=None) -> int:
                 frames = monitor.count("camera/image")
                 print(f"[{t:5.1f} s] waiting for the bridge ({frames} camera frames)", flush=True)
                 continue
+            if live_s is None and stats.chunks_received > 0:
+                live_s = time.monotonic()
             drops = dict(zip(stats.drop_reasons, stats.drop_counts, strict=True))
             print(
                 f"[{t:5.1f} s] interval {stats.interval_median_ms:6.1f} ms "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from physis_ros.cli_errors import cli_main
+
 SUBCOMMANDS = {
     "engine": (
         "physis_ros.bench.engine",
@@ -29,6 +31,7 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+@cli_main("physis-bench")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):

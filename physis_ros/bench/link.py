@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from physis_ros.children import stop_child
+from physis_ros.cli_errors import finite_float
 from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.wire import rgb_image
 
@@ -282,8 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--samples", type=int, default=300, help="observations measured")
     parser.add_argument("--warmup", type=int, default=30, help="observations not measured")
-    parser.add_argument("--rate-hz", type=float, default=30.0, help="observation rate")
-    parser.add_argument("--interval-ms", type=float, default=20.0, help="chunk interval asked")
+    parser.add_argument("--rate-hz", type=finite_float, default=30.0, help="observation rate")
+    parser.add_argument(
+        "--interval-ms", type=finite_float, default=20.0, help="chunk interval asked"
+    )
     parser.add_argument("--serve-echo", metavar="PORT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_echo:

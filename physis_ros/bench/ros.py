@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from physis_ros.cli_errors import finite_float
+
 
 def feed_main(rate_hz: float, state_rate_hz: float, height: int, width: int) -> int:
     """Publishes synthetic camera/wrench/joint messages until SIGINT; prints the counts."""
@@ -178,13 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="physis-bench ros", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument(
-        "--duration-s", type=float, default=20.0, help="measured time after warm-up"
+        "--duration-s", type=finite_float, default=20.0, help="measured time after warm-up"
     )
-    parser.add_argument("--warmup-s", type=float, default=5.0, help="excluded from the latencies")
-    parser.add_argument("--rate-hz", type=float, default=30.0, help="camera rate")
+    parser.add_argument(
+        "--warmup-s", type=finite_float, default=5.0, help="excluded from the latencies"
+    )
+    parser.add_argument("--rate-hz", type=finite_float, default=30.0, help="camera rate")
     parser.add_argument("--height", type=int, default=480, help="camera height")
     parser.add_argument("--width", type=int, default=640, help="camera width")
-    parser.add_argument("--target-interval-ms", type=float, default=100.0, help="server pacing")
+    parser.add_argument(
+        "--target-interval-ms", type=finite_float, default=100.0, help="server pacing"
+    )
     parser.add_argument(
         "--domain-id", type=int, default=None, help="ROS_DOMAIN_ID (default random)"
     )

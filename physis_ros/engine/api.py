@@ -83,6 +83,9 @@ class ChunkOutput:
     """time.monotonic() when it left the last stage."""
     decoded_s: float
     """time.monotonic() when decoding finished."""
+    finite: bool = True
+    """False when the model's output (the chunk's latent and actions) held NaN or inf: its
+    frames and actions mean nothing, and the server never publishes it."""
 
 
 class StreamEngine(Protocol):

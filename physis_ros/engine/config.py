@@ -8,6 +8,7 @@ fixes what a run chooses: denoising steps K, history window W (in chunks), sched
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 ACTION_MODES = ("none", "condition", "predict")
@@ -178,8 +179,8 @@ class SamplerConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
-        if self.shift <= 0:
-            raise ValueError(f"shift must be > 0, got {self.shift}")
+        if not (math.isfinite(self.shift) and self.shift > 0):  # NaN: every frame black
+            raise ValueError(f"shift must be a finite number > 0, got {self.shift}")
 
 
 def _wan(name: str, **kw) -> ModelConfig:

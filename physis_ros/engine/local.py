@@ -291,7 +291,8 @@ class LocalEngine:
             self._failure = err
 
     def _decode(self, res: ChunkResult) -> ChunkOutput:
-        latent, actions = unpack_chunk(self.cfg, res.x.float().cpu())
+        x = res.x.float().cpu()
+        latent, actions = unpack_chunk(self.cfg, x)
         frames = self.codec.decode(latent, stream_id=res.stream_id, chunk=res.chunk)
         return ChunkOutput(
             stream_id=res.stream_id,
@@ -301,4 +302,5 @@ class LocalEngine:
             entered_s=res.created_s,
             left_s=res.left_s,
             decoded_s=time.monotonic(),
+            finite=bool(torch.isfinite(x).all()),
         )

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from physis_ros.cli_errors import UsageError
 from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.devices import checked_device
 
 ROPE_THETA = 10000.0
 TIME_SCALE = 1000.0
@@ -188,10 +190,22 @@ class WanDiT(nn.Module):
     def load_safetensors(self, path: str | Path) -> None:
         """Load upstream-named weights, strictly: every key this model holds (the blocks it
         was built with, and the stem) must be in the file with its shape, and the file may
-        hold no other key except those of blocks this model does not hold."""
+        hold no other key except those of blocks this model does not hold. Raises naming the
+        file when it is not a readable safetensors file, and naming the tensor when one this
+        model loads holds NaN or inf."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        load_upstream_state_dict(self, load_file(str(path), device="cpu"), source=str(path))
+        if not Path(path).is_file():
+            raise FileNotFoundError(2, "weights file not found", str(path))
+        try:
+            state = load_file(str(path), device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise UsageError(
+                f"{path} is not a readable safetensors file ({exc})",
+                "copy it again, or export it again (physis-train writes weights.safetensors)",
+            ) from exc
+        load_upstream_state_dict(self, state, source=str(path))
 
 
 class _Stem(nn.Module):
@@ -235,6 +249,13 @@ def load_upstream_state_dict(
     for key, tensor in state.items():
         if _is_absent_block(model, key):
             continue
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise UsageError(
+                f"checkpoint tensor {key} holds {bad} NaN/inf value(s) of {tensor.numel()}: "
+                "the weights are broken (a diverged training run?)",
+                "use a checkpoint from before it went non-finite",
+            )
         if key == "patch_embedding.weight":  # stored as the Conv3d [D, C, pt, ph, pw]
             fixed[key] = tensor.reshape(model.cfg.dim, model.cfg.patch_dim)
         else:
@@ -577,6 +598,7 @@ def build_model(
     ``fused`` (engine/fused.py; None: the ``PHYSIS_BLOCK_IMPL`` environment variable)."""
     from physis_ros.engine import fused
 
+    device = checked_device(device)
     model = WanDiT(cfg, seed=seed, block_ids=block_ids, device=device, dtype=dtype)
     model = model.to(device=device).eval()  # the head_perm buffer
     fused.set_block_impl(model, block_impl or fused.default_block_impl())

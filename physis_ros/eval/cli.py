@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from physis_ros.cli_errors import UsageError, cli_main, finite_float
 from physis_ros.eval.bag import TopicChoice
 from physis_ros.eval.evaluate import EvalConfig, ModelInfo, evaluate
 
@@ -53,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--window", type=int, default=None, help="attention window W (default: as trained)"
     )
-    g.add_argument("--shift", type=float, default=None, help="schedule shift (default: as trained)")
+    g.add_argument(
+        "--shift", type=finite_float, default=None, help="schedule shift (default: as trained)"
+    )
     g.add_argument(
         "--workers", type=int, default=1, help="pipeline workers (threads) in the engine"
     )
@@ -72,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="per bag, in process (0: all); over the link see --max-seconds",
     )
     w.add_argument(
-        "--frame-hz", type=float, default=None, help="model frame rate (default: as trained)"
+        "--frame-hz", type=finite_float, default=None, help="model frame rate (default: as trained)"
     )
     w.add_argument("--realtime", action="store_true", help="feed context at the recorded timing")
     w.add_argument("--seed", type=int, default=0, help="stream seed of the first window")
@@ -92,15 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--tls-cert", default=None, help="client certificate (PEM), with --tls-key")
     k.add_argument("--tls-key", default=None, help="client private key (PEM)")
     k.add_argument("--tls-server-name", default=None, help="name the certificate is for")
-    k.add_argument("--connect-timeout", type=float, default=5.0, help="seconds (default 5)")
+    k.add_argument("--connect-timeout", type=finite_float, default=5.0, help="seconds (default 5)")
     k.add_argument(
         "--interval-ms",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="target interval the stream asks for (default 0: as fast as the server can)",
     )
     k.add_argument(
-        "--max-seconds", type=float, default=0.0, help="bag seconds replayed per bag (0: all)"
+        "--max-seconds",
+        type=finite_float,
+        default=0.0,
+        help="bag seconds replayed per bag (0: all)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -162,9 +168,15 @@ def engine_from_args(args) -> tuple[object, dict]:
     return LocalEngine(**kwargs), settings
 
 
+@cli_main("physis-eval")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        # checked before the run: the report is written after it
+        raise UsageError(
+            f"--out {args.out} exists and is not a folder", "choose another --out or remove it"
+        )
     over_link = bool(args.link or args.serve_local)
     engine = None
     try:

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from physis_ros.cli_errors import RuntimeFailure, cli_main, finite_float
+
 HEADER_TYPE = "std_msgs/msg/Header"
 ACK_TIMEOUT_S = 5.0
 """At the end, the longest wait for subscribers to acknowledge what was published."""
@@ -34,6 +36,47 @@ class ReplayStats:
     wall_s: float = 0.0
     unacknowledged: list[str] = field(default_factory=list)
     """Reliable topics whose last messages no subscriber acknowledged within ACK_TIMEOUT_S."""
+    unheard: dict[str, str] = field(default_factory=dict)
+    """Topic -> why nothing listened to it (no subscriber after the wait; the remap that
+    would reach a subscriber of the same type, where one exists)."""
+
+    def skip(self, topic: str, reason: str) -> bool:
+        """Counts a message not published; True the first time for this topic and reason."""
+        key = f"{topic}: {reason}"
+        self.skipped[key] = self.skipped.get(key, 0) + 1
+        return self.skipped[key] == 1
+
+
+def checked_message(raw: bytes, cls) -> str:
+    """Why ``raw`` is not a usable message of ``cls`` ("" when it is): it must deserialise
+    (a truncated or garbled record would reach every subscriber as garbage or fail in it),
+    and an image's data must be step x height bytes."""
+    from rclpy._rclpy_pybind11 import RMWError
+    from rclpy.serialization import deserialize_message
+
+    try:
+        msg = deserialize_message(raw, cls)
+    except RMWError as err:
+        return f"corrupt message ({' '.join(str(err).split())[:120]})"
+    if cls.__name__ == "Image" and len(msg.data) != msg.step * msg.height:
+        return f"image of {len(msg.data)} bytes for step {msg.step} x height {msg.height}"
+    return ""
+
+
+def _remap_hint(node, topic: str, msgtype: str) -> str:
+    """Why no one subscribes to ``topic``, with the remap to a subscribed topic of the same
+    type where one exists (e.g. a bag's /camera/image_raw vs the bridge's /camera/image)."""
+    candidates = sorted(
+        name
+        for name, types in node.get_topic_names_and_types()
+        if msgtype in types and name != topic and node.count_subscribers(name) > 0
+    )
+    if candidates:
+        return (
+            f"no subscriber; {', '.join(candidates)} has one for {msgtype}: "
+            f"--remap {topic}:={candidates[0]}"
+        )
+    return "no subscriber (is the consumer running, in this ROS_DOMAIN_ID?)"
 
 
 def message_class(msgtype: str):
@@ -79,8 +122,11 @@ def replay(
     wait_subscribers_s: float = 0.0,
     reliable: bool = False,
     loops: int = 1,
+    on_warning=lambda text: None,
 ) -> ReplayStats:
-    """Publish ``bag`` once (or ``loops`` times); returns what was published and skipped."""
+    """Publish ``bag`` once (or ``loops`` times); returns what was published and skipped.
+    ``on_warning(text)`` hears each problem as it is found (a topic nobody subscribes to,
+    the first message of each kind that is skipped)."""
     import rclpy
     from rclpy._rclpy_pybind11 import RCLError
     from rclpy.duration import Duration
@@ -123,6 +169,13 @@ def replay(
                 if all(p.get_subscription_count() > 0 for p in pubs.values()):
                     break
                 time.sleep(0.02)
+            if wait_subscribers_s:
+                for c in conns:
+                    if c.id in pubs and pubs[c.id].get_subscription_count() == 0:
+                        name = remap.get(c.topic, c.topic)
+                        stats.unheard[name] = _remap_hint(node, name, c.msgtype)
+                        on_warning(f"{name}: {stats.unheard[name]}")
+            classes = {c.id: message_class(c.msgtype) for c in conns if c.id in pubs}
             t0 = time.monotonic()
             for _ in range(loops):
                 start_wall = time.monotonic()
@@ -141,12 +194,17 @@ def replay(
                     else:
                         stats.late_ms_max = max(stats.late_ms_max, -delay * 1e3)
                     data = bytes(raw)
+                    why = checked_message(data, classes[c.id])
+                    if why:
+                        if stats.skip(c.topic, why):
+                            on_warning(f"{c.topic}: skipped a message: {why}")
+                        continue
                     if headers[c.id] and not keep_stamps:
                         try:
                             data = restamp(data, offset_ns)
                         except ValueError as err:
-                            key = f"{c.topic}: {err}"
-                            stats.skipped[key] = stats.skipped.get(key, 0) + 1
+                            if stats.skip(c.topic, str(err)):
+                                on_warning(f"{c.topic}: skipped a message: {err}")
                             continue
                     try:
                         pubs[c.id].publish(data)
@@ -171,10 +229,13 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+@cli_main("physis-replay")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="physis-replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("bag", type=Path, help="rosbag2 folder, or a .mcap / .db3 file")
-    parser.add_argument("--rate", type=float, default=1.0, help="speed factor (2: twice as fast)")
+    parser.add_argument(
+        "--rate", type=finite_float, default=1.0, help="speed factor (2: twice as fast)"
+    )
     parser.add_argument("--topics", nargs="*", default=None, help="only these topics")
     parser.add_argument("--remap", nargs="*", default=[], help="FROM:=TO topic remaps")
     parser.add_argument(
@@ -182,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--wait-subscribers-s",
-        type=float,
+        type=finite_float,
         default=2.0,
         help="wait this long for a subscriber on every topic",
     )
@@ -213,9 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             wait_subscribers_s=args.wait_subscribers_s,
             reliable=args.reliable,
             loops=args.loop,
+            on_warning=lambda text: print(f"physis-replay: warning: {text}", file=sys.stderr),
         )
-    except KeyboardInterrupt:
-        return 130
     except ValueError as err:
         parser.error(str(err))
     print(
@@ -226,9 +286,15 @@ def main(argv: list[str] | None = None) -> int:
                 "late_ms_max": round(stats.late_ms_max, 3),
                 "wall_s": round(stats.wall_s, 3),
                 "unacknowledged": stats.unacknowledged,
+                "unheard": stats.unheard,
             }
         )
     )
+    if not any(stats.published.values()):
+        raise RuntimeFailure(
+            f"nothing was published from {args.bag}",
+            "see the warnings above (topics, --remap, --topics)",
+        )
     return 0
 
 

@@ -306,10 +306,8 @@ class LinkClient:
                 streamed = self._run_stream()
             except grpc.RpcError as exc:
                 self._set_error(_rpc_error_text(exc))
-            except grpc.FutureTimeoutError:
-                self._set_error(
-                    f"connect to {self._target}: no connection within {self._connect_timeout_s} s"
-                )
+            except NotConnected as exc:
+                self._set_error(str(exc))
             except WireError as exc:
                 self._set_error(f"bad reply from server: {exc}")
             self._end_session()
@@ -328,7 +326,10 @@ class LinkClient:
         else:
             channel = grpc.insecure_channel(self._target, self._channel_options)
         try:
-            grpc.channel_ready_future(channel).result(timeout=self._connect_timeout_s)
+            try:
+                grpc.channel_ready_future(channel).result(timeout=self._connect_timeout_s)
+            except grpc.FutureTimeoutError:
+                raise NotConnected(self._why_not_connected(channel)) from None
             stub = pb_grpc.PhysisStub(channel)
             reply = stub.OpenStream(
                 self._spec, metadata=self._metadata, timeout=self._connect_timeout_s
@@ -368,6 +369,37 @@ class LinkClient:
         finally:
             self._call = None
             channel.close()
+
+    def _why_not_connected(self, channel: grpc.Channel) -> str:
+        """Why ``channel`` did not become ready: one quick call fetches gRPC's last error
+        (a TLS handshake failure otherwise looks like a timeout)."""
+        head = f"connect to {self._target}"
+        try:
+            pb_grpc.PhysisStub(channel).GetServerInfo(
+                pb.ServerInfoRequest(),
+                metadata=self._metadata,
+                timeout=min(self._connect_timeout_s, 2.0),
+            )
+        except grpc.RpcError as exc:
+            details = (exc.details() or "").split("last error: ")[-1]
+        else:
+            return f"{head}: no connection within {self._connect_timeout_s} s"
+        lowered = details.lower()
+        if "handshake" in lowered or "ssl" in lowered or "tls" in lowered:
+            return (
+                f"{head}: TLS handshake failed ({details}); the server's certificate must "
+                "chain to the CA given (root_cert_path, --tls-ca) and name the host dialled "
+                "(or tls_server_name)"
+            )
+        if "socket closed" in lowered and self._credentials is None:
+            return (
+                f"{head}: the server closed the connection during setup ({details}); it "
+                "probably requires TLS: give the CA of its certificate (root_cert_path, "
+                "--tls-ca)"
+            )
+        if "refused" in lowered:
+            return f"{head}: nothing listens there (connection refused)"
+        return f"{head}: no connection within {self._connect_timeout_s} s ({details})"
 
     def _end_session(self) -> None:
         with self._cv:
@@ -510,6 +542,10 @@ class LinkClient:
     def _set_error(self, text: str) -> None:
         with self._stats_lock:
             self._last_error = text
+
+
+class NotConnected(Exception):
+    """No connection to the server within the connect timeout; says why where gRPC knows."""
 
 
 def _promise_from_proto(

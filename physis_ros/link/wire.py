@@ -7,6 +7,7 @@ with a dtype name and a shape; nothing is pickled. numpy + protobuf only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +42,14 @@ COMPRESSED_ENCODINGS = ("jpeg", "png")
 TENSOR_DTYPES = ("uint8", "int32", "int64", "float16", "float32", "float64")
 """dtypes a Tensor may carry (little-endian); anything else is refused."""
 MAX_TENSOR_DIMS = 4
+MAX_TENSOR_BYTES = 64 * 1024 * 1024
+"""A tensor may declare at most this many bytes (shape x itemsize), checked before anything
+is allocated for it; a message's real size is bounded by the gRPC limit anyway."""
+MAX_IMAGE_PIXELS = 1 << 26
+"""A raw image may declare at most this many pixels (8192 x 8192), checked before decoding."""
+MAX_STAMP_NS = 4_102_444_800 * 10**9
+"""Stamps (robot clock, ns) must lie in [0, 2100-01-01): a negative or later one is a client
+bug (an unset or garbage clock), refused before it enters latency figures."""
 
 STREAM_ID_METADATA_KEY = "x-physis-stream-id"
 """Call metadata naming the stream a Stream call belongs to."""
@@ -190,22 +199,39 @@ def array_to_tensor(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tenso
     return msg
 
 
-def tensor_to_array(msg: pb.Tensor, *, name: str, data: memoryview | None = None) -> np.ndarray:
+def tensor_to_array(
+    msg: pb.Tensor,
+    *,
+    name: str,
+    data: memoryview | None = None,
+    max_bytes: int = MAX_TENSOR_BYTES,
+) -> np.ndarray:
     """Tensor -> numpy array (a read-only view of the message bytes); checks dtype and size.
-    ``data``: the tensor's bytes when parse_without_payload kept them out of ``msg``."""
+    ``data``: the tensor's bytes when parse_without_payload kept them out of ``msg``.
+
+    The declared size (shape x itemsize, in Python integers: a crafted shape cannot wrap
+    around) is checked against ``max_bytes`` and against the bytes present before any array
+    is made, so a shape that disagrees with its data is a counted ``bad_tensor``, never an
+    exception from numpy."""
     if msg.dtype not in TENSOR_DTYPES:
         raise WireError("bad_tensor", f"{name}: dtype {msg.dtype!r} is not one of {TENSOR_DTYPES}")
-    shape = tuple(msg.shape)
+    shape = tuple(int(d) for d in msg.shape)
     if len(shape) > MAX_TENSOR_DIMS or any(d < 0 for d in shape):
         raise WireError("bad_tensor", f"{name}: shape {shape} is not allowed")
     dtype = np.dtype(msg.dtype).newbyteorder("<")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if data is None:
-        data = msg.data  # upb copies the bytes out on every read: read once
-    if len(data) != expected:
+    declared = math.prod(shape) * dtype.itemsize
+    # The non-zero dimensions bound too: numpy refuses [0, 2**31, 2**32] although it is empty.
+    if max(declared, math.prod(d for d in shape if d) * dtype.itemsize) > max_bytes:
         raise WireError(
             "bad_tensor",
-            f"{name}: {len(data)} bytes for shape {shape} {msg.dtype} (expected {expected})",
+            f"{name}: shape {shape} {msg.dtype} declares more than {max_bytes} bytes",
+        )
+    if data is None:
+        data = msg.data  # upb copies the bytes out on every read: read once
+    if len(data) != declared:
+        raise WireError(
+            "bad_tensor",
+            f"{name}: {len(data)} bytes for shape {shape} {msg.dtype} (expected {declared})",
         )
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
@@ -433,6 +459,10 @@ def raw_image_to_rgb(img: CameraImage) -> np.ndarray:
     row_bytes = img.width * channels
     if img.height <= 0 or img.width <= 0:
         raise WireError("image_layout", f"image size {img.height}x{img.width}")
+    if img.height * img.width > MAX_IMAGE_PIXELS:
+        raise WireError(
+            "image_size", f"image size {img.height}x{img.width} is over {MAX_IMAGE_PIXELS} pixels"
+        )
     if img.step < row_bytes:
         raise WireError("image_layout", f"step {img.step} < width*channels {row_bytes}")
     if len(img.data) != img.step * img.height:

@@ -34,6 +34,7 @@ from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 from visualization_msgs.msg import MarkerArray
 
+from physis_ros.cli_errors import cli_main
 from physis_ros.link.client import CameraImage, LinkClient, Observation, Prediction
 from physis_ros.msg import ActionChunk, PipelineStats
 from physis_ros.nodes import outputs
@@ -116,6 +117,8 @@ class Bridge(Node):
         self._stream_id: int | None = None
         self._promise = None  # the link's promise, refreshed by the receive thread and timers
         self._link_error_logged = ""
+        # An image waiting for the command in force when it was taken: (it, monotonic deadline)
+        self._awaiting_command: tuple[PairedObservation, float] | None = None
 
         self.client = client or self._make_client()
         self._make_io()
@@ -259,6 +262,26 @@ class Bridge(Node):
             )
             return
         self.counts["commands"] += 1
+        waiting = self._awaiting_command
+        if waiting is not None and command_stamp_ns >= waiting[0].image.stamp_ns:
+            self._awaiting_command = None  # every command before the image is in now
+            self._send_now(waiting[0])
+
+    def _command_may_be_in_flight(self, image_stamp_ns: int) -> bool:
+        """Commands flow, but none stamped at or after the image has arrived yet: the one in
+        force when it was taken may still be on its way."""
+        if not self.p.command_topic or self.p.command_wait_s <= 0:
+            return False
+        newest = self.commands.newest_stamp_ns()
+        return newest is not None and 0 < image_stamp_ns - newest <= self.commands.max_age_ns
+
+    def _flush_awaiting_command(self, *, deadline_only: bool) -> None:
+        """Sends the image waiting for its command (with the commands there are) if it has
+        waited command_wait_s, or at once unless ``deadline_only``."""
+        waiting = self._awaiting_command
+        if waiting is not None and (not deadline_only or time.monotonic() >= waiting[1]):
+            self._awaiting_command = None
+            self._send_now(waiting[0])
 
     def _count_command_problem(self, reason: str, detail: str) -> None:
         """Counts ``reason`` as a drop and says so, at most every 2 s (one call site, one
@@ -303,6 +326,13 @@ class Bridge(Node):
             self._send(paired)
 
     def _send(self, paired: PairedObservation) -> None:
+        self._flush_awaiting_command(deadline_only=False)  # an older image goes first
+        if self._command_may_be_in_flight(paired.image.stamp_ns):
+            self._awaiting_command = (paired, time.monotonic() + self.p.command_wait_s)
+            return
+        self._send_now(paired)
+
+    def _send_now(self, paired: PairedObservation) -> None:
         observed = paired.image.value
         fields = observed
         promise = self._promise
@@ -514,6 +544,7 @@ class Bridge(Node):
 
     @quiet_at_shutdown
     def _on_watchdog(self) -> None:
+        self._flush_awaiting_command(deadline_only=True)
         now_ns = self.now_ns()
         if not self.gate.check_deadline(now_ns):
             return
@@ -596,6 +627,7 @@ def usage() -> NodeUsage:
     )
 
 
+@cli_main("bridge")
 def main(args=None) -> int:
     # Callbacks, the link's gRPC threads and the publishing thread share the GIL; the default
     # 5 ms switch interval makes the publishing thread wait for it several times per chunk.

@@ -3,6 +3,7 @@ declared with ParameterDescriptors and read into a frozen, validated ``BridgePar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from rcl_interfaces.msg import ParameterDescriptor
@@ -30,6 +31,10 @@ class BridgeParams:
     the joint order of the first command)."""
     command_max_age_s: float = 0.25
     """An image goes without a command when the newest one before it is older than this."""
+    command_wait_s: float = 0.05
+    """While commands flow, an image waits at most this long for the command in force when it
+    was taken, until one stamped at or after the image arrives (on a busy host a command can
+    still be in flight when its image is taken); 0: never wait."""
     input_reliability: str = "best_effort"
     """best_effort (sensor-data QoS) or reliable, for all inputs."""
     input_depth: int = 5
@@ -106,6 +111,11 @@ class BridgeParams:
     """How often pipeline_stats and /diagnostics are published."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            values = getattr(self, f.name)
+            for value in values if isinstance(values, tuple) else (values,):
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"{f.name} must be a finite number, got {value}")
         if self.input_reliability not in RELIABILITIES:
             raise ValueError(
                 f"input_reliability {self.input_reliability!r} is not one of {RELIABILITIES}"
@@ -129,6 +139,7 @@ class BridgeParams:
             "deadline_ms",
             "max_observation_age_s",
             "target_interval_ms",
+            "command_wait_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

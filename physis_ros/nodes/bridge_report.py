@@ -58,6 +58,21 @@ def all_drops(node, link) -> dict[str, int]:
     return drops
 
 
+BENIGN_SERVER_DROPS = ("superseded", "client_slow")
+"""Server drops that are pacing, not faults: newest-wins and a slow reader."""
+
+
+def server_faults(link) -> dict[str, int]:
+    """The server's drops of this link's messages that are faults, by reason."""
+    return {
+        reason.removeprefix("server:"): count
+        for reason, count in link.drops.items()
+        if reason.startswith("server:")
+        and reason.removeprefix("server:") not in BENIGN_SERVER_DROPS
+        and count
+    }
+
+
 def diagnostics_report(node, link) -> dict:
     """part -> (level, message, values) for outputs.diagnostic_array."""
     rates = {f"{name}_rate_hz": meter.rate_hz() for name, meter in node.rates.items()}
@@ -140,6 +155,15 @@ def diagnostics_report(node, link) -> dict:
         )
     elif link.state != "streaming":
         link_level, link_message = outputs.LEVEL_WARN, f"link {link.state}"
+    elif faults := server_faults(link):
+        # The server refused some of our observations (bad tensors, images it cannot decode,
+        # NaN, ...) or its model produced NaN: streaming, but not as it should.
+        link_level = outputs.LEVEL_WARN
+        link_message = (
+            f"server dropped {sum(faults.values())}: "
+            + ", ".join(f"{reason} {count}" for reason, count in sorted(faults.items()))
+            + (f" ({link.last_error})" if link.last_error else "")
+        )
     else:
         link_level, link_message = outputs.LEVEL_OK, "streaming"
     return {

@@ -135,7 +135,7 @@ class CommandHistory:
             raise ValueError(f"max_age_s must be positive, got {max_age_s}")
         if history <= 0:
             raise ValueError(f"history must be positive, got {history}")
-        self._max_age_ns = int(max_age_s * 1e9)
+        self.max_age_ns = int(max_age_s * 1e9)
         # 256 commands: 2.5 s at the sim's 100 Hz, so an image that waited for its partners
         # still finds the command that was in force when it was taken.
         self._commands: deque[tuple[int, Any]] = deque(maxlen=history)
@@ -149,13 +149,18 @@ class CommandHistory:
             self._commands.append((stamp_ns, value))
             return True
 
+    def newest_stamp_ns(self) -> int | None:
+        """The stamp of the newest command kept (None: none yet)."""
+        with self._lock:
+            return self._commands[-1][0] if self._commands else None
+
     def before(self, image_stamp_ns: int) -> tuple[Any | None, str]:
         """(the newest command stamped before ``image_stamp_ns``, "") or (None, why not):
         ``none_before_image`` (no such command kept) or ``stale`` (older than max_age_s)."""
         with self._lock:
             for stamp_ns, value in reversed(self._commands):
                 if stamp_ns < image_stamp_ns:
-                    if image_stamp_ns - stamp_ns > self._max_age_ns:
+                    if image_stamp_ns - stamp_ns > self.max_age_ns:
                         return None, "stale"
                     return value, ""
         return None, "none_before_image"

@@ -30,6 +30,7 @@ from sensor_msgs.msg import Image, JointState
 from tf2_msgs.msg import TFMessage
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
+from physis_ros.cli_errors import cli_main
 from physis_ros.nodes import frames
 from physis_ros.nodes.conversions import fill_image_msg
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
@@ -250,6 +251,7 @@ def command_msg(stamp, joint_names: tuple[str, ...], targets, frame_id: str) -> 
     return msg
 
 
+@cli_main("sim_robot")
 def main(args=None) -> int:
     return run_node(SimRobot, args, usage=USAGE)
 

@@ -7,7 +7,6 @@ Handlers never call the engine: they hand work to the ``EngineLoop`` thread (ses
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import threading
@@ -26,12 +25,13 @@ from physis_ros.engine.api import AdmissionRefused, StreamFailed, StreamSpec
 from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
-    AUTH_METADATA_KEY,
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
     WireError,
     tensor_to_array,
 )
+from physis_ros.serve import listen
+from physis_ros.serve.auth import TokenAuthInterceptor
 from physis_ros.serve.session import (
     EngineLoop,
     Session,
@@ -72,6 +72,10 @@ class FrontendConfig:
     """When given, clients must present a certificate signed by this CA."""
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.open_timeout_s) and self.open_timeout_s > 0):
+            raise ValueError(
+                f"open_timeout_s must be a finite number > 0, got {self.open_timeout_s}"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if self.limits.max_observation_bytes > self.max_message_bytes:
@@ -108,37 +112,6 @@ class ServerDescription:
     """What the engine reports about itself (workers, open streams / slots), on demand."""
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Every call must carry ``authorization: Bearer <token>``; otherwise UNAUTHENTICATED and
-    the handler never runs."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation, handler_call_details):
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == AUTH_METADATA_KEY:
-                got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._expected):
-                    return continuation(handler_call_details)
-                break
-        handler = continuation(handler_call_details)
-        return _refusing_handler(handler)
-
-
-def _refusing_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    def refuse(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    return grpc.unary_stream_rpc_method_handler(refuse)
-
-
 class Frontend:
     """The Physis service over an EngineLoop."""
 
@@ -150,6 +123,7 @@ class Frontend:
         self._description = description
         self._lock = threading.Lock()
         self._sessions: dict[int, Session] = {}
+        self._opening = 0  # OpenStream calls between the max_streams check and their session
         self._started_s = time.monotonic()
         self.streams_opened = 0
         self.streams_closed = 0
@@ -177,9 +151,13 @@ class Frontend:
     # ---- OpenStream --------------------------------------------------------------------
 
     def _refuse(self, context, code: grpc.StatusCode, details: str):
-        with self._lock:
-            self.refusals[code.name] += 1
+        self.count_refusal(code.name)
         context.abort(code, details)
+
+    def count_refusal(self, status: str) -> None:
+        """A call refused with ``status`` (ServerInfo.refusals)."""
+        with self._lock:
+            self.refusals[status] += 1
 
     def open_stream(self, raw: bytes, context) -> pb.OpenStreamReply:
         try:
@@ -198,20 +176,30 @@ class Frontend:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"target_interval_ms must be finite and >= 0, got {spec.target_interval_ms}",
             )
-        with self._lock:
-            open_now = len(self._sessions)
-        if open_now >= self._config.max_streams:
-            self._refuse(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{open_now} streams open, front end max_streams is {self._config.max_streams}",
-            )
         embedding = None
         if spec.HasField("prompt_embedding"):
             try:
                 embedding = tensor_to_array(spec.prompt_embedding, name="prompt_embedding")
             except WireError as exc:
                 self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with self._lock:
+            # Counted and reserved under one lock: concurrent opens cannot all pass the check.
+            open_now = len(self._sessions) + self._opening
+            if open_now < self._config.max_streams:
+                self._opening += 1
+        if open_now >= self._config.max_streams:
+            self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{open_now} streams open, front end max_streams is {self._config.max_streams}",
+            )
+        try:
+            return self._admit(spec, embedding, context)
+        finally:
+            with self._lock:
+                self._opening -= 1
+
+    def _admit(self, spec: pb.StreamSpec, embedding, context) -> pb.OpenStreamReply:
         engine_spec = StreamSpec(
             seed=spec.seed,
             target_interval_ms=spec.target_interval_ms,
@@ -299,16 +287,23 @@ class Frontend:
     def _read(self, session: Session, request_iterator) -> None:
         try:
             for raw in request_iterator:
-                session.offer(raw, time.time_ns())
+                session.offer(raw, time.time_ns())  # never raises: faults are counted drops
         except grpc.RpcError as exc:  # the call was cancelled or broke: the writer ends it
             log.debug("stream %d reader ended: %s", session.stream_id, exc)
+        except Exception as exc:  # the stream is told, with the cause
+            # Nothing reads this stream's observations any more: end it rather than let it
+            # predict on from the last good one.
+            log.exception("stream %d: reading observations failed", session.stream_id)
+            session.end(grpc.StatusCode.INTERNAL, f"server stopped reading observations: {exc!r}")
 
-    def _finish(self, session: Session, why: str) -> None:
+    def _finish(
+        self, session: Session, why: str, code: grpc.StatusCode = grpc.StatusCode.OK
+    ) -> None:
         with self._lock:
             if self._sessions.pop(session.stream_id, None) is None:
                 return
             self.streams_closed += 1
-        session.end(grpc.StatusCode.OK, why)
+        session.end(code, why)
         self._loop.remove(session)
         log.info("closed stream %d: %s", session.stream_id, why)
 
@@ -322,7 +317,8 @@ class Frontend:
         with self._lock:
             session = self._sessions.get(request.stream_id)
         if session is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown stream id {request.stream_id}")
+            # As the proto promises: not open (already closed or never opened) is an answer.
+            return pb.CloseStreamReply(closed=False)
         self._finish(session, "CloseStream")
         return pb.CloseStreamReply(closed=True, counters=session.counters())
 
@@ -368,11 +364,11 @@ class Frontend:
             info.engine["error"] = self._loop.error
         return info
 
-    def close_all(self, why: str) -> None:
+    def close_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
         with self._lock:
             sessions = list(self._sessions.values())
         for s in sessions:
-            self._finish(s, why)
+            self._finish(s, why, code)
 
 
 @dataclass
@@ -386,7 +382,9 @@ class ServerHandle:
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
-        self.frontend.close_all("server shutting down")
+        # UNAVAILABLE, not OK: the client is told its stream did not end by its own choice,
+        # and reconnects to whatever serves next (a restarted job, another server).
+        self.frontend.close_all("server shutting down", grpc.StatusCode.UNAVAILABLE)
         self.server.stop(grace_s).wait(grace_s + 1.0)
 
 
@@ -402,7 +400,15 @@ def start_server(
     retain_freed_memory()
     freeze_startup_objects()
     frontend = Frontend(loop, config=config, description=description)
-    interceptors = [TokenAuthInterceptor(config.token)] if config.token else []
+    interceptors = (
+        [
+            TokenAuthInterceptor(
+                config.token, on_refused=lambda _why: frontend.count_refusal("UNAUTHENTICATED")
+            )
+        ]
+        if config.token
+        else []
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=config.worker_threads, thread_name_prefix="physis-grpc"
@@ -422,31 +428,32 @@ def start_server(
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{config.host}:{config.port}"
+    credentials = None
     if config.tls_cert_path is not None:
-        with open(config.tls_key_path, "rb") as f:
-            key = f.read()
-        with open(config.tls_cert_path, "rb") as f:
-            cert = f.read()
-        client_ca = None
-        if config.tls_client_ca_path is not None:
-            with open(config.tls_client_ca_path, "rb") as f:
-                client_ca = f.read()
-        credentials = grpc.ssl_server_credentials(
-            [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+        credentials = listen.tls_credentials(
+            config.tls_cert_path, config.tls_key_path, config.tls_client_ca_path
         )
-        port = server.add_secure_port(address, credentials)
-    else:
-        if config.token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning(
-                "bearer token over plaintext on %s: anyone on the path can read it; "
-                "use --tls-cert/--tls-key",
-                config.host,
-            )
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
+    elif config.token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "bearer token over plaintext on %s: anyone on the path can read it; "
+            "use --tls-cert/--tls-key",
+            config.host,
+        )
+    try:
+        port = listen.bind(server, config.host, config.port, credentials)
+    except BaseException:
+        server.stop(None)
+        raise
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def impaired(why: str) -> None:
+        log.error("server impaired, health NOT_SERVING: %s", why)
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    loop.on_impaired = impaired
+    if loop.error:
+        impaired(loop.error)
     return ServerHandle(server=server, port=port, frontend=frontend, health=health_servicer)

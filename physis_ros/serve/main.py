@@ -20,13 +20,16 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from physis_ros.cli_errors import UsageError, check_fields, cli_main, log_level, positive_int
 from physis_ros.engine.api import StreamEngine
+from physis_ros.serve import listen
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
 from physis_ros.serve.session import EngineLoop, SessionLimits
 from physis_ros.serve.spec import ServingSpec
@@ -38,34 +41,72 @@ _LIMIT_KEYS = ("max_observation_bytes", "outbound_queue", "unattached_timeout_s"
 _LOOP_KEYS = ("poll_timeout_s", "idle_wait_s")
 
 
+SECTIONS = ("frontend", "engine", "placement", "pool", "distributed")
+
+
 def load_config(path: str | Path | None) -> dict[str, dict[str, Any]]:
     """The YAML file as {section: {key: value}} (empty sections when there is no file)."""
     if path is None:
         return {"frontend": {}, "engine": {}}
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise UsageError(
+                f"{path} is not valid YAML: {exc}", "correct the file at the line named"
+            ) from exc
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
-    for section in ("frontend", "engine", "placement", "pool", "distributed"):
-        data.setdefault(section, {})
+        raise UsageError(
+            f"{path}: expected a mapping of sections, got {type(data).__name__}",
+            f"write sections {', '.join(SECTIONS)} at the top level (see config/serve.yaml)",
+        )
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise UsageError(
+            f"{path}: unknown section(s) {unknown}", f"known sections: {', '.join(SECTIONS)}"
+        )
+    for section in SECTIONS:
+        if data.get(section) is None:
+            data[section] = {}
         if not isinstance(data[section], dict):
-            raise ValueError(f"{path}: section {section!r} must be a mapping")
+            raise UsageError(
+                f"{path}: section {section!r} must be a mapping of key: value",
+                "see config/serve.yaml",
+            )
     return data
 
 
-def frontend_config(section: dict[str, Any], **overrides: Any) -> FrontendConfig:
-    """FrontendConfig from the YAML ``frontend`` section plus non-None overrides."""
+def frontend_config(
+    section: dict[str, Any], where: str = "frontend", **overrides: Any
+) -> FrontendConfig:
+    """FrontendConfig from the YAML ``frontend`` section plus non-None overrides; every key
+    and value checked (type, finiteness) before anything is built."""
     values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
-    limits = SessionLimits(**{k: values.pop(k) for k in _LIMIT_KEYS if k in values})
-    for key in _LOOP_KEYS:
-        values.pop(key, None)
-    known = set(FrontendConfig.__dataclass_fields__)
+    limit_keys = [f for f in SessionLimits.__dataclass_fields__ if f in values]
+    limits_values = {k: values.pop(k) for k in limit_keys}
+    loop_values = {k: values.pop(k) for k in _LOOP_KEYS if k in values}
+    for key, value in loop_values.items():
+        check_fields(_LoopOptions, {key: value}, where)
+    check_fields(SessionLimits, limits_values, where)
+    values.pop("limits", None)
+    known = set(FrontendConfig.__dataclass_fields__) - {"limits"}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(
-            f"unknown frontend keys {unknown}; known: {sorted(known | set(_LIMIT_KEYS))}"
+        raise UsageError(
+            f"{where}: unknown key(s) {unknown}",
+            "remove or correct them; known keys: "
+            + ", ".join(sorted(known | set(SessionLimits.__dataclass_fields__) | set(_LOOP_KEYS))),
         )
-    return FrontendConfig(limits=limits, **values)
+    check_fields(FrontendConfig, values, where)
+    return FrontendConfig(limits=SessionLimits(**limits_values), **values)
+
+
+@dataclass(frozen=True)
+class _LoopOptions:
+    """The EngineLoop's options in the ``frontend`` section (checked like the others)."""
+
+    poll_timeout_s: float = 0.002
+    idle_wait_s: float = 0.02
 
 
 def serving_spec(args: argparse.Namespace, config: dict[str, dict[str, Any]]) -> ServingSpec:
@@ -106,7 +147,12 @@ def run_frontend(
         **(loop_options or {}),
     )
     loop.start()
-    handle = start_server(loop, config=config, description=description)
+    try:
+        handle = start_server(loop, config=config, description=description)
+    except BaseException:
+        loop.stop()
+        engine.shutdown()  # under torchrun: the worker ranks are told to stop
+        raise
     log.info(
         "serving %s (K=%d, L=%d) on %s:%d%s%s",
         description.model,
@@ -153,12 +199,12 @@ def serve_single_process(
     ``engine_factory`` builds from the resolved spec (rank 0 under torchrun)."""
     cfg = load_config(args.config)
     frontend_section = dict(cfg["frontend"])
-    loop_options = {k: float(frontend_section[k]) for k in _LOOP_KEYS if k in frontend_section}
     token = args.token
     if args.token_file:
         token = Path(args.token_file).read_text().strip()
     config = frontend_config(
         frontend_section,
+        f"{args.config}: frontend" if args.config else "frontend",
         host=args.host,
         port=args.port,
         token=token,
@@ -166,6 +212,13 @@ def serve_single_process(
         tls_key_path=args.tls_key,
         tls_client_ca_path=args.tls_client_ca,
     )
+    # What can be checked without the engine is checked before it loads (minutes for a
+    # large model): the host resolves, the port is free, the TLS files are PEM and the key
+    # is the certificate's.
+    listen.check_address(config.host, config.port)
+    if config.tls_cert_path is not None:
+        listen.tls_credentials(config.tls_cert_path, config.tls_key_path, config.tls_client_ca_path)
+    loop_options = {k: float(frontend_section[k]) for k in _LOOP_KEYS if k in frontend_section}
     if engine_factory is not None:
         engine, description = engine_factory(spec or serving_spec(args, cfg).resolve())
     elif args.engine_factory:  # another StreamEngine (tests): it reads the engine section
@@ -235,8 +288,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def _factory_from_name(spec: str):
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(f"--engine-factory must be module:function, got {spec!r}")
-    return getattr(importlib.import_module(module), name)
+        raise UsageError(
+            f"--engine-factory {spec!r} is not module:function", "e.g. my_pkg.engines:make"
+        )
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise UsageError(
+            f"--engine-factory {spec!r}: module {module!r} cannot be imported ({exc})",
+            "check the name and that its package is installed or on PYTHONPATH",
+        ) from exc
+    except AttributeError as exc:
+        raise UsageError(
+            f"--engine-factory {spec!r}: module {module!r} has no {name!r}",
+            "name a function of that module",
+        ) from exc
+    if not callable(factory):
+        raise UsageError(f"--engine-factory {spec!r} is not callable", "name a function")
+    return factory
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -275,7 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "fastest the plan can promise one stream, which takes the pool)",
     )
     parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port; 0 = ephemeral")
+    parser.add_argument("--port", type=port_number, default=None, help="port; 0 = ephemeral")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
     parser.add_argument("--token", default=None, help="bearer token every call must carry")
     parser.add_argument("--token-file", default=None, help="read the bearer token from a file")
@@ -294,30 +363,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch intra-op threads per process (default: distributed.threads, 1)",
     )
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG ... ERROR")
     return parser.parse_args(argv)
 
 
+def port_number(text: str) -> int:
+    """argparse ``type=``: 0..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not in 0..65535")
+    return value
+
+
+@cli_main("physis-serve")
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        from physis_ros.serve.dist.serve import serve_torchrun, under_torchrun
+    from physis_ros.serve.dist.serve import serve_torchrun, under_torchrun
 
-        if under_torchrun():  # torchrun: rank 0 serves over a DistEngine, others are workers
-            if args.weights:
-                raise ValueError("--weights is not read under torchrun yet; serve a preset")
-            return serve_torchrun(args)
-        return serve_single_process(args)
-    except (ValueError, OSError) as exc:
-        log.error("%s", exc)
-        return 2
+    if under_torchrun():  # torchrun: rank 0 serves over a DistEngine, others are workers
+        return serve_torchrun(args)
+    return serve_single_process(args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Server side checks of an incoming observation, and its conversion to engine input.
 
 Each check that fails raises ``WireError`` with the reason the observation is counted under
-(``image_size``, ``image_encoding``, ``image_decode``, ``non_finite``, ...), so the session
-can drop it, count it and tell the client. JPEG / PNG are decoded with Pillow here.
+(``image_size``, ``image_encoding``, ``image_decode``, ``non_finite``, ``bad_seq``, ...), so
+the session can drop it, count it and tell the client. JPEG / PNG are decoded with Pillow
+here, and only after the image header's size is checked: no pixel is decompressed for an
+image that is not the model's size.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     COMPRESSED_ENCODINGS,
+    MAX_STAMP_NS,
     CameraImage,
     Observation,
     WireError,
@@ -41,6 +45,19 @@ class ContextInput:
     """[H, A] float32 commanded actions, or None."""
 
 
+def check_header(o: pb.Observation) -> None:
+    """The observation's sequence number and stamps are usable: seq >= 0 (the proto's
+    "strictly increasing" starts somewhere; a negative one is a client bug) and both stamps
+    in [0, MAX_STAMP_NS). Checked before the seq order, so a garbage seq cannot block the
+    stream's later observations as "out of order"."""
+    if o.seq < 0:
+        raise WireError("bad_seq", f"seq {o.seq} is negative")
+    for name in ("capture_stamp_ns", "send_stamp_ns"):
+        stamp = getattr(o, name)
+        if not 0 <= stamp < MAX_STAMP_NS:
+            raise WireError("bad_stamp", f"observation {o.seq}: {name} {stamp} is out of range")
+
+
 def decode_image(img: CameraImage, *, height: int, width: int) -> np.ndarray:
     """CameraImage -> [H, W, 3] uint8 RGB; the size must be the model's (height, width)."""
     if img.encoding in COMPRESSED_ENCODINGS:
@@ -59,7 +76,7 @@ def decode_image(img: CameraImage, *, height: int, width: int) -> np.ndarray:
 
 
 def _decode_compressed(img: CameraImage, *, height: int, width: int) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         with warnings.catch_warnings():
@@ -79,8 +96,17 @@ def _decode_compressed(img: CameraImage, *, height: int, width: int) -> np.ndarr
                     f"{height}x{width}",
                 )
             return np.asarray(pil.convert("RGB"), dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError) as exc:
-        raise WireError("image_decode", f"{img.encoding} does not decode: {exc}") from exc
+    except WireError:
+        raise
+    except Image.DecompressionBombError as exc:  # a header far larger than any camera's
+        raise WireError("image_size", f"{img.encoding} header: {exc}") from exc
+    except Exception as exc:  # hostile bytes: any decoder failure is a counted drop
+        # Pillow refuses crafted files with many types (OSError, ValueError for an oversized
+        # text chunk, SyntaxError, struct.error, EOFError, DecompressionBombError, ...); each
+        # is this one observation's fault, never the stream's.
+        raise WireError(
+            "image_decode", f"{img.encoding} does not decode: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def context_input(

@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import queue
 import statistics
 import threading
@@ -46,7 +47,8 @@ from physis_ros.link.wire import (
     serialize_with_payload,
     tensor_header,
 )
-from physis_ros.serve.observations import ContextInput, context_input
+from physis_ros.serve.observations import ContextInput, check_header, context_input
+from physis_ros.serve.ratelog import RateLimit, held_note
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,23 @@ class SessionLimits:
     stall_timeout_s: float = 60.0
     """Chunks in flight but none finished for this long: the stream ends with UNAVAILABLE
     (the client reconnects) instead of waiting forever on a stuck engine."""
+    max_non_finite_chunks: int = 3
+    """Chunks in a row whose model output held NaN or inf (never published, each counted
+    "non_finite_output") before the stream ends with INTERNAL: its KV history is poisoned."""
+    drop_log_interval_s: float = 10.0
+    """A stream's drops are logged (WARNING) the first time per reason, then at most once
+    per this interval with the count since: a flood of bad input cannot flood the log."""
 
     def __post_init__(self) -> None:
+        for name in ("stall_timeout_s", "unattached_timeout_s", "drop_log_interval_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.max_non_finite_chunks < 1:
+            raise ValueError(
+                f"max_non_finite_chunks must be >= 1, got {self.max_non_finite_chunks}"
+            )
+        if self.drop_log_interval_s < 0:
+            raise ValueError(f"drop_log_interval_s must be >= 0, got {self.drop_log_interval_s}")
         if self.max_observation_bytes <= 0:
             raise ValueError(f"max_observation_bytes must be > 0, got {self.max_observation_bytes}")
         if self.outbound_queue < 2:
@@ -148,6 +165,8 @@ class Session:
         self.predictions_sent = 0
         self.drops: collections.Counter[str] = collections.Counter()
         self.last_drop_detail = ""
+        self._drop_log = RateLimit(limits.drop_log_interval_s)
+        self.non_finite_in_a_row = 0  # engine thread
         # engine-thread state
         self.inflight = 0
         self.progress_s = 0.0  # monotonic: last chunk out, or first submit after none in flight
@@ -164,7 +183,17 @@ class Session:
     # ---- gRPC reader side --------------------------------------------------------------
 
     def offer(self, raw: bytes, received_ns: int) -> None:
-        """One raw ClientMessage from the wire: answered, kept, or dropped and counted."""
+        """One raw ClientMessage from the wire: answered, kept, or dropped and counted.
+
+        Never raises: a fault in the checks themselves (a bug a crafted message found) drops
+        that message as ``internal_error``, logged with its traceback, and the stream goes
+        on; the reader thread that calls this must outlive every message."""
+        try:
+            self._offer(raw, received_ns)
+        except Exception as exc:  # noqa: BLE001 - counted, logged with traceback, reported
+            self.drop("internal_error", f"{type(exc).__name__}: {exc}", exc_info=exc)
+
+    def _offer(self, raw: bytes, received_ns: int) -> None:
         if len(raw) > self.limits.max_observation_bytes:
             self.drop(
                 "oversized",
@@ -196,6 +225,12 @@ class Session:
     def _offer_observation(self, o: pb.Observation, image_data: memoryview | None) -> None:
         with self._lock:
             self.observations_received += 1
+        try:
+            check_header(o)
+        except WireError as exc:
+            self.drop(exc.reason, exc.detail)
+            return
+        with self._lock:
             last = self._last_seq
             if last is not None and o.seq <= last:
                 reason = "duplicate_seq" if o.seq == last else "out_of_order_seq"
@@ -239,16 +274,39 @@ class Session:
                 "it entered the pipeline (client sends faster than the interval)",
             )
 
-    def drop(self, reason: str, detail: str) -> None:
-        """Count a dropped message and tell the client (one stats message at a time)."""
+    def drop(self, reason: str, detail: str, *, exc_info: BaseException | None = None) -> None:
+        """Count a dropped message, tell the client (one stats message at a time) and log
+        it, rate limited per reason (``limits.drop_log_interval_s``)."""
         with self._lock:
             self.drops[reason] += 1
+            count = self.drops[reason]
             self.last_drop_detail = f"{reason}: {detail}"
             send_stats = not self._stats_pending
             self._stats_pending = True
-        log.debug("stream %d dropped %s: %s", self.stream_id, reason, detail)
+        held = self._drop_log.due(reason)
+        if held is not None:
+            log.warning(
+                "stream %d dropped %s: %s%s [%d in all]",
+                self.stream_id,
+                reason,
+                detail,
+                held_note(held),
+                count,
+                exc_info=exc_info,
+            )
         if send_stats:
             self._push("stats")  # filled in when sent, with the counts of that moment
+
+    def output_not_finite(self, chunk: int) -> bool:
+        """A chunk whose model output held NaN or inf (engine thread): never published,
+        counted "non_finite_output". True when ``max_non_finite_chunks`` came in a row (the
+        caller ends the stream)."""
+        self.non_finite_in_a_row += 1
+        self.drop(
+            "non_finite_output",
+            f"chunk {chunk}: the model's output holds NaN or inf; not published",
+        )
+        return self.non_finite_in_a_row >= self.limits.max_non_finite_chunks
 
     # ---- outbound (gRPC writer side) ---------------------------------------------------
 
@@ -420,6 +478,10 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="physis-engine", daemon=True)
         self.error = ""
+        """Why the engine (or this thread) failed for every stream; "" while it serves."""
+        self.on_impaired: Callable[[str], None] | None = None
+        """Called (engine thread) when the server can no longer serve as configured: the
+        engine failed, or reports itself impaired (``engine.impairment()``, e.g. a dead rank)."""
 
     def start(self) -> None:
         self._thread.start()
@@ -476,11 +538,42 @@ class EngineLoop:
                 session.revise(promise)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # every stream and the health check are told
+            log.exception("the engine thread failed")
+            self._fail_all(f"engine thread failed: {exc!r}", grpc.StatusCode.INTERNAL)
+            # Keep answering: an OpenStream gets an error at once instead of its timeout.
+            while not self._stop.is_set():
+                self._run_commands(timeout_s=self._idle_wait_s, refuse=self.error)
+
+    def _fail_all(self, error: str, code: grpc.StatusCode) -> None:
+        self.error = error
+        log.error("%s", error)
+        for session in list(self._sessions.values()):
+            session.end(code, error)
+            self._close(session)
+        self._report_impaired(error)
+
+    def _report_impaired(self, why: str) -> None:
+        if self.on_impaired is not None:
+            self.on_impaired(why)
+
+    def _pump_guarded(self, session: Session) -> None:
+        """``_pump``; an unexpected fault there ends that stream alone (INTERNAL)."""
+        try:
+            self._pump(session)
+        except Exception as exc:  # the stream's client gets the cause
+            log.exception("stream %d failed in the engine loop", session.stream_id)
+            session.end(grpc.StatusCode.INTERNAL, f"stream failed in the server: {exc!r}")
+            self._close(session)
+
+    def _serve(self) -> None:
         wait_s = 0.0
         while not self._stop.is_set():
             self._run_commands(timeout_s=wait_s)
             for session in list(self._sessions.values()):
-                self._pump(session)
+                self._pump_guarded(session)
             if not any(s.inflight for s in self._sessions.values()):
                 # Nothing to poll: sleep on the command queue until the next paced generate
                 # is due (never spin: the gRPC threads need the GIL to move bytes).
@@ -502,6 +595,16 @@ class EngineLoop:
                 session.progress_s = time.monotonic()
                 session.chunks_out += 1
                 session.left_s.append(out.left_s)
+                if not out.finite:
+                    if session.output_not_finite(out.chunk):
+                        session.end(
+                            grpc.StatusCode.INTERNAL,
+                            f"{session.non_finite_in_a_row} chunks in a row held NaN or inf: "
+                            "the model's weights or this stream's history are broken",
+                        )
+                        self._close(session)
+                    continue
+                session.non_finite_in_a_row = 0
                 session.push_chunk(out)
 
     def _fail(self, exc: StreamFailed) -> None:
@@ -514,19 +617,20 @@ class EngineLoop:
             log.error("stream %d failed in the engine: %s", stream_id, exc)
             session.end(grpc.StatusCode.UNAVAILABLE, f"stream failed in the engine: {exc}")
             self._close(session)
-            return
-        if stream_id is not None:
+        elif stream_id is not None:
             log.warning(
                 "engine reported a failure of stream %d, already closed: %s", stream_id, exc
             )
+        else:
+            self._fail_all(f"engine failed: {exc}", grpc.StatusCode.UNAVAILABLE)
             return
-        self.error = f"engine failed: {exc}"
-        log.error("%s", self.error)
-        for session in list(self._sessions.values()):
-            session.end(grpc.StatusCode.UNAVAILABLE, self.error)
-            self._close(session)
+        impairment = getattr(self.engine, "impairment", None)
+        why = impairment() if callable(impairment) else ""
+        if why:
+            self._report_impaired(why)
 
-    def _run_commands(self, *, timeout_s: float) -> None:
+    def _run_commands(self, *, timeout_s: float, refuse: str = "") -> None:
+        """Runs queued commands; with ``refuse``, calls fail with StreamFailed(refuse)."""
         try:
             item = (
                 self._commands.get(timeout=timeout_s)
@@ -537,7 +641,10 @@ class EngineLoop:
             return
         while True:
             fn, future = item
-            if future is None:
+            if refuse:
+                if future is not None and future.set_running_or_notify_cancel():
+                    future.set_exception(StreamFailed(refuse))
+            elif future is None:
                 fn(self.engine)
             elif future.set_running_or_notify_cancel():
                 try:

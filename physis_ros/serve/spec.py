@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from physis_ros.cli_errors import UsageError, check_fields
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.pool.admission import POLICIES
 from physis_ros.engine.runtime import MODES
@@ -144,18 +145,22 @@ class ServingSpec:
             if section == "frontend":
                 continue
             if section not in SECTIONS:
-                raise ValueError(
-                    f"unknown config section {section!r}; known: frontend, {', '.join(SECTIONS)}"
+                raise UsageError(
+                    f"unknown config section {section!r}",
+                    f"known sections: frontend, {', '.join(SECTIONS)}",
                 )
             for key, value in (body or {}).items():
                 name = LEGACY_KEYS.get((section, key), key)
                 if name not in SECTIONS[section] and (section, key) not in LEGACY_KEYS:
-                    raise ValueError(
-                        f"unknown {section} key {key!r}; known: {', '.join(SECTIONS[section])}"
+                    raise UsageError(
+                        f"unknown {section} key {key!r}",
+                        f"known keys: {', '.join(SECTIONS[section])}",
                     )
                 if name == "model_config":
                     raise ValueError("model_config is set by resolving the model, not by hand")
                 values[name] = value
+                # types and finite numbers, named by section (a YAML typo is refused here)
+                check_fields(cls, {name: value}, f"config section {section}")
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from physis_ros.cli_errors import cli_main, finite_float
 from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
 
 IMAGE_TOPIC = "/camera/image_raw"
@@ -277,6 +278,7 @@ def record_episode(path: Path | str, cfg: RecordConfig) -> EpisodeSummary:
     )
 
 
+@cli_main("physis-record")
 def main(argv: list[str] | None = None) -> int:
     """``physis-record OUT_DIR``: record episodes of seeds [seed, seed + episodes)."""
     parser = argparse.ArgumentParser(prog="physis-record", description=__doc__.split("\n\n")[0])
@@ -284,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=1, help="number of episodes (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first episode")
     parser.add_argument(
-        "--duration-s", type=float, default=30.0, help="simulated seconds per episode"
+        "--duration-s", type=finite_float, default=30.0, help="simulated seconds per episode"
     )
-    parser.add_argument("--control-hz", type=float, default=50.0, help="policy/physics/sensor rate")
-    parser.add_argument("--camera-hz", type=float, default=10.0, help="camera frame rate")
+    parser.add_argument(
+        "--control-hz", type=finite_float, default=50.0, help="policy/physics/sensor rate"
+    )
+    parser.add_argument("--camera-hz", type=finite_float, default=10.0, help="camera frame rate")
     parser.add_argument("--height", type=int, default=64, help="image height (pixels)")
     parser.add_argument("--width", type=int, default=64, help="image width (pixels)")
     parser.add_argument(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from physis_ros.cli_errors import cli_main
 from physis_ros.engine.prompts import EMPTY, check_name, read_prompts, write_prompts
 
 PICKLED_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
@@ -142,6 +143,7 @@ def _parse_prompts(args: argparse.Namespace) -> dict[str, str]:
     return prompts
 
 
+@cli_main("physis-embed")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="physis-embed", description=__doc__.split("\n\n")[0])
     p.add_argument("--encoder", help="diffusers Wan pipeline dir (text_encoder/, tokenizer/)")

@@ -29,6 +29,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from physis_ros.cli_errors import UsageError, cli_main
 from physis_ros.engine.pool.costmodel import Profile, ProfileEntry
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -312,13 +313,13 @@ def _inproc_hop_ms(cfg, device: str, repeats: int = 200) -> float:
     return statistics.median(times)
 
 
+@cli_main("physis-profile")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        profile, provenance = measure_with_provenance(args)
-    except ValueError as err:
-        print(f"physis-profile: {err}", file=sys.stderr)
-        return 2
+    if args.out and Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a folder", "name the JSON file to write")
+    # a bad value raises ValueError: one line and exit 2 (cli_main)
+    profile, provenance = measure_with_provenance(args)
     # ``provenance``: beside the profile's fields (Profile.from_json reads only its own)
     text = json.dumps({**profile.to_json(), "provenance": provenance}, indent=1)
     if args.out:

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from physis_ros.cli_errors import cli_main, finite_float
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
 from physis_ros.engine.config import SamplerConfig
@@ -40,9 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=2, help="W history window (chunks)")
     p.add_argument("--devices", type=int, default=24, help="G devices in the pool")
     p.add_argument("--streams", type=int, default=0, help="streams to admit (0: until refused)")
-    p.add_argument("--target-ms", type=float, default=1600.0, help="target interval per stream")
+    p.add_argument(
+        "--target-ms", type=finite_float, default=1600.0, help="target interval per stream"
+    )
     p.add_argument("--policy", choices=("shared", "static"), default="shared")
-    p.add_argument("--max-utilization", type=float, default=0.9)
+    p.add_argument("--max-utilization", type=finite_float, default=0.9)
     p.add_argument("--profile", help="physis-profile JSON (else the modelled H200)")
     p.add_argument(
         "--calibration",
@@ -51,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--memory-gib",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="usable memory per device with --profile (GiB)",
     )
@@ -189,28 +192,26 @@ def _device(args: argparse.Namespace):
     return fit_device(H200, load_calibration(args.calibration))
 
 
+@cli_main("physis-sim")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.experiment == "pool24":
-            result = pool24(seed=args.seed, device=_device(args))
-        elif args.experiment == "depth":
-            sampler = SamplerConfig(steps=args.steps, window=args.window)
-            result = depth(sampler=sampler, device=_device(args))
-        elif args.experiment == "realcheck":
-            from physis_ros.tools.realcheck import realcheck
+    # a bad value raises ValueError: one line and exit 2 (cli_main)
+    if args.experiment == "pool24":
+        result = pool24(seed=args.seed, device=_device(args))
+    elif args.experiment == "depth":
+        sampler = SamplerConfig(steps=args.steps, window=args.window)
+        result = depth(sampler=sampler, device=_device(args))
+    elif args.experiment == "realcheck":
+        from physis_ros.tools.realcheck import realcheck
 
-            profile = Profile.load(args.profile) if args.profile else None
-            result = realcheck(profile=profile)
-        else:
-            result = run_pool(args)
-        if args.calibration:
-            from physis_ros.engine.pool.calibrate import fit_report, load_calibration
+        profile = Profile.load(args.profile) if args.profile else None
+        result = realcheck(profile=profile)
+    else:
+        result = run_pool(args)
+    if args.calibration:
+        from physis_ros.engine.pool.calibrate import fit_report, load_calibration
 
-            result["calibration"] = fit_report(_device(args), load_calibration(args.calibration))
-    except ValueError as err:
-        print(f"physis-sim: {err}", file=sys.stderr)
-        return 2
+        result["calibration"] = fit_report(_device(args), load_calibration(args.calibration))
     if args.json:
         print(json.dumps(result, indent=1))
     else:

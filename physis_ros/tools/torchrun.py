@@ -3,7 +3,9 @@
 On SIGINT or SIGTERM torchrun passes the signal to its ranks, waits for them to stop, then
 re-raises it as a ``SignalException`` and prints a traceback with exit status 1. Stopping a
 server with Ctrl-C or ``ros2 launch``'s shutdown is the normal way to end it, so this entry
-says so in one line and exits 0. Everything else (arguments, rank failures) is torchrun's.
+says so in one line and exits 0. A rank that fails ends it in one line too, naming the rank
+and its exit status (the rank's own one-line error is above), exit 2 when every failed rank
+reported a usage or config error, else 1; torchrun's own arguments are torchrun's.
 workstation.launch.py runs it, so torchrun is found in the package like physis-serve and
 runs with the package's interpreter.
 """
@@ -13,16 +15,31 @@ from __future__ import annotations
 import signal
 import sys
 
+from physis_ros.cli_errors import EXIT_USAGE, RuntimeFailure, UsageError, cli_main
 
+
+@cli_main("physis-torchrun")
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
+    args = parse_args(argv)
     try:
-        torchrun_main(argv)
+        run(args)  # not torchrun's main: its @record prints a failed rank's report as a table
     except SignalException as stop:
         name = signal.Signals(stop.sigval).name
         print(f"physis-torchrun: {name}: the ranks were stopped", file=sys.stderr)
+    except ChildFailedError as exc:
+        codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
+        # ranks that failed on their own (those the agent stopped exit by a signal, < 0)
+        own = {rank: code for rank, code in codes.items() if code > 0} or codes
+        named = ", ".join(f"rank {rank} exited {code}" for rank, code in own.items())
+        error = UsageError if all(c == EXIT_USAGE for c in own.values()) else RuntimeFailure
+        raise error(
+            f"{named}; the other ranks were stopped",
+            "see the rank's own error line above (physis-serve: error: ...)",
+        ) from exc
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from physis_ros.cli_errors import cli_main, finite_float
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.model import (
     build_model,
@@ -350,6 +351,7 @@ def _ema(values: list[float], decay: float) -> list[float]:
     return out
 
 
+@cli_main("physis-train")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="physis-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="+", help="bags or folders of bags to train on")
@@ -360,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     defaults = TrainConfig()
     for name, val in asdict(defaults).items():
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=type(val), default=val, help=f"(default {val})"
+            f"--{name.replace('_', '-')}",
+            type=finite_float if isinstance(val, float) else type(val),
+            default=val,
+            help=f"(default {val})",
         )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)

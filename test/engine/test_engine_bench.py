@@ -119,7 +119,7 @@ def test_ranks_keep_start_up_objects_out_of_garbage_collection():
     from physis_ros.serve.dist.engine import DistEngine
     from physis_ros.serve.dist.runtime import RuntimeConfig
 
-    cfg = RuntimeConfig(model="tiny", device="cpu", fault_timeout_s=3.0, comm_timeout_s=30.0)
+    cfg = RuntimeConfig(model="tiny", device="cpu", fault_timeout_s=30.0, comm_timeout_s=60.0)
     with DistEngine.launch_local(cfg, 2) as engine:
         usage = engine.rank_usage()
     # tens of thousands of start-up objects (torch, the model) are frozen on every rank, so

@@ -1,7 +1,8 @@
 """Child process for test_replay.py: receive raw messages on the recorder's topics.
 
-replay_sub.py N_IMAGES TIMEOUT_S: subscribes (reliable, raw CDR) to the camera, wrench, joint
-state and command topics; once N_IMAGES images arrived and the other topics went quiet for 1 s
+replay_sub.py N_IMAGES TIMEOUT_S [IMAGE_TOPIC]: subscribes (reliable, raw CDR) to the camera
+(IMAGE_TOPIC, default /camera/image_raw), wrench, joint state and command topics; once
+N_IMAGES images arrived and the other topics went quiet for 1 s
 (or after TIMEOUT_S) prints one JSON line: per topic count, and per image its receive time
 (time.monotonic) and header stamp (ns).
 """
@@ -33,21 +34,23 @@ def stamp_ns(raw: bytes) -> int:
 
 def main() -> int:
     want, timeout_s = int(sys.argv[1]), float(sys.argv[2])
+    image_topic = sys.argv[3] if len(sys.argv) > 3 else "/camera/image_raw"
+    topics = {image_topic if t == "/camera/image_raw" else t: c for t, c in TOPICS.items()}
     rclpy.init()
     node = rclpy.create_node("replay_sub")
-    counts = dict.fromkeys(TOPICS, 0)
+    counts = dict.fromkeys(topics, 0)
     images = []
 
     def on_msg(topic):
         def cb(raw):
             counts[topic] += 1
-            if topic == "/camera/image_raw":
+            if topic == image_topic:
                 images.append((time.monotonic(), stamp_ns(raw)))
 
         return cb
 
     qos = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-    for topic, cls in TOPICS.items():
+    for topic, cls in topics.items():
         node.create_subscription(cls, topic, on_msg(topic), qos, raw=True)
     print("ready", flush=True)
     deadline = time.monotonic() + timeout_s

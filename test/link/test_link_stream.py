@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import itertools
+import struct
 import time
+import zlib
 
 import grpc
 import numpy as np
@@ -14,7 +16,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from link_raw import RawStream, observation_bytes, open_stream
 from link_server import REPO_ROOT, running_server, server_info, wait_for
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.proto_gen import physis_pb2 as pb
@@ -172,6 +174,27 @@ def _jpeg(h: int, w: int) -> bytes:
     return buf.getvalue()
 
 
+def _png(h: int, w: int, **save) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((h, w, 3), np.uint8)).save(buf, format="PNG", **save)
+    return buf.getvalue()
+
+
+def _png_text_bomb(h: int, w: int) -> bytes:
+    """A right-sized PNG whose zTXt chunk inflates to 20 MB (its file is ~20 KB)."""
+    info = PngImagePlugin.PngInfo()
+    info.add_text("comment", "a" * (20 * 1024 * 1024), zip=True)
+    return _png(h, w, pnginfo=info)
+
+
+def _png_claiming(h: int, w: int, claimed: tuple[int, int]) -> bytes:
+    """A PNG whose header (IHDR, valid CRC) claims ``claimed`` (height, width) pixels."""
+    data = bytearray(_png(h, w))
+    data[16:24] = struct.pack(">II", claimed[1], claimed[0])
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
 def _bad_cases(promise):
     h, w = promise.image_height, promise.image_width
     nan_wrench = pb.Tensor(
@@ -254,12 +277,51 @@ def _bad_cases(promise):
                 ),
             )
         ],
+        # Crafted shapes whose element count wraps int64 to the bytes present (0).
+        "shape_wraps": [
+            observation_bytes(1, promise, wrench=pb.Tensor(dtype="float32", shape=[2**32, 2**32])),
+            observation_bytes(
+                2, promise, action=pb.Tensor(dtype="float64", shape=[2**31, 2**31, 4, 1])
+            ),
+        ],
+        "png_text_bomb": [
+            observation_bytes(
+                1, promise, image=pb.CameraImage(encoding="png", data=_png_text_bomb(h, w))
+            )
+        ],
+        "png_pixel_bomb": [
+            observation_bytes(
+                1,
+                promise,
+                image=pb.CameraImage(encoding="png", data=_png_claiming(h, w, (100_000, 100_000))),
+            )
+        ],
+        "raw_pixel_bomb": [
+            observation_bytes(
+                1,
+                promise,
+                image=pb.CameraImage(
+                    encoding="rgb8", height=2**31, width=2**31, step=2**32 - 1, data=b"\0" * 12
+                ),
+            )
+        ],
+        "bad_seq": [observation_bytes(-5, promise)],
+        "bad_stamp": [
+            observation_bytes(1, promise, capture_stamp_ns=-1),
+            observation_bytes(2, promise, send_stamp_ns=2**63 - 1),
+        ],
         "duplicate_seq": [observation_bytes(5, promise), observation_bytes(5, promise)],
         "out_of_order_seq": [observation_bytes(5, promise), observation_bytes(3, promise)],
     }
 
 
-EXPECTED_REASON = {"jpeg_size": "image_size"}
+EXPECTED_REASON = {
+    "jpeg_size": "image_size",
+    "shape_wraps": "bad_tensor",
+    "png_text_bomb": "image_decode",
+    "png_pixel_bomb": "image_size",
+    "raw_pixel_bomb": "image_size",
+}
 CASES = [
     "malformed",
     "protocol_version",
@@ -273,10 +335,16 @@ CASES = [
     "action_shape",
     "no_image",
     "oversized",
+    "shape_wraps",
+    "png_text_bomb",
+    "png_pixel_bomb",
+    "raw_pixel_bomb",
+    "bad_seq",
+    "bad_stamp",
     "duplicate_seq",
     "out_of_order_seq",
 ]
-EXPECTED_COUNT = {"non_finite": 2, "bad_tensor": 2}
+EXPECTED_COUNT = {"non_finite": 2, "bad_tensor": 2, "shape_wraps": 2, "bad_stamp": 2}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -305,6 +373,7 @@ def test_bad_observation_is_dropped_counted_and_reported(case, server, channel, 
             what="a prediction conditioned on the good observation after the bad one",
         )
         assert stream.error is None
+        assert stream.drops().get("internal_error", 0) == 0
         _feed_bystander(bystander)
     finally:
         stream.close()
@@ -370,9 +439,9 @@ def test_unknown_and_missing_stream_ids(server, channel):
     with pytest.raises(grpc.RpcError) as err:
         list(call)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as err:
-        stub.CloseStream(pb.CloseStreamRequest(stream_id=987654321), timeout=10)
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # Closing a stream that is not open is an answer, as the proto promises: closed=false.
+    reply = stub.CloseStream(pb.CloseStreamRequest(stream_id=987654321), timeout=10)
+    assert reply.closed is False
     # A stream can be attached once only.
     first = RawStream(channel, client_name="attach-once")
     second = RawStream(channel, stream_id=first.stream_id)

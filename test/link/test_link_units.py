@@ -3,14 +3,13 @@ and the session's mapping of chunks to the observations they are conditioned on.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import random
 import time
 
 import numpy as np
 import pytest
-from link_fake_engine import FakeEngine
+from link_fake_engine import FakeEngine, served
 from link_server import wait_for
 from PIL import Image
 
@@ -32,28 +31,10 @@ from physis_ros.link.wire import (
     tensor_header,
     tensor_to_array,
 )
-from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
+from physis_ros.serve.frontend import FrontendConfig, ServerDescription
 from physis_ros.serve.main import frontend_config
 from physis_ros.serve.observations import decode_image
-from physis_ros.serve.session import EngineLoop, SessionLimits
-
-
-@contextlib.contextmanager
-def _served(engine, *, config=None, description=None, **loop_options):
-    """The real front end over ``engine`` on an ephemeral 127.0.0.1 port; stopped on exit
-    (after the body's own clean-up, so clients close first)."""
-    loop = EngineLoop(engine, **loop_options)
-    loop.start()
-    handle = start_server(
-        loop,
-        config=config or FrontendConfig(port=0),
-        description=description or ServerDescription(model="fake", steps=2, blocks=2),
-    )
-    try:
-        yield loop, handle
-    finally:
-        handle.stop()
-        loop.stop()
+from physis_ros.serve.session import SessionLimits
 
 
 def test_clock_offset_best_of_n_within_its_uncertainty():
@@ -184,7 +165,7 @@ def test_configs_name_the_bad_value():
         FrontendConfig(max_message_bytes=10, limits=SessionLimits(max_observation_bytes=20))
     with pytest.raises(ValueError, match="tls_key_path"):
         FrontendConfig(tls_cert_path="c.pem")
-    with pytest.raises(ValueError, match="unknown frontend keys"):
+    with pytest.raises(ValueError, match="frontend: unknown key"):
         frontend_config({"max_strems": 3})
     with pytest.raises(ValueError, match="outbound_queue"):
         SessionLimits(outbound_queue=0)
@@ -198,7 +179,7 @@ def test_predictions_name_the_observation_they_are_conditioned_on():
     """The fake engine's actions are the mean pixel of the newest context chunk before the
     generated chunk: each prediction's observation_seq must match that value exactly."""
     engine = FakeEngine(slots=2, chunk_ms=4.0)
-    with _served(engine) as (loop, handle):
+    with served(engine) as (loop, handle):
         client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
         client.start()
         try:
@@ -237,7 +218,7 @@ def test_context_chunk_is_the_streams_newest_frames_in_arrival_order():
     frames (not one frame twice): after A then B the chunk is [A, B], also when A was
     superseded before it was used; a stream's first frame fills its first chunk."""
     engine = FakeEngine(slots=2, chunk_ms=3.0, chunk_frames=2)
-    with _served(engine) as (loop, handle):
+    with served(engine) as (loop, handle):
         clients = [LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5) for _ in range(2)]
 
         def send(client: LinkClient, seq: int, value: int) -> None:
@@ -287,7 +268,7 @@ def test_context_chunk_is_the_streams_newest_frames_in_arrival_order():
 
 def test_action_conditioned_model_gets_the_newest_commanded_actions():
     engine = FakeEngine(slots=1, chunk_ms=3.0, action_horizon=4, action_dim=2)
-    with _served(
+    with served(
         engine,
         description=ServerDescription(model="fake", steps=2, blocks=2, action_mode="condition"),
         generate_with_actions=True,
@@ -393,7 +374,7 @@ def test_tensor_header_is_the_array_without_a_copy():
 def test_stuck_engine_ends_the_stream_and_the_client_reconnects():
     engine = FakeEngine(slots=4, chunk_ms=1e7)  # never finishes a chunk
     config = FrontendConfig(port=0, limits=SessionLimits(stall_timeout_s=0.3))
-    with _served(engine, config=config) as (_loop, handle):
+    with served(engine, config=config) as (_loop, handle):
         client = LinkClient(
             f"127.0.0.1:{handle.port}", connect_timeout_s=5, reconnect_backoff_s=(0.05, 0.2)
         )
@@ -413,7 +394,7 @@ def test_a_failed_stream_ends_alone_an_engine_failure_ends_all():
     client reconnects, the other stream keeps its call and its predictions. A failure naming
     no stream ends every stream."""
     engine = FakeEngine(slots=3, chunk_ms=3.0)
-    with _served(engine) as (loop, handle):
+    with served(engine) as (loop, handle):
         target = f"127.0.0.1:{handle.port}"
         clients = [
             LinkClient(
@@ -469,7 +450,7 @@ def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
 
 def test_prediction_queue_keeps_the_newest_when_the_caller_falls_behind():
     engine = FakeEngine(slots=1, chunk_ms=1.0)
-    with _served(engine) as (_loop, handle):
+    with served(engine) as (_loop, handle):
         client = LinkClient(
             f"127.0.0.1:{handle.port}", connect_timeout_s=5, prediction_queue_size=3
         )
@@ -572,7 +553,7 @@ def test_large_frames_cross_the_link_intact():
     server, a view of the received bytes on the client): the pixels must arrive as sent."""
     engine = FakeEngine(slots=1, chunk_ms=2.0, height=160, width=160)
     assert LARGE_PAYLOAD_BYTES <= 160 * 160 * 3
-    with _served(engine) as (_loop, handle):
+    with served(engine) as (_loop, handle):
         client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
         client.start()
         try:

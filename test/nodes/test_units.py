@@ -304,3 +304,22 @@ def test_demo_png_writer_round_trips_through_pillow(tmp_path):
     assert image.shape == (2 * (8 + 2) * 2, 20, 3)
     write_png(tmp_path / "s.png", image)
     np.testing.assert_array_equal(np.asarray(PILImage.open(tmp_path / "s.png")), image)
+
+
+def test_server_faults_are_what_diagnostics_warns_about():
+    """/diagnostics' link status warns about the server's drops that are faults (a tensor it
+    refused, an image it could not decode, NaN output), not about newest-wins pacing."""
+    from physis_ros.nodes.bridge_report import server_faults
+
+    link = types.SimpleNamespace(
+        drops={
+            "server:superseded": 40,
+            "server:client_slow": 2,
+            "server:bad_tensor": 3,
+            "server:non_finite_output": 1,
+            "server:image_decode": 0,
+            "client:oversized": 5,
+        }
+    )
+    assert server_faults(link) == {"bad_tensor": 3, "non_finite_output": 1}
+    assert server_faults(types.SimpleNamespace(drops={"server:superseded": 9})) == {}

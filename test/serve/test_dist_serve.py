@@ -1,6 +1,7 @@
 """physis-serve under torchrun: a robot client gets predictions through rank 0's front end
-over 2 gloo ranks; a hung rank is reported to the client within the fault timeout; SIGTERM to
-torchrun stops every rank and leaves no process behind."""
+over 2 gloo ranks; a hung rank is reported to the client within the fault timeout; a killed
+rank ends the job and its streams with an error at once; SIGTERM to torchrun stops every rank
+and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-FAULT_TIMEOUT_S = 2.0
+FAULT_TIMEOUT_S = 5.0  # 2 s declared live ranks dead on a busy machine
 CONFIG = f"""
 engine: {{model: tiny}}
 placement: {{plan: even}}  # every stream over both ranks: a hung rank 1 is every stream's fault
@@ -171,12 +172,41 @@ def test_hung_rank_is_reported_to_the_client_within_the_timeout(server):
     os.kill(ranks[1], signal.SIGSTOP)
     try:
         hung_s = time.monotonic()
-        while "rank 1" not in client.stats().last_error and time.monotonic() - hung_s < 15:
+        while "rank 1" not in client.stats().last_error and time.monotonic() - hung_s < 60:
             client.get_prediction(0.1)
         reported_s = time.monotonic() - hung_s
         error = client.stats().last_error
         client.close()
         assert "rank 1" in error, error
-        assert reported_s < FAULT_TIMEOUT_S + 3.0, f"reported after {reported_s:.1f} s: {error}"
+        assert reported_s < 2 * FAULT_TIMEOUT_S, f"reported after {reported_s:.1f} s: {error}"
     finally:
         os.kill(ranks[1], signal.SIGKILL)  # a stopped process cannot act on SIGTERM
+
+
+def test_killed_rank_ends_its_streams_with_an_error_and_the_server_exits_cleanly(server):
+    """Fault injection: SIGKILL one rank mid-stream. torchrun sees its worker die and stops
+    the job; rank 0 ends every stream with UNAVAILABLE (the client is told, and reconnects
+    to whatever serves next) and exits; no rank is left behind (the fixture checks)."""
+    port, proc, ranks = server
+    client, got = _stream(port, 2, 60)
+    assert len(got) == 2
+    killed_s = time.monotonic()
+    os.kill(ranks[1], signal.SIGKILL)
+    try:
+        while client.stats().state == "streaming" and time.monotonic() - killed_s < 60:
+            client.get_prediction(0.05)
+        told_s = time.monotonic() - killed_s
+        stats = client.stats()
+    finally:
+        client.close()
+    assert stats.state != "streaming", "the stream of a dead rank's job never ended"
+    assert "UNAVAILABLE" in stats.last_error, stats.last_error
+    # Within two fault intervals (the runtime's own bound for noticing a silent rank);
+    # measured 0.16 s on an idle machine: torchrun's agent sees the exit at once.
+    assert told_s < 2 * FAULT_TIMEOUT_S, f"told after {told_s:.1f} s"
+    proc.wait(timeout=60)  # the job ends: no hang
+    exited_s = time.monotonic() - killed_s
+    print(
+        f"killed rank 1: client told after {told_s:.2f} s, torchrun exited after {exited_s:.2f} s"
+    )
+    assert proc.returncode != 0

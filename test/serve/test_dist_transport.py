@@ -32,10 +32,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ActivationShapes(x_numel=6, h_tokens=3, h_dim=4, steps=3)
 
 
+INIT_TIMEOUT_S = 120
+"""Joining the job: spawned ranks import torch first, which takes seconds on a busy machine
+(20 s ran out under load); init returns as soon as every rank joined."""
+
+
 def relay_main() -> None:
     tie_to_parent()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     transport = TorchDistTransport(shapes=SHAPES, device=torch.device("cpu"))
     rank, world = transport.rank, transport.world_size
     next_heartbeat_s = 0.0
@@ -74,7 +79,7 @@ def ranks(request):
     env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     procs = spawn_ranks(world_size=world, master_port=port, argv=[__file__], extra_env=env)
     with as_rank(rank=0, world_size=world, master_port=port):
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     transport = TorchDistTransport(shapes=SHAPES, device=torch.device("cpu"))
     try:
         yield transport, procs
@@ -82,7 +87,7 @@ def ranks(request):
         for r in range(1, world):
             transport.send_control(r, "stop")
         transport.close()
-        codes = stop_ranks(procs, timeout_s=10.0)
+        codes = stop_ranks(procs, timeout_s=30.0)
         dist.destroy_process_group()
         # every rank exited on its own after "stop" (-9: the one a test killed)
         assert all(code in (0, -signal.SIGKILL) for code in codes), codes
@@ -150,7 +155,9 @@ def test_bad_shape_is_refused_before_sending(ranks):
 @pytest.mark.parametrize("ranks", [3], indirect=True)
 def test_killed_rank_is_seen_silent_and_others_keep_working(ranks):
     transport, procs = ranks
-    time.sleep(0.5)
+    t0 = time.monotonic()  # heard from at all: a loaded machine starts ranks slowly
+    while transport.seconds_since_heard(2) >= 1.0 and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
     assert transport.seconds_since_heard(2) < 1.0
     procs[1].send_signal(signal.SIGKILL)  # rank 2
     procs[1].wait()
@@ -158,7 +165,7 @@ def test_killed_rank_is_seen_silent_and_others_keep_working(ranks):
     while transport.seconds_since_heard(2) < 1.0 and time.monotonic() - t0 < 5:
         time.sleep(0.05)
     assert transport.seconds_since_heard(2) >= 1.0
-    assert transport.seconds_since_heard(1) < 1.0  # rank 1 still heartbeats
+    assert transport.seconds_since_heard(1) < 3.0  # rank 1 still heartbeats (on a busy host)
     # A send to the dead rank fails fast and is counted, not hung.
     transport.send(
         2, Activation(stream_id=0, chunk=0, step=0, block=0, flags=0, x=torch.zeros(6), h=None)
@@ -173,7 +180,7 @@ def old_protocol_main() -> None:
     """A rank whose wire code differs from rank 0's (as when it was started from an older
     install): the start-up handshake must refuse it on both sides."""
     tie_to_parent()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     dist_transport.PROTOCOL_VERSION = 1
     try:
         check_shapes_agree(SHAPES, torch.device("cpu"))
@@ -190,13 +197,13 @@ def test_ranks_running_different_wire_code_are_refused_at_start_up():
         world_size=2, master_port=port, argv=[__file__, "old-protocol"], extra_env=env
     )
     with as_rank(rank=0, world_size=2, master_port=port):
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
     try:
         with pytest.raises(RuntimeError, match="rank 1 runs wire protocol 1") as err:
             check_shapes_agree(SHAPES, torch.device("cpu"))
         assert f"rank 0 runs {dist_transport.PROTOCOL_VERSION}" in str(err.value)
     finally:
-        codes = stop_ranks(procs, timeout_s=10.0)
+        codes = stop_ranks(procs, timeout_s=30.0)
         dist.destroy_process_group()
     assert codes == [4]  # the other side refused too, naming the cause
 

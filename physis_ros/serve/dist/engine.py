@@ -289,6 +289,13 @@ class DistEngine(PlacementControl):
                 self._unreported.append(err)
                 self._close_everywhere(sid)
 
+    def impairment(self) -> str:
+        """Why this engine cannot serve as configured ("" when it can): failed ranks."""
+        with self._lock:
+            if not self.failed_ranks:
+                return ""
+            return "; ".join(f"rank {r} failed: {why}" for r, why in sorted(self.failed_ranks.items()))
+
     # ---------------------------------------------------------------- StreamEngine
     def open_stream(
         self,
@@ -459,7 +466,8 @@ class DistEngine(PlacementControl):
         outputs = []
         predict = self.model_cfg.action_mode == "predict"
         for res in self.poll_results(timeout_s):
-            latent, actions = unpack_chunk(self.model_cfg, res.x.float().cpu())
+            x = res.x.float().cpu()
+            latent, actions = unpack_chunk(self.model_cfg, x)
             outputs.append(
                 ChunkOutput(
                     stream_id=res.stream_id,
@@ -469,6 +477,7 @@ class DistEngine(PlacementControl):
                     entered_s=res.created_s,
                     left_s=res.left_s,
                     decoded_s=time.monotonic(),
+                    finite=bool(torch.isfinite(x).all()),
                 )
             )
         return outputs

@@ -4,12 +4,15 @@ with action_mode "condition", and the real bridge node linked to it on 127.0.0.1
 
     command_bridge.py PORT_FILE --ros-args -p name:=value ...   (the bridge's parameters)
 
-Prints ``ready`` once the bridge streams; after a line on stdin it prints one JSON line
-(what the engine received, the bridge's counts and drops) and exits 0. The test process
-publishes the bridge's inputs on real topics in between.
+Prints ``ready`` once the bridge streams. Each ``state`` line on stdin is answered with a JSON
+line of the bridge's counts and drops and the number of context chunks the engine got (the
+test waits on these instead of sleeping, so a busy machine cannot reorder its steps); any
+other line ends it: one JSON line (what the engine received, the bridge's counts and drops)
+and exit 0. The test process publishes the bridge's inputs on real topics in between.
 """
 
 import json
+import queue
 import sys
 import threading
 import time
@@ -79,14 +82,29 @@ def main() -> int:
     rclpy.init(args=sys.argv)
     node = Bridge()  # its server_port_file parameter names port_file
     done = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), done.set()), daemon=True).start()
+    asked = queue.SimpleQueue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            if line.strip() != "state":
+                break
+            asked.put(None)
+        done.set()
+
+    threading.Thread(target=read_stdin, daemon=True).start()
     ready = False
-    deadline = time.monotonic() + 120.0
+    deadline = time.monotonic() + 300.0
     while not done.is_set() and time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.02)
         if not ready and node.client.stats().state == "streaming":
             print("ready", flush=True)
             ready = True
+        while not asked.empty():
+            asked.get()
+            with engine._lock:
+                contexts = sum(kind == "context" for kind, _, _ in engine.events)
+            state = {"counts": node.counts, "drops": node.drops.snapshot(), "contexts": contexts}
+            print(json.dumps(state), flush=True)
     # let the last observations reach the engine before reporting
     end = time.monotonic() + 0.5
     while time.monotonic() < end:
