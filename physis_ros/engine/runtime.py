@@ -16,6 +16,7 @@ its workers started.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
@@ -33,6 +34,8 @@ from physis_ros.engine.transport import FLAG_CONTEXT, Activation, InProcTranspor
 from physis_ros.engine.worker import Worker
 
 MODES = ("pipelined", "sequential-noisy", "sequential-clean")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -285,7 +288,8 @@ class InProcRuntime:
         try:
             while not self._stop.is_set():
                 w.run_once(0.005)
-        except BaseException as err:  # noqa: BLE001 - surfaced by wait_idle / stop_threads, never swallowed
+        except BaseException as err:
+            log.exception("worker %d failed", w.rank)  # the traceback, once, where it happened
             self.errors.append(err)
             self._stop.set()
 

@@ -107,7 +107,9 @@ class StageCaches:
         missing = sorted({c for c in chunks if c not in self._rope})
         if missing:
             if len(self._rope) + len(missing) > self.max_chunks:
+                # start over with this batch's chunks: cached ones it also needs included
                 self._rope.clear()
+                missing = sorted(set(chunks))
             # on the CPU, then one asynchronous copy: no host synchronisation per chunk
             freqs = to_device(M.rope_freqs(self.model, torch.tensor(missing)), self.model.device)
             for i, c in enumerate(missing):
