@@ -100,7 +100,7 @@ SERVE_CONFIG_FAULTS = [
     ("unknown_section", "unknown section(s) ['frontends']", "known sections"),
     ("nan", "stall_timeout_s is nan", "finite"),
     ("inf_engine", "shift is inf", "finite"),
-    ("engine_key", "unknown key(s) ['stepz']", "known keys"),
+    ("engine_key", "unknown engine key 'stepz'", "known keys"),
     ("missing_device", "no usable CUDA device", "use device cpu"),
     ("corrupt_weights", "is not a readable safetensors file", "copy it again"),
     ("garbage_weights", "is not a readable safetensors file", "copy it again"),

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from physis_ros.cli_errors import UsageError
 from physis_ros.engine.config import PRESETS, ModelConfig
 
 RANDOM_WEIGHTS = "random"
@@ -94,10 +95,21 @@ def resolve_model(
     return _with_weights(config, path)
 
 
-def _checkpoint_preset(path: Path) -> str:
+def _read_metadata(path: Path) -> dict[str, str]:
+    """The file's safetensors metadata; a file that is not safetensors is a usage error."""
     from physis_ros.weights import read_metadata
 
-    meta = read_metadata(path)
+    try:
+        return read_metadata(path)
+    except (ValueError, OSError) as exc:
+        raise UsageError(
+            f"{path} is not a readable safetensors file ({exc})",
+            "copy it again, or export it again (physis-train writes weights.safetensors)",
+        ) from exc
+
+
+def _checkpoint_preset(path: Path) -> str:
+    meta = _read_metadata(path)
     if "model" not in meta:
         raise ValueError(
             f"{path}: no physis-train metadata naming its model preset; "
@@ -108,9 +120,9 @@ def _checkpoint_preset(path: Path) -> str:
 
 def _with_weights(config: ModelConfig, path: Path) -> ResolvedModel:
     """The weights' metadata and the sampling settings they record."""
-    from physis_ros.weights import DEFAULT_SHIFT, DEFAULT_STEPS, read_metadata
+    from physis_ros.weights import DEFAULT_SHIFT, DEFAULT_STEPS
 
-    meta = read_metadata(path)
+    meta = _read_metadata(path)
     if meta.get("model", config.name) != config.name:
         raise ValueError(f"{path} holds weights of model {meta['model']}, not {config.name}")
     sampling: dict[str, float | int] = {}
@@ -142,4 +154,9 @@ def check_weights_fit(resolved: ResolvedModel) -> None:
     shapes = read_shapes(resolved.weights)
     with torch.device("meta"):
         model = WanDiT(resolved.config, device="meta")
-    check_state_keys(model, shapes, source=f"weights {resolved.weights}")
+    try:
+        check_state_keys(model, shapes, source=f"weights {resolved.weights}")
+    except ValueError as exc:
+        raise UsageError(
+            str(exc), "serve the weights with the model they were trained for (--model)"
+        ) from exc

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from physis_ros.cli_errors import UsageError
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.pool.admission import PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import GIB, CostModel, Profile, ProfileCostModel
@@ -67,7 +68,10 @@ def torch_device(spec: ServingSpec) -> torch.device:
     if spec.device == "cpu" or (spec.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"device {spec.device!r} asked for, but CUDA is not available")
+        raise UsageError(
+            f"device {spec.device!r} asked for: no usable CUDA device (CUDA is not available)",
+            "use device cpu, or auto",
+        )
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -189,15 +189,13 @@ def run_frontend(
     return 0
 
 
-def serve_single_process(
-    args: argparse.Namespace,
-    engine_factory: Callable[[ServingSpec], tuple[StreamEngine, ServerDescription]] | None = None,
-    *,
-    spec: ServingSpec | None = None,
-) -> int:
-    """physis-serve until SIGINT / SIGTERM: an in-process engine, or the one
-    ``engine_factory`` builds from the resolved spec (rank 0 under torchrun)."""
-    cfg = load_config(args.config)
+def checked_frontend(
+    args: argparse.Namespace, cfg: dict[str, dict[str, Any]]
+) -> tuple[FrontendConfig, dict[str, float]]:
+    """The front end's config and the engine loop's options from the file and the flags,
+    with what can be checked before the engine loads (minutes for a large model) checked:
+    every key and value, the host resolves, the port is free, the TLS files are PEM and the
+    key is the certificate's. Raises UsageError (or OSError) naming what is wrong."""
     frontend_section = dict(cfg["frontend"])
     token = args.token
     if args.token_file:
@@ -212,13 +210,23 @@ def serve_single_process(
         tls_key_path=args.tls_key,
         tls_client_ca_path=args.tls_client_ca,
     )
-    # What can be checked without the engine is checked before it loads (minutes for a
-    # large model): the host resolves, the port is free, the TLS files are PEM and the key
-    # is the certificate's.
     listen.check_address(config.host, config.port)
     if config.tls_cert_path is not None:
         listen.tls_credentials(config.tls_cert_path, config.tls_key_path, config.tls_client_ca_path)
     loop_options = {k: float(frontend_section[k]) for k in _LOOP_KEYS if k in frontend_section}
+    return config, loop_options
+
+
+def serve_single_process(
+    args: argparse.Namespace,
+    engine_factory: Callable[[ServingSpec], tuple[StreamEngine, ServerDescription]] | None = None,
+    *,
+    spec: ServingSpec | None = None,
+) -> int:
+    """physis-serve until SIGINT / SIGTERM: an in-process engine, or the one
+    ``engine_factory`` builds from the resolved spec (rank 0 under torchrun)."""
+    cfg = load_config(args.config)
+    config, loop_options = checked_frontend(args, cfg)
     if engine_factory is not None:
         engine, description = engine_factory(spec or serving_spec(args, cfg).resolve())
     elif args.engine_factory:  # another StreamEngine (tests): it reads the engine section

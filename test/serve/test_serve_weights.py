@@ -98,7 +98,11 @@ def _serve_args(tmp_path: Path, weights: Path) -> list[str]:
 
 
 def _error_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if MISSING_KEY in line and "ERROR" in line]
+    return [
+        line
+        for line in text.splitlines()
+        if MISSING_KEY in line and ("ERROR" in line or "error:" in line)
+    ]
 
 
 def test_a_missing_block_key_stops_the_single_process_server_naming_it(tmp_path):

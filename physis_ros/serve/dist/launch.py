@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from physis_ros.cli_errors import UsageError
 import torch.distributed as dist
 
 _PR_SET_PDEATHSIG = 1
@@ -87,7 +88,10 @@ def pick_device_and_backend(local_rank: int, local_world_size: int, device: str 
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu"), "gloo"
     if not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+        raise UsageError(
+            f"device {device!r} asked for: no usable CUDA device (CUDA is not available)",
+            "use device cpu, or auto",
+        )
     count = torch.cuda.device_count()
     if local_world_size <= count:
         return torch.device("cuda", local_rank), "nccl"

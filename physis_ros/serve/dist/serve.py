@@ -32,9 +32,11 @@ import json
 import logging
 import os
 import signal
+import sys
 
 import torch
 
+from physis_ros.cli_errors import describe
 from physis_ros.serve.dist.runtime import StopFlag, exit_now, run_worker_rank
 
 log = logging.getLogger("physis-serve")
@@ -68,7 +70,7 @@ def join_serving(args: argparse.Namespace):
     ``(RankContext, resolved ServingSpec)``; every other rank runs its worker loop with that
     spec and exits the process (as every rank does when the spec is refused)."""
     from physis_ros.serve.dist.launch import broadcast_text, init_from_env, tie_to_parent
-    from physis_ros.serve.main import load_config, serving_spec
+    from physis_ros.serve.main import checked_frontend, load_config, serving_spec
     from physis_ros.serve.spec import ServingSpec
 
     rank = int(os.environ["RANK"])
@@ -77,11 +79,12 @@ def join_serving(args: argparse.Namespace):
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
         logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
     # How to join: from this rank's own config; everything else comes from rank 0.
-    error, spec = "", None
+    failure: BaseException | None = None
+    spec = None
     try:
         spec = serving_spec(args, load_config(args.config))
     except (ValueError, OSError) as exc:
-        error = str(exc)
+        failure = exc
     device = spec.device if spec is not None else "auto"
     timeout_s = spec.comm_timeout_s if spec is not None else 60.0
     ctx = init_from_env(device=device, comm_timeout_s=timeout_s)
@@ -100,16 +103,19 @@ def join_serving(args: argparse.Namespace):
         cfg = spec.runtime_config(ctx.world_size)
         torch.set_num_threads(args.threads if args.threads is not None else cfg.threads)
         exit_now(run_worker_rank(cfg, ctx, stop))
-    if not error:
+    if failure is None:
         try:
             spec = spec.resolve()
             spec.runtime_config(ctx.world_size)  # its checks, before any rank goes on
+            checked_frontend(args, load_config(args.config))  # rank 0 serves: its front end too
         except (ValueError, OSError) as exc:
-            error = str(exc)
-    if error:
-        broadcast_text(ctx, json.dumps({"error": error}))
-        log.error("%s", error)
-        exit_now(EXIT_BAD_SPEC)
+            failure = exc
+    if failure is not None:
+        # every rank stops with this line; rank 0 says it the way every command ends a fault
+        broadcast_text(ctx, json.dumps({"error": str(failure)}))
+        code, line = describe(failure, "physis-serve")
+        print(line, file=sys.stderr, flush=True)
+        exit_now(code)
     broadcast_text(ctx, spec.to_json())
     log.info("serving spec (sent to %d ranks): %s", ctx.world_size, spec.to_json())
     torch.set_num_threads(args.threads if args.threads is not None else spec.threads)
