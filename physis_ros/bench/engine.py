@@ -11,6 +11,7 @@ measured in the same run through the same code (``stage.measure_block_ms``);
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -163,7 +164,7 @@ def _run_mode(
         gen = [c for c, (kind, _) in enumerate(plan) if kind == "generate"]
         ctx = [c for c, (kind, _) in enumerate(plan) if kind == "context"]
         fills.append(span_ms(res[gen[0]].created_s, res[gen[0]].left_s))
-        for a, b in zip(gen[skip:], gen[skip + 1 :], strict=False):
+        for a, b in itertools.pairwise(gen[skip:]):
             if b == a + 1:  # no observation in between
                 gaps.append(span_ms(res[a].left_s, res[b].left_s))
         for c in ctx[1:]:

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -394,7 +395,7 @@ def check_engine(  # noqa: PLR0917
             _sync(dev)
             wall = time.perf_counter() - t0
         left = sorted(r.left_s for r in res[0].values())
-        gaps = [(b - a) * 1e3 for a, b in zip(left[K:], left[K + 1 :], strict=False)]
+        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(left[K:])]
         stats = rt.workers[0].stats
         return wall, gaps, stats.tasks / max(stats.batches, 1)
 
