@@ -51,6 +51,9 @@ from physis_ros.engine.stage import BlockTimer, StageCaches, run_block
 SAMPLER = SamplerConfig(steps=4, window=2)
 DATASHEET_TFLOPS = 989.0
 """H200 dense bf16 peak (datasheet)."""
+TAIL_CHUNKS = 6
+"""The engine's interval is also taken over the last this many chunks of its longer run: the
+steady state (in the graph path every composition captured by then)."""
 BF16_FUSED_VS_EAGER = 2e-2
 """Stated bf16 tolerance: ||fused - eager|| / ||eager|| of one block output."""
 
@@ -204,17 +207,7 @@ def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smo
     runner = fused.FusedBlocks(model)
     d["kernels"] = runner.kernels.name
     with rec.step("gelu_epilogue"):
-        if runner.gelu_epilogue:
-            up = model.blocks[mid].ffn[0]
-            y = torch.randn(cfg.tokens_per_chunk, cfg.dim, device=dev, dtype=dtype)
-            ref = F.gelu(
-                F.linear(y.float(), up.weight.float(), up.bias.float()), approximate="tanh"
-            )
-            got = torch._addmm_activation(up.bias, y, up.weight.t(), use_gelu=True)
-            d["gelu_epilogue_rel_err"] = rel(got, ref)
-            if not d["gelu_epilogue_rel_err"] < 1e-2:  # NaN too
-                runner.gelu_epilogue = False
-        d["gelu_epilogue"] = runner.gelu_epilogue
+        check_gelu_epilogue(d, runner, model, mid)
     model.fused_blocks = runner
     with rec.step("fused_1"):
         try:
@@ -255,6 +248,20 @@ def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smo
         with rec.step("graph_eager"):
             model.fused_blocks = None
             d["eager_graph_ms"] = graph_ms(forward(one), dev, reps=reps)
+
+
+def check_gelu_epilogue(d: dict, runner, model, mid: int) -> None:
+    """The cuBLASLt GELU epilogue against float32 GELU(GEMM); off (said so) if it is wrong."""
+    if runner.gelu_epilogue:
+        cfg, dev, dtype = model.cfg, model.device, model.dtype
+        up = model.blocks[mid].ffn[0]
+        y = torch.randn(cfg.tokens_per_chunk, cfg.dim, device=dev, dtype=dtype)
+        ref = F.gelu(F.linear(y.float(), up.weight.float(), up.bias.float()), approximate="tanh")
+        got = torch._addmm_activation(up.bias, y, up.weight.t(), use_gelu=True)
+        d["gelu_epilogue_rel_err"] = rel(got, ref)
+        if not d["gelu_epilogue_rel_err"] < 1e-2:  # NaN too
+            runner.gelu_epilogue = False
+    d["gelu_epilogue"] = runner.gelu_epilogue
 
 
 def _graph_impl(d: dict, runner, *, one, four, timed, forward) -> None:
@@ -361,8 +368,16 @@ def _accuracy(model, mid: int, runner, dev) -> dict:
 
 # ---- the engine ------------------------------------------------------------------------------
 def check_engine(  # noqa: PLR0917
-    out: Path, name: str, dev: torch.device, dtype: torch.dtype, smoke: bool, impls: list[str]
+    out: Path,
+    name: str,
+    dev: torch.device,
+    dtype: torch.dtype,
+    smoke: bool,
+    impls: list[str],
+    chunks: tuple[int, int] | None = None,
 ) -> None:
+    """The engine's chunk interval per block implementation: (wall(big) - wall(small)) /
+    (big - small) for runs of ``chunks`` = (small, big) chunks after a warm-up run."""
     cfg = get_preset(name)
     K, L = SAMPLER.steps, cfg.num_blocks
     work = block_work(cfg, SAMPLER, 2)
@@ -380,9 +395,14 @@ def check_engine(  # noqa: PLR0917
     # graph: every run's rings are new, so each run captures its compositions anew (one per
     # block in the steady state, at its 2nd chunk): runs of 12 and 24 chunks hold the same
     # captures, which the difference cancels
-    small, big = (3, 6) if smoke else (12, 24)
+    # graph: every run's rings are new, so each run captures its compositions anew (on the CPU
+    # with stand-in captures, K=4 W=2: the steady-state ones seen a 2nd time at the 7th
+    # chunk, then one replay per block and chunk); the small and big runs hold the same
+    # captures, which the difference cancels
+    small, big = chunks or ((3, 6) if smoke else (12, 24))
 
     def run(chunks: int, impl: str) -> tuple[float, list[float], float]:
+        """(wall s, when each chunk left (s, sorted), mean tasks per forward)."""
         model.fused_blocks = None if impl == "eager" else runner
         runner.set_graphs(impl == "graph")
         rt = InProcRuntime(model, SAMPLER, layout_single(K, L), batching=True)
@@ -395,25 +415,28 @@ def check_engine(  # noqa: PLR0917
             _sync(dev)
             wall = time.perf_counter() - t0
         left = sorted(r.left_s for r in res[0].values())
-        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(left[K:])]
         stats = rt.workers[0].stats
-        return wall, gaps, stats.tasks / max(stats.batches, 1)
+        return wall, left, stats.tasks / max(stats.batches, 1)
 
     for impl in impls:
         with rec.step(f"engine_{impl}"):
             run(4, impl)  # warm-up: kernels, allocator, caches (and a capture or two)
             w_small, _, _ = run(small, impl)
-            w_big, gaps, batch = run(big, impl)
+            w_big, left, batch = run(big, impl)
             interval = (w_big - w_small) / (big - small) * 1e3
+            gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(left[K:])]
+            tail = min(TAIL_CHUNKS, len(left) - 1 - K)  # the last chunks of the longer run
             d[impl] = {
                 "interval_ms": interval,
+                "interval_tail_ms": (left[-1] - left[-1 - tail]) / tail * 1e3 if tail > 0 else None,
+                "tail_chunks": tail,
                 "interval_gaps_p50_ms": statistics.median(gaps) if gaps else None,
                 "mean_batch": batch,
                 "chunks": [small, big],
                 "of_matmul_floor": d["floor_matmul_ms"] / interval,
             }
             if impl == "graph":
-                d[impl]["graph_stats_last_run"] = runner.graphs.stats.to_json()
+                d[impl]["graph_stats"] = runner.graphs.stats.to_json()  # all three runs
 
 
 def _read(path: Path) -> dict:
@@ -517,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--impls", default="fused,graph,eager", help="engine: block implementations to run"
     )
+    p.add_argument(
+        "--chunks", default="", help="engine: SMALL,BIG chunks of the two timed runs (12,24)"
+    )
     p.add_argument("--out", required=True, help="directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="on the CPU (the same code path)")
     args = p.parse_args(argv)
@@ -542,7 +568,11 @@ def main(argv: list[str] | None = None) -> int:
         if bad or not impls:
             print(f"gpu_check: --impls {args.impls!r}: not in {fused.BLOCK_IMPLS}", file=sys.stderr)
             return 2
-        check_engine(out, args.model, dev, dtype, args.smoke, impls)
+        chunks = tuple(int(x) for x in args.chunks.split(",")) if args.chunks else None
+        if chunks is not None and not (len(chunks) == 2 and 0 < chunks[0] < chunks[1]):
+            print(f"gpu_check: --chunks {args.chunks!r}: want SMALL,BIG", file=sys.stderr)
+            return 2
+        check_engine(out, args.model, dev, dtype, args.smoke, impls, chunks)
     else:
         return summarize(out, [x for x in args.presets.split(",") if x])
     return 0
