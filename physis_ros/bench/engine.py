@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from physis_ros.engine import fused
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import PRESETS, SamplerConfig
@@ -75,9 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument(
         "--block-impl",
-        choices=("eager", "fused"),
+        choices=("eager", "fused", "graph"),
         default=None,
-        help="how blocks run (engine/fused.py); default: $PHYSIS_BLOCK_IMPL or eager",
+        help="how blocks run (engine/fused.py; graph: fused, replayed as CUDA graphs, "
+        "engine/block_graphs.py); default: $PHYSIS_BLOCK_IMPL or eager",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -275,7 +277,7 @@ def run(args: argparse.Namespace) -> dict:
         "batching": batching,
         "device": args.device,
         "dtype": args.dtype,
-        "block_impl": "fused" if getattr(model, "fused_blocks", None) is not None else "eager",
+        "block_impl": fused.block_impl(model),
         "threads": args.threads,
         "tokens_per_chunk": cfg.tokens_per_chunk,
         "block_ms": block_ms,

@@ -16,12 +16,17 @@ Same math as ``model.block_forward`` with the stage's per-task attention, arrang
 - on CUDA the FFN's GELU (tanh) is the first FFN GEMM's epilogue (``torch._addmm_activation``,
   cuBLASLt): one pass over the [N, F] activation less.
 Self-attention stays one SDPA call per task: each task attends its own ring.
+With ``slots`` (a device tensor: the KV-ring slot of each task) the forward depends on no host
+value that changes from chunk to chunk, so ``block_graphs`` can capture it once per batch
+composition and replay it (block implementation ``graph``).
 
 Kernels: ``triton`` (CUDA; ``fused_triton``) or ``torch`` (any device: the same passes as torch
 ops; in float32 the fused path then equals the eager one to round-off, which is what CI tests
 on the CPU). Select the path per model with ``set_block_impl(model, "fused")``, or for every
 model a process builds with ``PHYSIS_BLOCK_IMPL=fused`` (``build_model`` reads it), or
-``--block-impl fused`` on physis-profile and physis-bench engine.
+``--block-impl fused`` on physis-profile and physis-bench engine; ``graph`` is the fused path
+replayed as CUDA graphs where the batch composition repeats (``block_graphs``; on a CPU the
+same static path, not captured).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BLOCK_IMPLS = ("eager", "fused")
+BLOCK_IMPLS = ("eager", "fused", "graph")
 BLOCK_IMPL_ENV = "PHYSIS_BLOCK_IMPL"
 """Environment variable: the block implementation every ``build_model`` call selects."""
 KERNELS = ("auto", "triton", "torch")
@@ -57,14 +62,20 @@ def default_block_impl() -> str:
 
 
 def set_block_impl(model: M.WanDiT, impl: str, *, kernels: str = "auto") -> None:
-    """Select how ``stage.run_block`` runs ``model``'s blocks: ``eager`` or ``fused``."""
+    """Select how ``stage.run_block`` runs ``model``'s blocks: ``eager``, ``fused`` or
+    ``graph`` (fused, replayed as CUDA graphs)."""
     if impl not in BLOCK_IMPLS:
         raise ValueError(f"block implementation {impl!r} is not one of {BLOCK_IMPLS}")
-    model.fused_blocks = FusedBlocks(model, kernels=kernels) if impl == "fused" else None
+    model.fused_blocks = (
+        None if impl == "eager" else FusedBlocks(model, kernels=kernels, graphs=impl == "graph")
+    )
 
 
 def block_impl(model: M.WanDiT) -> str:
-    return "fused" if fused_blocks(model) is not None else "eager"
+    runner = fused_blocks(model)
+    if runner is None:
+        return "eager"
+    return "graph" if runner.graphs is not None else "fused"
 
 
 def fused_blocks(model: M.WanDiT) -> FusedBlocks | None:
@@ -122,6 +133,7 @@ class TorchKernels:
         eps: float,
         weight: torch.Tensor | None,
         rope: torch.Tensor | None,
+        slot: torch.Tensor | None = None,
     ) -> None:
         x = src
         if weight is not None:
@@ -129,7 +141,11 @@ class TorchKernels:
         x = x.unflatten(-1, (heads, -1))  # [T, H, d]
         if rope is not None:
             x = M.apply_rope(x, torch.view_as_complex(rope))
-        dst.copy_(x.transpose(0, 1))
+        x = x.transpose(0, 1)  # [H, T, d]
+        if slot is None:
+            dst.copy_(x)
+        else:  # dst is a whole ring [H, S*T, d]: rows slot*T.. of it, ``slot`` [1] on device
+            dst.unflatten(1, (-1, x.shape[1])).index_copy_(1, slot, x.unsqueeze(1).to(dst.dtype))
 
 
 class TritonKernels:
@@ -203,7 +219,12 @@ class FusedBlocks:
     """The fused forward of ``model``'s blocks (see the module docstring)."""
 
     def __init__(
-        self, model: M.WanDiT, *, kernels: str = "auto", gelu_epilogue: bool | None = None
+        self,
+        model: M.WanDiT,
+        *,
+        kernels: str = "auto",
+        gelu_epilogue: bool | None = None,
+        graphs: bool = False,
     ) -> None:
         self.model = model
         self.cfg = model.cfg
@@ -213,6 +234,26 @@ class FusedBlocks:
         self._weights: dict[int, _BlockWeights] = {}
         for i in sorted(model.block_ids):
             self._weights[i] = _fuse_block(model.blocks[i])
+        self.graphs = None
+        """``block_graphs.BlockGraphs`` when the forward is replayed as CUDA graphs."""
+        self.set_graphs(graphs)
+
+    def set_graphs(self, on: bool) -> None:
+        """Replay the forward as CUDA graphs per batch composition (``block_graphs``)."""
+        if not on:
+            self.graphs = None
+        elif self.graphs is None:
+            from physis_ros.engine.block_graphs import BlockGraphs
+
+            self.graphs = BlockGraphs(self)
+
+    def run(
+        self, block: int, h: torch.Tensor, e0: torch.Tensor, rope: torch.Tensor, tasks
+    ) -> torch.Tensor:
+        """``forward``, through the CUDA graphs when they are on."""
+        if self.graphs is not None:
+            return self.graphs.forward(block, h, e0, rope, tasks)
+        return self.forward(block, h, e0, rope, tasks)
 
     def weights(self, block: int) -> _BlockWeights:
         blk = self.model.blocks[block]
@@ -230,9 +271,17 @@ class FusedBlocks:
         e0: torch.Tensor,
         rope: torch.Tensor,
         tasks: list[StageTask],
+        *,
+        slots: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h [B, n, D], e0 [B, 6, D], rope [B, n, d/2] complex -> h [B, n, D] after ``block``;
-        each task's K/V go into its ring (``task.ring``, ``task.keep_kv``)."""
+        each task's K/V go into its ring (``task.ring``, ``task.keep_kv``).
+
+        ``slots`` [B] int64 on the device: every ring is full (``KVRing.full``) and the caller
+        has taken the slots (``KVRing.take_slot``); K/V are written at those slots and each
+        task attends its whole ring, so no host value of this chunk is read. ``out``: where
+        the result goes (else a new tensor)."""
         cfg, kern = self.cfg, self.kernels
         blk = self.model.blocks[block]
         w = self.weights(block)
@@ -255,10 +304,16 @@ class FusedBlocks:
         outs = []
         for i, t in enumerate(tasks):
             r = slice(i * n, (i + 1) * n)
-            k_slot, v_slot, k_all, v_all = t.ring.reserve(keep=t.keep_kv)
+            if slots is None:
+                k_slot, v_slot, k_all, v_all = t.ring.reserve(keep=t.keep_kv)
+                slot = None
+            else:  # the whole ring: the slot index is read on the device
+                k_slot, v_slot, k_all, v_all = t.ring.k, t.ring.v, t.ring.k, t.ring.v
+                slot = slots[i : i + 1]
             kern.rms_rope(qkv[r, dim : 2 * dim], k_slot, heads=heads, eps=eps, weight=kn,
-                          rope=rope_t[r])  # fmt: skip
-            kern.rms_rope(qkv[r, 2 * dim :], v_slot, heads=heads, eps=eps, weight=None, rope=None)
+                          rope=rope_t[r], slot=slot)  # fmt: skip
+            kern.rms_rope(qkv[r, 2 * dim :], v_slot, heads=heads, eps=eps, weight=None, rope=None,
+                          slot=slot)  # fmt: skip
             qi = q[r].view(n, heads, hd).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qi, k_all[None], v_all[None])  # [1, H, n, d]
             outs.append(o[0].transpose(0, 1))  # [n, H, d]
@@ -284,6 +339,8 @@ class FusedBlocks:
         else:
             f = F.gelu(F.linear(y, up.weight, up.bias), approximate="tanh")
         f = F.linear(f, down.weight, down.bias)
+        if out is not None:
+            return torch.addcmul(h2.view(b, n, dim), f.view(b, n, dim), mod[:, 5:6], out=out)
         return torch.addcmul(h2.view(b, n, dim), f.view(b, n, dim), mod[:, 5:6])
 
     def _cross_attention(self, cq: torch.Tensor, tasks: list[StageTask], n: int) -> torch.Tensor:

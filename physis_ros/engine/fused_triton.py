@@ -8,7 +8,8 @@ One program per token row; every value is read once and written once, in float32
   normalised, so the normalised value is that of the h the next residual reads.
 - ``_rms_rope_kernel``: [RMSNorm over the full width ->] [RoPE on adjacent pairs ->] store
   into a [head, token, head_dim]-strided destination: q for attention, or k / v straight into
-  a KV-ring slot. Without norm and RoPE it is a strided copy (v).
+  a KV-ring slot (whose index may be read on the device: the CUDA-graph path). Without norm
+  and RoPE it is a strided copy (v).
 
 Also runs under ``TRITON_INTERPRET=1`` on CPU tensors (how the kernels are tested without a
 GPU: test_fused.py).
@@ -89,11 +90,14 @@ def _rms_rope_kernel(  # noqa: PLR0917
     dst_ptr,
     dst_head_stride,
     dst_tok_stride,
+    slot_ptr,
+    n_rows,
     D,
     HALF,
     eps,
     HAS_NORM: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    HAS_SLOT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -117,7 +121,10 @@ def _rms_rope_kernel(  # noqa: PLR0917
         re = xe * c - xo * s
         xo = xe * s + xo * c
         xe = re
-    dst = dst_ptr + head * dst_head_stride + tok * dst_tok_stride + 2 * f
+    row = tok
+    if HAS_SLOT:  # dst is a whole KV ring: this chunk's rows start at slot * n_rows
+        row = tl.load(slot_ptr).to(tl.int64) * n_rows + tok
+    dst = dst_ptr + head * dst_head_stride + row * dst_tok_stride + 2 * f
     tl.store(dst, xe.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + 1, xo.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -194,14 +201,19 @@ def rms_rope(
     eps: float,
     weight: torch.Tensor | None,
     rope: torch.Tensor | None,
+    slot: torch.Tensor | None = None,
 ) -> None:
     """src [T, D] rows (row stride free, unit column stride) -> dst [H, T, d] (any strides
     with a unit last one): RMSNorm by ``weight`` [D] (None: none), RoPE by ``rope`` [T, d/2, 2]
-    float32 cos/sin (None: none)."""
+    float32 cos/sin (None: none). With ``slot`` (an int64 [1] on the device) dst is a whole
+    KV ring [H, S*T, d] and the rows written are slot*T ... (slot+1)*T - 1."""
     rows, dim = src.shape
     hd = dim // heads
-    if src.stride(1) != 1 or dst.stride(2) != 1 or tuple(dst.shape) != (heads, rows, hd):
+    want = dst.shape[1] if slot is not None and dst.shape[1] % rows == 0 else rows
+    if src.stride(1) != 1 or dst.stride(2) != 1 or tuple(dst.shape) != (heads, want, hd):
         raise ValueError(f"rms_rope: src {tuple(src.shape)} -> dst {tuple(dst.shape)} layout")
+    if slot is not None and (slot.dtype != torch.int64 or slot.numel() != 1):
+        raise ValueError("rms_rope: slot must be one int64 on the device")
     if rope is not None and (rope.dtype != torch.float32 or not rope.is_contiguous()):
         raise ValueError("rms_rope: the rope table must be contiguous float32 [T, d/2, 2]")
     block = _next_power_of_2(dim // 2)
@@ -213,11 +225,14 @@ def rms_rope(
         dst,
         dst.stride(0),
         dst.stride(1),
+        slot if slot is not None else src,
+        rows,
         dim,
         hd // 2,
         eps,
         HAS_NORM=weight is not None,
         HAS_ROPE=rope is not None,
+        HAS_SLOT=slot is not None,
         BLOCK=block,
         num_warps=_warps(block),
     )

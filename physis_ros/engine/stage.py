@@ -61,12 +61,24 @@ class KVRing:
         """The current chunk's slot, k and v [H, n, d] views for the caller to fill, and the
         keys/values it attends to [H, m*n, d] (the slot included): ``write`` without a copy."""
         n = self.tokens
-        slot = self.count % self.slots
         m = min(self.count + 1, self.slots)
-        if keep:
-            self.count += 1
+        slot = self.take_slot(keep=keep)
         cur = slice(slot * n, (slot + 1) * n)
         return self.k[:, cur], self.v[:, cur], self.k[:, : m * n], self.v[:, : m * n]
+
+    @property
+    def full(self) -> bool:
+        """The next chunk attends every slot (its own and W earlier chunks): the steady
+        state, in which only the slot written depends on the chunk."""
+        return self.count + 1 >= self.slots
+
+    def take_slot(self, *, keep: bool) -> int:
+        """The slot the current chunk writes (claimed when ``keep``): the host-side half of
+        ``reserve``, for a caller that writes the slot on the device (``block_graphs``)."""
+        slot = self.count % self.slots
+        if keep:
+            self.count += 1
+        return slot
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
@@ -155,8 +167,8 @@ def run_block(
         h = tasks[0].h[None] if len(tasks) == 1 else torch.stack([t.h for t in tasks])
     rope = caches.rope([t.chunk for t in tasks])
     fused = fused_blocks(model)
-    if fused is not None:  # engine/fused.py: the same math in fewer passes
-        h = fused.forward(block, h, e0, rope, tasks)
+    if fused is not None:  # engine/fused.py: the same math in fewer passes (or its graphs)
+        h = fused.run(block, h, e0, rope, tasks)
         return h, _head(model, block, tasks, caches, h, e, xs)
     if len(tasks) == 1:
         ck, cv = tasks[0].cross_k[None], tasks[0].cross_v[None]

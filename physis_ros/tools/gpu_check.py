@@ -4,14 +4,16 @@
   env              device, driver, torch, CUDA, Triton; the two ceilings (8192^3 bf16 matmul,
                    device-to-device copy)                                    -> env.json
   block --model P  one middle block of preset P, bf16, 4680 tokens per chunk, window 2:
-                   block-task time eager and fused (wall clock, synchronised, as physis-profile
-                   times it), the block's GEMMs alone and its attention alone (CUDA events:
-                   the floor), the fused forward replayed as a CUDA graph, 1 vs 4 tasks per
-                   forward, bf16 error of eager and fused against a float32 reference, and the
-                   physis-profile JSON of the fused path (cost-model calibration)
-                                                      -> block_P.json, profile_P.json
+                   block-task time eager, fused and graph (the fused forward replayed by
+                   engine/block_graphs.py; wall clock, synchronised, as physis-profile times
+                   it), the block's GEMMs alone and its attention alone (CUDA events: the
+                   floor), the fused forward captured whole as a CUDA graph, 1 vs 4 tasks per
+                   forward, bf16 error of eager and fused against a float32 reference and of
+                   graph against fused, and the physis-profile JSON of the fused path
+                   (cost-model calibration)           -> block_P.json, profile_P.json
   engine --model P the in-process engine on this device (one worker, K=4, W=2): interval of
-                   the fused and the eager path against the K*L block-task floors -> engine.json
+                   the fused, graph and eager paths (--impls) against the K*L block-task
+                   floors                                                  -> engine.json
   summary          the table, calibration.json (engine/pool/calibrate.py's input) and its fit
                                                       -> summary.json, calibration.json
 Every measurement is written to its JSON as soon as it is taken; one that fails records its
@@ -49,6 +51,9 @@ from physis_ros.engine.stage import BlockTimer, StageCaches, run_block
 SAMPLER = SamplerConfig(steps=4, window=2)
 DATASHEET_TFLOPS = 989.0
 """H200 dense bf16 peak (datasheet)."""
+TAIL_CHUNKS = 6
+"""The engine's interval is also taken over the last this many chunks of its longer run: the
+steady state (in the graph path every composition captured by then)."""
 BF16_FUSED_VS_EAGER = 2e-2
 """Stated bf16 tolerance: ||fused - eager|| / ||eager|| of one block output."""
 
@@ -202,17 +207,7 @@ def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smo
     runner = fused.FusedBlocks(model)
     d["kernels"] = runner.kernels.name
     with rec.step("gelu_epilogue"):
-        if runner.gelu_epilogue:
-            up = model.blocks[mid].ffn[0]
-            y = torch.randn(cfg.tokens_per_chunk, cfg.dim, device=dev, dtype=dtype)
-            ref = F.gelu(
-                F.linear(y.float(), up.weight.float(), up.bias.float()), approximate="tanh"
-            )
-            got = torch._addmm_activation(up.bias, y, up.weight.t(), use_gelu=True)
-            d["gelu_epilogue_rel_err"] = rel(got, ref)
-            if not d["gelu_epilogue_rel_err"] < 1e-2:  # NaN too
-                runner.gelu_epilogue = False
-        d["gelu_epilogue"] = runner.gelu_epilogue
+        check_gelu_epilogue(d, runner, model, mid)
     model.fused_blocks = runner
     with rec.step("fused_1"):
         try:
@@ -223,6 +218,8 @@ def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smo
             d["kernels"] = "torch (triton failed)"
             timed("fused_ms", one)
         d["fused_tflops"] = flops / d["fused_ms"] / 1e9
+    with rec.step("graph_impl"):
+        _graph_impl(d, runner, one=one, four=four, timed=timed, forward=forward)
     with rec.step("floor"):
         d.update(_floor(model, mid, runner, dev, dtype, reps=reps))
         d["floor_ms"] = d["gemm_ms"] + d["attn_ms"]
@@ -251,6 +248,39 @@ def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smo
         with rec.step("graph_eager"):
             model.fused_blocks = None
             d["eager_graph_ms"] = graph_ms(forward(one), dev, reps=reps)
+
+
+def check_gelu_epilogue(d: dict, runner, model, mid: int) -> None:
+    """The cuBLASLt GELU epilogue against float32 GELU(GEMM); off (said so) if it is wrong."""
+    if runner.gelu_epilogue:
+        cfg, dev, dtype = model.cfg, model.device, model.dtype
+        up = model.blocks[mid].ffn[0]
+        y = torch.randn(cfg.tokens_per_chunk, cfg.dim, device=dev, dtype=dtype)
+        ref = F.gelu(F.linear(y.float(), up.weight.float(), up.bias.float()), approximate="tanh")
+        got = torch._addmm_activation(up.bias, y, up.weight.t(), use_gelu=True)
+        d["gelu_epilogue_rel_err"] = rel(got, ref)
+        if not d["gelu_epilogue_rel_err"] < 1e-2:  # NaN too
+            runner.gelu_epilogue = False
+    d["gelu_epilogue"] = runner.gelu_epilogue
+
+
+def _graph_impl(d: dict, runner, *, one, four, timed, forward) -> None:
+    """Block impl ``graph`` (engine/block_graphs.py): 1 and 4 tasks, its capture counts,
+    and its output against the fused forward's on the same inputs (bf16)."""
+    runner.set_graphs(True)
+    try:
+        timed("graph_impl_ms", one)
+        timed("graph_impl4_ms", four)
+        d["graph_impl_tflops"] = (d["gemm_flops"] + d["attn_flops"]) / d["graph_impl_ms"] / 1e9
+        got = forward(one)()[0]
+        d["graph_impl_stats"] = runner.graphs.stats.to_json()
+        runner.set_graphs(False)
+        ref = forward(one)()[0]  # the same inputs and ring slot (the timer's tasks keep no KV)
+        d["graph_impl_vs_fused"] = rel(got, ref)
+    finally:
+        if runner.graphs is not None:
+            d["graph_impl_stats"] = runner.graphs.stats.to_json()
+        runner.set_graphs(False)
 
 
 def _floor(model, mid: int, runner, dev, dtype, *, reps: int) -> dict:
@@ -337,7 +367,17 @@ def _accuracy(model, mid: int, runner, dev) -> dict:
 
 
 # ---- the engine ------------------------------------------------------------------------------
-def check_engine(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smoke: bool) -> None:
+def check_engine(  # noqa: PLR0917
+    out: Path,
+    name: str,
+    dev: torch.device,
+    dtype: torch.dtype,
+    smoke: bool,
+    impls: list[str],
+    chunks: tuple[int, int] | None = None,
+) -> None:
+    """The engine's chunk interval per block implementation: (wall(big) - wall(small)) /
+    (big - small) for runs of ``chunks`` = (small, big) chunks after a warm-up run."""
     cfg = get_preset(name)
     K, L = SAMPLER.steps, cfg.num_blocks
     work = block_work(cfg, SAMPLER, 2)
@@ -351,11 +391,20 @@ def check_engine(out: Path, name: str, dev: torch.device, dtype: torch.dtype, sm
     if block.get("floor_ms"):
         d["floor_parts_ms"] = K * L * block["floor_ms"]
     model = build_model(cfg, seed=None, device=dev, dtype=dtype, block_impl="eager")
-    runners = {"eager": None, "fused": fused.FusedBlocks(model)}
-    small, big = (2, 5) if smoke else (4, 12)
+    runner = fused.FusedBlocks(model)
+    # graph: every run's rings are new, so each run captures its compositions anew (one per
+    # block in the steady state, at its 2nd chunk): runs of 12 and 24 chunks hold the same
+    # captures, which the difference cancels
+    # graph: every run's rings are new, so each run captures its compositions anew (on the CPU
+    # with stand-in captures, K=4 W=2: the steady-state ones seen a 2nd time at the 7th
+    # chunk, then one replay per block and chunk); the small and big runs hold the same
+    # captures, which the difference cancels
+    small, big = chunks or ((3, 6) if smoke else (12, 24))
 
     def run(chunks: int, impl: str) -> tuple[float, list[float], float]:
-        model.fused_blocks = runners[impl]
+        """(wall s, when each chunk left (s, sorted), mean tasks per forward)."""
+        model.fused_blocks = None if impl == "eager" else runner
+        runner.set_graphs(impl == "graph")
         rt = InProcRuntime(model, SAMPLER, layout_single(K, L), batching=True)
         plan = {0: [("generate", None)] * chunks}
         _sync(dev)
@@ -366,23 +415,28 @@ def check_engine(out: Path, name: str, dev: torch.device, dtype: torch.dtype, sm
             _sync(dev)
             wall = time.perf_counter() - t0
         left = sorted(r.left_s for r in res[0].values())
-        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(left[K:])]
         stats = rt.workers[0].stats
-        return wall, gaps, stats.tasks / max(stats.batches, 1)
+        return wall, left, stats.tasks / max(stats.batches, 1)
 
-    for impl in ("fused", "eager"):
+    for impl in impls:
         with rec.step(f"engine_{impl}"):
-            run(2, impl)  # warm-up: kernels, allocator, caches
+            run(4, impl)  # warm-up: kernels, allocator, caches (and a capture or two)
             w_small, _, _ = run(small, impl)
-            w_big, gaps, batch = run(big, impl)
+            w_big, left, batch = run(big, impl)
             interval = (w_big - w_small) / (big - small) * 1e3
+            gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(left[K:])]
+            tail = min(TAIL_CHUNKS, len(left) - 1 - K)  # the last chunks of the longer run
             d[impl] = {
                 "interval_ms": interval,
+                "interval_tail_ms": (left[-1] - left[-1 - tail]) / tail * 1e3 if tail > 0 else None,
+                "tail_chunks": tail,
                 "interval_gaps_p50_ms": statistics.median(gaps) if gaps else None,
                 "mean_batch": batch,
                 "chunks": [small, big],
                 "of_matmul_floor": d["floor_matmul_ms"] / interval,
             }
+            if impl == "graph":
+                d[impl]["graph_stats"] = runner.graphs.stats.to_json()  # all three runs
 
 
 def _read(path: Path) -> dict:
@@ -439,26 +493,32 @@ def _table(env: dict, blocks: dict, engine: dict, fit: dict) -> str:
         f"device {env.get('device')} driver {env.get('driver')} torch {env.get('torch')} "
         f"cuda {env.get('cuda')} triton {env.get('triton')}; matmul {_f(mm, '.0f')} TFLOP/s, "
         f"copy {_f(env.get('copy_TBps'))} TB/s",
-        "preset        eager ms  fused ms  graph ms  floor ms  fused/floor  TFLOP/s  %989  "
-        "%matmul  x4 gain e/f   bf16 f-vs-e  f/e vs fp32",
+        "preset        eager ms  fused ms  graph-impl ms  captured ms  floor ms  fused/floor  "
+        "graph-impl/floor  TFLOP/s f/g  %989 f/g  x4 gain e/f/g  bf16 f-vs-e  g-vs-f  "
+        "f/e vs fp32",
     ]
     for p, b in blocks.items():
         flops = (b.get("gemm_flops") or 0) + (b.get("attn_flops") or 0)
-        t = b.get("fused_ms")
+        t, g, floor = b.get("fused_ms"), b.get("graph_impl_ms"), b.get("floor_ms")
         tf = flops / t / 1e9 if t else None
-        ratio = t / b["floor_ms"] if t and b.get("floor_ms") else None
+        tg = flops / g / 1e9 if g else None
+        g4 = 4 * g / b["graph_impl4_ms"] if g and b.get("graph_impl4_ms") else None
         lines.append(
-            f"{p:13s} {_f(b.get('eager_ms')):>8s}  {_f(t):>8s}  {_f(b.get('fused_graph_ms')):>8s}"
-            f"  {_f(b.get('floor_ms')):>8s}  {_f(ratio, '.3f'):>11s}  {_f(tf, '.0f'):>7s}  "
-            f"{_f(tf / DATASHEET_TFLOPS * 100 if tf else None, '.0f'):>4s}  "
-            f"{_f(tf / mm * 100 if tf and mm else None, '.0f'):>7s}  "
-            f"{_f(b.get('eager_batch_gain'))}/{_f(b.get('fused_batch_gain'))}   "
+            f"{p:13s} {_f(b.get('eager_ms')):>8s}  {_f(t):>8s}  {_f(g):>13s}  "
+            f"{_f(b.get('fused_graph_ms')):>11s}  {_f(floor):>8s}  "
+            f"{_f(t / floor if t and floor else None, '.3f'):>11s}  "
+            f"{_f(g / floor if g and floor else None, '.3f'):>16s}  "
+            f"{_f(tf, '.0f'):>5s}/{_f(tg, '.0f'):<5s} "
+            f"{_f(tf / DATASHEET_TFLOPS * 100 if tf else None, '.0f'):>4s}/"
+            f"{_f(tg / DATASHEET_TFLOPS * 100 if tg else None, '.0f'):<4s} "
+            f"{_f(b.get('eager_batch_gain'))}/{_f(b.get('fused_batch_gain'))}/{_f(g4)}  "
             f"{_f(b.get('fused_vs_eager'), '.1e'):>11s}  "
+            f"{_f(b.get('graph_impl_vs_fused'), '.1e')}  "
             f"{_f(b.get('fused_vs_fp32'), '.1e')}/{_f(b.get('eager_vs_fp32'), '.1e')}"
         )
     if engine:
-        for impl in ("fused", "eager"):
-            e = engine.get(impl, {})
+        for impl in [i for i in ("fused", "graph", "eager") if i in engine]:
+            e = engine[impl]
             lines.append(
                 f"engine {engine.get('model')} {impl}: interval {_f(e.get('interval_ms'))} ms "
                 f"(gaps p50 {_f(e.get('interval_gaps_p50_ms'))}), mean batch "
@@ -477,6 +537,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", choices=("env", "block", "engine", "summary"))
     p.add_argument("--model", default="tiny", help="preset (block, engine)")
     p.add_argument("--presets", default="", help="summary: the block presets, comma separated")
+    p.add_argument(
+        "--impls", default="fused,graph,eager", help="engine: block implementations to run"
+    )
+    p.add_argument(
+        "--chunks", default="", help="engine: SMALL,BIG chunks of the two timed runs (12,24)"
+    )
     p.add_argument("--out", required=True, help="directory for the JSON results")
     p.add_argument("--smoke", action="store_true", help="on the CPU (the same code path)")
     args = p.parse_args(argv)
@@ -497,7 +563,16 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "block":
         check_block(out, args.model, dev, dtype, args.smoke)
     elif args.what == "engine":
-        check_engine(out, args.model, dev, dtype, args.smoke)
+        impls = [x for x in args.impls.split(",") if x]
+        bad = set(impls) - set(fused.BLOCK_IMPLS)
+        if bad or not impls:
+            print(f"gpu_check: --impls {args.impls!r}: not in {fused.BLOCK_IMPLS}", file=sys.stderr)
+            return 2
+        chunks = tuple(int(x) for x in args.chunks.split(",")) if args.chunks else None
+        if chunks is not None and not (len(chunks) == 2 and 0 < chunks[0] < chunks[1]):
+            print(f"gpu_check: --chunks {args.chunks!r}: want SMALL,BIG", file=sys.stderr)
+            return 2
+        check_engine(out, args.model, dev, dtype, args.smoke, impls, chunks)
     else:
         return summarize(out, [x for x in args.presets.split(",") if x])
     return 0

@@ -60,10 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--block-impl",
-        choices=("eager", "fused"),  # fused.BLOCK_IMPLS (that module imports torch)
+        choices=("eager", "fused", "graph"),  # fused.BLOCK_IMPLS (that module imports torch)
         default=None,
-        help="how blocks run: eager or fused (engine/fused.py); default: $PHYSIS_BLOCK_IMPL "
-        "or eager",
+        help="how blocks run: eager, fused (engine/fused.py) or graph (fused, replayed as CUDA "
+        "graphs: engine/block_graphs.py); default: $PHYSIS_BLOCK_IMPL or eager",
     )
     p.add_argument(
         "--loop-chunks",
