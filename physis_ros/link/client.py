@@ -119,6 +119,7 @@ class LinkClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls_server_name: str | None = None,
         tune_process: bool = True,
+        response_latency_budget_ms: float = 0.0,
     ) -> None:
         """``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
@@ -129,7 +130,11 @@ class LinkClient:
         then ``gc.freeze()`` what exists by then (modules, the node), so that a full garbage
         collection, which stops every thread of the process, does not walk it (measured
         18 ms with the link's imports, 29 ms with rclpy, before freezing). Both are
-        process-wide (physis_ros.link.memtune)."""
+        process-wide (physis_ros.link.memtune).
+
+        ``response_latency_budget_ms``: the most response latency the stream accepts (an
+        observation in to the first chunk conditioned on it out); the server refuses to open
+        the stream when it cannot promise it. 0: no budget."""
         lo, hi = reconnect_backoff_s
         if not 0 < lo <= hi:
             raise ValueError(
@@ -139,6 +144,11 @@ class LinkClient:
             raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
         if target_interval_ms < 0:
             raise ValueError(f"target_interval_ms must be >= 0, got {target_interval_ms}")
+        if not response_latency_budget_ms >= 0:
+            raise ValueError(
+                f"response_latency_budget_ms must be >= 0 (0: none), got "
+                f"{response_latency_budget_ms}"
+            )
         if prediction_queue_size < 1:
             raise ValueError(f"prediction_queue_size must be >= 1, got {prediction_queue_size}")
         if (client_cert_path is None) != (client_key_path is None):
@@ -152,6 +162,7 @@ class LinkClient:
             target_interval_ms=target_interval_ms,
             client_name=client_name,
             prompt=prompt,
+            response_latency_budget_ms=response_latency_budget_ms,
         )
         if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
             array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
