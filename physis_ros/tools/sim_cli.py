@@ -34,8 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="physis-sim", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--experiment",
-        choices=("pool24", "depth", "frontier", "realcheck"),
-        help="run a fixed experiment (realcheck: the simulator against gloo ranks on this host)",
+        choices=("pool24", "depth", "frontier", "realcheck", "latencycheck"),
+        help="run a fixed experiment (realcheck: the simulator against gloo ranks on this "
+        "host; latencycheck: a latency budget admitted and measured on gloo ranks)",
     )
     p.add_argument(
         "--model",
@@ -190,6 +191,16 @@ def _print_human(result: dict) -> None:
                 f"ms, error {c['error']:+.1%}"
             )
         return
+    if result.get("experiment") == "latencycheck":
+        for name in ("without_budget", "with_budget"):
+            r = result[name]
+            error = r["error"]["response_latency_ms"]
+            print(
+                f"C {name.replace('_', ' ')}: ranks {r['ranks']} ({r['candidate']}); promised "
+                f"{r['promise']['response_latency_ms']} ms response, measured "
+                f"{r['measured']['response_latency_ms']} ms (error {error:+.1%})"
+            )
+        return
     if result.get("experiment") == "depth":
         for key in ("model", "gpus", "interval_ms", "response_latency_ms", "published_interval_ms"):
             print(f"{key}: {result[key]}")
@@ -268,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                 from physis_ros.tools.frontier_plot import frontier_chart
 
                 frontier_chart(result, args.plot)
+        elif args.experiment == "latencycheck":
+            from physis_ros.tools.latencycheck import latencycheck
+
+            result = latencycheck()
         elif args.experiment == "realcheck":
             from physis_ros.tools.realcheck import realcheck
 

@@ -33,15 +33,16 @@ conservative bound, since batching only makes work cheaper; the simulator then c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.pool.costmodel import GIB, CostModel
-from physis_ros.engine.pool.latency import budget_bound, budget_breaks, queued_ms
+from physis_ros.engine.pool.latency import BudgetBreak, budget_bound, budget_breaks, queued_ms
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.packing import Failure, SparePacker
-from physis_ros.engine.pool.plan import StreamPlan, block_split, contiguous_split
+from physis_ros.engine.pool.plan import StreamPlan, contiguous_split
 
 POLICIES = ("shared", "static")
 
@@ -125,9 +126,21 @@ class Admission:
 class AdmissionController(SparePacker):
     """Admits and closes streams on a pool; owns the pool's committed compute and memory."""
 
-    def __init__(self, pool: PoolConfig, cost: CostModel) -> None:
+    def __init__(
+        self,
+        pool: PoolConfig,
+        cost: CostModel,
+        *,
+        simulated: Callable[[list[StreamPlan]], dict[int, tuple[float, float]]] | None = None,
+    ) -> None:
+        """``simulated``: a predictor that runs a set of plans (stream id -> (median interval,
+        median pipeline latency), e.g. the pool simulator calibrated on the real runtime, as
+        ``tools.latencycheck`` does); when given, latency predictions and budget checks use it
+        instead of the closed form (``latency``): for small pools, where a simulation per
+        candidate is cheap and processor sharing on one host is not in the closed form."""
         self.pool = pool
         self.cost = cost
+        self.simulated = simulated
         G = pool.num_devices
         self.plans: dict[int, StreamPlan] = {}
         self._util = [0.0] * G
@@ -195,7 +208,11 @@ class AdmissionController(SparePacker):
 
     def pipeline_latency_ms(self, plan: StreamPlan) -> float:
         """Predicted pipeline latency of ``plan`` (admitted or a candidate) in the pool as it
-        is now: no-contention latency plus the work queued ahead (``latency``)."""
+        is now: no-contention latency plus the work queued ahead (``latency``), or what the
+        ``simulated`` predictor gives."""
+        if self.simulated is not None:
+            others = [p for sid, p in self.plans.items() if sid != plan.stream_id]
+            return self.simulated([*others, plan])[plan.stream_id][1]
         T = plan.target_interval_ms
         own = {}
         if plan.stream_id in self.plans:
@@ -273,8 +290,14 @@ class AdmissionController(SparePacker):
         """Why ``plan`` misses the request's budget or pushes an admitted stream past its
         own; None when it does neither."""
         T = plan.target_interval_ms
+        simulated = None
+        if self.simulated is not None and (req.latency_budget_ms or self._budgets):
+            simulated = self.simulated([*self.plans.values(), plan])
         if req.latency_budget_ms:
-            response = T + self.pipeline_latency_ms(plan)
+            if simulated is not None:
+                response = T + simulated[plan.stream_id][1]
+            else:
+                response = T + self.pipeline_latency_ms(plan)
             if response > req.latency_budget_ms:
                 return Failure(
                     resource="latency",
@@ -286,12 +309,20 @@ class AdmissionController(SparePacker):
                     ),
                     shortfall=f"{response - req.latency_budget_ms:.1f} ms",
                 )
-        added = {d: ms / T for d, ms in self.device_load_ms(plan).items()}
-        budgeted = [
-            (self.plans[j], self.response_latency_ms(j), budget)
-            for j, budget in self._budgets.items()
-        ]
-        for broken in budget_breaks(added, budgeted):
+        if simulated is not None:
+            breaks = [
+                BudgetBreak(j, self.plans[j].target_interval_ms + simulated[j][1], budget)
+                for j, budget in self._budgets.items()
+                if self.plans[j].target_interval_ms + simulated[j][1] > budget
+            ]
+        else:
+            added = {d: ms / T for d, ms in self.device_load_ms(plan).items()}
+            budgeted = [
+                (self.plans[j], self.response_latency_ms(j), budget)
+                for j, budget in self._budgets.items()
+            ]
+            breaks = budget_breaks(added, budgeted)
+        for broken in breaks:
             return Failure(
                 resource="latency",
                 reason=(
@@ -408,76 +439,6 @@ class AdmissionController(SparePacker):
             self._mem_used[d] = usage.total
 
     # ---- candidates ----------------------------------------------------------------------
-    def _fresh_group(self, sid: int, req: StreamRequest) -> tuple[StreamPlan | None, Failure]:
-        """The smallest group of empty devices that meets the target alone."""
-        empty = [d for d in range(self.pool.num_devices) if not self._on_device[d]]
-        g_need, layout_or_failure = self.static_group(req)
-        if g_need is None:
-            return None, layout_or_failure
-        if len(empty) < g_need:
-            T = req.target_interval_ms
-            if empty:
-                best = self._alone_interval_ms(req, len(empty)) / self.pool.max_utilization
-                shown = f"interval {best:.1f} ms > target {T:.1f} ms on the {len(empty)} free"
-            else:
-                shown = f"no free device for an exclusive group (target {T:.1f} ms); 0 free"
-            return None, Failure(
-                resource="compute",
-                reason=f"compute: {shown} device(s), an exclusive group needs {g_need}",
-                shortfall=f"{g_need - len(empty)} devices",
-            )
-        layout = layout_or_failure
-        devices = empty[:g_need]
-        S = req.sampler.steps * req.model.num_blocks
-        stage_devices = tuple(devices[i] for i in layout)
-        assert len(stage_devices) == S
-        return self._plan(sid, req, stage_devices), Failure("", "", "")
-
-    def _alone_interval_ms(self, req: StreamRequest, g: int) -> float:
-        if g == 0:
-            return math.inf
-        S = req.sampler.steps * req.model.num_blocks
-        return math.ceil(S / g) * self.stage_ms(req.model, req.sampler)
-
-    def static_group(self, req: StreamRequest):
-        """(g, layout) of the smallest exclusive group meeting the target alone, or
-        (None, failure). ``layout[i]`` is the group-local device of stage i."""
-        cfg, sampler, T = req.model, req.sampler, req.target_interval_ms
-        K, L, S = sampler.steps, cfg.num_blocks, sampler.steps * cfg.num_blocks
-        mem = self.pool.memory
-        worst_mem: tuple[int, int] | None = None
-        for g in range(1, min(S, self.pool.num_devices) + 1):
-            for layout in (contiguous_split(S, list(range(g))), block_split(K, L, list(range(g)))):
-                plan = self._plan(-1, req, layout)
-                load = self.device_load_ms(plan)
-                if max(load.values()) > self.pool.max_utilization * T:
-                    continue
-                usage = max(mem.device_usage([plan], d).total for d in range(g))
-                if usage <= self.pool.usable_bytes:
-                    return g, layout
-                if worst_mem is None or usage < worst_mem[1]:
-                    worst_mem = (g, usage)
-        if worst_mem is not None:
-            short = (worst_mem[1] - self.pool.usable_bytes) / GIB
-            return None, Failure(
-                resource="memory",
-                reason=(
-                    f"memory on device 0 short by {short:.2f} GiB: the stream alone needs "
-                    f"{worst_mem[1] / GIB:.2f} GiB per device on {worst_mem[0]} devices"
-                ),
-                shortfall=f"{short:.2f} GiB",
-            )
-        best = self._alone_interval_ms(req, min(S, self.pool.num_devices))
-        best /= self.pool.max_utilization
-        return None, Failure(
-            resource="compute",
-            reason=(
-                f"compute: interval {best:.1f} ms > target {T:.1f} ms even alone on all "
-                f"{self.pool.num_devices} devices (at {self.pool.max_utilization:.0%} utilization)"
-            ),
-            shortfall=f"{best - T:.1f} ms",
-        )
-
     def _plan(self, sid: int, req: StreamRequest, stage_devices: tuple[int, ...]) -> StreamPlan:
         return StreamPlan(
             stream_id=sid,

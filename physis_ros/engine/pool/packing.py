@@ -1,19 +1,22 @@
-"""The pool's spare capacity and the greedy packer that places a stream's stages into it.
+"""Candidate placements of one new stream in the pool's spare capacity.
 
 ``SparePacker`` is the part of ``AdmissionController`` (admission.py) that reads the pool's
 committed compute and memory (``_util``, ``_mem_used``, ``_on_device``, set by the
-controller) to place one new stream: stage by stage in pipeline order, staying on a device
-while it has room, and saying which resource ran out when no device can take the next stage.
+controller) to place one new stream: the smallest exclusive group of empty devices that
+meets the target alone (``_fresh_group``, the static baseline's placement), or the greedy
+packing stage by stage in pipeline order into spare compute and memory, staying on a device
+while it has room (``_pack``); each says which resource ran out when it cannot place it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from physis_ros.engine.pool.costmodel import GIB
 from physis_ros.engine.pool.memory import StageCharge
-from physis_ros.engine.pool.plan import StreamPlan
+from physis_ros.engine.pool.plan import StreamPlan, block_split, contiguous_split
 
 if TYPE_CHECKING:
     from physis_ros.engine.pool.admission import StreamRequest
@@ -35,6 +38,76 @@ class SparePacker:
 
     def _budget_ms(self, d: int, T: float) -> float:
         return max(0.0, (self.pool.max_utilization - self._util[d]) * T)
+
+    def _fresh_group(self, sid: int, req: StreamRequest) -> tuple[StreamPlan | None, Failure]:
+        """The smallest group of empty devices that meets the target alone."""
+        empty = [d for d in range(self.pool.num_devices) if not self._on_device[d]]
+        g_need, layout_or_failure = self.static_group(req)
+        if g_need is None:
+            return None, layout_or_failure
+        if len(empty) < g_need:
+            T = req.target_interval_ms
+            if empty:
+                best = self._alone_interval_ms(req, len(empty)) / self.pool.max_utilization
+                shown = f"interval {best:.1f} ms > target {T:.1f} ms on the {len(empty)} free"
+            else:
+                shown = f"no free device for an exclusive group (target {T:.1f} ms); 0 free"
+            return None, Failure(
+                resource="compute",
+                reason=f"compute: {shown} device(s), an exclusive group needs {g_need}",
+                shortfall=f"{g_need - len(empty)} devices",
+            )
+        layout = layout_or_failure
+        devices = empty[:g_need]
+        S = req.sampler.steps * req.model.num_blocks
+        stage_devices = tuple(devices[i] for i in layout)
+        assert len(stage_devices) == S
+        return self._plan(sid, req, stage_devices), Failure("", "", "")
+
+    def _alone_interval_ms(self, req: StreamRequest, g: int) -> float:
+        if g == 0:
+            return math.inf
+        S = req.sampler.steps * req.model.num_blocks
+        return math.ceil(S / g) * self.stage_ms(req.model, req.sampler)
+
+    def static_group(self, req: StreamRequest):
+        """(g, layout) of the smallest exclusive group meeting the target alone, or
+        (None, failure). ``layout[i]`` is the group-local device of stage i."""
+        cfg, sampler, T = req.model, req.sampler, req.target_interval_ms
+        K, L, S = sampler.steps, cfg.num_blocks, sampler.steps * cfg.num_blocks
+        mem = self.pool.memory
+        worst_mem: tuple[int, int] | None = None
+        for g in range(1, min(S, self.pool.num_devices) + 1):
+            for layout in (contiguous_split(S, list(range(g))), block_split(K, L, list(range(g)))):
+                plan = self._plan(-1, req, layout)
+                load = self.device_load_ms(plan)
+                if max(load.values()) > self.pool.max_utilization * T:
+                    continue
+                usage = max(mem.device_usage([plan], d).total for d in range(g))
+                if usage <= self.pool.usable_bytes:
+                    return g, layout
+                if worst_mem is None or usage < worst_mem[1]:
+                    worst_mem = (g, usage)
+        if worst_mem is not None:
+            short = (worst_mem[1] - self.pool.usable_bytes) / GIB
+            return None, Failure(
+                resource="memory",
+                reason=(
+                    f"memory on device 0 short by {short:.2f} GiB: the stream alone needs "
+                    f"{worst_mem[1] / GIB:.2f} GiB per device on {worst_mem[0]} devices"
+                ),
+                shortfall=f"{short:.2f} GiB",
+            )
+        best = self._alone_interval_ms(req, min(S, self.pool.num_devices))
+        best /= self.pool.max_utilization
+        return None, Failure(
+            resource="compute",
+            reason=(
+                f"compute: interval {best:.1f} ms > target {T:.1f} ms even alone on all "
+                f"{self.pool.num_devices} devices (at {self.pool.max_utilization:.0%} utilization)"
+            ),
+            shortfall=f"{best - T:.1f} ms",
+        )
 
     def _pack(
         self, sid: int, req: StreamRequest, candidates: list[int]
