@@ -123,3 +123,21 @@ def test_simulator_predicts_the_measured_interval_within_15_percent():
         for c in out["cases"]
     )
     assert all(abs(c["error"]) <= 0.15 for c in out["cases"]), table
+
+
+@QUIET
+def test_a_latency_budget_places_the_stream_shallower_and_it_keeps_its_promise():
+    """Three gloo ranks; A and B take rank 0 and rank 1; C without a budget is packed over
+    both (deep, queued behind them); with a budget between that promise and the shallower
+    one, C is admitted on rank 2 alone, and its measured interval, pipeline latency and
+    response latency are within 15% of the promise (tools/latencycheck.py)."""
+    from physis_ros.tools.latencycheck import latencycheck
+
+    out = latencycheck()
+    if not out.get("quiet", False):
+        pytest.skip(f"other jobs kept the host busy: {out.get('with_budget')}")
+    assert out["shallower"], (out["without_budget"]["ranks"], out["with_budget"]["ranks"])
+    shallow = out["with_budget"]
+    assert shallow["ranks"] == [2] and shallow["latency_budget_ms"] > 0
+    assert shallow["promise"]["response_latency_ms"] <= shallow["latency_budget_ms"]
+    assert out["within_15_percent"], shallow["error"]
