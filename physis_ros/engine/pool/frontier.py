@@ -152,10 +152,12 @@ def frontier(
         if simulate_points:
             row["simulated"] = simulate_point(est, cost, cfg, sampler)
         points.append(row)
+    # The published points were for the presets' own chunk (3 latent frames).
+    same_chunk = cfg.name in PUBLISHED and cfg.latent_frames == get_preset(cfg.name).latent_frames
     published = [
         place_published(front, p)
         for p in PUBLISHED.get(cfg.name, [])
-        if p["devices"] <= devices and cfg.latent_frames == get_preset(cfg.name).latent_frames
+        if same_chunk and p["devices"] <= devices
     ]
     return {
         "experiment": "frontier",
