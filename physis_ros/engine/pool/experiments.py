@@ -298,6 +298,13 @@ def pool24(
             "the output clock + 0.10 T",
             "chunk": "3 latent frames (12 camera frames at VAE stride 4); "
             "480x832 (Wan2.1 / 22B / 33B presets), 704x1280 (Wan2.2 TI2V 5B)",
+            "published": {
+                "shared_over_static": "1.7-3.3x band for 1.3B, 5B, 22B and 33B; 0.75x for "
+                "Wan2.1 14B (24 streams static -> 18 shared)",
+                "chunk_and_resolution": "not stated with the published ratios; the static "
+                "baseline's group sizes neither (ours: the smallest group meeting T alone, which "
+                "keeps its GPUs 52-72% busy for 14B/22B/33B: see details.*.bound)",
+            },
             "not_modelled": "VAE encode/decode and text encoder (timed apart, as published); "
             "entry/exit hops to the front end; embed/head FLOPs (<0.1% of a block)",
             "policies": {

@@ -34,12 +34,14 @@ PUBLISHED = {
             "interval_ms": 1600.0,
             "devices_per_stream": 1.0,
             "devices": 24,
+            "chunk_latent_frames": 3,
         },
         {
             "label": "published pool24 shared (18 streams on 24 GPUs, T = 1600 ms)",
             "interval_ms": 1600.0,
             "devices_per_stream": 24 / 18,
             "devices": 24,
+            "chunk_latent_frames": 3,
         },
     ],
     "dit-33b": [
@@ -48,11 +50,13 @@ PUBLISHED = {
             "interval_ms": 4.083,
             "devices_per_stream": 200.0,
             "devices": 200,
+            "chunk_latent_frames": None,
         },
     ],
 }
 """Published results as points: interval and devices per stream (their response latency is
-not published)."""
+not published). ``chunk_latent_frames``: the chunk the point is compared at (pool24 as run
+here, 3 latent frames); None: not stated with the result, placed on every front."""
 
 
 def simulate_point(
@@ -152,12 +156,10 @@ def frontier(
         if simulate_points:
             row["simulated"] = simulate_point(est, cost, cfg, sampler)
         points.append(row)
-    # The published points were for the presets' own chunk (3 latent frames).
-    same_chunk = cfg.name in PUBLISHED and cfg.latent_frames == get_preset(cfg.name).latent_frames
     published = [
         place_published(front, p)
         for p in PUBLISHED.get(cfg.name, [])
-        if same_chunk and p["devices"] <= devices
+        if p["devices"] <= devices and p["chunk_latent_frames"] in (None, cfg.latent_frames)
     ]
     return {
         "experiment": "frontier",
