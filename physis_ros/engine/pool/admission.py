@@ -261,8 +261,8 @@ class AdmissionController(SparePacker):
 
     def _place(self, sid: int, req: StreamRequest):
         """(plan, failure, candidate): the first candidate of the policy that fits memory and
-        compute and meets the latency budgets; else the reason (a latency reason first: the
-        interval could be met, the budget not)."""
+        compute and meets the latency budgets; else the reason (a latency reason first, for
+        the placement that came closest: the interval could be met, the budget not)."""
         if self.pool.policy == "static":
             tries = [("static", lambda: self._fresh_group(sid, req))]
         else:
@@ -283,7 +283,8 @@ class AdmissionController(SparePacker):
             why = self._latency_failure(plan, req)
             if why is None:
                 return plan, None, name
-            late = late or why
+            if late is None or float(why.shortfall.split()[0]) < float(late.shortfall.split()[0]):
+                late = why  # the reason names the placement that came closest
         return None, late or failure, ""
 
     def _latency_failure(self, plan: StreamPlan, req: StreamRequest) -> Failure | None:
@@ -304,8 +305,7 @@ class AdmissionController(SparePacker):
                     reason=(
                         f"latency: response latency {response:.1f} ms > budget "
                         f"{req.latency_budget_ms:.1f} ms on every placement that meets the "
-                        f"interval {T:.1f} ms (first tried: {len(plan.devices())} device(s), "
-                        f"{len(plan.hops())} hop(s))"
+                        f"interval {T:.1f} ms (best: {plan.describe()})"
                     ),
                     shortfall=f"{response - req.latency_budget_ms:.1f} ms",
                 )
