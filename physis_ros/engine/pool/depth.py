@@ -103,7 +103,7 @@ def what_it_takes(
         if r.get(key or "modelled_meets_published")
     ]
     return {
-        "basis": "measured block-tasks" if key else f"the modelled {device.name}",
+        "basis": "measured block-tasks" if key else f"the cost model: {device.name}",
         "reaching_4.083_ms": reach,
         "tflop_per_s_needed_1_latent_frame": round(need_tflops, 1),
         "fraction_of_peak_needed_1_latent_frame": round(need_tflops * 1e12 / device.peak_flops, 3),
