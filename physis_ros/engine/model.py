@@ -185,11 +185,13 @@ class WanDiT(nn.Module):
 
         save_file(to_upstream_state_dict(self), str(path))
 
-    def load_safetensors(self, path: str | Path, *, strict: bool = True) -> None:
-        """Load upstream-named weights (blocks this model does not hold are skipped)."""
+    def load_safetensors(self, path: str | Path) -> None:
+        """Load upstream-named weights, strictly: every key this model holds (the blocks it
+        was built with, and the stem) must be in the file with its shape, and the file may
+        hold no other key except those of blocks this model does not hold."""
         from safetensors.torch import load_file
 
-        load_upstream_state_dict(self, load_file(str(path), device="cpu"), strict=strict)
+        load_upstream_state_dict(self, load_file(str(path), device="cpu"), source=str(path))
 
 
 class _Stem(nn.Module):
@@ -225,36 +227,76 @@ def to_upstream_state_dict(model: WanDiT) -> dict[str, torch.Tensor]:
 
 
 def load_upstream_state_dict(
-    model: WanDiT, state: dict[str, torch.Tensor], *, strict: bool = True
+    model: WanDiT, state: dict[str, torch.Tensor], *, source: str = "checkpoint"
 ) -> None:
-    cfg = model.cfg
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    if strict and missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} keys, e.g. {missing[:5]}")
-    extra = [k for k in state if k not in own and not _is_absent_block(model, k)]
-    if strict and extra:
-        raise ValueError(f"checkpoint has {len(extra)} unknown keys, e.g. {extra[:5]}")
+    """Load ``state`` (upstream key names) into ``model`` strictly (see ``check_state_keys``)."""
+    check_state_keys(model, {k: tuple(v.shape) for k, v in state.items()}, source=source)
     fixed = {}
     for key, tensor in state.items():
-        if key not in own:
+        if _is_absent_block(model, key):
             continue
-        val = tensor
-        if key == "patch_embedding.weight":
-            if tuple(val.shape) != (cfg.dim, cfg.in_channels, *cfg.patch):
-                raise ValueError(f"patch_embedding.weight has shape {tuple(val.shape)}")
-            val = val.reshape(cfg.dim, cfg.patch_dim)
-        if tuple(val.shape) != tuple(own[key].shape):
-            raise ValueError(
-                f"{key}: checkpoint shape {tuple(val.shape)} != model {tuple(own[key].shape)}"
-            )
-        fixed[key] = val
-    model.load_state_dict(fixed, strict=False)
+        if key == "patch_embedding.weight":  # stored as the Conv3d [D, C, pt, ph, pw]
+            fixed[key] = tensor.reshape(model.cfg.dim, model.cfg.patch_dim)
+        else:
+            fixed[key] = tensor
+    model.load_state_dict(fixed)
+
+
+def upstream_shapes(model: WanDiT) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor ``model`` holds, as an upstream checkpoint stores it."""
+    cfg = model.cfg
+    out = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    out["patch_embedding.weight"] = (cfg.dim, cfg.in_channels, *cfg.patch)
+    return out
+
+
+MAX_KEYS_NAMED = 8
+"""A key mismatch names at most this many keys of each kind (and how many more there are)."""
+
+
+def check_state_keys(
+    model: WanDiT, shapes: dict[str, tuple[int, ...]], *, source: str = "checkpoint"
+) -> None:
+    """Raise ValueError, in one line naming the keys, unless ``shapes`` (key -> shape of a
+    checkpoint) holds exactly the tensors ``model`` needs: none missing, none unexpected
+    (keys of blocks the model was built without are skipped, not unexpected), none of another
+    shape. ``model`` may live on the meta device (shapes only)."""
+    own = upstream_shapes(model)
+    missing = sorted(k for k in own if k not in shapes)
+    unexpected = sorted(k for k in shapes if k not in own and not _is_absent_block(model, k))
+    misshaped = sorted(
+        f"{k} {list(shapes[k])} (model {list(own[k])})"
+        for k in own
+        if k in shapes and tuple(shapes[k]) != own[k]
+    )
+    parts = [
+        f"{label} {len(keys)} key(s) {_named(keys)}"
+        for label, keys in (
+            ("lacks", missing),
+            ("has unexpected", unexpected),
+            ("has mis-shaped", misshaped),
+        )
+        if keys
+    ]
+    if parts:
+        raise ValueError(f"{source} does not fit model {model.cfg.name}: " + "; ".join(parts))
+
+
+def _named(keys: list[str]) -> str:
+    shown = ", ".join(keys[:MAX_KEYS_NAMED])
+    more = len(keys) - MAX_KEYS_NAMED
+    return f"[{shown}{f', and {more} more' if more > 0 else ''}]"
 
 
 def _is_absent_block(model: WanDiT, key: str) -> bool:
     parts = key.split(".")
-    return parts[0] == "blocks" and int(parts[1]) not in model.block_ids
+    return (
+        len(parts) > 1
+        and parts[0] == "blocks"
+        and parts[1].isdigit()
+        and int(parts[1]) < model.cfg.num_blocks
+        and int(parts[1]) not in model.block_ids
+    )
 
 
 # ---- pure functions: embedding, RoPE, one block, head ----------------------------------------

@@ -9,7 +9,8 @@ mode, on the same workers:
                         the next chunk enters.
 ``InProcRuntime`` runs N workers in this process over ``InProcTransport``: ``run_inline``
 drives them deterministically in one thread (tests); ``start_threads`` gives each its own
-thread (torch releases the GIL inside ops).
+thread (torch releases the GIL inside ops). ``close`` (or ``with``) joins every thread it and
+its workers started.
 """
 
 from __future__ import annotations
@@ -307,6 +308,21 @@ class InProcRuntime:
         self._threads.clear()
         if self.errors:
             raise RuntimeError(f"a worker failed: {self.errors[0]!r}") from self.errors[0]
+
+    def close(self) -> None:
+        """Stop every thread the runtime and its workers started (worker loops, host copiers)
+        and join them; raises a worker's failure like ``stop_threads``. Idempotent."""
+        try:
+            self.stop_threads()
+        finally:
+            for w in self.workers:
+                w.close()
+
+    def __enter__(self) -> InProcRuntime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_plan(

@@ -133,6 +133,12 @@ class Worker:
         self._control: queue.SimpleQueue = queue.SimpleQueue()
         self._host_copier: HostCopier | None = None
 
+    def close(self) -> None:
+        """Stop the threads this worker started (its host copier: copies asked for so far are
+        delivered first). Idempotent; call it once the worker's loop has stopped."""
+        if self._host_copier is not None:
+            self._host_copier.close()
+
     # ---- streams (thread-safe: applied by the worker's own loop) ---------------------------
     def open_stream(
         self,
@@ -485,7 +491,8 @@ class Worker:
             return
         if self._host_copier is None:
             self._host_copier = HostCopier(msg.x.device)
-            # its thread ends with the worker
+            # its thread ends with the worker (``close``; a worker dropped unclosed: here, and
+            # at the latest devcopy's atexit hook joins it before the interpreter finalises)
             weakref.finalize(self, self._host_copier.close, wait=False)
 
         def deliver(host: list[torch.Tensor]) -> None:

@@ -57,7 +57,7 @@ from physis_ros.nodes.pairing import (
 )
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
-from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
+from physis_ros.nodes.stats import ChunkOverlap, DropCounter, RateMeter, RollingWindow
 
 _OBSERVED_IMAGES_KEPT = 16  # recent observed images (full size), for the side-by-side view
 _MEASURED_INTERVAL_MIN_SAMPLES = 10
@@ -92,6 +92,7 @@ class Bridge(Node):
         self.chunk_rate = RateMeter()
         self.interval_ms = RollingWindow()
         self.response_ms = RollingWindow()
+        self.chunk_overlap = ChunkOverlap()
         self.obs_to_send_ms = RollingWindow()
         self.receive_to_publish_ms = RollingWindow()
         self.hop_ms: dict[str, RollingWindow] = {}
@@ -384,6 +385,8 @@ class Bridge(Node):
         self._last_chunk_s = now_s
         for name, value in pred.hop_ms.items():
             self.hop_ms.setdefault(name, RollingWindow()).add(value)
+        times = pred.server_times_ns
+        self.chunk_overlap.add(pred.stream_id, times.get("entered", 0), times.get("left", 0))
         if "capture_to_received" in pred.hop_ms:
             self.response_ms.add(pred.hop_ms["capture_to_received"])
         if pred.stream_id != self._stream_id:  # a new stream (e.g. server restart) renumbers chunks

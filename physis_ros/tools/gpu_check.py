@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -130,7 +131,7 @@ def graph_ms(fn, dev: torch.device, *, reps: int) -> float:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
 
 
@@ -359,12 +360,13 @@ def check_engine(out: Path, name: str, dev: torch.device, dtype: torch.dtype, sm
         plan = {0: [("generate", None)] * chunks}
         _sync(dev)
         t0 = time.perf_counter()
-        res = run_plan(rt, plan, mode="pipelined", max_in_flight=K, seeds={0: 0},
-                       conds={0: torch.zeros(0, cfg.text_dim)})  # fmt: skip
-        _sync(dev)
-        wall = time.perf_counter() - t0
+        with rt:
+            res = run_plan(rt, plan, mode="pipelined", max_in_flight=K, seeds={0: 0},
+                           conds={0: torch.zeros(0, cfg.text_dim)})  # fmt: skip
+            _sync(dev)
+            wall = time.perf_counter() - t0
         left = sorted(r.left_s for r in res[0].values())
-        gaps = [(b - a) * 1e3 for a, b in zip(left[K:], left[K + 1 :], strict=False)]
+        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(left[K:])]
         stats = rt.workers[0].stats
         return wall, gaps, stats.tasks / max(stats.batches, 1)
 

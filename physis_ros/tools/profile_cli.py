@@ -268,8 +268,9 @@ def _loop_overheads(model, args: argparse.Namespace, entries, chunks: int = 40) 
             for _ in range(chunks):
                 rt.controller.submit_generate(run)
             t0 = time.perf_counter()
-            done = rt.run_inline()
-            wall_ms = (time.perf_counter() - t0) * 1e3
+            with rt:
+                done = rt.run_inline()
+                wall_ms = (time.perf_counter() - t0) * 1e3
             if len(done) != chunks:
                 raise RuntimeError(f"calibration run finished {len(done)} of {chunks} chunks")
             sizes = [b for _, b, _, _ in rt.workers[0].stats.block_times]

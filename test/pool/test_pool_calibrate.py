@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.calibrate import fit_device, fit_report, load_calibration
+from physis_ros.engine.pool.calibrate import (
+    fit_device,
+    fit_report,
+    load_calibration,
+    merge_calibrations,
+)
+from physis_ros.engine.pool.calibrate import main as calibrate_main
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, block_work
 from physis_ros.tools.sim_cli import main as sim_main
 
@@ -87,3 +94,44 @@ def test_sim_runs_depth_on_the_calibrated_device(tmp_path, capsys):
     stage = AnalyticCostModel(TRUE).group_ms(get_preset("dit-33b"), SAMPLER, 1)
     assert out["stage_ms"] == pytest.approx(stage, abs=1e-3)
     assert sim_main(["--experiment", "depth", "--calibration", str(tmp_path / "none")]) == 2
+
+
+COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "pool" / "h200_calibration.json"
+
+
+def test_the_h200_preset_is_the_fit_of_the_committed_calibration():
+    """costmodel.H200 carries the numbers fitted to the two H200 runs committed as data: a
+    changed file or preset that no longer match fails here."""
+    data = load_calibration(COMMITTED)
+    env = data["environment"]
+    assert env["device"] == "NVIDIA H200" and env["driver"] and env["torch"].startswith("2.")
+    fitted = fit_device(H200, data)
+    assert fitted.name == H200.name
+    for key in ("gemm_efficiency", "attn_efficiency", "elementwise_passes", "launch_overhead_ms"):
+        assert getattr(H200, key) == pytest.approx(getattr(fitted, key), rel=1e-3), key
+    report = fit_report(H200, data)
+    assert set(report["presets"]) == {"wan2.1-1.3b", "wan2.1-14b", "dit-33b"}
+    assert report["max_abs_error"] < 0.15  # the 1.3B's launch-bound time is the worst (-9.6%)
+
+
+def test_merge_averages_runs_and_refuses_other_devices(tmp_path):
+    a, b = _measured(TRUE), _measured(TRUE)
+    for p in b["presets"].values():
+        p["gemm_ms"] *= 1.2
+        p["entries"] = [dict(e, ms_p50=e["ms_p50"] * 1.1) for e in p["entries"][:2]]
+    merged = merge_calibrations([a, b], ["a.json", "b.json"])
+    one = merged["presets"]["wan2.1-14b"]
+    assert [e["tasks"] for e in one["entries"]] == [1, 2]  # batch sizes both runs measured
+    first = a["presets"]["wan2.1-14b"]
+    assert one["gemm_ms"] == pytest.approx(1.1 * first["gemm_ms"])
+    assert one["entries"][0]["ms_p50"] == pytest.approx(1.05 * first["entries"][0]["ms_p50"])
+    assert merged["merged_from"] == ["a.json", "b.json"]
+    out = tmp_path / "m.json"
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert calibrate_main(["merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                           "-o", str(out)]) == 0  # fmt: skip
+    assert load_calibration(out)["presets"]["dit-33b"]["entries"][1]["tasks"] == 2
+    b["environment"]["driver"] = "999.0"
+    with pytest.raises(ValueError, match="not one device"):
+        merge_calibrations([a, b], ["a", "b"])

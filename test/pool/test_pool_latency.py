@@ -147,26 +147,27 @@ def test_fastest_within_a_budget_is_shallower_where_hops_cost_latency():
 
 
 def test_budget_turns_a_deep_shared_packing_into_an_exclusive_group():
-    """Four 14B streams fill 70% of four devices; a fifth packed into their spare compute
+    """Five 14B streams fill 73% of five devices; a sixth packed into their spare compute
     spans every one of them and queues behind their streams. With a budget the planner takes
     the free device instead: one device deep, nothing queued, within the budget."""
     runs = {}
     for budget in (0.0, 4000.0):
-        ctl = AdmissionController(_pool(6), COST)
-        for _ in range(4):
+        ctl = AdmissionController(_pool(7), COST)
+        for _ in range(5):
             assert ctl.admit(_req()).candidate == "fresh-group"
         runs[budget] = ctl.admit(_req(budget_ms=budget))
     deep, shallow = runs[0.0], runs[4000.0]
-    assert deep.candidate == "packed-used" and len(deep.plan.devices()) >= 4
+    assert deep.candidate == "packed-used" and len(deep.plan.devices()) >= 5
     assert deep.expected_response_latency_ms > 4000.0
     assert shallow.candidate == "fresh-group" and len(shallow.plan.devices()) == 1
-    assert shallow.expected_response_latency_ms == pytest.approx(1600.0 + 160 * 6.954, rel=1e-3)
+    stage_ms = COST.group_ms(K14, SAMPLER, 1)  # 7.31 ms on the calibrated H200
+    assert shallow.expected_response_latency_ms == pytest.approx(1600.0 + 160 * stage_ms)
     assert shallow.latency_budget_ms == 4000.0
 
 
 def test_no_placement_meets_both_then_refused_for_latency():
-    ctl = AdmissionController(_pool(4), COST)
-    for _ in range(4):
+    ctl = AdmissionController(_pool(5), COST)
+    for _ in range(5):
         ctl.admit(_req())
     with pytest.raises(AdmissionRefused) as err:
         ctl.admit(_req(budget_ms=3000.0))
@@ -174,21 +175,21 @@ def test_no_placement_meets_both_then_refused_for_latency():
     assert refusal.resource == "latency"
     assert "> budget 3000.0 ms" in refusal.reason and "interval 1600.0 ms" in refusal.reason
     assert float(refusal.shortfall.split()[0]) > 0
-    # Without a budget the same stream is admitted (packed over the four devices).
+    # Without a budget the same stream is admitted (packed over the five devices).
     assert ctl.admit(_req()).candidate == "packed-used"
 
 
 def test_later_streams_never_push_a_budgeted_stream_past_its_budget():
-    """1.3B streams (177 ms of compute per chunk) packed until refused around a stream that
-    asked for 2000 ms: its predicted response latency grows as streams share its device,
+    """1.3B streams (209 ms of compute per chunk) packed until refused around a stream that
+    asked for 2500 ms: its predicted response latency grows as streams share its device,
     up to its budget and no further; the refusal that ends the packing names it."""
     cfg = get_preset("wan2.1-1.3b")
     ctl = AdmissionController(_pool(2), COST)
-    first = ctl.admit(_req(budget_ms=2000.0, cfg=cfg))
-    assert first.expected_response_latency_ms < 2000.0
+    first = ctl.admit(_req(budget_ms=2500.0, cfg=cfg))
+    assert first.expected_response_latency_ms < 2500.0
     admitted, refusal = admit_until_refused(ctl, _req(cfg=cfg))
     assert admitted and refusal is not None
-    assert ctl.response_latency_ms(first.plan.stream_id) <= 2000.0
+    assert ctl.response_latency_ms(first.plan.stream_id) <= 2500.0
     assert any(a.plan.stage_devices[0] == first.plan.stage_devices[0] for a in admitted)
     ctl.close(first.plan.stream_id)  # its budget goes with it: the pool takes more again
     ctl.admit(_req(cfg=cfg))
@@ -292,11 +293,11 @@ def test_physis_sim_admits_with_a_latency_budget_and_says_why_it_refuses():
             check=True,
         )
 
-    base = ["--model", "wan2.1-14b", "--devices", "4", "--chunks", "9"]
+    base = ["--model", "wan2.1-14b", "--devices", "5", "--chunks", "9"]
     out = json.loads(sim(*base, "--latency-budget-ms", "3000").stdout)
-    assert [a["devices"] for a in out["admitted"]] == [1, 1, 1, 1]
+    assert [a["devices"] for a in out["admitted"]] == [1, 1, 1, 1, 1]
     assert all(a["expected_response_latency_ms"] <= 3000 for a in out["admitted"])
     assert out["refused"][0]["resource"] == "latency"
     assert out["simulation"]["all_meet_target"]
-    free = json.loads(sim(*base).stdout)  # no budget: a fifth stream packed over all four
-    assert len(free["admitted"]) > 4 and free["admitted"][4]["devices"] == 4
+    free = json.loads(sim(*base).stdout)  # no budget: a sixth stream packed over all five
+    assert len(free["admitted"]) > 5 and free["admitted"][5]["devices"] == 5

@@ -26,8 +26,9 @@ A request with target interval 0 asks for the fastest placement within its budge
 exclusive group of free devices, as deep as helps (``fastest``; depth against latency, as
 ``planner`` describes), promised the interval that depth gives.
 
-Compute per device is charged unbatched (one ``group_ms(1)`` per stage per interval): a
-conservative bound, since batching only makes work cheaper; the simulator then checks.
+Compute per device is charged unbatched by default (one ``group_ms(1)`` per stage per
+interval): a conservative bound, since batching only makes work cheaper; or per task of a
+batch of ``PoolConfig.charged_batch``; the simulator then checks.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ class PoolConfig:
     max_utilization: float = 0.9
     """Most of each interval a device may be busy with admitted work (headroom for jitter)."""
     memory: MemoryModel = field(default_factory=MemoryModel)
+    charged_batch: int = 1
+    """Tasks per batched forward the compute charge counts on: a stage is charged
+    ``group_ms(b) / b`` per chunk. 1 charges every stage unbatched, a bound (batching only
+    makes work cheaper); more counts on the batching a pipelined stream gets (a block's
+    stages at different steps run together), which the simulator then has to confirm."""
     controller_device: int | None = None
     """Device whose worker shares its processor with the controller (rank 0 of a CPU job):
     every stream's entry and exit hops and its per-chunk controller work are charged there,
@@ -79,6 +85,8 @@ class PoolConfig:
             raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
         if not 0 < self.max_utilization <= 1:
             raise ValueError(f"max_utilization must be in (0, 1], got {self.max_utilization}")
+        if self.charged_batch < 1:
+            raise ValueError(f"charged_batch must be >= 1, got {self.charged_batch}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +99,13 @@ class StreamRequest:
     latency_budget_ms: float = 0.0
     """Most response latency the stream accepts (an observation in to the first chunk
     conditioned on it out, ``latency``); 0: no budget."""
+    chunks_per_interval: int = 1
+    """Chunks through every stage per interval (2: each generated chunk comes with a context
+    chunk, the observation it is conditioned on)."""
 
     def __post_init__(self) -> None:
+        if self.chunks_per_interval < 1:
+            raise ValueError(f"chunks_per_interval must be >= 1, got {self.chunks_per_interval}")
         if not (self.target_interval_ms >= 0 and math.isfinite(self.target_interval_ms)):
             raise ValueError(
                 f"target_interval_ms must be finite and >= 0 (0: as fast as free devices "
@@ -132,15 +145,21 @@ class AdmissionController(SparePacker):
         cost: CostModel,
         *,
         simulated: Callable[[list[StreamPlan]], dict[int, tuple[float, float]]] | None = None,
+        slot_wait: bool = True,
     ) -> None:
         """``simulated``: a predictor that runs a set of plans (stream id -> (median interval,
         median pipeline latency), e.g. the pool simulator calibrated on the real runtime, as
         ``tools.latencycheck`` does); when given, latency predictions and budget checks use it
         instead of the closed form (``latency``): for small pools, where a simulation per
-        candidate is cheap and processor sharing on one host is not in the closed form."""
+        candidate is cheap and processor sharing on one host is not in the closed form.
+        ``slot_wait``: response latency counts one interval of waiting for the stream's next
+        slot (``latency``); False where it is counted from the observation entering the
+        pipeline, as the server promises and measures it (the newest observation goes in
+        right before each generate request)."""
         self.pool = pool
         self.cost = cost
         self.simulated = simulated
+        self.slot_wait = slot_wait
         G = pool.num_devices
         self.plans: dict[int, StreamPlan] = {}
         self._util = [0.0] * G
@@ -158,7 +177,8 @@ class AdmissionController(SparePacker):
     def stage_ms(self, cfg: ModelConfig, sampler: SamplerConfig) -> float:
         key = (cfg.name, sampler.steps, sampler.window)
         if key not in self._stage_ms_cache:
-            self._stage_ms_cache[key] = self.cost.group_ms(cfg, sampler, 1)
+            b = self.pool.charged_batch
+            self._stage_ms_cache[key] = self.cost.group_ms(cfg, sampler, b) / b
         return self._stage_ms_cache[key]
 
     def _comm_ms(self, cfg: ModelConfig) -> tuple[float, float]:
@@ -172,6 +192,11 @@ class AdmissionController(SparePacker):
         return self._mem_used[device]
 
     def device_load_ms(self, plan: StreamPlan) -> dict[int, float]:
+        """Work per target interval that ``plan`` puts on each of its devices (unbatched)."""
+        per_chunk = self._chunk_load_ms(plan)
+        return {d: ms * plan.chunks_per_interval for d, ms in per_chunk.items()}
+
+    def _chunk_load_ms(self, plan: StreamPlan) -> dict[int, float]:
         """Work per chunk that ``plan`` puts on each of its devices (unbatched)."""
         s_ms = self.stage_ms(plan.model, plan.sampler)
         load: dict[int, float] = {}
@@ -224,13 +249,22 @@ class AdmissionController(SparePacker):
         """An admitted stream's predicted response latency now (it moves as streams that share
         its devices come and go; never past its budget)."""
         plan = self.plans[stream_id]
-        return plan.target_interval_ms + self.pipeline_latency_ms(plan)
+        return self.response_ms(plan.target_interval_ms, self.pipeline_latency_ms(plan))
+
+    def response_ms(self, interval_ms: float, pipeline_ms: float) -> float:
+        """Response latency of a chunk with ``pipeline_ms`` of pipeline latency (``slot_wait``)."""
+        return (interval_ms if self.slot_wait else 0.0) + pipeline_ms
 
     # ---- admission -----------------------------------------------------------------------
-    def admit(self, req: StreamRequest) -> Admission:
-        """Place the stream or raise ``AdmissionRefused``; admitted streams never move."""
+    def admit(self, req: StreamRequest, stage_devices: tuple[int, ...] | None = None) -> Admission:
+        """Place the stream or raise ``AdmissionRefused``; admitted streams never move.
+
+        ``stage_devices``: a placement given by hand (device of stage i = k * L + l); it is
+        checked against the spare compute and memory instead of searched for."""
         sid = self._next_id
-        if req.target_interval_ms == 0:
+        if stage_devices is not None:
+            plan, failure, candidate = self._given(sid, req, tuple(stage_devices))
+        elif req.target_interval_ms == 0:
             plan, failure = self._fastest(sid, req)
             candidate = "fastest"
         else:
@@ -254,7 +288,7 @@ class AdmissionController(SparePacker):
             expected_interval_ms=interval,
             no_contention_latency_ms=self.no_contention_latency_ms(plan),
             pipeline_latency_ms=latency,
-            expected_response_latency_ms=interval + latency,
+            expected_response_latency_ms=self.response_ms(interval, latency),
             latency_budget_ms=req.latency_budget_ms,
             pipeline_depth=max(1, math.ceil(latency / interval)),
         )
@@ -287,6 +321,15 @@ class AdmissionController(SparePacker):
                 late = why  # the reason names the placement that came closest
         return None, late or failure, ""
 
+    def _given(self, sid: int, req: StreamRequest, stage_devices: tuple[int, ...]):
+        """(plan, failure, "given"): a placement given by hand, checked against the spare
+        compute and memory and the latency budgets (target 0 is not a target to check)."""
+        if req.target_interval_ms == 0:
+            raise ValueError("a placement given by hand needs a target interval > 0")
+        plan = self._plan(sid, req, stage_devices)
+        failure = self._check_fits(plan) or self._latency_failure(plan, req)
+        return (None if failure else plan), failure, "given"
+
     def _latency_failure(self, plan: StreamPlan, req: StreamRequest) -> Failure | None:
         """Why ``plan`` misses the request's budget or pushes an admitted stream past its
         own; None when it does neither."""
@@ -296,9 +339,9 @@ class AdmissionController(SparePacker):
             simulated = self.simulated([*self.plans.values(), plan])
         if req.latency_budget_ms:
             if simulated is not None:
-                response = T + simulated[plan.stream_id][1]
+                response = self.response_ms(T, simulated[plan.stream_id][1])
             else:
-                response = T + self.pipeline_latency_ms(plan)
+                response = self.response_ms(T, self.pipeline_latency_ms(plan))
             if response > req.latency_budget_ms:
                 return Failure(
                     resource="latency",
@@ -310,10 +353,14 @@ class AdmissionController(SparePacker):
                     shortfall=f"{response - req.latency_budget_ms:.1f} ms",
                 )
         if simulated is not None:
+            response = {
+                j: self.response_ms(self.plans[j].target_interval_ms, simulated[j][1])
+                for j in self._budgets
+            }
             breaks = [
-                BudgetBreak(j, self.plans[j].target_interval_ms + simulated[j][1], budget)
+                BudgetBreak(j, response[j], budget)
                 for j, budget in self._budgets.items()
-                if self.plans[j].target_interval_ms + simulated[j][1] > budget
+                if response[j] > budget
             ]
         else:
             added = {d: ms / T for d, ms in self.device_load_ms(plan).items()}
@@ -366,9 +413,10 @@ class AdmissionController(SparePacker):
                 short = need if short is None else min(short, need)
                 continue
             interval, latency = self.predict(probe)
-            if interval + latency > budget:
-                if late is None or interval + latency < late[0]:
-                    late = (interval + latency, interval, depth)
+            response = self.response_ms(interval, latency)
+            if response > budget:
+                if late is None or response < late[0]:
+                    late = (response, interval, depth)
                 continue
             if best is None or interval < best[0] * (1 - 1e-9):
                 best = (interval, replace(probe, target_interval_ms=interval))
@@ -446,4 +494,5 @@ class AdmissionController(SparePacker):
             sampler=req.sampler,
             target_interval_ms=req.target_interval_ms,
             stage_devices=stage_devices,
+            chunks_per_interval=req.chunks_per_interval,
         )

@@ -19,11 +19,16 @@ Fit (``fit_device``), in the terms of ``AnalyticCostModel.group_ms``:
   ``elementwise_passes`` passes over [N, D] per task at the achieved bandwidth (both >= 0).
 Everything else (memory, links) stays the base spec's. ``fit_report`` gives the modelled and
 measured time and the error of every entry, the per-preset error at one task first.
+``merge_calibrations`` averages several runs' files into one (what
+``docs/pool/h200_calibration.json`` is: ``python -m physis_ros.engine.pool.calibrate merge``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,3 +142,81 @@ def fit_report(spec: DeviceSpec, data: dict) -> dict:
         "presets": presets,
         "max_abs_error": max(abs(e["error"]) for p in presets.values() for e in p["entries"]),
     }
+
+
+def merge_calibrations(runs: list[dict], sources: list[str]) -> dict:
+    """One calibration from several runs on the same device and software: per preset the mean
+    of the GEMM-alone and attention-alone times and of every batch size's p50/p99 (the presets
+    and batch sizes every run measured). ``sources`` names the runs (kept in the file)."""
+    if not runs:
+        raise ValueError("no calibration runs to merge")
+    env = runs[0]["environment"]
+    for r in runs[1:]:
+        if r["environment"] != env or (r.get("steps"), r.get("window")) != (
+            runs[0].get("steps"),
+            runs[0].get("window"),
+        ):
+            raise ValueError("runs differ in device, versions, steps or window: not one device")
+    presets = {}
+    for name in runs[0]["presets"]:
+        if not all(name in r["presets"] for r in runs):
+            continue
+        ps = [r["presets"][name] for r in runs]
+        sizes = [{e["tasks"] for e in p["entries"]} for p in ps]
+        entries = []
+        for tasks in sorted(set.intersection(*sizes)):
+            rows = [next(e for e in p["entries"] if e["tasks"] == tasks) for p in ps]
+            entries.append(
+                {
+                    "tasks": tasks,
+                    "ms_p50": statistics.fmean(e["ms_p50"] for e in rows),
+                    "ms_p99": statistics.fmean(e.get("ms_p99", e["ms_p50"]) for e in rows),
+                    "runs_ms_p50": [e["ms_p50"] for e in rows],
+                }
+            )
+        presets[name] = {
+            "tokens_per_chunk": ps[0]["tokens_per_chunk"],
+            "gemm_ms": statistics.fmean(p["gemm_ms"] for p in ps),
+            "attn_ms": statistics.fmean(p["attn_ms"] for p in ps),
+            "entries": entries,
+            "provenance": ps[0].get("provenance", {}),
+        }
+    return {
+        "environment": env,
+        "dtype": runs[0].get("dtype"),
+        "steps": runs[0].get("steps", 4),
+        "window": runs[0].get("window", 2),
+        "merged_from": sources,
+        "presets": presets,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m physis_ros.engine.pool.calibrate",
+        description="fit the modelled H200 to a calibration file, or merge several runs' files",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    fit = sub.add_parser("fit", help="print the fitted device and its error per entry (JSON)")
+    fit.add_argument("calibration")
+    merge = sub.add_parser("merge", help="average runs' calibration.json files into one")
+    merge.add_argument("runs", nargs="+")
+    merge.add_argument("-o", "--out", required=True)
+    args = p.parse_args(argv)
+    from physis_ros.engine.pool.costmodel import H200
+
+    try:
+        if args.cmd == "fit":
+            data = load_calibration(args.calibration)
+            print(json.dumps(fit_report(fit_device(H200, data), data), indent=1))
+            return 0
+        data = merge_calibrations([load_calibration(r) for r in args.runs], args.runs)
+    except ValueError as err:
+        print(f"calibrate: {err}", file=sys.stderr)
+        return 2
+    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -68,7 +68,8 @@ class SparePacker:
         if g == 0:
             return math.inf
         S = req.sampler.steps * req.model.num_blocks
-        return math.ceil(S / g) * self.stage_ms(req.model, req.sampler)
+        per_chunk = math.ceil(S / g) * self.stage_ms(req.model, req.sampler)
+        return per_chunk * req.chunks_per_interval
 
     def static_group(self, req: StreamRequest):
         """(g, layout) of the smallest exclusive group meeting the target alone, or
@@ -109,6 +110,40 @@ class SparePacker:
             shortfall=f"{best - T:.1f} ms",
         )
 
+    def _check_fits(self, plan: StreamPlan) -> Failure | None:
+        """Why a given placement does not fit the spare compute and memory (None: it fits)."""
+        if max(plan.stage_devices) >= self.pool.num_devices:
+            raise ValueError(
+                f"placement names device {max(plan.stage_devices)}; the pool has "
+                f"{self.pool.num_devices}"
+            )
+        T = plan.target_interval_ms
+        for d, ms in sorted(self.device_load_ms(plan).items()):
+            spare = self._budget_ms(d, T)
+            if ms > spare + 1e-9:
+                return Failure(
+                    resource="compute",
+                    reason=(
+                        f"compute: device {d} would be busy {ms:.1f} ms per interval with "
+                        f"{spare:.1f} ms spare (target {T:.1f} ms, at "
+                        f"{self.pool.max_utilization:.0%} utilization)"
+                    ),
+                    shortfall=f"{ms - spare:.1f} ms",
+                )
+        for d in plan.devices():
+            usage = self.pool.memory.device_usage([*self._on_device[d].values(), plan], d)
+            if usage.total > self.pool.usable_bytes:
+                short = (usage.total - self.pool.usable_bytes) / GIB
+                return Failure(
+                    resource="memory",
+                    reason=(
+                        f"memory on device {d} short by {short:.3f} GiB: it would hold "
+                        f"{usage.total / GIB:.3f} GiB of {self.pool.usable_bytes / GIB:.3f} GiB"
+                    ),
+                    shortfall=f"{short:.3f} GiB",
+                )
+        return None
+
     def _pack(
         self, sid: int, req: StreamRequest, candidates: list[int]
     ) -> tuple[StreamPlan | None, Failure]:
@@ -119,10 +154,11 @@ class SparePacker:
         """
         cfg, sampler, T = req.model, req.sampler, req.target_interval_ms
         L, S = cfg.num_blocks, sampler.steps * cfg.num_blocks
-        s_ms = self.stage_ms(cfg, sampler)
+        # A stage's work per interval: one forward per chunk that passes it.
+        s_ms = self.stage_ms(cfg, sampler) * req.chunks_per_interval
         mem = self.pool.memory
         # One hop in and one out are reserved on every device when messages cost compute.
-        reserve = sum(self._comm_ms(cfg)) if len(candidates) > 1 else 0.0
+        reserve = sum(self._comm_ms(cfg)) * req.chunks_per_interval if len(candidates) > 1 else 0.0
         budget = {d: self._budget_ms(d, T) - reserve for d in candidates}
         free = {d: self.pool.usable_bytes - self._mem_used[d] for d in candidates}
         charges: dict[int, StageCharge] = {}
