@@ -303,7 +303,8 @@ def pool24(
                 "Wan2.1 14B (24 streams static -> 18 shared)",
                 "chunk_and_resolution": "not stated with the published ratios; the static "
                 "baseline's group sizes neither (ours: the smallest group meeting T alone, which "
-                "keeps its GPUs 52-72% busy for 14B/22B/33B: see details.*.bound)",
+                "keeps its GPUs 55-75% busy for 14B/22B/33B on the calibrated H200: see "
+                "details.*.bound)",
             },
             "not_modelled": "VAE encode/decode and text encoder (timed apart, as published); "
             "entry/exit hops to the front end; embed/head FLOPs (<0.1% of a block)",
