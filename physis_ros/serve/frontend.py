@@ -240,7 +240,8 @@ class Frontend:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
         except (StreamFailed, TimeoutError) as exc:
             self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"engine cannot open: {exc!r}")
-        if budget_ms and promise.expected_response_latency_ms > budget_ms:
+        # (the promise carries its latency rounded to the microsecond)
+        if budget_ms and promise.expected_response_latency_ms > budget_ms + 1e-3:
             # An engine without a planner for the budget (it promised what its placement
             # gives): the client asked for less, so the stream is not opened.
             self._loop.call(lambda e: e.close_stream(promise.stream_id), timeout_s=5.0)
