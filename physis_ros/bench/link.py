@@ -8,7 +8,12 @@ Both processes share the host's wall clock, so one-way times are read directly:
 - observation (640x480 rgb8, ~0.9 MB): from ``send_observation()`` to the server having
   parsed, checked and decoded it (the ``received`` stamp of the prediction conditioned on it);
 - action chunk (16x7 float32): from the server's ``decoded`` stamp (the engine handed the
-  chunk over) to ``get_prediction()`` returning it here.
+  chunk over) to the client handing it to the application (``on_prediction``);
+- observation -> action reply: the two together for each observation and the first chunk
+  conditioned on it (the wait for the stream's next slot left out), against the round trip
+  of the same bytes over bare gRPC bidirectional streams (``bare_grpc``: an immediate echo,
+  and a reply with the link's slot timing and thread hand-offs) measured in the same run, in
+  alternating rounds.
 
 The in-process baseline, measured in the same run next to each sample, is the call a
 co-located consumer would make for the same payload (decode/check the observation into the
@@ -32,15 +37,25 @@ from pathlib import Path
 
 import numpy as np
 
+from physis_ros.bench.bare_grpc import BareClient
+from physis_ros.bench.bare_grpc import serve as serve_bare
 from physis_ros.children import stop_child
 from physis_ros.cli_errors import finite_float
 from physis_ros.link.client import LinkClient, Observation
-from physis_ros.link.wire import rgb_image
+from physis_ros.link.proto_gen import physis_pb2 as pb
+from physis_ros.link.wire import (
+    PROTOCOL_VERSION,
+    array_to_tensor,
+    rgb_image,
+    serialize_observation,
+)
 
 IMAGE_HW = (480, 640)
 ACTION_HA = (16, 7)
 TARGET_MEDIAN_MS = 2.0
 TARGET_P99_MS = 5.0
+TARGET_ROUND_TRIP_RATIO = 1.2
+"""Observation -> action reply through the link, over the bare gRPC stream of the same bytes."""
 
 
 class EchoEngine:
@@ -148,73 +163,152 @@ def _summary(link_ms: list[float], inproc_ms: list[float], nbytes: int) -> dict[
     }
 
 
-def run(samples: int, warmup: int, rate_hz: float, interval_ms: float) -> dict:
+def _start_child(flag: str, port_file: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    """A child of this module (``--serve-echo`` / ``--serve-bare``) and the port it bound."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "physis_ros.bench.link", flag, str(port_file), *extra],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            stop_child(child)
+            raise RuntimeError(
+                f"{flag} server did not start: "
+                + (child.stderr.read().decode() if child.stderr else "")
+            )
+        time.sleep(0.02)
+    return child, int(port_file.read_text())
+
+
+def run(
+    samples: int,
+    warmup: int,
+    rate_hz: float,
+    interval_ms: float,
+    rounds: int,
+    *,
+    breakdown: bool = False,
+) -> dict:
+    """The link and the bare gRPC streams side by side: ``rounds`` rounds, each
+    ``samples / rounds`` observations through the link, then as many round trips of the same
+    bytes over each bare stream, at the same rate. ``breakdown``: where the link's round
+    trip goes (``link_trace``)."""
+    from physis_ros.bench import link_trace
     from physis_ros.serve.observations import context_input
 
+    children = []
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp) / "port"
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        child = subprocess.Popen(
-            [sys.executable, "-m", "physis_ros.bench.link", "--serve-echo", str(port_file)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        trace = Path(tmp) / "server_trace.json"
         try:
-            deadline = time.monotonic() + 60
-            while not port_file.exists():
-                if child.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        "echo server did not start: "
-                        + (child.stderr.read().decode() if child.stderr else "")
-                    )
-                time.sleep(0.02)
-            port = int(port_file.read_text())
-            return _measure(
-                f"127.0.0.1:{port}",
-                samples,
-                warmup,
-                rate_hz,
-                interval_ms,
-                context_input=context_input,
+            extra = ("--trace", str(trace)) if breakdown else ()
+            echo, echo_port = _start_child("--serve-echo", Path(tmp) / "echo", *extra)
+            children.append(echo)
+            bare_child, bare_port = _start_child(
+                "--serve-bare", Path(tmp) / "bare", "--interval-ms", str(interval_ms)
             )
+            children.append(bare_child)
+            if breakdown:
+                link_trace.install_client()
+            link = _LinkRun(f"127.0.0.1:{echo_port}", interval_ms, context_input)
+            bare = {m: BareClient(f"127.0.0.1:{bare_port}", m) for m in ("Echo", "Slotted")}
+            try:
+                per_round = max(samples // rounds, 1)
+                request = link.request_bytes()
+                link.observe(warmup, rate_hz, measured=False)
+                for client in bare.values():
+                    _bare_round(client, request, warmup, rate_hz)
+                bare_ms: dict[str, list[list[float]]] = {m: [] for m in bare}
+                for _ in range(rounds):
+                    link.observe(per_round, rate_hz, measured=True)
+                    for m, client in bare.items():
+                        bare_ms[m].append(_bare_round(client, request, per_round, rate_hz))
+                time.sleep(0.2)  # the last predictions come home
+            finally:
+                for client in bare.values():
+                    client.close()
+                stats = link.close()
         finally:
-            stop_child(child)
+            for child in children:
+                stop_child(child)
+        result = link.result(stats, bare_ms, warmup=warmup, rate_hz=rate_hz)
+        if breakdown:
+            server = json.loads(trace.read_text()) if trace.exists() else []
+            result["breakdown"] = {
+                **link_trace.breakdown(link_trace.STAMPS, server, link.first_reply(), warmup),
+                "cpu_us_warm_back_to_back": link_trace.warm_cpu_us(),
+            }
+        return result
 
 
-def _measure(target, samples, warmup, rate_hz, interval_ms, *, context_input) -> dict:
-    rng = np.random.default_rng(0)
-    frame = rng.integers(0, 255, (*IMAGE_HW, 3), dtype=np.uint8)
-    image = rgb_image(frame)
-    client = LinkClient(
-        target, target_interval_ms=interval_ms, client_name="bench", prediction_queue_size=1024
-    )
-    got: list[tuple[int, object]] = []  # (robot ns when get_prediction returned, prediction)
-    stop = threading.Event()
+def _bare_round(client: BareClient, request: bytes, n: int, rate_hz: float) -> list[float]:
+    period_s, next_s, out = 1.0 / rate_hz, time.monotonic(), []
+    for _ in range(n):
+        out.append(client.round_trip_ms(request))
+        next_s += period_s
+        time.sleep(max(0.0, next_s - time.monotonic()))
+    return out
 
-    def consume() -> None:
-        while not stop.is_set():
-            p = client.get_prediction(0.05)
-            if p is not None:
-                got.append((time.time_ns(), p))
 
-    consumer = threading.Thread(target=consume, daemon=True)
-    client.start()
-    consumer.start()
-    sent_ns: dict[int, int] = {}
-    obs_inproc_ms: dict[int, float] = {}
-    try:
+def prediction_reply_bytes() -> bytes:
+    """A ServerMessage as the link sends a 16x7 action chunk (stamps and counters set)."""
+    msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
+    p = msg.prediction
+    p.stream_id, p.chunk_index, p.observation_seq = 1, 1000, 999
+    p.observation_stamp_ns = p.observation_send_stamp_ns = time.time_ns()
+    array_to_tensor(np.ones(ACTION_HA, np.float32), p.actions)
+    for name in ("received", "queued", "entered", "left", "decoded", "sent"):
+        setattr(p.server_times, f"{name}_ns", time.time_ns())
+    p.counters.observations_received = p.counters.observations_used = 999
+    p.counters.predictions_sent = 999
+    return msg.SerializeToString()
+
+
+class _LinkRun:
+    """The real LinkClient against the echo front end; what each observation and action
+    chunk took."""
+
+    def __init__(self, target: str, interval_ms: float, context_input) -> None:
+        rng = np.random.default_rng(0)
+        self.image = rgb_image(rng.integers(0, 255, (*IMAGE_HW, 3), dtype=np.uint8))
+        self.context_input = context_input
+        # The application gets each prediction on the link's thread (on_prediction), as a
+        # consumer that hands it on by itself would.
+        self.client = LinkClient(
+            target,
+            target_interval_ms=interval_ms,
+            client_name="bench",
+            on_prediction=lambda p: self.got.append((time.time_ns(), p)),
+        )
+        self.interval_ms = interval_ms
+        self.got: list[tuple[int, object]] = []  # (robot ns when the application got it, p)
+        self.sent_ns: dict[int, int] = {}
+        self.inproc_ms: dict[int, float] = {}
+        self.measured: set[int] = set()
+        self.next_seq = 0
+        self.client.start()
         deadline = time.monotonic() + 30
-        while client.stats().state != "streaming":
+        while self.client.stats().state != "streaming":
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no stream: {client.stats().last_error}")
+                raise RuntimeError(f"no stream: {self.client.stats().last_error}")
             time.sleep(0.01)
-        period_s = 1.0 / rate_hz
-        next_s = time.monotonic()
-        for seq in range(warmup + samples):
-            obs = Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=image)
+
+    def request_bytes(self) -> bytes:
+        """What the client puts on the wire for one observation."""
+        obs = Observation(seq=0, capture_stamp_ns=time.time_ns(), image=self.image)
+        return serialize_observation(obs, send_stamp_ns=time.time_ns())
+
+    def observe(self, n: int, rate_hz: float, *, measured: bool) -> None:
+        period_s, next_s = 1.0 / rate_hz, time.monotonic()
+        for _ in range(n):
+            seq = self.next_seq
+            self.next_seq += 1
+            obs = Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=self.image)
             t0 = time.perf_counter()
-            context_input(
+            self.context_input(
                 obs,
                 send_stamp_ns=0,
                 height=IMAGE_HW[0],
@@ -222,60 +316,117 @@ def _measure(target, samples, warmup, rate_hz, interval_ms, *, context_input) ->
                 action_horizon=ACTION_HA[0],
                 action_dim=ACTION_HA[1],
             )
-            obs_inproc_ms[seq] = (time.perf_counter() - t0) * 1e3
-            sent_ns[seq] = time.time_ns()
-            client.send_observation(obs)
+            self.inproc_ms[seq] = (time.perf_counter() - t0) * 1e3
+            if measured:
+                self.measured.add(seq)
+            self.sent_ns[seq] = time.time_ns()
+            self.client.send_observation(obs)
             next_s += period_s
             time.sleep(max(0.0, next_s - time.monotonic()))
-        time.sleep(0.2)
-    finally:
-        stop.set()
-        consumer.join(5)
-        stats = client.stats()
-        client.close()
 
-    obs_link, obs_inproc, seen = [], [], set()
-    act_link, act_inproc, act_server = [], [], []
-    for t_got_ns, p in got:
-        seq = p.observation_seq
-        if seq >= warmup and seq not in seen and p.server_times_ns["received"]:
-            seen.add(seq)
-            obs_link.append((p.server_times_ns["received"] - sent_ns[seq]) / 1e6)
-            obs_inproc.append(obs_inproc_ms[seq])
-        if p.chunk_index >= warmup and p.actions is not None:
-            act_link.append((t_got_ns - p.server_times_ns["decoded"]) / 1e6)
-            act_server.append((p.server_times_ns["sent"] - p.server_times_ns["decoded"]) / 1e6)
-            t0 = time.perf_counter()
-            np.array(p.actions, dtype=np.float32, copy=True)  # the in-process hand-over
-            act_inproc.append((time.perf_counter() - t0) * 1e3)
-    if not obs_link or not act_link:
-        raise RuntimeError(f"no samples measured; link stats: {stats}")
-    result = {
-        "bench": "link",
-        "transport": "gRPC over 127.0.0.1 loopback, server (real front end, echo engine) in a "
-        "child process",
-        "observation_rgb8_640x480": _summary(obs_link, obs_inproc, IMAGE_HW[0] * IMAGE_HW[1] * 3),
-        "actions_16x7": {
-            **_summary(act_link, act_inproc, ACTION_HA[0] * ACTION_HA[1] * 4),
-            # Of link_ms: the server's part (engine thread -> gRPC writer thread, serialised),
-            # the rest being the wire and the client (grpc threads -> get_prediction).
-            "server_ms_median": round(float(np.median(act_server)), 4),
-        },
-        "warmup_samples": warmup,
-        "observation_rate_hz": rate_hz,
-        "chunk_interval_ms": interval_ms,
-        "clock_offset_ms": stats.clock_offset_ms,
-        "clock_offset_uncertainty_ms": stats.clock_offset_uncertainty_ms,
-        "drops": stats.drops,
-        "target_added_ms_median": TARGET_MEDIAN_MS,
-        "target_added_ms_p99": TARGET_P99_MS,
+    def first_reply(self) -> dict[int, int]:
+        """Observation seq -> chunk of the first reply conditioned on it."""
+        out: dict[int, int] = {}
+        for _, p in self.got:
+            if p.observation_seq >= 0:
+                out.setdefault(p.observation_seq, p.chunk_index)
+        return out
+
+    def close(self):
+        stats = self.client.stats()
+        self.client.close()
+        return stats
+
+    def result(self, stats, bare_rounds: dict, *, warmup: int, rate_hz: float):
+        obs_link, obs_inproc, seen = [], [], set()
+        act_link, act_inproc, act_server = [], [], []
+        round_trip: dict[int, float] = {}  # seq -> uplink + downlink of its first reply
+        for t_got_ns, p in self.got:
+            seq, times = p.observation_seq, p.server_times_ns
+            if seq in self.measured and seq not in seen and times["received"]:
+                seen.add(seq)
+                up_ms = (times["received"] - self.sent_ns[seq]) / 1e6
+                obs_link.append(up_ms)
+                obs_inproc.append(self.inproc_ms[seq])
+                round_trip[seq] = up_ms + (t_got_ns - times["decoded"]) / 1e6
+            if p.chunk_index >= warmup and p.actions is not None:
+                act_link.append((t_got_ns - times["decoded"]) / 1e6)
+                act_server.append((times["sent"] - times["decoded"]) / 1e6)
+                t0 = time.perf_counter()
+                np.array(p.actions, dtype=np.float32, copy=True)  # the in-process hand-over
+                act_inproc.append((time.perf_counter() - t0) * 1e3)
+        if not obs_link or not act_link:
+            raise RuntimeError(f"no samples measured; link stats: {stats}")
+        result = {
+            "bench": "link",
+            "transport": "gRPC over 127.0.0.1 loopback, server (real front end, echo engine) "
+            "in a child process",
+            "observation_rgb8_640x480": _summary(
+                obs_link, obs_inproc, IMAGE_HW[0] * IMAGE_HW[1] * 3
+            ),
+            "actions_16x7": {
+                **_summary(act_link, act_inproc, ACTION_HA[0] * ACTION_HA[1] * 4),
+                # Of link_ms: the server's part (engine thread -> gRPC writer thread,
+                # serialised), the rest being the wire and the client.
+                "server_ms_median": round(float(np.median(act_server)), 4),
+            },
+            "round_trip": {
+                "what": "observation (rgb8 640x480) up, 16x7 float32 action chunk down; the "
+                "link: uplink to the server's parsed-and-checked stamp + downlink from the "
+                "engine's hand-over (the wait for the stream's next slot left out); each "
+                "baseline measured right after the link in every round",
+                "target_ratio": TARGET_ROUND_TRIP_RATIO,
+                "vs_bare_echo": _round_trips(
+                    round_trip, sorted(self.measured), bare_rounds["Echo"]
+                ),
+                "vs_bare_slotted": _round_trips(
+                    round_trip, sorted(self.measured), bare_rounds["Slotted"]
+                ),
+            },
+            "warmup_samples": warmup,
+            "observation_rate_hz": rate_hz,
+            "chunk_interval_ms": self.interval_ms,
+            "clock_offset_ms": stats.clock_offset_ms,
+            "clock_offset_uncertainty_ms": stats.clock_offset_uncertainty_ms,
+            "drops": stats.drops,
+            "target_added_ms_median": TARGET_MEDIAN_MS,
+            "target_added_ms_p99": TARGET_P99_MS,
+        }
+        result["meets_target"] = all(
+            result[k]["added_ms_median"] <= TARGET_MEDIAN_MS
+            and result[k]["added_ms_p99"] <= TARGET_P99_MS
+            for k in ("observation_rgb8_640x480", "actions_16x7")
+        )
+        return result
+
+
+def _round_trips(link_ms: dict[int, float], seqs: list[int], bare_rounds) -> dict:
+    """Per round, the link's observation -> first action reply against a bare stream's round
+    trip of the same bytes; the median of the rounds' ratios."""
+    per_round = len(seqs) // len(bare_rounds)
+    rounds = []
+    for r, bare in enumerate(bare_rounds):
+        mine = [link_ms[s] for s in seqs[r * per_round : (r + 1) * per_round] if s in link_ms]
+        if mine and bare:
+            link_med, bare_med = float(np.median(mine)), float(np.median(bare))
+            rounds.append(
+                {
+                    "link_ms_median": round(link_med, 4),
+                    "bare_ms_median": round(bare_med, 4),
+                    "ratio": round(link_med / bare_med, 3),
+                    "samples": [len(mine), len(bare)],
+                }
+            )
+    if not rounds:
+        raise RuntimeError("no round trips measured")
+    ratio = float(np.median([r["ratio"] for r in rounds]))
+    return {
+        "link_ms_median": round(float(np.median(list(link_ms.values()))), 4),
+        "bare_ms_median": round(float(np.median([v for b in bare_rounds for v in b])), 4),
+        "ratio_median_of_rounds": round(ratio, 3),
+        "meets_target_ratio": ratio <= TARGET_ROUND_TRIP_RATIO,
+        "rounds": rounds,
     }
-    result["meets_target"] = all(
-        result[k]["added_ms_median"] <= TARGET_MEDIAN_MS
-        and result[k]["added_ms_p99"] <= TARGET_P99_MS
-        for k in ("observation_rgb8_640x480", "actions_16x7")
-    )
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,14 +438,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--interval-ms", type=finite_float, default=20.0, help="chunk interval asked"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="alternations of link and bare-stream samples"
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also report where the link's round trip goes, step by step (link_trace)",
+    )
     parser.add_argument("--serve-echo", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-bare", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--trace", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_echo:
+        if args.trace:
+            from physis_ros.bench.link_trace import install_server
+
+            install_server(args.trace)
         return serve_echo(args.serve_echo)
-    for name in ("samples", "rate_hz", "interval_ms"):
+    if args.serve_bare:
+        return serve_bare(args.serve_bare, prediction_reply_bytes(), args.interval_ms)
+    for name in ("samples", "rate_hz", "interval_ms", "rounds"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    result = run(args.samples, args.warmup, args.rate_hz, args.interval_ms)
+    result = run(
+        args.samples,
+        args.warmup,
+        args.rate_hz,
+        args.interval_ms,
+        args.rounds,
+        breakdown=args.breakdown,
+    )
     if args.json:
         print(json.dumps(result))
         return 0
@@ -309,6 +483,24 @@ def main(argv: list[str] | None = None) -> int:
         f"target: median <= {TARGET_MEDIAN_MS} ms, p99 <= {TARGET_P99_MS} ms: "
         f"{'met' if result['meets_target'] else 'NOT met'}"
     )
+    for name, rt in (
+        ("bare gRPC echo", result["round_trip"]["vs_bare_echo"]),
+        ("bare gRPC, slotted reply", result["round_trip"]["vs_bare_slotted"]),
+    ):
+        print(
+            f"observation -> action reply: link {rt['link_ms_median']:.3f} ms, {name} "
+            f"{rt['bare_ms_median']:.3f} ms, ratio {rt['ratio_median_of_rounds']:.2f} (median "
+            f"of {len(rt['rounds'])} rounds; target <= {TARGET_ROUND_TRIP_RATIO}: "
+            f"{'met' if rt['meets_target_ratio'] else 'NOT met'})"
+        )
+    if args.breakdown:
+        b = result["breakdown"]
+        print(f"where the link's round trip goes (medians over {b['pairs']} pairs, ms):")
+        for name, ms in b["segments_ms_median"].items():
+            print(f"  {name:42s} {ms:8.3f}")
+        print("processor us per call: as run in the link (cold) / back to back (warm)")
+        for name, us in b["cpu_us_median_per_call"].items():
+            print(f"  {name:42s} {us:8.1f} / {b['cpu_us_warm_back_to_back'][name]:.1f}")
     return 0
 
 

@@ -26,6 +26,9 @@ class StreamSpec:
     """Name of a prompt embedding the server holds ("": the model's empty prompt)."""
     prompt_embedding: np.ndarray | None = None
     """Or the embedding itself: [n <= text_len, text_dim] float32/float16 (not with ``prompt``)."""
+    response_latency_budget_ms: float = 0.0
+    """Most response latency the client accepts (an observation in to the first chunk
+    conditioned on it out); 0: no budget. A pool that cannot meet it refuses the stream."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,6 +41,8 @@ RAW_ENCODINGS: dict[str, int] = {"rgb8": 3, "bgr8": 3, "mono8": 1, "rgba8": 4, "
 COMPRESSED_ENCODINGS = ("jpeg", "png")
 TENSOR_DTYPES = ("uint8", "int32", "int64", "float16", "float32", "float64")
 """dtypes a Tensor may carry (little-endian); anything else is refused."""
+_LITTLE_ENDIAN = {name: np.dtype(name).newbyteorder("<") for name in TENSOR_DTYPES}
+_NAME_OF = {np.dtype(name): name for name in TENSOR_DTYPES}
 MAX_TENSOR_DIMS = 4
 MAX_TENSOR_BYTES = 64 * 1024 * 1024
 """A tensor may declare at most this many bytes (shape x itemsize), checked before anything
@@ -123,11 +125,14 @@ class Prediction:
 
 HOP_NAMES = ("received", "queued", "entered", "left", "decoded", "sent")
 
+_ONE_BYTE = [bytes([v]) for v in range(0x80)]
 LARGE_PAYLOAD_BYTES = 64 * 1024
 """Bytes fields at least this large are appended to the serialized message by hand."""
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _ONE_BYTE[value]
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -166,10 +171,7 @@ def serialize_with_payload(msg, path: tuple[str, ...], payload=None) -> bytes:
         setattr(parents[-1], path[-1], data.tobytes())
         return msg.SerializeToString()
     head = msg.SerializeToString()
-    numbers = [
-        parent.DESCRIPTOR.fields_by_name[name].number
-        for parent, name in zip(parents, path, strict=True)
-    ]
+    numbers = _field_numbers(msg, path)
     # Innermost first: each header is tag (wire type 2) + length of everything inside it.
     headers: list[bytes] = []
     length = data.nbytes
@@ -180,14 +182,32 @@ def serialize_with_payload(msg, path: tuple[str, ...], payload=None) -> bytes:
     return b"".join([head, *reversed(headers), data])
 
 
+_NUMBERS: dict[tuple, tuple[int, ...]] = {}
+
+
+def _field_numbers(msg, path: tuple[str, ...]) -> tuple[int, ...]:
+    """Field numbers along ``path`` from ``msg``'s type (looked up once per type and path:
+    every message that crosses pays for the descriptor walk otherwise)."""
+    key = (msg.DESCRIPTOR.full_name, path)
+    if key not in _NUMBERS:
+        numbers, desc = [], msg.DESCRIPTOR
+        for name in path:
+            fd = desc.fields_by_name[name]
+            numbers.append(fd.number)
+            desc = fd.message_type
+        _NUMBERS[key] = tuple(numbers)
+    return _NUMBERS[key]
+
+
 def tensor_header(array: np.ndarray, out: pb.Tensor) -> memoryview:
     """Sets ``out``'s dtype and shape for ``array`` and returns its little-endian C-order
     bytes as a buffer (no copy when the array already is), for ``serialize_with_payload``."""
     arr = np.asarray(array)
-    if arr.dtype.name not in TENSOR_DTYPES:
-        raise WireError("bad_tensor", f"dtype {arr.dtype.name} is not one of {TENSOR_DTYPES}")
-    arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
-    out.dtype = arr.dtype.name
+    name = _NAME_OF.get(arr.dtype) or arr.dtype.name  # (numpy's .name is slow Python)
+    if name not in TENSOR_DTYPES:
+        raise WireError("bad_tensor", f"dtype {name} is not one of {TENSOR_DTYPES}")
+    arr = np.ascontiguousarray(arr, dtype=_LITTLE_ENDIAN[name])
+    out.dtype = name
     out.shape[:] = arr.shape
     return memoryview(arr.reshape(-1).view(np.uint8))
 
@@ -218,7 +238,7 @@ def tensor_to_array(
     shape = tuple(int(d) for d in msg.shape)
     if len(shape) > MAX_TENSOR_DIMS or any(d < 0 for d in shape):
         raise WireError("bad_tensor", f"{name}: shape {shape} is not allowed")
-    dtype = np.dtype(msg.dtype).newbyteorder("<")
+    dtype = _LITTLE_ENDIAN[msg.dtype]
     declared = math.prod(shape) * dtype.itemsize
     # The non-zero dimensions bound too: numpy refuses [0, 2**31, 2**32] although it is empty.
     if max(declared, math.prod(d for d in shape if d) * dtype.itemsize) > max_bytes:
@@ -341,16 +361,58 @@ def _without_field(
     return pieces
 
 
+def _appended_payload(raw: bytes, numbers: tuple[int, ...]) -> tuple[int, int] | None:
+    """(where the last top-level record starts, where its payload starts) when ``raw`` ends
+    with the payload as ``serialize_with_payload`` appends it: a last record nested along
+    ``numbers`` holding nothing but the payload, to the message's end. None otherwise.
+    Reads only the top-level records' keys and lengths: a few, whatever the payload."""
+    end, pos, last, records = len(raw), 0, -1, 0
+    while pos < end:
+        records += 1
+        if records > MAX_WALKED_RECORDS:
+            return None
+        last = pos
+        key, pos = _read_varint(raw, pos, end)
+        wire_type = key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(raw, pos, end)
+        elif wire_type == 2:
+            length, pos = _read_varint(raw, pos, end)
+            pos += length
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        else:
+            return None
+    if pos != end or last < 0:
+        return None
+    pos = last
+    for number in numbers:
+        key, pos = _read_varint(raw, pos, end)
+        length, pos = _read_varint(raw, pos, end)
+        if key != (number << 3 | 2) or pos + length != end:
+            return None
+    return last, pos
+
+
 def parse_without_payload(raw: bytes, message_type, numbers: tuple[int, ...]):
     """A raw ``message_type`` -> (the message, the bytes field at the nested path ``numbers``
     as a read-only view of ``raw``), without copying a large payload: upb would copy it into
     the message (parse) and again out of it (read), ~0.15 ms per 0.9 MB measured here with
     cold caches. The message is parsed with the payload left out; the view is the last
-    occurrence, as a protobuf parser would merge it. Small messages, or bytes the walk cannot
-    follow, are parsed as they are (view None: read the field from the message); a
-    malformed message raises DecodeError as ``FromString`` does."""
+    occurrence, as a protobuf parser would merge it. A message whose payload was appended by
+    ``serialize_with_payload`` (as this package's peers send it) is split after reading its
+    top-level records alone; any other is walked field by field. Small messages, or bytes
+    the walk cannot follow, are parsed as they are (view None: read the field from the
+    message); a malformed message raises DecodeError as ``FromString`` does."""
     if len(raw) < LARGE_PAYLOAD_BYTES:
         return message_type.FromString(raw), None
+    try:  # this package's peers append the payload last: the head parses on its own
+        appended = _appended_payload(raw, numbers)
+    except ValueError:
+        appended = None
+    if appended is not None:
+        head_end, start = appended
+        return message_type.FromString(raw[:head_end]), memoryview(raw)[start:].toreadonly()
     buf = memoryview(raw).cast("B")
     found: list[tuple[int, int]] = []
     try:

@@ -145,6 +145,7 @@ class Bridge(Node):
             seed=p.seed,
             prompt=p.prompt,
             target_interval_ms=p.target_interval_ms,
+            response_latency_budget_ms=p.response_latency_budget_ms,
             token=token,
             root_cert_path=p.root_cert_path or None,
             client_cert_path=p.client_cert_path or None,

@@ -72,6 +72,8 @@ class BridgeParams:
     empty prompt."""
     target_interval_ms: float = 0.0
     """Interval the robot needs between chunks (0: as fast as the server can)."""
+    response_latency_budget_ms: float = 0.0
+    """Most response latency the robot accepts, observation to chunk (0: none); else refused."""
     # actions
     action_dt_s: float = 0.0
     """Seconds between action rows (0: the stream's interval / horizon, chunks tile time)."""
@@ -140,6 +142,7 @@ class BridgeParams:
             "max_observation_age_s",
             "target_interval_ms",
             "command_wait_s",
+            "response_latency_budget_ms",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -163,6 +166,7 @@ _READ_ONLY = {
     "input_reliability", "input_depth", "server", "server_port_file", "token", "token_file",
     "root_cert_path", "client_cert_path", "client_key_path", "seed", "target_interval_ms",
     "prompt",
+    "response_latency_budget_ms",
 }  # fmt: skip
 _ARRAY_TYPES = {
     "command_joint_names": Parameter.Type.STRING_ARRAY,

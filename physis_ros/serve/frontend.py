@@ -176,6 +176,13 @@ class Frontend:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"target_interval_ms must be finite and >= 0, got {spec.target_interval_ms}",
             )
+        budget_ms = spec.response_latency_budget_ms
+        if not math.isfinite(budget_ms) or budget_ms < 0:
+            self._refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"response_latency_budget_ms must be finite and >= 0 (0: none), got {budget_ms}",
+            )
         embedding = None
         if spec.HasField("prompt_embedding"):
             try:
@@ -205,6 +212,7 @@ class Frontend:
             target_interval_ms=spec.target_interval_ms,
             prompt=spec.prompt,
             prompt_embedding=embedding,
+            response_latency_budget_ms=spec.response_latency_budget_ms,
         )
         try:
             promise = self._loop.call(
@@ -220,6 +228,19 @@ class Frontend:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
         except (StreamFailed, TimeoutError) as exc:
             self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"engine cannot open: {exc!r}")
+        budget_ms = spec.response_latency_budget_ms
+        # (the promise carries its latency rounded to the microsecond)
+        if budget_ms and promise.expected_response_latency_ms > budget_ms + 1e-3:
+            # An engine without a planner for the budget (it promised what its placement
+            # gives): the client asked for less, so the stream is not opened.
+            self._loop.call(lambda e: e.close_stream(promise.stream_id), timeout_s=5.0)
+            self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"latency: response latency {promise.expected_response_latency_ms:.1f} ms > "
+                f"budget {budget_ms:.1f} ms (resource latency, short by "
+                f"{promise.expected_response_latency_ms - budget_ms:.1f} ms)",
+            )
         session = Session(
             promise=promise,
             target_interval_ms=spec.target_interval_ms,

@@ -1,10 +1,15 @@
 """``physis-sim``: the pool simulator from the command line.
 
 Experiments: ``--experiment pool24`` (static vs shared max verified concurrency on 24 modelled
-H200s) and ``--experiment depth`` (one dit-33b stream, one stage per GPU on 200 GPUs).
-Otherwise it admits ``--streams`` streams of ``--model`` on ``--devices`` devices under
-``--policy`` (cost from ``--profile`` JSON of ``physis-profile``, or the modelled H200) and
-prints the admissions and the simulation report. ``--json`` prints one JSON object.
+H200s, and the bound on sharing), ``--experiment depth`` (one dit-33b stream, one stage per
+GPU on 200 GPUs; interval and response latency against chunk size and window, with
+``--measured`` block-task times of a real GPU) and ``--experiment frontier`` (the (interval,
+response latency, devices per stream) front of ``--model`` on ``--devices`` modelled H200s,
+every point simulated; ``--plot PNG`` draws it). Otherwise it admits ``--streams`` streams of
+``--model`` on ``--devices`` devices under ``--policy`` (cost from ``--profile`` JSON of
+``physis-profile``, or the modelled H200), each asking ``--target-ms`` and
+``--latency-budget-ms``, and prints the admissions and the simulation report. ``--json``
+prints one JSON object.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_co
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, Profile, ProfileCostModel
-from physis_ros.engine.pool.experiments import depth, max_verified_concurrency, pool24, sim_streams
+from physis_ros.engine.pool.depth import depth, load_measured
+from physis_ros.engine.pool.experiments import max_verified_concurrency, pool24, sim_streams
+from physis_ros.engine.pool.frontier import frontier
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.simulator import SimConfig, simulate
 
@@ -28,8 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="physis-sim", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--experiment",
-        choices=("pool24", "depth", "realcheck"),
-        help="run a fixed experiment (realcheck: the simulator against gloo ranks on this host)",
+        choices=("pool24", "depth", "frontier", "realcheck", "latencycheck"),
+        help="run a fixed experiment (realcheck: the simulator against gloo ranks on this "
+        "host; latencycheck: a latency budget admitted and measured on gloo ranks)",
     )
     p.add_argument(
         "--model",
@@ -42,7 +50,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=24, help="G devices in the pool")
     p.add_argument("--streams", type=int, default=0, help="streams to admit (0: until refused)")
     p.add_argument(
-        "--target-ms", type=finite_float, default=1600.0, help="target interval per stream"
+        "--target-ms",
+        type=finite_float,
+        default=1600.0,
+        help="target interval per stream (0: as fast as free devices allow)",
+    )
+    p.add_argument(
+        "--latency-budget-ms",
+        type=finite_float,
+        default=0.0,
+        help="response-latency budget per stream (0: none)",
+    )
+    p.add_argument("--plot", help="frontier: also draw the front into this PNG")
+    p.add_argument(
+        "--measured",
+        help="depth: block-task times measured on a real GPU (scripts/depth_block_times.py JSON)",
     )
     p.add_argument("--policy", choices=("shared", "static"), default="shared")
     p.add_argument("--max-utilization", type=finite_float, default=0.9)
@@ -70,11 +92,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_pool(args: argparse.Namespace) -> dict:
-    sampler = SamplerConfig(steps=args.steps, window=args.window)
-    cfg = resolve_model_config(
+def _model(args: argparse.Namespace):
+    return resolve_model_config(
         args.model, resolution=args.resolution, latent_frames=args.latent_frames
     )
+
+
+def run_pool(args: argparse.Namespace) -> dict:
+    sampler = SamplerConfig(steps=args.steps, window=args.window)
+    cfg = _model(args)
     if args.profile:
         profile = Profile.load(args.profile)
         cost = ProfileCostModel(profile)
@@ -92,7 +118,12 @@ def run_pool(args: argparse.Namespace) -> dict:
         max_utilization=args.max_utilization,
         memory=MemoryModel(dtype_bytes=dtype_bytes),
     )
-    request = StreamRequest(model=cfg, sampler=sampler, target_interval_ms=args.target_ms)
+    request = StreamRequest(
+        model=cfg,
+        sampler=sampler,
+        target_interval_ms=args.target_ms,
+        latency_budget_ms=args.latency_budget_ms,
+    )
     sim = SimConfig(
         num_devices=args.devices,
         chunks=args.chunks,
@@ -132,15 +163,17 @@ def run_pool(args: argparse.Namespace) -> dict:
                 "stream_id": a.plan.stream_id,
                 "candidate": a.candidate,
                 "placement": a.plan.describe(),
-                "expected_interval_ms": a.expected_interval_ms,
+                "devices": len(a.plan.devices()),
+                "expected_interval_ms": round(a.expected_interval_ms, 3),
                 "expected_response_latency_ms": round(a.expected_response_latency_ms, 3),
+                "latency_budget_ms": a.latency_budget_ms,
             }
             for a in admitted
         ],
         "refused": refusals,
     }
     if admitted:
-        report = simulate(sim_streams(admitted, args.seed), cost, sim, pool.memory)
+        report = simulate(sim_streams(admitted, args.seed, controller), cost, sim, pool.memory)
         out["simulation"] = report.to_json()
     return out
 
@@ -159,9 +192,37 @@ def _print_human(result: dict) -> None:
                 f"ms, error {c['error']:+.1%}"
             )
         return
+    if result.get("experiment") == "latencycheck":
+        for name in ("without_budget", "with_budget"):
+            r = result[name]
+            error = r["error"]["response_latency_ms"]
+            print(
+                f"C {name.replace('_', ' ')}: ranks {r['ranks']} ({r['candidate']}); promised "
+                f"{r['promise']['response_latency_ms']} ms response, measured "
+                f"{r['measured']['response_latency_ms']} ms (error {error:+.1%})"
+            )
+        return
     if result.get("experiment") == "depth":
         for key in ("model", "gpus", "interval_ms", "response_latency_ms", "published_interval_ms"):
             print(f"{key}: {result[key]}")
+        print(f"{'frames':>6}{'W':>3}{'interval ms':>13}{'response ms':>13}{'measured':>10}")
+        for r in result["by_chunk_size_and_window"]:
+            measured = r.get("measured_interval_ms")
+            print(
+                f"{r['latent_frames']:>6}{r['window']:>3}{r['modelled_interval_ms']:>13}"
+                f"{r['modelled_response_latency_ms']:>13}{measured if measured else '-':>10}"
+            )
+        return
+    if result.get("experiment") == "frontier":
+        print(f"{result['model']} on {result['devices']} GPUs: {len(result['frontier'])} points")
+        print(f"{'depth':>6}{'streams':>8}{'dev/stream':>11}{'interval ms':>13}{'response ms':>13}")
+        for p in result["frontier"]:
+            print(
+                f"{p['depth']:>6}{p['streams_per_group']:>8}{p['devices_per_stream']:>11}"
+                f"{p['interval_ms']:>13}{p['response_latency_ms']:>13}"
+            )
+        for p in result["published"]:
+            print(f"{p['label']}: reached {p['reached']}")
         return
     if "verified" in result:
         print(
@@ -170,7 +231,11 @@ def _print_human(result: dict) -> None:
         )
         return
     for a in result["admitted"]:
-        print(f"stream {a['stream_id']} ({a['candidate']}): {a['placement']}")
+        print(
+            f"stream {a['stream_id']} ({a['candidate']}, {a['devices']} devices): interval "
+            f"{a['expected_interval_ms']} ms, response latency "
+            f"{a['expected_response_latency_ms']} ms; {a['placement']}"
+        )
     for r in result["refused"]:
         print(f"refused: {r['reason']}")
     sim = result.get("simulation")
@@ -199,8 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.experiment == "pool24":
         result = pool24(seed=args.seed, device=_device(args))
     elif args.experiment == "depth":
-        sampler = SamplerConfig(steps=args.steps, window=args.window)
-        result = depth(sampler=sampler, device=_device(args))
+        measured = load_measured(args.measured) if args.measured else None
+        result = depth(
+            sampler=SamplerConfig(steps=args.steps, window=args.window),
+            measured=measured,
+            device=_device(args),
+        )
+    elif args.experiment == "frontier":
+        result = frontier(
+            _model(args),
+            args.devices,
+            sampler=SamplerConfig(steps=args.steps, window=args.window),
+            device=_device(args),
+        )
+        if args.plot:
+            from physis_ros.tools.frontier_plot import frontier_chart
+
+            frontier_chart(result, args.plot)
+    elif args.experiment == "latencycheck":
+        from physis_ros.tools.latencycheck import latencycheck
+
+        result = latencycheck()
     elif args.experiment == "realcheck":
         from physis_ros.tools.realcheck import realcheck
 

@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 from link_server import REPO_ROOT, child_env
 
 CHILD = """
@@ -14,7 +15,8 @@ import contextlib, io, json, sys
 from physis_ros.bench.cli import main
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
-    rc = main(["link", "--json", "--samples", "40", "--warmup", "5", "--rate-hz", "50"])
+    rc = main(["link", "--json", "--samples", "40", "--warmup", "5", "--rate-hz", "50",
+               "--rounds", "2", "--breakdown"])
 print(json.dumps({"rc": rc, "result": json.loads(out.getvalue()),
                   "torch_loaded": "torch" in sys.modules}))
 """
@@ -51,3 +53,19 @@ def test_bench_link_json():
     assert isinstance(result["meets_target"], bool)
     actions = result["actions_16x7"]
     assert 0 < actions["server_ms_median"] < actions["link_ms_median"]
+    # The observation -> action reply against the bare gRPC streams, side by side per round.
+    trips = result["round_trip"]
+    assert trips["target_ratio"] == 1.2
+    for name in ("vs_bare_echo", "vs_bare_slotted"):
+        rt = trips[name]
+        assert len(rt["rounds"]) == 2, rt
+        assert rt["bare_ms_median"] > 0 and rt["link_ms_median"] > 0
+        assert rt["ratio_median_of_rounds"] > 0 and isinstance(rt["meets_target_ratio"], bool)
+        for r in rt["rounds"]:
+            assert r["ratio"] == pytest.approx(r["link_ms_median"] / r["bare_ms_median"], 0.01)
+    # Where the link's time goes: every step measured on most of the pairs.
+    b = result["breakdown"]
+    assert b["pairs"] >= 20
+    assert len(b["segments_ms_median"]) == 6
+    assert all(ms >= 0 for ms in b["segments_ms_median"].values())
+    assert set(b["cpu_us_median_per_call"]) == set(b["cpu_us_warm_back_to_back"])

@@ -467,6 +467,8 @@ def _emb(array: np.ndarray) -> pb.Tensor:
         ({"prompt_embedding": _emb(np.zeros((2, 16), np.int32))}, "float32 or float16"),
         ({"prompt_embedding": _emb(np.full((2, 16), np.inf, np.float16))}, "NaN or inf"),
         ({"prompt_embedding": pb.Tensor(dtype="float32", shape=[2, 16], data=b"x")}, "bytes"),
+        ({"response_latency_budget_ms": -1.0}, "response_latency_budget_ms"),
+        ({"response_latency_budget_ms": float("inf")}, "response_latency_budget_ms"),
     ],
 )
 def test_bad_stream_spec_is_invalid_argument(server, channel, spec, what):
@@ -483,6 +485,20 @@ def test_prompt_embedding_sent_with_the_stream_is_admitted(server, channel):
     pb_grpc.PhysisStub(channel).CloseStream(
         pb.CloseStreamRequest(stream_id=promise.stream_id), timeout=10
     )
+
+
+def test_latency_budget_the_server_cannot_promise_is_refused(server, channel):
+    plain = RawStream(channel, client_name="budget-probe")
+    promised_ms = plain.promise.expected_response_latency_ms
+    plain.close()
+    assert promised_ms > 0
+    with pytest.raises(grpc.RpcError) as err:
+        open_stream(channel, response_latency_budget_ms=promised_ms / 2)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "latency" in err.value.details() and "> budget" in err.value.details()
+    kept = RawStream(channel, client_name="budget-ok", response_latency_budget_ms=2 * promised_ms)
+    assert kept.promise.expected_response_latency_ms <= 2 * promised_ms
+    kept.close()
 
 
 def test_malformed_unary_requests(server, channel):

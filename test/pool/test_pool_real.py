@@ -123,3 +123,22 @@ def test_simulator_predicts_the_measured_interval_within_15_percent():
         for c in out["cases"]
     )
     assert all(abs(c["error"]) <= 0.15 for c in out["cases"]), table
+
+
+@QUIET
+def test_a_latency_budget_places_the_stream_shallower_and_it_keeps_its_promise():
+    """Two gloo ranks, the controller on rank 0; B on rank 1, rank 0 free; C without a budget
+    is packed beside B on rank 1 (its chunks pass ranks 0 -> 1 -> 0); with a budget between
+    that promise and rank 0's, C is admitted on rank 0 alone (one rank on its path), and its
+    measured interval and response latency are within 15% of the promise
+    (tools/latencycheck.py)."""
+    from physis_ros.tools.latencycheck import latencycheck
+
+    out = latencycheck()
+    if not out.get("quiet", False):
+        pytest.skip(f"other jobs kept the host busy: {out.get('with_budget')}")
+    assert out["shallower"], (out["without_budget"]["ranks"], out["with_budget"]["ranks"])
+    shallow = out["with_budget"]
+    assert shallow["ranks"] == [0] and shallow["latency_budget_ms"] > 0
+    assert shallow["promise"]["response_latency_ms"] <= shallow["latency_budget_ms"]
+    assert out["within_15_percent"], shallow["error"]

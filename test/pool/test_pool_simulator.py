@@ -9,7 +9,8 @@ import pytest
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, Profile, ProfileCostModel
 from physis_ros.engine.pool.costmodel import ProfileEntry as E
-from physis_ros.engine.pool.experiments import depth, pool24
+from physis_ros.engine.pool.depth import depth, load_measured
+from physis_ros.engine.pool.experiments import pool24
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.plan import StreamPlan
 from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
@@ -191,10 +192,35 @@ def test_depth_experiment_interval_is_one_stage_and_latency_the_whole_pipe():
     assert out["response_latency_ms"] == pytest.approx(pipe + out["interval_ms"], abs=0.01)
     assert out["published_interval_ms"] == 4.083
     # the gap to the published figure is the chunk size: the stage time scales with tokens
-    by_chunk = out["assumptions"]["interval_by_chunk_size"]
-    assert by_chunk["3_latent_frames"]["interval_ms"] == pytest.approx(out["interval_ms"], 1e-3)
-    assert by_chunk["1_latent_frames"]["tokens_per_chunk"] == 1560
-    assert by_chunk["1_latent_frames"]["interval_ms"] < 4.083 < out["interval_ms"]
+    rows = {(r["latent_frames"], r["window"]): r for r in out["by_chunk_size_and_window"]}
+    assert rows[3, 2]["modelled_interval_ms"] == pytest.approx(out["interval_ms"], 1e-3)
+    assert rows[3, 2]["modelled_response_latency_ms"] == pytest.approx(
+        out["response_latency_ms"], abs=0.1
+    )
+    assert rows[1, 2]["tokens_per_chunk"] == 1560
+    assert rows[1, 2]["modelled_interval_ms"] < 4.083 < out["interval_ms"]
+    for f in (1, 2, 3):  # a longer window costs interval and latency
+        ms = [rows[f, w]["modelled_interval_ms"] for w in (1, 2, 3, 6)]
+        assert ms == sorted(ms) and ms[0] < ms[-1]
+    assert out["what_it_takes"]["basis"] == f"the cost model: {H200.name}"
+    assert {"latent_frames": 1, "window": 2} in out["what_it_takes"]["reaching_4.083_ms"]
+
+
+def test_depth_experiment_with_block_times_measured_on_an_h200(tmp_path):
+    """docs/pool/h200_block_times.json: one 33B block-task measured on an H200 per chunk
+    size and window; a 1-latent-frame chunk with W <= 3 reaches the published 4.083 ms."""
+    measured = load_measured(REPO_ROOT / "docs" / "pool" / "h200_block_times.json")
+    out = depth(measured=measured)
+    rows = {(r["latent_frames"], r["window"]): r for r in out["by_chunk_size_and_window"]}
+    assert rows[3, 2]["measured_block_ms"] == measured["dit-33b", 3, 2]
+    assert rows[3, 2]["measured_interval_ms"] > 4.083
+    assert out["what_it_takes"]["basis"] == "measured block-tasks"
+    reach = out["what_it_takes"]["reaching_4.083_ms"]
+    assert reach and all(r["latent_frames"] == 1 for r in reach)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": [{"model": "dit-33b"}]}')
+    with pytest.raises(ValueError, match="not a depth_block_times JSON"):
+        load_measured(bad)
 
 
 @pytest.mark.slow
@@ -213,6 +239,20 @@ def test_pool24_shared_verified_at_least_static_for_every_backbone():
         assert row["ratio"] == pytest.approx(row["shared"] / row["static"], abs=1e-3)
         d = out["details"][row["backbone"]]
         assert d["shared"]["verified"] <= d["shared"]["admitted"]
+        # every admitted stream's predicted pipeline latency held in simulation
+        assert d["shared"]["latency_promise_misses"] == d["static"]["latency_promise_misses"] == 0
+        # the bound: no placement beats it, and a row under 1.7x says why
+        assert row["shared"] / row["static"] <= row["bound_ratio_at_cap"] + 1e-9
+        if not row["meets_target"]:
+            bound = d["bound"]
+            assert bound["limited_by"] == "compute"
+            if bound["target_reachable"]:  # only above the admission's headroom
+                assert row["at_utilization"]["max_utilization"] > 0.9
+                assert row["at_utilization"]["ratio"] >= 1.7
+            else:
+                assert row["bound_ratio_at_100_percent"] < 1.7
+    rows = {r["backbone"]: r for r in out["rows"]}
+    assert rows["wan2.1-1.3b"]["meets_target"] and rows["wan2.2-ti2v-5b"]["meets_target"]
     a = out["assumptions"]
     assert a["target_interval_ms"] == 1600.0 and a["devices"] == 24
     assert a["K"] == 4 and a["W"] == 2 and a["device"]["peak_flops"] == 989e12

@@ -2,7 +2,9 @@
 that what is admitted does not depend on this machine's load): robot clients get promises
 predicted for the pool with their stream, the streams already there are told their revised
 promise when one joins or leaves, one too many is refused with RESOURCE_EXHAUSTED and the
-reason, GetServerInfo reports promised against measured, and the static policy is selectable.
+reason, GetServerInfo reports promised against measured, the static policy is selectable, and
+a response-latency budget is kept: a stream whose budget no placement meets is refused, and one
+that would push an admitted stream past its budget is refused too.
 """
 
 from __future__ import annotations
@@ -74,8 +76,16 @@ def serve(tmp_path):
         log.close()
 
 
-def _open(target: str, seed: int, target_ms: float) -> tuple[LinkClient, str]:
-    client = LinkClient(target, seed=seed, target_interval_ms=target_ms, connect_timeout_s=20)
+def _open(
+    target: str, seed: int, target_ms: float, budget_ms: float = 0.0
+) -> tuple[LinkClient, str]:
+    client = LinkClient(
+        target,
+        seed=seed,
+        target_interval_ms=target_ms,
+        response_latency_budget_ms=budget_ms,
+        connect_timeout_s=20,
+    )
     client.start()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -164,3 +174,46 @@ def test_static_policy_is_selectable_and_gives_each_stream_its_own_worker(serve)
         assert not _info(target).engine["device0"].startswith("utilization 0%")
     finally:
         client.close()
+
+
+def test_latency_budgets_are_admitted_only_where_the_promise_keeps_them(serve):
+    """physis-serve's pool admits with the stream's response-latency budget: a budget under
+    what any placement gives is refused (RESOURCE_EXHAUSTED, resource latency, the closest
+    placement named); a budget over the promise is admitted with a promise within it; a later
+    stream that would push that promise past its budget is refused, one without that effect
+    is admitted."""
+    target = serve()
+    clients = []
+    try:
+        probe, refused = _open(target, 0, 32.0)
+        assert not refused
+        alone_ms = probe.stats().promise.expected_response_latency_ms
+        probe.close()
+        deadline = time.monotonic() + 30
+        while _info(target).engine["open_streams"] != "0":
+            assert time.monotonic() < deadline, "the probe's stream was not closed"
+            time.sleep(0.05)
+        _, refused = _open(target, 1, 32.0, budget_ms=alone_ms / 2)
+        assert refused.startswith("RESOURCE_EXHAUSTED"), refused
+        assert "latency" in refused and f"> budget {alone_ms / 2:.1f} ms" in refused
+        assert "best:" in refused  # the placement that came closest
+        # A budget just over the promise alone: admitted, promised within it.
+        budget = alone_ms * 1.001
+        kept, refused = _open(target, 2, 32.0, budget_ms=budget)
+        assert not refused, refused
+        clients.append(kept)
+        assert kept.stats().promise.expected_response_latency_ms <= budget
+        # Streams without a budget join beside it until one would queue ahead of its chunks
+        # past its budget (the pool's compute alone takes three at 32 ms: test above).
+        for seed in range(3, 6):
+            other, refused = _open(target, seed, 32.0)
+            if refused:
+                break
+            clients.append(other)
+        assert refused.startswith("RESOURCE_EXHAUSTED"), refused
+        assert "latency" in refused and "admitted stream" in refused and "its budget" in refused
+        _feed_until(clients, lambda: kept.stats().predictions_received >= 3)
+        assert kept.stats().promise.expected_response_latency_ms <= budget  # revised or not
+    finally:
+        for c in clients:
+            c.close()

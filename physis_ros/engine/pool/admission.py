@@ -2,8 +2,11 @@
 
 A new stream is admitted only if its K*L stages can be placed in the pool's *spare* memory
 and compute without moving admitted streams, such that every device keeps its work per
-interval under ``max_utilization`` of every stream's target interval. Otherwise
-``AdmissionRefused`` names the resource that ran out and by how much.
+interval under ``max_utilization`` of every stream's target interval, and, when the stream
+states a response-latency budget, the placement's predicted response latency (``latency``)
+is within it and no admitted stream is pushed past its own budget. Otherwise
+``AdmissionRefused`` names the resource that ran out (``memory``, ``compute``, ``latency``)
+and by how much.
 
 Policies:
 - ``static``: each stream gets an exclusive group of empty devices, the smallest that
@@ -14,6 +17,14 @@ Policies:
   of the static size; (3) pack into any spare capacity. A static partition is one of the
   placements this search can produce, so shared never admits fewer streams than static: it
   takes empty devices only in static-sized groups until fewer than a group remain.
+  With a latency budget, depth and sharing are traded for latency: a packing over used
+  devices (deep, and queued behind their streams) that misses the budget gives way to the
+  shallowest packing over the used devices with the most spare compute that meets it
+  (``packed-shallow``), else to an exclusive group.
+
+A request with target interval 0 asks for the fastest placement within its budget: an
+exclusive group of free devices, as deep as helps (``fastest``; depth against latency, as
+``planner`` describes), promised the interval that depth gives.
 
 Compute per device is charged unbatched by default (one ``group_ms(1)`` per stage per
 interval): a conservative bound, since batching only makes work cheaper; or per task of a
@@ -23,13 +34,16 @@ batch of ``PoolConfig.charged_batch``; the simulator then checks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.pool.costmodel import GIB, CostModel
-from physis_ros.engine.pool.memory import MemoryModel, StageCharge
-from physis_ros.engine.pool.plan import StreamPlan, block_split, contiguous_split
+from physis_ros.engine.pool.latency import BudgetBreak, budget_bound, budget_breaks, queued_ms
+from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.packing import Failure, SparePacker
+from physis_ros.engine.pool.plan import StreamPlan, contiguous_split
 
 POLICIES = ("shared", "static")
 
@@ -80,6 +94,11 @@ class StreamRequest:
     model: ModelConfig
     sampler: SamplerConfig
     target_interval_ms: float
+    """Interval the stream needs between chunks; 0: as fast as free devices allow (the
+    fastest exclusive placement within the latency budget)."""
+    latency_budget_ms: float = 0.0
+    """Most response latency the stream accepts (an observation in to the first chunk
+    conditioned on it out, ``latency``); 0: no budget."""
     chunks_per_interval: int = 1
     """Chunks through every stage per interval (2: each generated chunk comes with a context
     chunk, the observation it is conditioned on)."""
@@ -87,10 +106,12 @@ class StreamRequest:
     def __post_init__(self) -> None:
         if self.chunks_per_interval < 1:
             raise ValueError(f"chunks_per_interval must be >= 1, got {self.chunks_per_interval}")
-        if not self.target_interval_ms > 0:
+        if not (self.target_interval_ms >= 0 and math.isfinite(self.target_interval_ms)):
             raise ValueError(
-                f"admission needs a target_interval_ms > 0, got {self.target_interval_ms}"
+                f"target_interval_ms must be finite and >= 0 (0: as fast as free devices "
+                f"allow), got {self.target_interval_ms}"
             )
+        budget_bound(self.latency_budget_ms)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,35 +120,56 @@ class Admission:
 
     plan: StreamPlan
     candidate: str
-    """Which search candidate placed it: packed-used, fresh-group, packed-any, static."""
+    """Which search candidate placed it: packed-used, packed-shallow, fresh-group,
+    packed-any, static, fastest."""
     expected_interval_ms: float
     no_contention_latency_ms: float
     """One chunk through every stage and hop with no other work queued."""
+    pipeline_latency_ms: float
+    """Predicted time of one chunk through the pipeline: no-contention latency plus the other
+    streams' work queued ahead of it (``latency``), as the pool is at admission."""
     expected_response_latency_ms: float
-    """No-contention latency plus one target interval of queueing behind other streams."""
+    """Interval (the wait for the next slot, at most) + pipeline latency."""
+    latency_budget_ms: float = 0.0
+    """The budget the stream asked for (0: none); later admissions never push it past."""
     pipeline_depth: int
     """Chunks in flight at once in steady state."""
 
 
-@dataclass
-class _Failure:
-    resource: str
-    reason: str
-    shortfall: str
-
-
-class AdmissionController:
+class AdmissionController(SparePacker):
     """Admits and closes streams on a pool; owns the pool's committed compute and memory."""
 
-    def __init__(self, pool: PoolConfig, cost: CostModel) -> None:
+    def __init__(
+        self,
+        pool: PoolConfig,
+        cost: CostModel,
+        *,
+        simulated: Callable[[list[StreamPlan]], dict[int, tuple[float, float]]] | None = None,
+        slot_wait: bool = True,
+    ) -> None:
+        """``simulated``: a predictor that runs a set of plans (stream id -> (median interval,
+        median pipeline latency), e.g. the pool simulator calibrated on the real runtime, as
+        ``tools.latencycheck`` does); when given, latency predictions and budget checks use it
+        instead of the closed form (``latency``): for small pools, where a simulation per
+        candidate is cheap and processor sharing on one host is not in the closed form.
+        ``slot_wait``: response latency counts one interval of waiting for the stream's next
+        slot (``latency``); False where it is counted from the observation entering the
+        pipeline, as the server promises and measures it (the newest observation goes in
+        right before each generate request)."""
         self.pool = pool
         self.cost = cost
+        self.simulated = simulated
+        self.slot_wait = slot_wait
         G = pool.num_devices
         self.plans: dict[int, StreamPlan] = {}
         self._util = [0.0] * G
         self._on_device: list[dict[int, StreamPlan]] = [{} for _ in range(G)]
         self._mem_used = [0] * G
         self._next_id = 0
+        self._budgets: dict[int, float] = {}
+        """Admitted stream -> its latency budget (streams that asked for one)."""
+        self._exclusive: set[int] = set()
+        """Devices of streams placed ``fastest`` (no other stream is packed there)."""
         self._stage_ms_cache: dict[tuple[str, int, int], float] = {}
         self._held_cache: dict[int, tuple[set[tuple[str, int]], set[str], int]] = {}
 
@@ -180,9 +222,38 @@ class AdmissionController:
         return load
 
     def no_contention_latency_ms(self, plan: StreamPlan) -> float:
+        """Every stage and hop, and the hops in from and out to the controller device."""
         s_ms = self.stage_ms(plan.model, plan.sampler)
-        hops = sum(self.cost.hop_ms(plan.model, a, b) for _, a, b in plan.hops())
+        pairs = [(a, b) for _, a, b in plan.hops()]
+        ctl = self.pool.controller_device
+        if ctl is not None:
+            pairs += [(ctl, plan.stage_devices[0]), (plan.stage_devices[-1], ctl)]
+        hops = sum(self.cost.hop_ms(plan.model, a, b) for a, b in pairs if a != b)
         return plan.num_stages * s_ms + hops
+
+    def pipeline_latency_ms(self, plan: StreamPlan) -> float:
+        """Predicted pipeline latency of ``plan`` (admitted or a candidate) in the pool as it
+        is now: no-contention latency plus the work queued ahead (``latency``), or what the
+        ``simulated`` predictor gives."""
+        if self.simulated is not None:
+            others = [p for sid, p in self.plans.items() if sid != plan.stream_id]
+            return self.simulated([*others, plan])[plan.stream_id][1]
+        T = plan.target_interval_ms
+        own = {}
+        if plan.stream_id in self.plans:
+            own = {d: ms / T for d, ms in self.device_load_ms(plan).items()}
+        queued = queued_ms(plan, lambda d: self._util[d] - own.get(d, 0.0))
+        return self.no_contention_latency_ms(plan) + queued
+
+    def response_latency_ms(self, stream_id: int) -> float:
+        """An admitted stream's predicted response latency now (it moves as streams that share
+        its devices come and go; never past its budget)."""
+        plan = self.plans[stream_id]
+        return self.response_ms(plan.target_interval_ms, self.pipeline_latency_ms(plan))
+
+    def response_ms(self, interval_ms: float, pipeline_ms: float) -> float:
+        """Response latency of a chunk with ``pipeline_ms`` of pipeline latency (``slot_wait``)."""
+        return (interval_ms if self.slot_wait else 0.0) + pipeline_ms
 
     # ---- admission -----------------------------------------------------------------------
     def admit(self, req: StreamRequest, stage_devices: tuple[int, ...] | None = None) -> Admission:
@@ -192,45 +263,201 @@ class AdmissionController:
         checked against the spare compute and memory instead of searched for."""
         sid = self._next_id
         if stage_devices is not None:
-            plan = self._plan(sid, req, tuple(stage_devices))
-            failure = self._check_fits(plan)
-            candidate = "given"
-            if failure is not None:
-                plan = None
-        elif self.pool.policy == "static":
-            plan, failure = self._fresh_group(sid, req)
-            candidate = "static"
+            plan, failure, candidate = self._given(sid, req, tuple(stage_devices))
+        elif req.target_interval_ms == 0:
+            plan, failure = self._fastest(sid, req)
+            candidate = "fastest"
         else:
-            plan, failure, candidate = None, None, ""
-            used = [d for d in range(self.pool.num_devices) if self._on_device[d]]
-            if used:
-                plan, failure = self._pack(sid, req, used)
-                candidate = "packed-used"
-            if plan is None:
-                plan, fresh_failure = self._fresh_group(sid, req)
-                candidate = "fresh-group"
-                failure = failure or fresh_failure
-            if plan is None:
-                plan, any_failure = self._pack(sid, req, list(range(self.pool.num_devices)))
-                candidate = "packed-any"
-                failure = any_failure
+            plan, failure, candidate = self._place(sid, req)
         if plan is None:
             assert failure is not None
             raise AdmissionRefused(
                 failure.reason, resource=failure.resource, shortfall=failure.shortfall
             )
         self._commit(plan)
+        if candidate == "fastest":
+            self._exclusive.update(plan.stage_devices)
+        if req.latency_budget_ms:
+            self._budgets[sid] = req.latency_budget_ms
         self._next_id += 1
-        latency = self.no_contention_latency_ms(plan)
-        T = req.target_interval_ms
+        latency = self.pipeline_latency_ms(plan)
+        interval = plan.target_interval_ms
         return Admission(
             plan=plan,
             candidate=candidate,
-            expected_interval_ms=T,
-            no_contention_latency_ms=latency,
-            expected_response_latency_ms=latency + T,
-            pipeline_depth=max(1, math.ceil(latency / T)),
+            expected_interval_ms=interval,
+            no_contention_latency_ms=self.no_contention_latency_ms(plan),
+            pipeline_latency_ms=latency,
+            expected_response_latency_ms=self.response_ms(interval, latency),
+            latency_budget_ms=req.latency_budget_ms,
+            pipeline_depth=max(1, math.ceil(latency / interval)),
         )
+
+    def _place(self, sid: int, req: StreamRequest):
+        """(plan, failure, candidate): the first candidate of the policy that fits memory and
+        compute and meets the latency budgets; else the reason (a latency reason first, for
+        the placement that came closest: the interval could be met, the budget not)."""
+        if self.pool.policy == "static":
+            tries = [("static", lambda: self._fresh_group(sid, req))]
+        else:
+            used = [d for d in self._open_devices() if self._on_device[d]]
+            tries = []
+            if used:
+                tries.append(("packed-used", lambda: self._pack(sid, req, used)))
+                if req.latency_budget_ms:
+                    tries.append(("packed-shallow", lambda: self._shallow(sid, req, used)))
+            tries.append(("fresh-group", lambda: self._fresh_group(sid, req)))
+            tries.append(("packed-any", lambda: self._pack(sid, req, self._open_devices())))
+        failure = late = None
+        for name, make in tries:
+            plan, why = make()
+            if plan is None:
+                failure = why
+                continue
+            why = self._latency_failure(plan, req)
+            if why is None:
+                return plan, None, name
+            if late is None or float(why.shortfall.split()[0]) < float(late.shortfall.split()[0]):
+                late = why  # the reason names the placement that came closest
+        return None, late or failure, ""
+
+    def _given(self, sid: int, req: StreamRequest, stage_devices: tuple[int, ...]):
+        """(plan, failure, "given"): a placement given by hand, checked against the spare
+        compute and memory and the latency budgets (target 0 is not a target to check)."""
+        if req.target_interval_ms == 0:
+            raise ValueError("a placement given by hand needs a target interval > 0")
+        plan = self._plan(sid, req, stage_devices)
+        failure = self._check_fits(plan) or self._latency_failure(plan, req)
+        return (None if failure else plan), failure, "given"
+
+    def _latency_failure(self, plan: StreamPlan, req: StreamRequest) -> Failure | None:
+        """Why ``plan`` misses the request's budget or pushes an admitted stream past its
+        own; None when it does neither."""
+        T = plan.target_interval_ms
+        simulated = None
+        if self.simulated is not None and (req.latency_budget_ms or self._budgets):
+            simulated = self.simulated([*self.plans.values(), plan])
+        if req.latency_budget_ms:
+            if simulated is not None:
+                response = self.response_ms(T, simulated[plan.stream_id][1])
+            else:
+                response = self.response_ms(T, self.pipeline_latency_ms(plan))
+            if response > req.latency_budget_ms:
+                return Failure(
+                    resource="latency",
+                    reason=(
+                        f"latency: response latency {response:.1f} ms > budget "
+                        f"{req.latency_budget_ms:.1f} ms on every placement that meets the "
+                        f"interval {T:.1f} ms (best: {plan.describe()})"
+                    ),
+                    shortfall=f"{response - req.latency_budget_ms:.1f} ms",
+                )
+        if simulated is not None:
+            response = {
+                j: self.response_ms(self.plans[j].target_interval_ms, simulated[j][1])
+                for j in self._budgets
+            }
+            breaks = [
+                BudgetBreak(j, response[j], budget)
+                for j, budget in self._budgets.items()
+                if response[j] > budget
+            ]
+        else:
+            added = {d: ms / T for d, ms in self.device_load_ms(plan).items()}
+            budgeted = [
+                (self.plans[j], self.response_latency_ms(j), budget)
+                for j, budget in self._budgets.items()
+            ]
+            breaks = budget_breaks(added, budgeted)
+        for broken in breaks:
+            return Failure(
+                resource="latency",
+                reason=(
+                    f"latency: admitted stream {broken.stream_id}'s response latency would "
+                    f"rise to {broken.response_latency_ms:.1f} ms > its budget "
+                    f"{broken.budget_ms:.1f} ms"
+                ),
+                shortfall=f"{broken.response_latency_ms - broken.budget_ms:.1f} ms",
+            )
+        return None
+
+    def _shallow(self, sid: int, req: StreamRequest, used: list[int]):
+        """The packing over the fewest used devices (those with the most spare compute first)
+        that meets the latency budgets: fewer hops, fewer queues to wait in."""
+        T = req.target_interval_ms
+        by_spare = sorted(used, key=lambda d: -self._budget_ms(d, T))
+        failure = None
+        for k in range(1, len(by_spare) + 1):
+            plan, failure = self._pack(sid, req, by_spare[:k])
+            if plan is not None and self._latency_failure(plan, req) is None:
+                return plan, failure
+        return None, failure
+
+    def _open_devices(self) -> list[int]:
+        """Devices a stream may be packed on (not held exclusively by a ``fastest`` one)."""
+        return [d for d in range(self.pool.num_devices) if d not in self._exclusive]
+
+    def _fastest(self, sid: int, req: StreamRequest) -> tuple[StreamPlan | None, Failure]:
+        """Target interval 0: the shortest interval an exclusive group of free devices gives
+        within the latency budget (depth 1.. as many free devices as there are stages)."""
+        budget = budget_bound(req.latency_budget_ms)
+        free = [d for d in self._open_devices() if not self._on_device[d]]
+        S = req.sampler.steps * req.model.num_blocks
+        best: tuple[float, StreamPlan] | None = None
+        late: tuple[float, float, int] | None = None  # (response, interval, depth) least late
+        short: float | None = None
+        for depth in range(1, min(len(free), S) + 1):
+            probe = self._plan(sid, req, contiguous_split(S, free[:depth]))
+            need = max(self.pool.memory.device_usage([probe], d).total for d in probe.devices())
+            if need > self.pool.usable_bytes:
+                short = need if short is None else min(short, need)
+                continue
+            interval, latency = self.predict(probe)
+            response = self.response_ms(interval, latency)
+            if response > budget:
+                if late is None or response < late[0]:
+                    late = (response, interval, depth)
+                continue
+            if best is None or interval < best[0] * (1 - 1e-9):
+                best = (interval, replace(probe, target_interval_ms=interval))
+        if best is not None:
+            return best[1], Failure("", "", "")
+        if late is not None:
+            response, interval, depth = late
+            return None, Failure(
+                resource="latency",
+                reason=(
+                    f"latency: response latency {response:.1f} ms > budget {budget:.1f} ms at "
+                    f"every depth on the {len(free)} free device(s) (best: depth {depth}, "
+                    f"interval {interval:.1f} ms)"
+                ),
+                shortfall=f"{response - budget:.1f} ms",
+            )
+        if short is not None:
+            gap = (short - self.pool.usable_bytes) / GIB
+            return None, Failure(
+                resource="memory",
+                reason=f"memory: the stream needs {short / GIB:.2f} GiB on a device of the "
+                f"{len(free)} free device(s), short by {gap:.2f} GiB",
+                shortfall=f"{gap:.2f} GiB",
+            )
+        return None, Failure(
+            resource="compute",
+            reason="compute: no free device for a stream as fast as free devices allow",
+            shortfall="1 devices",
+        )
+
+    def predict(self, plan: StreamPlan) -> tuple[float, float]:
+        """(interval, pipeline latency) of ``plan`` running alone as fast as it goes: the
+        busiest device's work per chunk (and its link's, where sends overlap compute), and
+        the no-contention latency. A caller with a better predictor (the simulator,
+        calibrated on the real runtime) replaces this method."""
+        load = self.device_load_ms(plan)
+        interval = max(load.values())
+        if self.cost.comm_overlaps_compute:
+            hops = [self.cost.hop_ms(plan.model, a, b) for _, a, b in plan.hops()]
+            interval = max([interval, *hops])
+        return interval, self.no_contention_latency_ms(plan)
 
     def close(self, stream_id: int) -> None:
         """Free the stream's compute and memory (weights go when no stream uses them)."""
@@ -238,6 +465,8 @@ class AdmissionController:
             plan = self.plans.pop(stream_id)
         except KeyError:
             raise ValueError(f"stream {stream_id} is not admitted") from None
+        self._budgets.pop(stream_id, None)
+        self._exclusive.difference_update(plan.stage_devices)
         for d, ms in self.device_load_ms(plan).items():
             self._util[d] = max(0.0, self._util[d] - ms / plan.target_interval_ms)
             del self._on_device[d][stream_id]
@@ -258,80 +487,6 @@ class AdmissionController:
             self._mem_used[d] = usage.total
 
     # ---- candidates ----------------------------------------------------------------------
-    def _budget_ms(self, d: int, T: float) -> float:
-        return max(0.0, (self.pool.max_utilization - self._util[d]) * T)
-
-    def _fresh_group(self, sid: int, req: StreamRequest) -> tuple[StreamPlan | None, _Failure]:
-        """The smallest group of empty devices that meets the target alone."""
-        empty = [d for d in range(self.pool.num_devices) if not self._on_device[d]]
-        g_need, layout_or_failure = self.static_group(req)
-        if g_need is None:
-            return None, layout_or_failure
-        if len(empty) < g_need:
-            T = req.target_interval_ms
-            if empty:
-                best = self._alone_interval_ms(req, len(empty)) / self.pool.max_utilization
-                shown = f"interval {best:.1f} ms > target {T:.1f} ms on the {len(empty)} free"
-            else:
-                shown = f"no free device for an exclusive group (target {T:.1f} ms); 0 free"
-            return None, _Failure(
-                resource="compute",
-                reason=f"compute: {shown} device(s), an exclusive group needs {g_need}",
-                shortfall=f"{g_need - len(empty)} devices",
-            )
-        layout = layout_or_failure
-        devices = empty[:g_need]
-        S = req.sampler.steps * req.model.num_blocks
-        stage_devices = tuple(devices[i] for i in layout)
-        assert len(stage_devices) == S
-        return self._plan(sid, req, stage_devices), _Failure("", "", "")
-
-    def _alone_interval_ms(self, req: StreamRequest, g: int) -> float:
-        if g == 0:
-            return math.inf
-        S = req.sampler.steps * req.model.num_blocks
-        per_chunk = math.ceil(S / g) * self.stage_ms(req.model, req.sampler)
-        return per_chunk * req.chunks_per_interval
-
-    def static_group(self, req: StreamRequest):
-        """(g, layout) of the smallest exclusive group meeting the target alone, or
-        (None, failure). ``layout[i]`` is the group-local device of stage i."""
-        cfg, sampler, T = req.model, req.sampler, req.target_interval_ms
-        K, L, S = sampler.steps, cfg.num_blocks, sampler.steps * cfg.num_blocks
-        mem = self.pool.memory
-        worst_mem: tuple[int, int] | None = None
-        for g in range(1, min(S, self.pool.num_devices) + 1):
-            for layout in (contiguous_split(S, list(range(g))), block_split(K, L, list(range(g)))):
-                plan = self._plan(-1, req, layout)
-                load = self.device_load_ms(plan)
-                if max(load.values()) > self.pool.max_utilization * T:
-                    continue
-                usage = max(mem.device_usage([plan], d).total for d in range(g))
-                if usage <= self.pool.usable_bytes:
-                    return g, layout
-                if worst_mem is None or usage < worst_mem[1]:
-                    worst_mem = (g, usage)
-        if worst_mem is not None:
-            short = (worst_mem[1] - self.pool.usable_bytes) / GIB
-            return None, _Failure(
-                resource="memory",
-                reason=(
-                    f"memory on device 0 short by {short:.2f} GiB: the stream alone needs "
-                    f"{worst_mem[1] / GIB:.2f} GiB per device on {worst_mem[0]} devices"
-                ),
-                shortfall=f"{short:.2f} GiB",
-            )
-        best = self._alone_interval_ms(req, min(S, self.pool.num_devices))
-        best /= self.pool.max_utilization
-        return None, _Failure(
-            resource="compute",
-            reason=(
-                f"compute: interval {best:.1f} ms > target {T:.1f} ms even alone on all "
-                f"{self.pool.num_devices} devices (at {self.pool.max_utilization:.0%} utilization)"
-            ),
-            shortfall=f"{best - T:.1f} ms",
-        )
-
     def _plan(self, sid: int, req: StreamRequest, stage_devices: tuple[int, ...]) -> StreamPlan:
         return StreamPlan(
             stream_id=sid,
@@ -341,172 +496,3 @@ class AdmissionController:
             stage_devices=stage_devices,
             chunks_per_interval=req.chunks_per_interval,
         )
-
-    def _check_fits(self, plan: StreamPlan) -> _Failure | None:
-        """Why a given placement does not fit the spare compute and memory (None: it fits)."""
-        if max(plan.stage_devices) >= self.pool.num_devices:
-            raise ValueError(
-                f"placement names device {max(plan.stage_devices)}; the pool has "
-                f"{self.pool.num_devices}"
-            )
-        T = plan.target_interval_ms
-        for d, ms in sorted(self.device_load_ms(plan).items()):
-            spare = self._budget_ms(d, T)
-            if ms > spare + 1e-9:
-                return _Failure(
-                    resource="compute",
-                    reason=(
-                        f"compute: device {d} would be busy {ms:.1f} ms per interval with "
-                        f"{spare:.1f} ms spare (target {T:.1f} ms, at "
-                        f"{self.pool.max_utilization:.0%} utilization)"
-                    ),
-                    shortfall=f"{ms - spare:.1f} ms",
-                )
-        for d in plan.devices():
-            usage = self.pool.memory.device_usage([*self._on_device[d].values(), plan], d)
-            if usage.total > self.pool.usable_bytes:
-                short = (usage.total - self.pool.usable_bytes) / GIB
-                return _Failure(
-                    resource="memory",
-                    reason=(
-                        f"memory on device {d} short by {short:.3f} GiB: it would hold "
-                        f"{usage.total / GIB:.3f} GiB of {self.pool.usable_bytes / GIB:.3f} GiB"
-                    ),
-                    shortfall=f"{short:.3f} GiB",
-                )
-        return None
-
-    def _pack(
-        self, sid: int, req: StreamRequest, candidates: list[int]
-    ) -> tuple[StreamPlan | None, _Failure]:
-        """Greedy placement of stages in pipeline order into spare compute and memory.
-
-        Stays on the current device while it has room (fewest hops); otherwise moves to the
-        candidate that already holds the block's weights and has the most spare compute.
-        """
-        cfg, sampler, T = req.model, req.sampler, req.target_interval_ms
-        L, S = cfg.num_blocks, sampler.steps * cfg.num_blocks
-        # A stage's work per interval: one forward per chunk that passes it.
-        s_ms = self.stage_ms(cfg, sampler) * req.chunks_per_interval
-        mem = self.pool.memory
-        # One hop in and one out are reserved on every device when messages cost compute.
-        reserve = sum(self._comm_ms(cfg)) * req.chunks_per_interval if len(candidates) > 1 else 0.0
-        budget = {d: self._budget_ms(d, T) - reserve for d in candidates}
-        free = {d: self.pool.usable_bytes - self._mem_used[d] for d in candidates}
-        charges: dict[int, StageCharge] = {}
-        for d in candidates:
-            blocks, edges, ws = self._held(d)
-            charges[d] = StageCharge(
-                mem=mem,
-                cfg=cfg,
-                sampler=sampler,
-                held_blocks=blocks,
-                held_edges=edges,
-                workspace_now=ws,
-            )
-        total_spare = sum(max(0.0, b) for b in budget.values())
-        if total_spare < S * s_ms:
-            interval = S * s_ms / max(total_spare / T, 1e-12)
-            return None, _Failure(
-                resource="compute",
-                reason=(
-                    f"compute: interval {interval:.1f} ms > target {T:.1f} ms with the spare "
-                    f"compute of {len(candidates)} device(s) ({total_spare:.1f} ms per "
-                    f"interval free, the stream needs {S * s_ms:.1f} ms)"
-                ),
-                shortfall=f"{interval - T:.1f} ms",
-            )
-        stage_devices: list[int] = []
-        cur: int | None = None
-        for i in range(S):
-            if cur is not None and budget[cur] >= s_ms and charges[cur].cost(i, False) <= free[cur]:
-                d = cur
-            else:
-                block = i % L
-                fits, short = [], []
-                for d in candidates:
-                    if budget[d] < s_ms:  # cur lands here only when its memory is short
-                        continue
-                    need = charges[d].cost(i, i > 0 and d != cur)
-                    (fits if need <= free[d] else short).append((d, need))
-                if not fits:
-                    return None, self._stuck(
-                        i,
-                        L,
-                        s_ms,
-                        S,
-                        T,
-                        short=short,
-                        budget=budget,
-                        free=free,
-                        charges=charges,
-                        cur=cur,
-                    )
-                d, _ = max(fits, key=lambda dn: (charges[dn[0]].holds(block), budget[dn[0]]))
-            inbound = cur is not None and d != cur
-            free[d] -= charges[d].add(i, inbound)
-            budget[d] -= s_ms
-            stage_devices.append(d)
-            cur = d
-        plan = self._plan(sid, req, tuple(stage_devices))
-        for d, ms in self.device_load_ms(plan).items():
-            if ms > self._budget_ms(d, T) + 1e-9:  # sends beyond the reserved one
-                return None, _Failure(
-                    resource="compute",
-                    reason=(
-                        f"compute: device {d} would be busy {ms:.1f} ms per interval with "
-                        f"{self._budget_ms(d, T):.1f} ms spare (target {T:.1f} ms)"
-                    ),
-                    shortfall=f"{ms - self._budget_ms(d, T):.1f} ms",
-                )
-        return plan, _Failure("", "", "")
-
-    @staticmethod
-    def _stuck(i, L, s_ms, S, T, *, short, budget, free, charges, cur) -> _Failure:
-        """Why stage i found no device: memory (where compute was left) or compute.
-
-        The memory shortfall is what the device with the most spare compute lacks to hold
-        all remaining stages (i..S-1) of the stream."""
-        if short:
-            d, _ = max(short, key=lambda dn: budget[dn[0]])
-            rest = charges[d].clone()
-            need = sum(rest.add(j, j == i and cur is not None and d != cur) for j in range(i, S))
-            gap = (need - free[d]) / GIB
-            step, blk = divmod(i, L)
-            return _Failure(
-                resource="memory",
-                reason=(
-                    f"memory on device {d} short by {gap:.3f} GiB: stages ({step},{blk}).. "
-                    f"of the stream need {need / GIB:.3f} GiB, "
-                    f"{max(free[d], 0) / GIB:.3f} GiB free"
-                ),
-                shortfall=f"{gap:.3f} GiB",
-            )
-        placed = i * s_ms
-        return _Failure(
-            resource="compute",
-            reason=(
-                f"compute: spare compute is fragmented: {placed:.1f} of {S * s_ms:.1f} ms per "
-                f"interval placed, no device has {s_ms:.1f} ms left for the next stage "
-                f"(target {T:.1f} ms)"
-            ),
-            shortfall=f"{S * s_ms - placed:.1f} ms",
-        )
-
-    def _held(self, d: int) -> tuple[set[tuple[str, int]], set[str], int]:
-        if d not in self._held_cache:
-            self._held_cache[d] = self._held_uncached(d)
-        return self._held_cache[d]
-
-    def _held_uncached(self, d: int) -> tuple[set[tuple[str, int]], set[str], int]:
-        blocks: set[tuple[str, int]] = set()
-        edges: set[str] = set()
-        ws = 0
-        for plan in self._on_device[d].values():
-            L = plan.model.num_blocks
-            bl = {i % L for i in plan.stages_on(d)}
-            blocks.update((plan.model.name, b) for b in bl)
-            if 0 in bl or L - 1 in bl:
-                edges.add(plan.model.name)
-            ws = max(ws, self.pool.memory.workspace_bytes(plan.model))
-        return blocks, edges, ws

@@ -1,5 +1,6 @@
-"""The paper experiments, run on modelled devices: pool24 (many streams) and depth (one
-stream on 200 GPUs), plus "max verified concurrency", which both the CLI and tests use.
+"""The pool24 experiment (many streams on 24 modelled H200s, static against shared, and the
+bound on what sharing can gain), and "max verified concurrency", which the CLI and tests use.
+(The depth experiment is in ``depth.py``, the frontier in ``frontier.py``.)
 
 Max verified concurrency: streams are admitted one by one (same request each time) until the
 controller refuses; the simulator then runs the admitted set. If some stream misses its
@@ -9,12 +10,12 @@ is kept: admitted streams never move). The count reported is that verified prefi
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import random
 from dataclasses import asdict
 
 from physis_ros.engine.api import AdmissionRefused
-from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
 from physis_ros.engine.pool.admission import (
     Admission,
     AdmissionController,
@@ -30,24 +31,28 @@ from physis_ros.engine.pool.costmodel import (
     block_work,
 )
 from physis_ros.engine.pool.memory import MemoryModel
-from physis_ros.engine.pool.plan import StreamPlan
 from physis_ros.engine.pool.simulator import SimConfig, SimReport, SimStream, simulate
 
 POOL24_BACKBONES = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "wan2.1-14b", "dit-22b", "dit-33b")
 POOL24_SAMPLER = SamplerConfig(steps=4, window=2)
 POOL24_TARGET_MS = 1600.0
 POOL24_DEVICES = 24
-PUBLISHED_DEPTH_INTERVAL_MS = 4.083
 
 
-def sim_streams(admissions: list[Admission], seed: int = 0) -> list[SimStream]:
-    """Streams with seeded random phases in [0, T) and the admission's latency promise."""
+def sim_streams(
+    admissions: list[Admission], seed: int = 0, controller: AdmissionController | None = None
+) -> list[SimStream]:
+    """Streams with seeded random phases in [0, T), each held to its predicted pipeline
+    latency (``controller``'s prediction now, with every admitted stream in the pool; else
+    the one made at its admission)."""
     rng = random.Random(seed)
     return [
         SimStream(
             plan=a.plan,
             phase_ms=rng.uniform(0.0, a.plan.target_interval_ms),
-            latency_budget_ms=a.expected_response_latency_ms,
+            latency_budget_ms=(
+                controller.pipeline_latency_ms(a.plan) if controller else a.pipeline_latency_ms
+            ),
         )
         for a in admissions
     ]
@@ -80,7 +85,7 @@ def max_verified_concurrency(
     def verify(n: int) -> SimReport | None:
         if n == 0:
             return None
-        return simulate(sim_streams(admitted[:n], seed), cost, sim, pool.memory)
+        return simulate(sim_streams(admitted[:n], seed, controller), cost, sim, pool.memory)
 
     n = len(admitted)
     report = verify(n)
@@ -140,8 +145,11 @@ def _h200_pool(
     )
 
 
-def backbone_facts(name: str, sampler: SamplerConfig, device: DeviceSpec) -> dict:
-    cfg = get_preset(name)
+def backbone_facts(
+    name: str, sampler: SamplerConfig, device: DeviceSpec, cfg: ModelConfig | None = None
+) -> dict:
+    """The preset's shapes and per-task work (``cfg``: the preset with fields replaced)."""
+    cfg = cfg or get_preset(name)
     work = block_work(cfg, sampler, device.dtype_bytes)
     h, w = cfg.image_size
     return {
@@ -156,6 +164,51 @@ def backbone_facts(name: str, sampler: SamplerConfig, device: DeviceSpec) -> dic
         "block_tflop_per_task": round((work.gemm_flops + work.attn_flops) / 1e12, 3),
         "activation_mb": round(activation_bytes(cfg, device.dtype_bytes) / 1e6, 2),
     }
+
+
+SHARED_OVER_STATIC_TARGET = 1.7
+"""The low end of the published band of shared / static on 24 GPUs."""
+
+
+def sharing_bound(request: StreamRequest, pool: PoolConfig, cost: CostModel, static: int) -> dict:
+    """How many identical streams any placement can hold, from the cost and memory models,
+    and what that leaves of shared / static.
+
+    Compute: a stream needs ``S * t`` of device time per interval, ``t`` the cheapest a task
+    gets in any batch up to the memory model's ``max_batch``; the pool has ``G * T`` (at
+    most ``max_utilization`` of it under admission). Memory: the pool holds the weights at
+    least once and every stream's KV rings and cross-attention K/V (receive buffers and
+    workspace left out: this bound is generous). Static keeps each of its groups
+    ``S * t(1) / (g * T)`` busy, so sharing can gain at most the rest of each device."""
+    cfg, sampler, T = request.model, request.sampler, request.target_interval_ms
+    G, mem = pool.num_devices, pool.memory
+    S = sampler.steps * cfg.num_blocks
+    task_ms = min(cost.group_ms(cfg, sampler, b) / b for b in range(1, mem.max_batch + 1))
+    chunk_ms = S * task_ms
+    at_cap = math.floor(pool.max_utilization * G * T / chunk_ms)
+    physical = math.floor(G * T / chunk_ms)
+    per_stream = S * mem.stage_kv_bytes(cfg, sampler) + cfg.num_blocks * mem.cross_kv_bytes(cfg)
+    weights = cfg.num_params() * mem.dtype_bytes
+    by_memory = math.floor((G * pool.usable_bytes - weights) / per_stream)
+    group = G // static if static else G
+    need = math.ceil(SHARED_OVER_STATIC_TARGET * static)
+    out = {
+        "chunk_compute_ms_best_batch": round(chunk_ms, 1),
+        "streams_by_compute_at_cap": at_cap,
+        "streams_by_compute_at_100_percent": physical,
+        "streams_by_memory": by_memory,
+        "limited_by": "compute" if min(at_cap, physical) <= by_memory else "memory",
+        "static_group_devices": group,
+        "static_device_utilization": round(S * cost.group_ms(cfg, sampler, 1) / (group * T), 3),
+        "max_ratio_at_cap": round(min(at_cap, by_memory) / static, 3) if static else None,
+        "max_ratio_at_100_percent": round(min(physical, by_memory) / static, 3) if static else None,
+        "streams_for_target": need,
+        "utilization_for_target": round(need * chunk_ms / (G * T), 4),
+        # Admission charges every task unbatched: the headroom it would need instead.
+        "admission_cap_for_target": round(need * S * cost.group_ms(cfg, sampler, 1) / (G * T), 4),
+    }
+    out["target_reachable"] = need <= min(physical, by_memory)
+    return out
 
 
 def pool24(
@@ -188,14 +241,33 @@ def pool24(
                 seed=seed,
             )
         static, shared = result["static"]["verified"], result["shared"]["verified"]
-        rows.append(
-            {
-                "backbone": name,
-                "static": static,
-                "shared": shared,
-                "ratio": round(shared / static, 3) if static else None,
+        pool = _h200_pool("shared", devices, max_utilization, device)
+        bound = sharing_bound(request, pool, cost, static)
+        row = {
+            "backbone": name,
+            "static": static,
+            "shared": shared,
+            "ratio": round(shared / static, 3) if static else None,
+            "meets_target": bool(static) and shared >= SHARED_OVER_STATIC_TARGET * static,
+            "bound_ratio_at_cap": bound["max_ratio_at_cap"],
+            "bound_ratio_at_100_percent": bound["max_ratio_at_100_percent"],
+        }
+        if not row["meets_target"] and bound["target_reachable"]:
+            # Reachable only above the admission's headroom: what it takes, verified.
+            cap = math.ceil(bound["admission_cap_for_target"] * 100) / 100
+            above = max_verified_concurrency(
+                request=request,
+                pool=_h200_pool("shared", devices, cap, device),
+                cost=cost,
+                sim=sim,
+                seed=seed,
+            )
+            row["at_utilization"] = {
+                "max_utilization": cap,
+                "shared": above["verified"],
+                "ratio": round(above["verified"] / static, 3),
             }
-        )
+        rows.append(row)
         stage_ms = cost.group_ms(request.model, sampler, 1)
         details[name] = {
             **backbone_facts(name, sampler, device),
@@ -205,9 +277,11 @@ def pool24(
             ),
             "static": result["static"],
             "shared": result["shared"],
+            "bound": bound,
         }
     return {
         "experiment": "pool24",
+        "target_ratio": SHARED_OVER_STATIC_TARGET,
         "rows": rows,
         "details": details,
         "assumptions": {
@@ -224,6 +298,14 @@ def pool24(
             "the output clock + 0.10 T",
             "chunk": "3 latent frames (12 camera frames at VAE stride 4); "
             "480x832 (Wan2.1 / 22B / 33B presets), 704x1280 (Wan2.2 TI2V 5B)",
+            "published": {
+                "shared_over_static": "1.7-3.3x band for 1.3B, 5B, 22B and 33B; 0.75x for "
+                "Wan2.1 14B (24 streams static -> 18 shared)",
+                "chunk_and_resolution": "not stated with the published ratios; the static "
+                "baseline's group sizes neither (ours: the smallest group meeting T alone, which "
+                "keeps its GPUs 55-75% busy for 14B/22B/33B on the calibrated H200: see "
+                "details.*.bound)",
+            },
             "not_modelled": "VAE encode/decode and text encoder (timed apart, as published); "
             "entry/exit hops to the front end; embed/head FLOPs (<0.1% of a block)",
             "policies": {
@@ -242,88 +324,6 @@ def pool24(
                 "chunks x tokens x 2 x D + per (stream, block) cross-attention K/V of text_len "
                 "tokens + 2 receive buffers per inbound hop + workspace of max_batch tasks",
             },
-            **cost.assumptions(),
-        },
-    }
-
-
-def depth(
-    *,
-    model: str = "dit-33b",
-    sampler: SamplerConfig = POOL24_SAMPLER,
-    chunks: int = 0,
-    device: DeviceSpec = H200,
-) -> dict:
-    """One stream, one stage per GPU (K*L GPUs), as fast as it goes."""
-    cfg = get_preset(model)
-    cost = AnalyticCostModel(device)
-    S = sampler.steps * cfg.num_blocks
-    plan = StreamPlan(
-        stream_id=0,
-        model=cfg,
-        sampler=sampler,
-        target_interval_ms=0.0,
-        stage_devices=tuple(range(S)),
-    )
-    chunks = chunks or S + 40
-    sim = SimConfig(num_devices=S, chunks=chunks, warmup_chunks=S // 2, cooldown_chunks=2)
-    report = simulate([SimStream(plan=plan, max_inflight=S)], cost, sim)
-    stream = report.streams[0]
-    stage_ms = cost.group_ms(cfg, sampler, 1)
-    work = block_work(cfg, sampler, device.dtype_bytes)
-    flop = work.gemm_flops + work.attn_flops
-    hops = plan.hops()
-    intra = sum(
-        1 for _, a, b in hops if a // device.devices_per_node == b // device.devices_per_node
-    )
-    hop_intra = cost.hop_ms(cfg, 0, 1)
-    hop_inter = cost.hop_ms(cfg, 0, device.devices_per_node)
-    # Response latency: an observation enters as a context chunk; the first chunk conditioned
-    # on it follows one interval behind it and then crosses the whole pipeline.
-    response = stream.interval_p50_ms + stream.latency_p50_ms
-    # The interval is one stage's compute here, so it scales with the tokens per chunk: what
-    # the same model gives with shorter chunks (the published chunk size is not stated).
-    by_chunk = {}
-    for frames in (3, 2, 1):
-        short = dataclasses.replace(cfg, latent_frames=frames)
-        by_chunk[f"{frames}_latent_frames"] = {
-            "tokens_per_chunk": short.tokens_per_chunk,
-            "interval_ms": round(cost.group_ms(short, sampler, 1), 3),
-        }
-    return {
-        "experiment": "depth",
-        "model": model,
-        "gpus": S,
-        "interval_ms": stream.interval_p50_ms,
-        "interval_p99_ms": stream.interval_p99_ms,
-        "pipeline_latency_ms": stream.latency_p50_ms,
-        "response_latency_ms": round(response, 3),
-        "published_interval_ms": PUBLISHED_DEPTH_INTERVAL_MS,
-        "ratio_to_published": round(stream.interval_p50_ms / PUBLISHED_DEPTH_INTERVAL_MS, 3),
-        "stage_ms": round(stage_ms, 4),
-        "hop_ms_intra_node": round(hop_intra, 4),
-        "hop_ms_inter_node": round(hop_inter, 4),
-        "hops_intra_node": intra,
-        "hops_inter_node": len(hops) - intra,
-        "assumptions": {
-            **backbone_facts(model, sampler, device),
-            "K": sampler.steps,
-            "W": sampler.window,
-            "placement": "stage (k, l) on GPU k*L + l; 8 GPUs per node",
-            "interval": "stage compute (sends overlap compute on their own stream)",
-            "response_latency": "one interval (the observation's context chunk goes first) + "
-            "pipeline latency of the next chunk (all stages and hops)",
-            "why_not_4.083_ms": (
-                f"one stage of this preset is {flop / 1e12:.2f} TFLOP "
-                f"({cfg.tokens_per_chunk} tokens = {cfg.latent_frames} latent frames, window "
-                f"{sampler.window}): even at 100% of the {device.peak_flops / 1e12:.0f} TFLOP/s "
-                f"bf16 peak that is {flop / device.peak_flops * 1e3:.2f} ms per stage, so "
-                f"{PUBLISHED_DEPTH_INTERVAL_MS} ms is out of reach for this chunk size on any "
-                "assumption about efficiency. The gap is the chunk size, not the pipeline: with "
-                "a chunk of one latent frame (see interval_by_chunk_size) the same model and "
-                f"GPU give {by_chunk['1_latent_frames']['interval_ms']} ms"
-            ),
-            "interval_by_chunk_size": by_chunk,
             **cost.assumptions(),
         },
     }

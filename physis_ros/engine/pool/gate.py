@@ -2,7 +2,8 @@
 
 ``AdmittedEngine`` wraps any engine whose ``open_stream(spec, layout=...)`` takes an explicit
 K x L layout of ranks (the torch.distributed ``DistEngine``, for one). A stream's
-``StreamSpec.target_interval_ms`` goes to the ``AdmissionController``; an admitted plan becomes
+``StreamSpec.target_interval_ms`` and ``response_latency_budget_ms`` go to the
+``AdmissionController``; an admitted plan becomes
 the layout (device d = rank d), a refusal is raised before the engine hears of the stream.
 Closing a stream frees its slots in the controller.
 """
@@ -51,7 +52,10 @@ class AdmittedEngine:
     def open_stream(self, spec: StreamSpec, **engine_kw) -> tuple[StreamPromise, Admission]:
         """Admit (or raise ``AdmissionRefused``), then open on the engine with the plan."""
         request = StreamRequest(
-            model=self.model, sampler=self.sampler, target_interval_ms=spec.target_interval_ms
+            model=self.model,
+            sampler=self.sampler,
+            target_interval_ms=spec.target_interval_ms,
+            latency_budget_ms=spec.response_latency_budget_ms,
         )
         admission = self.controller.admit(request)
         try:

@@ -3,9 +3,13 @@
 ``PooledEngine`` wraps an engine whose ``open_stream(spec, layout=...)`` takes a K x L layout of
 workers (``LocalEngine``'s worker threads, ``DistEngine``'s ranks; device d = worker d):
 
-- a stream's target interval (a request of 0 gets the pool's default target) goes to the
-  ``AdmissionController``, which places it in the spare compute and memory without moving
-  admitted streams (or checks a placement given by hand);
+- a stream's target interval (a request of 0 gets the pool's default target) and its
+  response-latency budget go to the ``AdmissionController``, which places it in the spare
+  compute and memory without moving admitted streams (or checks a placement given by hand),
+  trading depth and sharing for the budget; it predicts latencies with this pool's simulator
+  (the promise's own numbers), so a placement is admitted only if its promised response
+  latency is within the stream's budget and no admitted stream's promise is pushed past its
+  own budget (a ``latency`` refusal names the placement that came closest);
 - the simulator then runs the pool *with* the new stream under the calibrated cost model, every
   forward slowed by the admission's headroom (1 / ``max_utilization``); if any stream would
   miss its target even so, the stream is refused with the predicted interval;
@@ -220,7 +224,9 @@ class PooledEngine:
         self.chunks_per_interval = chunks_per_interval
         self.stage_devices = stage_devices
         self.max_streams = max_streams
-        self.controller = AdmissionController(pool, cost)
+        self.controller = AdmissionController(
+            pool, cost, simulated=self._predicted, slot_wait=False
+        )
         self._headroom = SlowerCost(cost, 1 / pool.max_utilization)
         self._streams: dict[int, _Stream] = {}
         self._revised: dict[int, StreamPromise] = {}
@@ -240,11 +246,12 @@ class PooledEngine:
                     resource="streams",
                     shortfall="1 stream",
                 )
+            budget = spec.response_latency_budget_ms
             if spec.target_interval_ms:
                 target = spec.target_interval_ms
-                admission, report = self._admit(self._request(target))
+                admission, report = self._admit(self._request(target, budget))
             else:
-                target, admission, report = self._fastest()
+                target, admission, report = self._fastest(budget)
             plan = admission.plan
             others = dict(self._streams)
             try:
@@ -269,21 +276,31 @@ class PooledEngine:
         )
         return promise
 
-    def _request(self, target_ms: float) -> StreamRequest:
+    def _request(self, target_ms: float, budget_ms: float = 0.0) -> StreamRequest:
         return StreamRequest(
             model=self.model,
             sampler=self.sampler,
             target_interval_ms=round(target_ms, 3),
+            latency_budget_ms=budget_ms,
             chunks_per_interval=self.chunks_per_interval,
         )
 
-    def _fastest(self, steps: int = FASTEST_STEPS):
+    def _predicted(self, plans: list[StreamPlan]) -> dict[int, tuple[float, float]]:
+        """Stream id -> (interval, response latency) the pool running ``plans`` is promised:
+        the admission's latency predictor, in the promise's own terms (``_promise``)."""
+        report = simulate_plans(plans, self.cost, self.settings, self.pool.num_devices)
+        return {
+            p.stream_id: (s.interval_p50_ms, s.latency_p50_ms)
+            for p, s in zip(plans, report.streams, strict=True)
+        }
+
+    def _fastest(self, budget_ms: float = 0.0, steps: int = FASTEST_STEPS):
         """(target, admission, report) of the fastest target admitted now (see open_stream)."""
         target = self.default_target_ms
         first: AdmissionRefused | None = None
         for _ in range(steps):
             try:
-                admission, report = self._admit(self._request(target))
+                admission, report = self._admit(self._request(target, budget_ms))
             except AdmissionRefused as exc:
                 first = first or exc
                 if exc.resource == "memory":

@@ -1,0 +1,140 @@
+"""The baselines of ``physis-bench link``: bare gRPC bidirectional streams carrying the same
+bytes as the link (a serialised observation up, a serialised 16x7 action prediction down).
+
+``Echo``: the server's handler answers every request at once with the same pre-serialised
+reply, parsing nothing: what gRPC itself costs for these bytes on this host, the floor for
+the link's observation -> action round trip.
+
+``Slotted``: the reply has the link's timing and threads but none of its code. A reader
+thread takes each request and hands it to an "engine" thread, which waits for the next slot
+boundary (the server's paced slots) and hands the reply to the handler thread that writes it,
+as the link's reader, engine loop and writer do. Its first 16 bytes carry the engine's wait
+(request in -> reply handed over, ns), which the client leaves out as the link's round trip
+leaves out the wait for the slot.
+
+The client hands each request to gRPC through a queue-fed request iterator (as the link
+client does) and stamps each reply as the receiving thread gets it. grpc only (no torch).
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+SERVICE = "physis.bench.Bare"
+WAIT = struct.Struct("<qq")
+"""What a Slotted reply begins with: request taken, reply handed over (perf_counter ns)."""
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.http2.lookahead_bytes", 16 * 1024 * 1024),
+    ("grpc.http2.max_frame_size", (1 << 24) - 1),
+]
+"""The link's own channel and server options (client.py, frontend.py)."""
+
+
+def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
+    """A child process: both bare streams on 127.0.0.1 until SIGTERM (``Echo`` answers with
+    ``reply``; ``Slotted`` with ``reply`` after the next ``slot_ms`` boundary)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def echo(requests: Iterator[bytes], context) -> Iterator[bytes]:
+        for _ in requests:
+            yield reply
+
+    def slotted(requests: Iterator[bytes], context) -> Iterator[bytes]:
+        taken: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        ready: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+        def read() -> None:
+            for _ in requests:
+                taken.put(time.perf_counter_ns())
+            taken.put(None)
+
+        def engine() -> None:
+            while (t0 := taken.get()) is not None:
+                slot_ns = int(slot_ms * 1e6)
+                due_ns = (t0 // slot_ns + 1) * slot_ns
+                time.sleep(max(due_ns - time.perf_counter_ns(), 0) / 1e9)
+                ready.put(WAIT.pack(t0, time.perf_counter_ns()) + reply[WAIT.size :])
+            ready.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=engine, daemon=True).start()
+        while (item := ready.get()) is not None:
+            yield item
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Echo": grpc.stream_stream_rpc_method_handler(echo),
+                    "Slotted": grpc.stream_stream_rpc_method_handler(slotted),
+                },
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    tmp = Path(f"{port_file}.tmp")
+    tmp.write_text(str(port))
+    tmp.replace(port_file)
+    stop.wait()
+    server.stop(0.5).wait(1.5)
+    return 0
+
+
+class BareClient:
+    """One bare stream (``method``: ``Echo`` or ``Slotted``): ``round_trip_ms(request)``
+    sends and waits for the reply."""
+
+    def __init__(self, target: str, method: str) -> None:
+        self._slotted = method == "Slotted"
+        self._channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+        grpc.channel_ready_future(self._channel).result(timeout=30)
+        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+        self._call = self._channel.stream_stream(
+            f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None
+        )(self._requests())
+        self._reader = threading.Thread(target=self._read, name="bare-read", daemon=True)
+        self._reader.start()
+
+    def _requests(self) -> Iterator[bytes]:
+        while (item := self._out.get()) is not None:
+            yield item
+
+    def _read(self) -> None:
+        try:
+            for raw in self._call:
+                self._replies.put((time.perf_counter_ns(), raw))
+        except grpc.RpcError:
+            return  # cancelled at close
+
+    def round_trip_ms(self, request: bytes, timeout_s: float = 10.0) -> float:
+        """Request out to reply in, less (``Slotted``) the server's wait for its slot."""
+        t0 = time.perf_counter_ns()
+        self._out.put(request)
+        t1, raw = self._replies.get(timeout=timeout_s)
+        wait_ns = 0
+        if self._slotted:
+            taken, handed = WAIT.unpack_from(raw)
+            wait_ns = handed - taken
+        return (t1 - t0 - wait_ns) / 1e6
+
+    def close(self) -> None:
+        self._out.put(None)
+        self._call.cancel()
+        self._channel.close()
