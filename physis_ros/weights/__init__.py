@@ -1,4 +1,5 @@
-"""The shipped weights: the push scene's world model, the embedded default that demos serve.
+"""The shipped weights: the push scene's world model (the embedded default that demos serve)
+and its world-action model.
 
 What belongs here: the path of the default checkpoint, reading a checkpoint's metadata (the
 safetensors header, parsed without torch so the robot side can read it too), and the engine
@@ -13,6 +14,8 @@ import struct
 from pathlib import Path
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "push_wm.safetensors"
+WAM_WEIGHTS = Path(__file__).resolve().parent / "push_wam.safetensors"
+"""The goal-push world-action model (``physis-train-wam``; docs/push_wam/README.md)."""
 DEFAULT_STEPS = 4
 """Denoising steps the default model is served with (measured in its eval report)."""
 DEFAULT_SHIFT = 3.0
@@ -38,7 +41,7 @@ def read_metadata(path: str | Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in meta.items()}
 
 
-SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS}
+SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS, "push-wam": WAM_WEIGHTS}
 """Model presets that come with trained weights: served with them unless told otherwise."""
 
 
