@@ -306,10 +306,12 @@ PRESETS: dict[str, ModelConfig] = {
         prediction="x0",
     ),
     # The demo scene's world-action model (push-wam, physis_ros/weights): push-wm's backbone and
-    # camera; each chunk also carries 12 joint-target rows at 20 Hz (0.6 s from the chunk's
-    # first frame: one chunk period of its own and two beyond, so consecutive chunks overlap
-    # and a chunk that arrives up to ~0.4 s late still has rows to execute), a known/committed
-    # flag per row, and one state token per frame (joint positions, velocities, wrench).
+    # camera, a token per 2x2 latent cells of both frames (16 video tokens, half push-wm's:
+    # a CPU trains it in half the time); each chunk also carries 12 joint-target rows at
+    # 20 Hz (0.6 s from the chunk's first frame: one chunk period of its own and two beyond,
+    # so consecutive chunks overlap and a chunk that arrives up to ~0.4 s late still has rows
+    # to execute), a known/committed flag per row, and one state token per frame (joint
+    # positions, velocities, wrench).
     # Normalisation: the spread of the expert's joint targets and of the contact forces.
     "push-wam": ModelConfig(
         name="push-wam",
@@ -321,6 +323,7 @@ PRESETS: dict[str, ModelConfig] = {
         text_dim=16,
         text_len=4,
         in_channels=48,
+        patch=(2, 2, 2),
         latent_frames=2,
         latent_height=8,
         latent_width=8,

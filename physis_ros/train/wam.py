@@ -81,6 +81,9 @@ class WamTrainConfig:
     seed: int = 0
     threads: int = 1
     val_every: int = 100
+    checkpoint_every: int = 250
+    """Write the weights so far (``weights.safetensors``) every this many steps (0: only at
+    the end): a long run can be evaluated, or stopped, midway."""
     max_minutes: float = 0.0
     """0: no limit; otherwise stop after this many minutes of training."""
 
@@ -103,6 +106,7 @@ class WamTrainConfig:
             "save_dtype": self.save_dtype in SAVE_DTYPES,
             "threads": self.threads >= 1,
             "val_every": self.val_every >= 1,
+            "checkpoint_every": self.checkpoint_every >= 0,
             "max_minutes": self.max_minutes >= 0,
         }
         for name, ok in checks.items():
@@ -216,6 +220,29 @@ def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
     }
 
 
+def _save(  # noqa: PLR0917 - one call site per use, all of them here
+    model, cfg: WamTrainConfig, out: Path, steps_done, wall_s, windows, episodes, val
+):
+    """Round the weights to the saved dtype (in ``model``), write them with their metadata;
+    returns the validation losses of exactly what was written (None without ``val``)."""
+    from safetensors.torch import save_file
+
+    dtype = SAVE_DTYPES[cfg.save_dtype]
+    state = {k: v.to(dtype) for k, v in to_upstream_state_dict(model).items()}
+    load_upstream_state_dict(model, state)
+    meta = metadata(
+        cfg,
+        {
+            "steps_done": str(steps_done),
+            "train_wall_s": f"{wall_s:.1f}",
+            "train_frames": str(windows.total_frames),
+            "train_episodes": str(episodes),
+        },
+    )
+    save_file(state, str(out / "weights.safetensors"), metadata=meta)
+    return _validate(model, val, cfg) if val is not None else None
+
+
 def train_wam(
     cfg: WamTrainConfig, out_dir: str | Path, *, data_dir: Path | None = None, progress=True
 ) -> dict:
@@ -282,28 +309,16 @@ def train_wam(
             bar.set_postfix(
                 loss=f"{loss.item():.4f}", val=f"{vals['loss']:.4f}", act=f"{vals['action']:.4f}"
             )
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            ema_copy = copy.deepcopy(shipped)
+            elapsed = time.perf_counter() - t0
+            _save(ema_copy, cfg, out, step + 1, elapsed, windows, len(train_eps), None)
         if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
             stopped_early = True
             break
     wall_s = time.perf_counter() - t0
     steps_done = len(log["train_loss"])
-    state = {
-        k: v.to(SAVE_DTYPES[cfg.save_dtype]) for k, v in to_upstream_state_dict(shipped).items()
-    }
-    load_upstream_state_dict(shipped, state)  # what ships is the rounded weights
-    final = _validate(shipped, val, cfg)
-    meta = metadata(
-        cfg,
-        {
-            "steps_done": str(steps_done),
-            "train_wall_s": f"{wall_s:.1f}",
-            "train_frames": str(windows.total_frames),
-            "train_episodes": str(len(train_eps)),
-        },
-    )
-    from safetensors.torch import save_file
-
-    save_file(state, str(out / "weights.safetensors"), metadata=meta)
+    final = _save(shipped, cfg, out, steps_done, wall_s, windows, len(train_eps), val)
     log.update(
         steps_done=steps_done,
         stopped_early=stopped_early,

@@ -52,8 +52,8 @@ def episodes_for(
 
 @dataclass
 class _Episode:
-    tokens: np.ndarray
-    """[N, tokens_per_frame, P] uint8: frame n's video tokens (the pixel codec is exact)."""
+    latents: np.ndarray
+    """[N, C, h, w] uint8: frame n's latent (the pixel codec is exact: (latent + 1) * 127.5)."""
     state: np.ndarray
     """[N, S] float32 normalised state values."""
     rows: np.ndarray
@@ -91,38 +91,34 @@ class WamWindows:
         seed: int,
     ) -> None:
         if cfg.codec != "pixel" or cfg.codec_stride[0] != 1:
-            raise ValueError("push-wam training keeps frames as pixel-codec tokens per frame")
+            raise ValueError("push-wam training keeps each frame's pixel-codec latent")
         self.cfg = cfg
         self.chunks, self.max_obs, self.max_freeze_rows = chunks, max_obs, max_freeze_rows
         self.frames = cfg.frames_per_chunk
         codec = Codec(cfg)
-        tpf = cfg.tokens_per_frame
         state_cols = [STATE_NAMES.index(n) for n in STATE_NAMES[: cfg.state_dim]]
         self.episodes = []
         for ep in episodes:
             if len(ep.frames) < chunks * self.frames:
                 continue
-            tokens = []
-            for frame in ep.frames:
-                latent = codec.encode(np.stack([frame] * self.frames))
-                tok = latent_to_tokens(cfg, latent)[:tpf]
-                tokens.append(((tok + 1.0) * 127.5).round().to(torch.uint8).numpy())
+            latent = codec.encode_frames(ep.frames)  # [C, N, h, w]
+            latents = ((latent.permute(1, 0, 2, 3) + 1.0) * 127.5).round().to(torch.uint8)
             state = _normalize(
                 torch.from_numpy(ep.proprio[:, state_cols]), cfg.state_center, cfg.state_scale
             )
             rows = _normalize(torch.from_numpy(ep.rows), cfg.action_center, cfg.action_scale)
             self.episodes.append(
-                _Episode(np.stack(tokens), state.numpy(), rows.numpy(), ep.perturbed.copy())
+                _Episode(latents.numpy(), state.numpy(), rows.numpy(), ep.perturbed.copy())
             )
         if not self.episodes:
             raise ValueError(f"no episode has the {chunks * self.frames} frames a window needs")
-        starts = np.array([len(e.tokens) - chunks * self.frames + 1 for e in self.episodes], float)
+        starts = np.array([len(e.latents) - chunks * self.frames + 1 for e in self.episodes], float)
         self.weights = starts / starts.sum()
         self.rng = np.random.default_rng(seed)
 
     @property
     def total_frames(self) -> int:
-        return sum(len(e.tokens) for e in self.episodes)
+        return sum(len(e.latents) for e in self.episodes)
 
     def batch(self, size: int) -> WamBatch:
         cfg, c_n, f = self.cfg, self.chunks, self.frames
@@ -135,18 +131,19 @@ class WamWindows:
         trained_chunks = torch.zeros(size, c_n, dtype=torch.bool)
         for b, i in enumerate(self.rng.choice(len(self.episodes), size=size, p=self.weights)):
             ep = self.episodes[i]
-            start = int(self.rng.integers(0, len(ep.tokens) - c_n * f + 1))
+            start = int(self.rng.integers(0, len(ep.latents) - c_n * f + 1))
             obs = int(self.rng.integers(1, self.max_obs + 1))
             freeze = int(self.rng.integers(0, self.max_freeze_rows + 1))
             n_obs[b] = obs
             last_known = ROWS_PER_FRAME * (start + obs * f - 1) + freeze
             for c in range(c_n):
                 first = start + c * f
-                video = ep.tokens[first : first + f].reshape(-1).astype(np.float32) / 127.5 - 1
+                latent = torch.from_numpy(ep.latents[first : first + f]).float() / 127.5 - 1
+                video = latent_to_tokens(cfg, latent.permute(1, 0, 2, 3)).reshape(-1)
                 idx = np.minimum(ROWS_PER_FRAME * first + np.arange(h), len(ep.rows) - 1)
                 is_known = ROWS_PER_FRAME * first + np.arange(h) <= last_known
                 pert = ep.perturbed[idx] & (ROWS_PER_FRAME * first + np.arange(h) < len(ep.rows))
-                x0[b, c, lay.video] = torch.from_numpy(video)
+                x0[b, c, lay.video] = video
                 x0[b, c, lay.actions] = torch.from_numpy(ep.rows[idx].reshape(-1))
                 x0[b, c, lay.state] = torch.from_numpy(ep.state[first : first + f].reshape(-1))
                 x0[b, c, lay.known] = torch.from_numpy(is_known.astype(np.float32))
