@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--no-expert", action="store_true", help="skip the scripted expert's run")
     c.add_argument("--fade-rows", type=int, default=4, help="rows a crossfade spans")
+    c.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="simulated seconds an episode may take to reach the goal (default: the task's 15)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

@@ -38,6 +38,7 @@ def run_closed_loop(args, parser, argv) -> int:
             context_chunks=min(3, kwargs["window"]),
             max_known_rows_ahead=int(meta.get("max_known_rows_ahead", 8)),
             fade_rows=args.fade_rows,
+            **({"time_limit_s": args.time_limit_s} if args.time_limit_s else {}),
         )
         if any(d < 0 for d in args.delay_ms):
             raise ValueError("--delay-ms must be >= 0")

@@ -171,6 +171,7 @@ class GoalPushExpert:
     the joint targets are smooth."""
 
     MAX_EE_SPEED_M_S = 0.35
+    MIN_PUSH_SPEED_M_S = 0.06
     MAX_TARGET_SPEED_RAD_S = 2.0
     STOP_M = 0.015
     """The box counts as on the goal for the expert (tighter than GOAL_TOLERANCE_M)."""
@@ -236,11 +237,16 @@ class GoalPushExpert:
         """The next row: the commanded tip (forward kinematics of ``previous``, the row in
         force) moved at most MAX_EE_SPEED_M_S * dt_s towards the waypoint, by inverse
         kinematics near ``previous``."""
-        goal = self.waypoint(scene.box_pose()[:2], scene.end_effector_xy())
+        box = scene.box_pose()[:2]
+        goal = self.waypoint(box, scene.end_effector_xy())
         tip = forward_kinematics(previous)[1]
         step = goal - tip
         norm = float(np.linalg.norm(step))
-        limit_m = self.MAX_EE_SPEED_M_S * dt_s
+        speed = self.MAX_EE_SPEED_M_S
+        if self.phase == "push":  # slow down near the goal: the box slides on after a push
+            remaining = float(np.linalg.norm(self.goal - box))
+            speed = min(speed, max(self.MIN_PUSH_SPEED_M_S, 3.0 * remaining))
+        limit_m = speed * dt_s
         if norm > limit_m:
             step *= limit_m / norm
         q = inverse_kinematics(tip + step, previous)

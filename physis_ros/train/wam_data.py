@@ -28,6 +28,9 @@ from physis_ros.sim.episodes import TaskEpisode, load_episodes, run_expert_episo
 from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES, sample_task
 
 ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
+DATA_VERSION = 2
+"""Bumped whenever the task, the expert or the perturbations change: cached episodes made
+by another version are not reused."""
 
 
 def episodes_for(
@@ -36,7 +39,7 @@ def episodes_for(
     """Expert episodes of ``seeds`` (cached as one .npz per seed list under ``cache_dir``)."""
     from tqdm import tqdm
 
-    key = hashlib.sha256(json.dumps([seeds, perturb]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([DATA_VERSION, seeds, perturb]).encode()).hexdigest()[:12]
     path = None if cache_dir is None else Path(cache_dir) / f"episodes_{key}.npz"
     if path is not None and path.exists():
         return load_episodes(path)
