@@ -92,11 +92,13 @@ class WamWindows:
         max_obs: int,
         max_freeze_rows: int,
         seed: int,
+        per_slot_fraction: float = 0.5,
     ) -> None:
         if cfg.codec != "pixel" or cfg.codec_stride[0] != 1:
             raise ValueError("push-wam training keeps each frame's pixel-codec latent")
         self.cfg = cfg
         self.chunks, self.max_obs, self.max_freeze_rows = chunks, max_obs, max_freeze_rows
+        self.per_slot_fraction = per_slot_fraction
         self.frames = cfg.frames_per_chunk
         codec = Codec(cfg)
         state_cols = [STATE_NAMES.index(n) for n in STATE_NAMES[: cfg.state_dim]]
@@ -139,12 +141,18 @@ class WamWindows:
             freeze = int(self.rng.integers(0, self.max_freeze_rows + 1))
             n_obs[b] = obs
             last_known = ROWS_PER_FRAME * (start + obs * f - 1) + freeze
+            # half the windows: each observed chunk knows its rows as of its own last frame
+            # (a live stream takes each observed slot once, when it completes)
+            per_slot = bool(self.rng.random() < self.per_slot_fraction)
             for c in range(c_n):
                 first = start + c * f
+                horizon = last_known
+                if per_slot and c < obs:
+                    horizon = ROWS_PER_FRAME * (first + f - 1) + freeze
                 latent = torch.from_numpy(ep.latents[first : first + f]).float() / 127.5 - 1
                 video = latent_to_tokens(cfg, latent.permute(1, 0, 2, 3)).reshape(-1)
                 idx = np.minimum(ROWS_PER_FRAME * first + np.arange(h), len(ep.rows) - 1)
-                is_known = ROWS_PER_FRAME * first + np.arange(h) <= last_known
+                is_known = ROWS_PER_FRAME * first + np.arange(h) <= horizon
                 pert = ep.perturbed[idx] & (ROWS_PER_FRAME * first + np.arange(h) < len(ep.rows))
                 x0[b, c, lay.video] = video
                 x0[b, c, lay.actions] = torch.from_numpy(ep.rows[idx].reshape(-1))

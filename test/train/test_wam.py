@@ -42,10 +42,16 @@ def test_windows_follow_the_timeline_with_a_known_action_prefix(episodes):
         # ROWS_PER_FRAME * f rows after chunk c-1's), ending between the newest observed
         # frame and max_freeze_rows rows after it
         t = torch.arange(4)[:, None] * ROWS_PER_FRAME * f + torch.arange(h)[None, :]
-        known_t = t[batch.known[b]]
+        # the newest observed chunk's rows reach 9 rows past its last frame: it shows the end
+        horizon = int(t[obs - 1][batch.known[b, obs - 1]].max())
         last = ROWS_PER_FRAME * (obs * f - 1)
-        assert known_t.max() >= last and known_t.max() <= last + 8
-        assert torch.equal(batch.known[b], t <= known_t.max())
+        assert last <= horizon <= last + 8
+        assert torch.equal(batch.known[b, obs:], t[obs:] <= horizon)
+        # observed chunks know their rows as of the newest frame, or each as of its own
+        own_last = (torch.arange(obs)[:, None] + 1) * ROWS_PER_FRAME * f - ROWS_PER_FRAME
+        newest = torch.equal(batch.known[b, :obs], t[:obs] <= horizon)
+        own = torch.equal(batch.known[b, :obs], t[:obs] <= own_last + (horizon - last))
+        assert newest or own
         # only generated, unknown rows are trained; no observed chunk is
         assert not batch.trained_rows[b, :obs].any() and not batch.trained_chunks[b, :obs].any()
         assert not (batch.trained_rows[b] & batch.known[b]).any()
