@@ -5,6 +5,10 @@ CPU, ephemeral port), ``sim_robot`` (a planar arm pushing a box, its camera at t
 rate the model was trained on: 32x32 at 10 Hz) and the ``bridge`` as child processes on an
 isolated ROS domain with real topics and the real link; the sim robot executes the
 trajectories the bridge publishes (a world model publishes none: its scripted policy runs).
+With ``--model push-wam`` the world-action model drives: sim_robot runs goal-push episodes
+(a goal drawn on the table; it holds still when no trajectory comes), the bridge executes
+the model's chunks delay-aware (``--execution``, ``--join``), and the episodes' successes
+are printed and summarised.
 Prints once a second the achieved interval, response latency and drops; stops after
 ``--duration-s`` or Ctrl-C; stops every child; writes ``summary.json`` and ``strip.png``
 (observed | predicted, one row per sampled second) under ``--out``.
@@ -74,6 +78,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--out", default="out/demo", help="directory for summary.json and strip.png"
     )
     parser.add_argument(
+        "--execution",
+        default="delay_aware",
+        choices=["delay_aware", "naive"],
+        help="a world-action model's chunks: rows at the time they are for (delay_aware) or "
+        "row 0 on arrival (naive, the baseline)",
+    )
+    parser.add_argument(
+        "--join", default="crossfade", choices=["crossfade", "replace"], help="chunk joins"
+    )
+    parser.add_argument(
         "--domain-id",
         type=int,
         default=None,
@@ -108,7 +122,20 @@ def shipped_camera(model: str) -> dict | None:
         "image_width": width,
         "camera_rate_hz": frame_hz,
         "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
+        "drives": meta.get("format") == "physis_ros world-action model",
+        "action_names": meta.get("action_names", "").split(","),
     }
+
+
+def goal_push_progress(monitor) -> dict | None:
+    """sim_robot's newest goal_push status from /diagnostics (kept messages), or None."""
+    from physis_ros.nodes.monitor import diagnostics_by_name
+
+    for _, array in reversed(monitor.messages("/diagnostics")):
+        for name, (_, _, values) in diagnostics_by_name(array).items():
+            if name.endswith(": goal_push"):
+                return values
+    return None
 
 
 def main(argv=None) -> int:
@@ -134,13 +161,21 @@ def main(argv=None) -> int:
     try:
         port = loop.start_server()
         print(f"physis-demo: physis-serve ({args.model}) on 127.0.0.1:{port}", flush=True)
-        monitor = Monitor(domain_id=domain_id)
+        monitor = Monitor(domain_id=domain_id, keep=("/diagnostics",))
         camera = shipped_camera(args.model)
+        drives = bool(camera and camera["drives"])
+        sim_params, bridge_params = {}, {}
         if camera is not None:
-            loop.start_sim_robot(**{k: v for k, v in camera.items() if k != "chunk_ms"})
-        else:
-            loop.start_sim_robot()
-        loop.start_bridge(target_interval_ms=args.target_interval_ms)
+            sim_params = {k: camera[k] for k in ("image_height", "image_width", "camera_rate_hz")}
+        if drives:  # the model's actions drive the goal-push task
+            sim_params.update(task="goal_push", idle_policy="hold")
+            bridge_params.update(
+                command_joint_names=camera["action_names"],
+                execution=args.execution,
+                join=args.join,
+            )
+        loop.start_sim_robot(**sim_params)
+        loop.start_bridge(target_interval_ms=args.target_interval_ms, **bridge_params)
         started_s = time.monotonic()
         while time.monotonic() - started_s < args.duration_s:
             time.sleep(1.0)
@@ -158,6 +193,14 @@ def main(argv=None) -> int:
                 print(f"[{t:5.1f} s] waiting for the bridge ({frames} camera frames)", flush=True)
                 continue
             drops = dict(zip(stats.drop_reasons, stats.drop_counts, strict=True))
+            episodes = goal_push_progress(monitor) if drives else None
+            if episodes is not None:
+                print(
+                    f"[{t:5.1f} s] goal_push: {episodes['successes']} of {episodes['finished']} "
+                    f"episodes reached the goal (median {episodes['median_time_to_goal_s']} s); "
+                    f"episode {episodes['episode']}: box {episodes['box_to_goal_m']} m from it",
+                    flush=True,
+                )
             print(
                 f"[{t:5.1f} s] interval {stats.interval_median_ms:6.1f} ms "
                 f"(p99 {stats.interval_p99_ms:6.1f}, target {stats.target_interval_ms:.0f})  "
@@ -172,7 +215,9 @@ def main(argv=None) -> int:
     finally:
         elapsed_s = time.monotonic() - started_s
         counts = {}
+        episodes = None
         if monitor is not None:
+            episodes = goal_push_progress(monitor)
             counts = {
                 t: monitor.count(t) for t in ("camera/image", "action_chunk", "predicted/image")
             }
@@ -185,6 +230,8 @@ def main(argv=None) -> int:
         "children_exit_codes": exit_codes,
         "topic_messages_seen": counts,
     }
+    if episodes is not None:
+        summary["goal_push"] = episodes
     if stats is not None:
         summary.update(
             interval_median_ms=round(stats.interval_median_ms, 2),

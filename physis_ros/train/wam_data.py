@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,9 +48,11 @@ def episodes_for(
         run_expert_episode(sample_task(seed), perturb=perturb)
         for seed in tqdm(seeds, desc="expert episodes", unit="ep", disable=not progress)
     ]
-    if path is not None:
+    if path is not None:  # written whole, then renamed: a concurrent run never reads half
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_episodes(path, episodes)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
+        save_episodes(partial, episodes)
+        partial.replace(path)
     return episodes
 
 
