@@ -86,6 +86,9 @@ class WamTrainConfig:
     the end): a long run can be evaluated, or stopped, midway."""
     max_minutes: float = 0.0
     """0: no limit; otherwise stop after this many minutes of training."""
+    stop_after_steps: int = 0
+    """0: run all ``steps``; else stop after this many with the learning-rate schedule of
+    ``steps``: reproduces exactly the checkpoint a longer run wrote at that step."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -108,6 +111,7 @@ class WamTrainConfig:
             "val_every": self.val_every >= 1,
             "checkpoint_every": self.checkpoint_every >= 0,
             "max_minutes": self.max_minutes >= 0,
+            "stop_after_steps": 0 <= self.stop_after_steps <= self.steps,
         }
         for name, ok in checks.items():
             if not ok:
@@ -313,6 +317,9 @@ def train_wam(
             ema_copy = copy.deepcopy(shipped)
             elapsed = time.perf_counter() - t0
             _save(ema_copy, cfg, out, step + 1, elapsed, windows, len(train_eps), None)
+        if cfg.stop_after_steps and step + 1 >= cfg.stop_after_steps:
+            stopped_early = step + 1 < cfg.steps
+            break
         if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
             stopped_early = True
             break

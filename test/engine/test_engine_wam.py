@@ -74,7 +74,8 @@ def test_pipelined_push_wam_equals_its_oracle(workers):
             eng.submit_generate(sid, rows)
             plan.append(("generate", request_actions(cfg, rows, context=False)))
         outs = _poll(eng, 2)
-        ref = oracle.sample(eng.model, SAMPLER, plan, mode="pipelined", seed=11, cond_seed=0)
+        cond = eng.prompts.resolve("", None)
+        ref = oracle.sample(eng.model, SAMPLER, plan, mode="pipelined", seed=11, cond=cond)
     for o in outs:
         _, actions = unpack_chunk(cfg, ref[o.chunk])
         np.testing.assert_allclose(o.actions, actions.numpy(), atol=TOL, rtol=0)
