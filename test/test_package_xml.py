@@ -21,6 +21,8 @@ THIRD_PARTY = {
     "grpc_tools": ("python3-grpc-tools", "grpcio-tools"),
     "google": ("python3-protobuf", "protobuf"),
     "torch": ("python3-torch-pip", "torch"),
+    # Triton comes with torch's Linux CUDA wheels; the fused block imports it only where present
+    "triton": ("python3-torch-pip", "torch"),
     "safetensors": ("python3-safetensors-pip", "safetensors"),
     "rosbags": ("python3-rosbags-pip", "rosbags"),
     "PIL": ("python3-pil", "pillow"),

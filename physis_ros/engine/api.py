@@ -46,6 +46,11 @@ class StreamPromise:
     image_width: int
     action_horizon: int
     action_dim: int
+    target_interval_ms: float = 0.0
+    """The interval the stream is paced at: what it asked for, or the pool's default target
+    when it asked for 0; 0: not paced (an engine without admission, as fast as it goes)."""
+    revision: int = 0
+    """0 at admission; +1 each time the promise is revised (another stream joined or left)."""
 
 
 class AdmissionRefused(Exception):

@@ -9,7 +9,8 @@ mode, on the same workers:
                         the next chunk enters.
 ``InProcRuntime`` runs N workers in this process over ``InProcTransport``: ``run_inline``
 drives them deterministically in one thread (tests); ``start_threads`` gives each its own
-thread (torch releases the GIL inside ops).
+thread (torch releases the GIL inside ops). ``close`` (or ``with``) joins every thread it and
+its workers started.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from physis_ros.engine.config import SamplerConfig
+from physis_ros.engine.devcopy import to_device
 from physis_ros.engine.model import WanDiT, make_cond
 from physis_ros.engine.placement import Layout, Placement
 from physis_ros.engine.sampler import initial_noise
@@ -38,7 +40,8 @@ class ChunkResult:
     stream_id: int
     chunk: int
     x: torch.Tensor
-    """[X] float32 final state x^(K) (on the sink worker's device)."""
+    """[X] float32 final state x^(K): on the host from a GPU worker (pinned, copied on a side
+    stream), else on the sink worker's device."""
     created_s: float
     """time.monotonic() when the chunk entered the pipeline."""
     left_s: float
@@ -133,9 +136,8 @@ class Controller:
         for sid, st in self.streams.items():
             while st.pending and (st.max_in_flight == 0 or st.in_flight < st.max_in_flight):
                 c, is_ctx, x = st.pending.popleft()
-                act = Activation(
-                    sid, c, 0, 0, FLAG_CONTEXT if is_ctx else 0, x.to(self.device), None
-                )
+                x = to_device(x, self.device)  # asynchronous: the GPU's queue is not drained
+                act = Activation(sid, c, 0, 0, FLAG_CONTEXT if is_ctx else 0, x, None)
                 act.epoch = st.epoch
                 if is_ctx:
                     st.context_entered_s[c] = act.created_s
@@ -306,6 +308,21 @@ class InProcRuntime:
         self._threads.clear()
         if self.errors:
             raise RuntimeError(f"a worker failed: {self.errors[0]!r}") from self.errors[0]
+
+    def close(self) -> None:
+        """Stop every thread the runtime and its workers started (worker loops, host copiers)
+        and join them; raises a worker's failure like ``stop_threads``. Idempotent."""
+        try:
+            self.stop_threads()
+        finally:
+            for w in self.workers:
+                w.close()
+
+    def __enter__(self) -> InProcRuntime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_plan(

@@ -55,7 +55,8 @@ STATES = ("connecting", "connected", "streaming", "disconnected")
 
 @dataclass(frozen=True, kw_only=True)
 class LinkPromise:
-    """What the server promised this stream (from OpenStream)."""
+    """What the server promised this stream (from OpenStream; revised by the server when
+    other streams join or leave)."""
 
     stream_id: int
     model: str
@@ -70,6 +71,10 @@ class LinkPromise:
     action_horizon: int
     action_dim: int
     max_observation_bytes: int
+    target_interval_ms: float = 0.0
+    """The interval the server paces the stream at (0: unpaced)."""
+    revision: int = 0
+    """0: the promise made at OpenStream; n: its n-th revision."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -432,6 +437,12 @@ class LinkClient:
             self._clock.add(p.client_send_ns, p.server_receive_ns, p.server_send_ns, received_ns)
         elif kind == "stats":
             self._take_counters(msg.stats)
+        elif kind == "promise":  # revised: keep what only OpenStream says (message limits)
+            with self._stats_lock:
+                if self._promise is not None and msg.promise.stream_id == self._promise.stream_id:
+                    self._promise = _promise_from_proto(
+                        msg.promise, max_observation_bytes=self._promise.max_observation_bytes
+                    )
         elif kind == "prediction":
             prediction = self._prediction_from_proto(msg.prediction, received_ns, frames_data)
             with self._stats_lock:
@@ -504,10 +515,14 @@ class LinkClient:
             self._last_error = text
 
 
-def _promise_from_proto(p: pb.StreamPromise) -> LinkPromise:
+def _promise_from_proto(
+    p: pb.StreamPromise, *, max_observation_bytes: int | None = None
+) -> LinkPromise:
     return LinkPromise(
         **{name: getattr(p, name) for name in PROMISE_FIELDS},
-        max_observation_bytes=p.max_observation_bytes,
+        max_observation_bytes=(
+            p.max_observation_bytes if max_observation_bytes is None else max_observation_bytes
+        ),
     )
 
 

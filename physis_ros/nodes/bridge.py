@@ -57,7 +57,7 @@ from physis_ros.nodes.pairing import (
 )
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
-from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
+from physis_ros.nodes.stats import ChunkOverlap, DropCounter, RateMeter, RollingWindow
 from physis_ros.nodes.wam_execution import ActionExecution, ExecutionConfig
 
 _OBSERVED_IMAGES_KEPT = 16  # recent observed images (full size), for the side-by-side view
@@ -103,6 +103,7 @@ class Bridge(Node):
         self.chunk_rate = RateMeter()
         self.interval_ms = RollingWindow()
         self.response_ms = RollingWindow()
+        self.chunk_overlap = ChunkOverlap()
         self.obs_to_send_ms = RollingWindow()
         self.receive_to_publish_ms = RollingWindow()
         self.hop_ms: dict[str, RollingWindow] = {}
@@ -402,6 +403,8 @@ class Bridge(Node):
         self._last_chunk_s = now_s
         for name, value in pred.hop_ms.items():
             self.hop_ms.setdefault(name, RollingWindow()).add(value)
+        times = pred.server_times_ns
+        self.chunk_overlap.add(pred.stream_id, times.get("entered", 0), times.get("left", 0))
         if "capture_to_received" in pred.hop_ms:
             self.response_ms.add(pred.hop_ms["capture_to_received"])
         if pred.stream_id != self._stream_id:  # a new stream (e.g. server restart) renumbers chunks

@@ -7,11 +7,12 @@ checked frame enters the stream's frame history), and it queues outgoing message
 gRPC writer.
 
 ``EngineLoop`` is the one thread that calls the engine (the gRPC threads never block on it):
-per stream it keeps ``pipeline_depth`` generate requests in flight (paced by the stream's
-target interval), puts the newest observation in as a context chunk right before a generate
-request (at most one context chunk per generated chunk, so observations cannot starve
+per stream it keeps ``pipeline_depth`` generate requests in flight (paced by the interval the
+stream was admitted at), puts the newest observation in as a context chunk right before a
+generate request (at most one context chunk per generated chunk, so observations cannot starve
 generation), polls the engine, and maps each finished chunk to a prediction that names the
-observation it is conditioned on.
+observation it is conditioned on. Promises the engine revises (another stream joined or
+left) replace the stream's own and go to its client.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from google.protobuf.message import DecodeError
 from physis_ros.engine.api import ChunkOutput, StreamEngine, StreamFailed, StreamPromise
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
+    PROMISE_FIELDS,
     PROTOCOL_VERSION,
     WireError,
     array_to_tensor,
@@ -77,6 +79,13 @@ class SessionLimits:
 FRAMES_DATA_PATH = ("prediction", "frames", "data")
 
 
+def fill_promise(out: pb.StreamPromise, promise: StreamPromise, limits: SessionLimits) -> None:
+    """The wire form of ``promise`` (OpenStream's reply and every revision)."""
+    for name in PROMISE_FIELDS:
+        setattr(out, name, getattr(promise, name))
+    out.max_observation_bytes = limits.max_observation_bytes
+
+
 @dataclass(frozen=True)
 class ChunkReady:
     """A finished chunk on the outbound queue: the gRPC writer thread turns it into a
@@ -110,7 +119,10 @@ class Session:
         self.stream_id = promise.stream_id
         self.limits = limits
         self.client_name = client_name
-        self.interval_s = max(target_interval_ms, 0.0) / 1000.0
+        # Paced at what the pool admitted it at (its request, or the default target for a
+        # request of 0); an engine without admission paces at the request.
+        paced_ms = promise.target_interval_ms or target_interval_ms
+        self.interval_s = max(paced_ms, 0.0) / 1000.0
         self.opened_s = time.monotonic()
         self._lock = threading.Lock()
         self._newest: ContextInput | None = None
@@ -144,6 +156,10 @@ class Session:
         self.chunk_conditioning: dict[int, tuple[ContextInput, int] | None] = {}
         self.left_s: collections.deque[float] = collections.deque(maxlen=33)
         self.chunks_out = 0
+        # Response latency as the promise means it: observation handed to the engine -> the
+        # first chunk conditioned on it left the pipeline (server clock, ms).
+        self.response_ms: collections.deque[float] = collections.deque(maxlen=64)
+        self._responded_seq = -1
 
     # ---- gRPC reader side --------------------------------------------------------------
 
@@ -268,6 +284,10 @@ class Session:
                 self._stats_pending = False
                 msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION, stats=self._counters())
                 return msg.SerializeToString()
+            if item == "promise":
+                msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
+                fill_promise(msg.promise, self.promise, self.limits)
+                return msg.SerializeToString()
             if isinstance(item, ChunkReady):
                 self.predictions_sent += 1
         if isinstance(item, SessionEnded):
@@ -323,7 +343,23 @@ class Session:
 
     def push_chunk(self, out: ChunkOutput) -> None:
         """A finished chunk (engine thread): queued for the writer with its conditioning."""
-        self._push(ChunkReady(out, self.chunk_conditioning.pop(out.chunk, None)))
+        cond = self.chunk_conditioning.pop(out.chunk, None)
+        if cond is not None and cond[0].seq > self._responded_seq:
+            self._responded_seq = cond[0].seq
+            left_ns = time.time_ns() - time.monotonic_ns() + int(out.left_s * 1e9)
+            self.response_ms.append((left_ns - cond[1]) / 1e6)
+        self._push(ChunkReady(out, cond))
+
+    def response_latency_ms(self) -> float:
+        """Median over recent observations (0 before the first)."""
+        values = list(self.response_ms)
+        return statistics.median(values) if values else 0.0
+
+    def revise(self, promise: StreamPromise) -> None:
+        """A revised promise (engine thread): kept, and sent to the client."""
+        with self._lock:
+            self.promise = promise
+        self._push("promise")
 
     def _serialize_prediction(self, item: ChunkReady, *, sent_ns: int) -> bytes:
         out, cond = item.out, item.conditioning
@@ -403,9 +439,11 @@ class EngineLoop:
         self._commands.put((lambda _e: None, None))
 
     def add(self, session: Session) -> None:
-        self._commands.put(
-            (lambda _e: self._sessions.__setitem__(session.stream_id, session), None)
-        )
+        def add(_engine) -> None:
+            self._sessions[session.stream_id] = session
+            self._send_revisions()  # others' promises, revised when this one was admitted
+
+        self._commands.put((add, None))
 
     def remove(self, session: Session) -> None:
         """Forget the stream and free its KV slots (engine.close_stream), on the engine thread."""
@@ -418,6 +456,24 @@ class EngineLoop:
             self.engine.close_stream(session.stream_id)
         except (StreamFailed, KeyError, ValueError) as exc:
             log.warning("closing stream %d: %s", session.stream_id, exc)
+        self._send_revisions()
+
+    def _send_revisions(self) -> None:
+        """Promises the engine revised (a stream joined or left) go to their streams."""
+        take = getattr(self.engine, "take_revisions", None)
+        if take is None:
+            return
+        for promise in take():
+            session = self._sessions.get(promise.stream_id)
+            if session is not None:
+                log.info(
+                    "stream %d promise revised (%d): interval %.1f ms, latency %.1f ms",
+                    promise.stream_id,
+                    promise.revision,
+                    promise.expected_interval_ms,
+                    promise.expected_response_latency_ms,
+                )
+                session.revise(promise)
 
     def _run(self) -> None:
         wait_s = 0.0
