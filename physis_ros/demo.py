@@ -65,8 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--model",
         default="push-wm",
-        help="model preset physis-serve runs (push-wm: the shipped trained weights; others: "
-        "random weights)",
+        help="model preset physis-serve runs (push-wm, push-wam: the shipped trained weights; "
+        "others: random weights)",
     )
     parser.add_argument(
         "--target-interval-ms",
@@ -147,6 +147,12 @@ def goal_push_progress(monitor) -> dict | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from physis_ros.weights import missing_shipped_weights
+
+    missing = missing_shipped_weights(args.model, takes_weights=False)
+    if missing:  # before anything starts: the server would refuse the preset the same way
+        print(f"physis-demo: {missing}", file=sys.stderr)
+        return 2
     from physis_ros.nodes.monitor import Monitor
     from physis_ros.nodes.system import LocalSystem
 

@@ -19,8 +19,17 @@ def run_closed_loop(args, parser, argv) -> int:
     from physis_ros.engine.local import LocalEngine
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider
     from physis_ros.eval.closed_loop_report import run_all, run_names, write_report
-    from physis_ros.weights import WAM_WEIGHTS, engine_kwargs, read_metadata
+    from physis_ros.weights import (
+        WAM_WEIGHTS,
+        engine_kwargs,
+        missing_shipped_weights,
+        read_metadata,
+    )
 
+    missing = None if args.weights else missing_shipped_weights("push-wam")
+    if missing:  # not a usage mistake: one line, no usage text
+        print(f"physis-eval: {missing}", file=sys.stderr)
+        return 2
     weights = Path(args.weights) if args.weights else WAM_WEIGHTS
     try:
         if not weights.exists():

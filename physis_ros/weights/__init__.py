@@ -65,6 +65,33 @@ def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
 SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS, "push-wam": WAM_WEIGHTS}
 """Model presets that come with trained weights: served with them unless told otherwise."""
 
+TRAIN_COMMANDS: dict[str, str] = {
+    "push-wm": "physis-train --out out/push_wm",
+    "push-wam": "physis-train-wam --out out/push_wam",
+}
+"""The command that makes each preset's shipped weights (into OUT/weights.safetensors)."""
+
+
+def missing_shipped_weights(model: str | None, *, takes_weights: bool = True) -> str | None:
+    """One line saying how to get a preset's trained weights when the install lacks them
+    (None when the preset ships none or they are there): serving such a preset on random
+    weights without being asked would look like a model that does not work.
+    ``takes_weights``: the command has a --weights option (else: where to put the file)."""
+    path = SHIPPED.get(model or "")
+    if path is None or path.exists():
+        return None
+    command = TRAIN_COMMANDS[str(model)]
+    made = f"{command.split('--out ', 1)[1]}/weights.safetensors"
+    use = (
+        f"pass --weights {made} (or --weights random)"
+        if takes_weights
+        else f"copy {made} to {path}"
+    )
+    return (
+        f"{model}: its trained weights ({path.name}) are not in this install; make them with "
+        f"`{command}` and {use}"
+    )
+
 
 def shipped_engine_defaults(model: str | None) -> dict:
     """``LocalEngine`` arguments (checkpoint, window, steps, shift) for a preset that ships with

@@ -37,6 +37,9 @@ class TimedClient:
         self.sent = 0
         self.late_chunks = 0
         self._running = True
+        self.go = threading.Event()
+        """Set once the test's monitor is subscribed: the run starts then (discovery takes
+        seconds on a busy machine, and chunks published before it would go unseen)."""
 
     def promise(self) -> LinkPromise:
         return LinkPromise(
@@ -50,6 +53,7 @@ class TimedClient:
         threading.Thread(target=self._produce, daemon=True).start()
 
     def _produce(self) -> None:
+        self.go.wait()
         chunk = 0
         while self._running:
             now = self.clock_ns()
@@ -88,6 +92,7 @@ class TimedClient:
 
     def close(self) -> None:
         self._running = False
+        self.go.set()  # a producer still waiting for the monitor ends
 
 
 def main() -> int:
@@ -101,7 +106,13 @@ def main() -> int:
     client = TimedClient()
     node = Bridge(client=client)
     client.clock_ns = lambda: node.get_clock().now().nanoseconds
+    discovery_deadline = time.monotonic() + 60.0
+    while not (node.traj_pub.get_subscription_count() and node.chunk_pub.get_subscription_count()):
+        if time.monotonic() > discovery_deadline:
+            raise SystemExit("the test's monitor never subscribed to joint_trajectory")
+        rclpy.spin_once(node, timeout_sec=0.05)
     T0_NS[0] = client.clock_ns()
+    client.go.set()
     deadline = time.monotonic() + run_s
     while time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.05)
