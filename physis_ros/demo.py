@@ -69,6 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "others: random weights)",
     )
     parser.add_argument(
+        "--weights",
+        default=None,
+        help="a checkpoint physis-serve serves instead of the preset's shipped weights (e.g. "
+        "physis-train-wam's OUT/weights.safetensors with --model push-wam)",
+    )
+    parser.add_argument(
         "--target-interval-ms",
         type=float,
         default=0.0,
@@ -111,13 +117,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def shipped_camera(model: str) -> dict | None:
-    """For a preset with shipped weights: the camera the weights were trained on (image size,
-    frame rate) and the video one chunk covers; None for the others. Reads the safetensors
-    header only (no torch in this process)."""
+def shipped_camera(model: str, weights: str | None = None) -> dict | None:
+    """For a preset with shipped weights (or the ``weights`` file given): the camera the
+    weights were trained on (image size, frame rate) and the video one chunk covers; None for
+    the others. Reads the safetensors header only (no torch in this process)."""
     from physis_ros.weights import SHIPPED, read_metadata
 
-    path = SHIPPED.get(model)
+    path = Path(weights) if weights else SHIPPED.get(model)
     if path is None or not path.exists():
         return None
     meta = read_metadata(path)
@@ -149,7 +155,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from physis_ros.weights import missing_shipped_weights
 
-    missing = missing_shipped_weights(args.model, takes_weights=False)
+    missing = None if args.weights else missing_shipped_weights(args.model)
+    if args.weights and not Path(args.weights).is_file():
+        missing = f"--weights {args.weights}: no such file"
+    camera = None if missing else shipped_camera(args.model, args.weights)
+    if camera is not None and camera["drives"]:
+        missing = (
+            f"{args.model}: physis-serve cannot serve a world-action model yet (its sessions do "
+            "not send the state and committed rows); run it in the closed loop with "
+            "physis-eval --closed-loop --weights FILE"
+        )
     if missing:  # before anything starts: the server would refuse the preset the same way
         print(f"physis-demo: {missing}", file=sys.stderr)
         return 2
@@ -161,7 +176,9 @@ def main(argv=None) -> int:
         domain_id = int(os.environ.get("ROS_DOMAIN_ID") or random.randint(150, 199))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    loop = LocalSystem(domain_id=domain_id, model=args.model, log_dir=str(out / "logs"))
+    loop = LocalSystem(
+        domain_id=domain_id, model=args.model, weights=args.weights, log_dir=str(out / "logs")
+    )
     os.environ.update(
         {k: loop.env[k] for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE")}
     )
@@ -174,7 +191,6 @@ def main(argv=None) -> int:
     try:
         # The robot first: physis-serve measures this machine at start-up, with the load the
         # simulated robot puts on it.
-        camera = shipped_camera(args.model)
         drives = bool(camera and camera["drives"])
         sim_params, bridge_params = {}, {}
         if camera is not None:

@@ -4,6 +4,7 @@ command making them; never served on random weights unasked."""
 
 import logging
 
+import numpy as np
 import pytest
 
 from physis_ros.engine.models import RANDOM_WEIGHTS, resolve_model
@@ -36,8 +37,7 @@ def test_demo_and_closed_loop_eval_refuse_in_one_line(push_wam_absent, tmp_path,
 
     assert demo_main(["--model", "push-wam", "--out", str(tmp_path / "demo")]) == 2
     captured = capsys.readouterr()
-    # physis-demo has no --weights: where the trained file goes
-    _one_line_naming_the_trainer(captured.err, "copy out/push_wam/weights.safetensors to ")
+    _one_line_naming_the_trainer(captured.err)
     assert captured.out == ""
     assert not (tmp_path / "demo" / "logs").exists()  # nothing was started
 
@@ -55,3 +55,26 @@ def test_physis_serve_refuses_in_one_line(push_wam_absent, caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
     _one_line_naming_the_trainer(errors[0])
+
+
+def test_a_world_action_model_is_not_served_yet_and_says_so(tmp_path, capsys, caplog):
+    """physis-serve's sessions do not build a world-action stream's state and committed rows
+    yet: serving one (any weights) and the demo that would drive with it stop in one line
+    that points to the closed-loop evaluation."""
+    from safetensors.numpy import save_file
+
+    from physis_ros.demo import main as demo_main
+    from physis_ros.serve.main import main as serve_main
+
+    with caplog.at_level(logging.ERROR):
+        assert serve_main(["--model", "push-wam", "--weights", "random", "--port", "0"]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "cannot serve a world-action model" in errors[0], errors
+    assert "physis-eval --closed-loop --weights" in errors[0]
+
+    weights = tmp_path / "wam.safetensors"
+    meta = {"format": "physis_ros world-action model", "image_size": "32x32", "frame_hz": "10.0"}
+    save_file({"x": np.zeros(1, np.float32)}, str(weights), metadata=meta)
+    assert demo_main(["--model", "push-wam", "--weights", str(weights)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot serve a world-action model" in err[0], err

@@ -72,24 +72,18 @@ TRAIN_COMMANDS: dict[str, str] = {
 """The command that makes each preset's shipped weights (into OUT/weights.safetensors)."""
 
 
-def missing_shipped_weights(model: str | None, *, takes_weights: bool = True) -> str | None:
+def missing_shipped_weights(model: str | None) -> str | None:
     """One line saying how to get a preset's trained weights when the install lacks them
     (None when the preset ships none or they are there): serving such a preset on random
-    weights without being asked would look like a model that does not work.
-    ``takes_weights``: the command has a --weights option (else: where to put the file)."""
+    weights without being asked would look like a model that does not work."""
     path = SHIPPED.get(model or "")
     if path is None or path.exists():
         return None
     command = TRAIN_COMMANDS[str(model)]
     made = f"{command.split('--out ', 1)[1]}/weights.safetensors"
-    use = (
-        f"pass --weights {made} (or --weights random)"
-        if takes_weights
-        else f"copy {made} to {path}"
-    )
     return (
         f"{model}: its trained weights ({path.name}) are not in this install; make them with "
-        f"`{command}` and {use}"
+        f"`{command}` and pass --weights {made} (or --weights random)"
     )
 
 
