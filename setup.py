@@ -23,6 +23,7 @@ CONSOLE_SCRIPTS = [
     "physis-profile = physis_ros.tools.profile_cli:main",
     "physis-record = physis_ros.sim.record:main",
     "physis-train = physis_ros.train.train:main",
+    "physis-train-wam = physis_ros.train.wam:main",
     "physis-eval = physis_ros.eval.cli:main",
     "physis-replay = physis_ros.eval.replay:main",
     "physis-embed = physis_ros.tools.embed_cli:main",

@@ -5,6 +5,7 @@ optionally rviz. The sim's camera is the one push-wm was trained on (config/sim_
 programs itself and writes a summary and a picture.
 
     ros2 launch physis_ros demo.launch.py rviz:=true
+    ros2 launch physis_ros demo.launch.py model:=push-wam drive:=true    # the model drives
     ros2 launch physis_ros demo.launch.py namespace:=arm1 port:=0 port_file:=/tmp/demo.port
 """
 
@@ -13,7 +14,7 @@ import os
 from ament_index_python.packages import get_package_share_directory
 from launch.actions import DeclareLaunchArgument, GroupAction, IncludeLaunchDescription
 from launch.launch_description_sources import PythonLaunchDescriptionSource
-from launch.substitutions import LaunchConfiguration
+from launch.substitutions import LaunchConfiguration, PythonExpression
 
 from launch import LaunchDescription
 
@@ -32,6 +33,14 @@ def generate_launch_description():
         ("namespace", "", "namespace of the robot's nodes and topics ('' = none)"),
         ("target_interval_ms", "200.0", "interval the bridge asks between chunks"),
         ("rviz", "false", "start rviz2 with config/physis.rviz"),
+        (
+            "drive",
+            "false",
+            "the served world-action model drives sim_robot: goal-push episodes, the arm holds "
+            "when no trajectory comes (with model:=push-wam)",
+        ),
+        ("execution", "delay_aware", "the bridge's execution of chunks: delay_aware or naive"),
+        ("join", "crossfade", "how the bridge joins chunks: crossfade or replace"),
     ]
     arg = LaunchConfiguration
 
@@ -67,6 +76,14 @@ def generate_launch_description():
                     "server_port_file": arg("port_file"),
                     "target_interval_ms": arg("target_interval_ms"),
                     "rviz": arg("rviz"),
+                    "execution": arg("execution"),
+                    "join": arg("join"),
+                    "sim_task": PythonExpression(
+                        ["'goal_push' if '", arg("drive"), "' == 'true' else 'free'"]
+                    ),
+                    "sim_idle_policy": PythonExpression(
+                        ["'hold' if '", arg("drive"), "' == 'true' else 'scripted'"]
+                    ),
                 },
             ),
         ]

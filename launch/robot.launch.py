@@ -3,6 +3,7 @@
     ros2 launch physis_ros robot.launch.py server:=gpu-box:50051 namespace:=arm1 \\
         token_file:=token.txt tls_ca:=ca.pem
     ros2 launch physis_ros robot.launch.py sim:=true namespace:=arm1     # no hardware
+    ros2 launch physis_ros robot.launch.py sim:=true sim_task:=goal_push sim_idle_policy:=hold
 
 Every topic is relative: ``namespace:=arm1`` gives ``/arm1/camera/image``,
 ``/arm1/predicted/image``, ``/arm1/pipeline_stats``, ``/arm1/tf``...; only ``/diagnostics``
@@ -46,7 +47,21 @@ def generate_launch_description():
             "ROS parameters of the bridge (topics, QoS, safety, markers)",
         ),
         ("fallback", "hold", "what to publish when chunks stop arriving: hold or zeros"),
+        (
+            "execution",
+            "delay_aware",
+            "a world-action model's chunks: rows at the time they are for (delay_aware) or "
+            "row 0 on arrival (naive)",
+        ),
+        ("join", "crossfade", "how a chunk joins the committed trajectory: crossfade or replace"),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
+        (
+            "sim_task",
+            "free",
+            "sim_robot's task: free (its scripted scene) or goal_push (episodes a world-action "
+            "model drives)",
+        ),
+        ("sim_idle_policy", "scripted", "sim_robot without a fresh trajectory: scripted or hold"),
         ("rviz", "false", "also start rviz2 with config/physis.rviz"),
         (
             "fastdds_profile",
@@ -80,6 +95,8 @@ def generate_launch_description():
                             arg("target_interval_ms"), value_type=float
                         ),
                         "fallback": ParameterValue(arg("fallback"), value_type=str),
+                        "execution": ParameterValue(arg("execution"), value_type=str),
+                        "join": ParameterValue(arg("join"), value_type=str),
                     },
                 ],
             ),
@@ -89,7 +106,13 @@ def generate_launch_description():
                 name="sim_robot",
                 namespace=namespace,
                 output="screen",
-                parameters=[os.path.join(config, "sim_robot.yaml")],
+                parameters=[
+                    os.path.join(config, "sim_robot.yaml"),
+                    {
+                        "task": ParameterValue(arg("sim_task"), value_type=str),
+                        "idle_policy": ParameterValue(arg("sim_idle_policy"), value_type=str),
+                    },
+                ],
                 condition=IfCondition(arg("sim")),
             ),
             Node(

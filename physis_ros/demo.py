@@ -5,6 +5,10 @@ CPU, ephemeral port), ``sim_robot`` (a planar arm pushing a box, its camera at t
 rate the model was trained on: 32x32 at 10 Hz) and the ``bridge`` as child processes on an
 isolated ROS domain with real topics and the real link; the sim robot executes the
 trajectories the bridge publishes (a world model publishes none: its scripted policy runs).
+With ``--model push-wam`` the world-action model drives: sim_robot runs goal-push episodes
+(a goal drawn on the table; it holds still when no trajectory comes), the bridge executes
+the model's chunks delay-aware (``--execution``, ``--join``), and the episodes' successes
+are printed and summarised.
 Prints once a second the achieved interval against the server's promise, the response
 latency, the chunk overlap (the share of chunks that entered the server's pipeline before
 the previous one left it: the assembly line at work) and drops; stops ``--duration-s``
@@ -74,8 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--model",
         default="push-wm",
-        help="model preset physis-serve runs (push-wm: the shipped trained weights; others: "
-        "random weights)",
+        help="model preset physis-serve runs (push-wm, push-wam: the shipped trained weights; "
+        "others: random weights)",
+    )
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="a checkpoint physis-serve serves instead of the preset's shipped weights (e.g. "
+        "physis-train-wam's OUT/weights.safetensors with --model push-wam)",
     )
     parser.add_argument(
         "--target-interval-ms",
@@ -87,6 +97,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--out", default="out/demo", help="directory for summary.json and strip.png"
+    )
+    parser.add_argument(
+        "--execution",
+        default="delay_aware",
+        choices=["delay_aware", "naive"],
+        help="a world-action model's chunks: rows at the time they are for (delay_aware) or "
+        "row 0 on arrival (naive, the baseline)",
+    )
+    parser.add_argument(
+        "--join", default="crossfade", choices=["crossfade", "replace"], help="chunk joins"
     )
     parser.add_argument(
         "--ranks",
@@ -113,13 +133,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def shipped_camera(model: str) -> dict | None:
-    """For a preset with shipped weights: the camera the weights were trained on (image size,
-    frame rate) and the video one chunk covers; None for the others. Reads the safetensors
-    header only (no torch in this process)."""
+def shipped_camera(model: str, weights: str | None = None) -> dict | None:
+    """For a preset with shipped weights (or the ``weights`` file given): the camera the
+    weights were trained on (image size, frame rate) and the video one chunk covers; None for
+    the others. Reads the safetensors header only (no torch in this process)."""
     from physis_ros.weights import SHIPPED, read_metadata
 
-    path = SHIPPED.get(model)
+    path = Path(weights) if weights else SHIPPED.get(model)
     if path is None or not path.exists():
         return None
     meta = read_metadata(path)
@@ -131,12 +151,40 @@ def shipped_camera(model: str) -> dict | None:
         "image_width": width,
         "camera_rate_hz": frame_hz,
         "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
+        "drives": meta.get("format") == "physis_ros world-action model",
+        "action_names": meta.get("action_names", "").split(","),
     }
+
+
+def goal_push_progress(monitor) -> dict | None:
+    """sim_robot's newest goal_push status from /diagnostics (kept messages), or None."""
+    from physis_ros.nodes.monitor import diagnostics_by_name
+
+    for _, array in reversed(monitor.messages("/diagnostics")):
+        for name, (_, _, values) in diagnostics_by_name(array).items():
+            if name.endswith(": goal_push"):
+                return values
+    return None
 
 
 @cli_main("physis-demo")
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from physis_ros.weights import missing_shipped_weights
+
+    missing = None if args.weights else missing_shipped_weights(args.model)
+    if args.weights and not Path(args.weights).is_file():
+        missing = f"--weights {args.weights}: no such file"
+    camera = None if missing else shipped_camera(args.model, args.weights)
+    if camera is not None and camera["drives"]:
+        missing = (
+            f"{args.model}: physis-serve cannot serve a world-action model yet (its sessions do "
+            "not send the state and committed rows); run it in the closed loop with "
+            "physis-eval --closed-loop --weights FILE"
+        )
+    if missing:  # before anything starts: the server would refuse the preset the same way
+        print(f"physis-demo: {missing}", file=sys.stderr)
+        return 2
     from physis_ros.nodes.monitor import Monitor
     from physis_ros.nodes.system import LocalSystem
 
@@ -145,7 +193,9 @@ def main(argv=None) -> int:
         domain_id = int(os.environ.get("ROS_DOMAIN_ID") or random.randint(150, 199))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    loop = LocalSystem(domain_id=domain_id, model=args.model, log_dir=str(out / "logs"))
+    loop = LocalSystem(
+        domain_id=domain_id, model=args.model, weights=args.weights, log_dir=str(out / "logs")
+    )
     os.environ.update(
         {k: loop.env[k] for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE")}
     )
@@ -158,15 +208,22 @@ def main(argv=None) -> int:
     try:
         # The robot first: physis-serve measures this machine at start-up, with the load the
         # simulated robot puts on it.
-        camera = shipped_camera(args.model)
+        drives = bool(camera and camera["drives"])
+        sim_params, bridge_params = {}, {}
         if camera is not None:
-            loop.start_sim_robot(**{k: v for k, v in camera.items() if k != "chunk_ms"})
-        else:
-            loop.start_sim_robot()
+            sim_params = {k: camera[k] for k in ("image_height", "image_width", "camera_rate_hz")}
+        if drives:  # the model's actions drive the goal-push task
+            sim_params.update(task="goal_push", idle_policy="hold")
+            bridge_params.update(
+                command_joint_names=camera["action_names"],
+                execution=args.execution,
+                join=args.join,
+            )
+        loop.start_sim_robot(**sim_params)
         port = loop.start_server(timeout_s=300.0, ranks=args.ranks)
         print(f"physis-demo: physis-serve ({args.model}) on 127.0.0.1:{port}", flush=True)
-        monitor = Monitor(domain_id=domain_id)
-        loop.start_bridge(target_interval_ms=args.target_interval_ms)
+        monitor = Monitor(domain_id=domain_id, keep=("/diagnostics",))
+        loop.start_bridge(target_interval_ms=args.target_interval_ms, **bridge_params)
         started_s = time.monotonic()
         live_s = None  # when the first chunk was predicted: the duration counts from there
         while live_s is None or time.monotonic() - live_s < args.duration_s:
@@ -194,6 +251,14 @@ def main(argv=None) -> int:
             if live_s is None and stats.chunks_received > 0:
                 live_s = time.monotonic()
             drops = dict(zip(stats.drop_reasons, stats.drop_counts, strict=True))
+            episodes = goal_push_progress(monitor) if drives else None
+            if episodes is not None:
+                print(
+                    f"[{t:5.1f} s] goal_push: {episodes['successes']} of {episodes['finished']} "
+                    f"episodes reached the goal (median {episodes['median_time_to_goal_s']} s); "
+                    f"episode {episodes['episode']}: box {episodes['box_to_goal_m']} m from it",
+                    flush=True,
+                )
             print(
                 f"[{t:5.1f} s] interval {stats.interval_median_ms:6.1f} ms "
                 f"(p99 {stats.interval_p99_ms:6.1f}, promised {stats.promised_interval_ms:.1f})  "
@@ -209,7 +274,9 @@ def main(argv=None) -> int:
     finally:
         elapsed_s = time.monotonic() - started_s
         counts = {}
+        episodes = None
         if monitor is not None:
+            episodes = goal_push_progress(monitor)
             counts = {
                 t: monitor.count(t) for t in ("camera/image", "action_chunk", "predicted/image")
             }
@@ -223,6 +290,8 @@ def main(argv=None) -> int:
         "children_exit_codes": exit_codes,
         "topic_messages_seen": counts,
     }
+    if episodes is not None:
+        summary["goal_push"] = episodes
     if stats is not None:
         summary.update(
             interval_median_ms=round(stats.interval_median_ms, 2),

@@ -89,6 +89,8 @@ class ChunkOutput:
     finite: bool = True
     """False when the model's output (the chunk's latent and actions) held NaN or inf: its
     frames and actions mean nothing, and the server never publishes it."""
+    state: np.ndarray | None = None
+    """[F, S] float32 predicted proprioception per frame (models with state values)."""
 
 
 class StreamEngine(Protocol):
@@ -101,15 +103,21 @@ class StreamEngine(Protocol):
         """Free the stream's KV slots; outputs still in flight are dropped."""
 
     def submit_context(
-        self, stream_id: int, frames: np.ndarray, actions: np.ndarray | None = None
+        self,
+        stream_id: int,
+        frames: np.ndarray,
+        actions: np.ndarray | None = None,
+        state: np.ndarray | None = None,
     ) -> int:
         """Append an observation chunk (frames [F, H, W, 3] uint8, F <= chunk_frames; the
-        newest frame is repeated to fill). ``actions`` [H, A]: commanded actions it carries.
-        Returns the chunk index."""
+        newest frame is repeated to fill). ``actions`` [H, A]: commanded actions it carries
+        (a model with committed actions: NaN rows are unknown). ``state`` [F, S]: the
+        proprioception at each frame, for a model with state values. Returns the chunk index."""
 
     def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
-        """Append a chunk to generate (``actions`` [H, A] conditions a world model).
-        Returns the chunk index."""
+        """Append a chunk to generate: ``actions`` [H, A] conditions a world model; for a
+        world-action model with committed actions they are the rows the robot has committed
+        (NaN rows: to generate). Returns the chunk index."""
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
         """Generated chunks that finished, in per-stream chunk order; waits up to timeout_s."""

@@ -58,7 +58,11 @@ class Codec:
 
     def encode(self, frames: np.ndarray, *, stream_id: int = 0) -> torch.Tensor:
         """[F, H, W, 3] uint8 -> latent [C, T, h, w] float32 on the codec's device."""
-        frames = self.check_frames(frames)
+        return self.encode_frames(self.check_frames(frames))
+
+    def encode_frames(self, frames: np.ndarray) -> torch.Tensor:
+        """Any number of frames (a multiple of the temporal stride), [N, H, W, 3] uint8 ->
+        [C, N / stride, h, w]: a whole episode at once."""
         cfg = self.cfg
         st, sh, sw = cfg.codec_stride
         x = torch.from_numpy(frames).to(self.device).float() / 127.5 - 1.0  # [F, H, W, 3]

@@ -61,6 +61,24 @@ class ModelConfig:
     action_mode: str = "none"
     """``none``; ``condition`` (world model conditioned on commanded actions per chunk);
     ``predict`` (world-action model: action tokens denoised and decoded per chunk)."""
+    state_dim: int = 0
+    """S: proprioceptive values per camera frame (predict mode; joint positions and
+    velocities, wrench, ...): one state token per frame, clean in observed chunks, denoised
+    (predicted) in generated ones."""
+    committed_actions: bool = False
+    """Predict mode: each action row carries a flag "known": a generated chunk's committed rows
+    (actions the robot executes before this chunk arrives) enter clean and flagged and are
+    never updated, the rest is generated to continue them (real-time chunking). In observed
+    chunks the flag marks the rows the robot reported."""
+    action_center: tuple[float, ...] = ()
+    """Per action value: subtracted before the model sees it (empty: 0)."""
+    action_scale: tuple[float, ...] = ()
+    """Per action value: divides it after centring (empty: 1). Denoising starts from unit
+    noise, so the values should be about unit scale."""
+    state_center: tuple[float, ...] = ()
+    """Per state value, like ``action_center``."""
+    state_scale: tuple[float, ...] = ()
+    """Per state value, like ``action_scale``."""
     eps: float = 1e-6
     """Norm epsilon (Wan2.1: 1e-6)."""
     qk_norm: bool = True
@@ -90,6 +108,21 @@ class ModelConfig:
             raise ValueError(
                 f"action_mode {self.action_mode!r} needs action_dim and action_horizon > 0"
             )
+        if (self.state_dim or self.committed_actions) and self.action_mode != "predict":
+            raise ValueError("state_dim and committed_actions need action_mode 'predict'")
+        if self.state_dim < 0:
+            raise ValueError(f"state_dim must be >= 0, got {self.state_dim}")
+        for name, size in (
+            ("action_center", self.action_dim),
+            ("action_scale", self.action_dim),
+            ("state_center", self.state_dim),
+            ("state_scale", self.state_dim),
+        ):
+            value = getattr(self, name)
+            if value and len(value) != size:
+                raise ValueError(f"{name} has {len(value)} values, need {size} (or none)")
+        if any(v <= 0 for v in self.action_scale + self.state_scale):
+            raise ValueError("action_scale and state_scale must be positive")
         pt, ph, pw = self.patch
         if self.latent_frames % pt or self.latent_height % ph or self.latent_width % pw:
             raise ValueError(
@@ -131,9 +164,14 @@ class ModelConfig:
         return self.action_horizon if self.action_mode == "predict" else 0
 
     @property
+    def state_tokens(self) -> int:
+        """One state token per camera frame of the chunk."""
+        return self.frames_per_chunk if self.state_dim else 0
+
+    @property
     def tokens_per_chunk(self) -> int:
         """N: tokens one chunk carries through every block."""
-        return self.video_tokens + self.action_tokens
+        return self.video_tokens + self.action_tokens + self.state_tokens
 
     @property
     def image_size(self) -> tuple[int, int]:
@@ -198,6 +236,9 @@ def _wan(name: str, **kw) -> ModelConfig:
     base.update(kw)
     return ModelConfig(name=name, **base)
 
+
+_PUSH_JOINT_CENTER = (1.0, 1.75)
+_PUSH_JOINT_SCALE = (0.45, 0.45)
 
 PRESETS: dict[str, ModelConfig] = {
     # Tests: seconds on a CPU. 16x16 images, 32 tokens per chunk + 4 action tokens.
@@ -265,6 +306,42 @@ PRESETS: dict[str, ModelConfig] = {
         action_mode="condition",
         prediction="x0",
     ),
+    # The demo scene's world-action model (push-wam, physis_ros/weights): push-wm's backbone and
+    # camera, a token per 2x2 latent cells of both frames (16 video tokens, half push-wm's:
+    # a CPU trains it in half the time); each chunk also carries 12 joint-target rows at
+    # 20 Hz (0.6 s from the chunk's first frame: one chunk period of its own and two beyond,
+    # so consecutive chunks overlap and a chunk that arrives up to ~0.4 s late still has rows
+    # to execute), a known/committed flag per row, and one state token per frame (joint
+    # positions, velocities, wrench).
+    # Normalisation: the spread of the expert's joint targets and of the contact forces.
+    "push-wam": ModelConfig(
+        name="push-wam",
+        num_blocks=3,
+        dim=256,
+        num_heads=4,
+        ffn_dim=768,
+        freq_dim=64,
+        text_dim=16,
+        text_len=4,
+        in_channels=48,
+        patch=(2, 2, 2),
+        latent_frames=2,
+        latent_height=8,
+        latent_width=8,
+        codec="pixel",
+        codec_stride=(1, 4, 4),
+        action_dim=2,
+        action_horizon=12,
+        action_mode="predict",
+        state_dim=10,
+        committed_actions=True,
+        action_center=_PUSH_JOINT_CENTER,
+        action_scale=_PUSH_JOINT_SCALE,
+        state_center=_PUSH_JOINT_CENTER + (0.0,) * 8,
+        # rad/s; N (about the contact forces' spread); N·m (the planar tip torque is small)
+        state_scale=(*_PUSH_JOINT_SCALE, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.02),
+        prediction="x0",
+    ),
     # Wan2.1 T2V 1.3B at 480x832: 1560 tokens per latent frame, 3 latent frames per chunk.
     "wan2.1-1.3b": _wan("wan2.1-1.3b", num_blocks=30, dim=1536, num_heads=12, ffn_dim=8960),
     # Wan2.2 TI2V 5B at 704x1280: VAE 4x16x16, 48 latent channels, 880 tokens per frame.
@@ -285,6 +362,16 @@ PRESETS: dict[str, ModelConfig] = {
     "dit-22b": _wan("dit-22b", num_blocks=50, dim=5888, num_heads=46, ffn_dim=13824),
     "dit-33b": _wan("dit-33b", num_blocks=50, dim=7168, num_heads=56, ffn_dim=17408),
 }
+
+
+# push-wam without the wrench: joint positions and velocities only (what removing it costs)
+PRESETS["push-wam-nowrench"] = dataclasses.replace(
+    PRESETS["push-wam"],
+    name="push-wam-nowrench",
+    state_dim=4,
+    state_center=PRESETS["push-wam"].state_center[:4],
+    state_scale=PRESETS["push-wam"].state_scale[:4],
+)
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:

@@ -35,7 +35,13 @@ from physis_ros.engine.placement import (
 )
 from physis_ros.engine.prompts import PromptBook, trained_empty_prompt
 from physis_ros.engine.runtime import MODES, ChunkResult, InProcRuntime
-from physis_ros.engine.sampler import pack_chunk, unpack_chunk
+from physis_ros.engine.sampler import (
+    pack_chunk,
+    request_actions,
+    request_state,
+    unpack_chunk,
+    unpack_state,
+)
 from physis_ros.engine.stage import measure_block_ms
 
 log = logging.getLogger(__name__)
@@ -196,14 +202,20 @@ class LocalEngine:
         self.codec.close(stream_id)
 
     def submit_context(
-        self, stream_id: int, frames: np.ndarray, actions: np.ndarray | None = None
+        self,
+        stream_id: int,
+        frames: np.ndarray,
+        actions: np.ndarray | None = None,
+        state: np.ndarray | None = None,
     ) -> int:
         self._check_alive()
         latent = self.codec.encode(frames, stream_id=stream_id)
-        act = (
-            self._actions(actions) if self.cfg.action_mode != "none" else self._no_actions(actions)
+        x = pack_chunk(
+            self.cfg,
+            latent.cpu(),
+            request_actions(self.cfg, actions, context=True),
+            request_state(self.cfg, state),
         )
-        x = pack_chunk(self.cfg, latent.cpu(), act)
         with self._lock:
             c = self.runtime.controller.submit_context(stream_id, x)
             self.runtime.controller.pump()
@@ -212,10 +224,7 @@ class LocalEngine:
 
     def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
         self._check_alive()
-        if self.cfg.action_mode == "condition":
-            act = self._actions(actions)
-        else:
-            act = self._no_actions(actions)
+        act = request_actions(self.cfg, actions, context=False)
         with self._lock:
             c = self.runtime.controller.submit_generate(stream_id, act)
             self.runtime.controller.pump()
@@ -248,24 +257,6 @@ class LocalEngine:
         self.shutdown()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _actions(self, actions: np.ndarray | None) -> torch.Tensor | None:
-        if actions is None:
-            return None
-        arr = np.asarray(actions, dtype=np.float32)
-        shape = (self.cfg.action_horizon, self.cfg.action_dim)
-        if arr.shape != shape:
-            raise ValueError(f"actions have shape {arr.shape}, model {self.cfg.name} needs {shape}")
-        if not np.isfinite(arr).all():
-            raise ValueError("actions contain NaN or inf")
-        return torch.from_numpy(arr.copy())
-
-    def _no_actions(self, actions: np.ndarray | None) -> None:
-        if actions is not None:
-            raise ValueError(
-                f"model {self.cfg.name} (action_mode {self.cfg.action_mode!r}) "
-                "takes no commanded actions here"
-            )
-
     def _check_alive(self) -> None:
         if self._failure is not None:
             raise StreamFailed(f"engine stopped: {self._failure!r}") from self._failure
@@ -294,11 +285,13 @@ class LocalEngine:
         x = res.x.float().cpu()
         latent, actions = unpack_chunk(self.cfg, x)
         frames = self.codec.decode(latent, stream_id=res.stream_id, chunk=res.chunk)
+        state = unpack_state(self.cfg, x)
         return ChunkOutput(
             stream_id=res.stream_id,
             chunk=res.chunk,
             frames=frames,
             actions=actions.numpy().copy() if self.cfg.action_mode == "predict" else None,
+            state=None if state is None else state.numpy().copy(),
             entered_s=res.created_s,
             left_s=res.left_s,
             decoded_s=time.monotonic(),

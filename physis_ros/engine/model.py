@@ -8,12 +8,14 @@ and batching use these functions lives in ``stage.py``; the chunk layout in ``sa
 Shapes: B batch (tasks or sequences), S segments per row (chunks), n tokens per chunk,
 D dim, H heads, d head dim, Lt conditioning tokens, P = C*pt*ph*pw values per video token.
 A chunk's state ``x`` is flat: video tokens [Nv, P] (feature order (c, pt, ph, pw), the
-Conv3d weight flattening) ++ action values [H_a, A] (``sampler.pack_chunk``).
+Conv3d weight flattening) ++ action values [H_a, A] ++ state values [F, S] ++ action-row
+flags [H_a] (the last two only where the config has them; ``sampler.pack_chunk``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -148,6 +150,11 @@ class WanDiT(nn.Module):
         if cfg.action_mode == "predict":
             self.action_embedding = stem.action_embedding
             self.action_head = stem.action_head
+            if cfg.committed_actions:
+                self.action_known = stem.action_known
+            if cfg.state_dim:
+                self.state_embedding = stem.state_embedding
+                self.state_head = stem.state_head
         elif cfg.action_mode == "condition":
             self.action_cond = stem.action_cond
         ids = set(range(cfg.num_blocks)) if block_ids is None else set(block_ids)
@@ -223,6 +230,11 @@ class _Stem(nn.Module):
         if cfg.action_mode == "predict":
             self.action_embedding = nn.Linear(a, d)
             self.action_head = nn.Linear(d, a)
+            if cfg.committed_actions:  # flag 1: the row's value is known (clean)
+                self.action_known = nn.Linear(1, d, bias=False)
+            if cfg.state_dim:
+                self.state_embedding = nn.Linear(cfg.state_dim, d)
+                self.state_head = nn.Linear(d, cfg.state_dim)
         elif cfg.action_mode == "condition":
             self.action_cond = nn.Sequential(
                 nn.Linear(cfg.action_horizon * a, d), nn.SiLU(), nn.Linear(d, d)
@@ -339,20 +351,28 @@ def time_embed(
     e = model.time_embedding(sinusoidal(cfg.freq_dim, sigma * TIME_SCALE).to(dt))
     if cfg.action_mode == "condition":
         assert x is not None
-        e = e + model.action_cond(x[..., cfg.video_tokens * cfg.patch_dim :].to(dt))
+        e = e + model.action_cond(x[..., chunk_layout(cfg).actions].to(dt))
     e0 = model.time_projection(e).unflatten(-1, (6, cfg.dim))
     return e, e0
 
 
 def embed_tokens(model: WanDiT, x: torch.Tensor) -> torch.Tensor:
-    """x [..., X] -> h [..., n, D] (video tokens, then action tokens in predict mode)."""
+    """x [..., X] -> h [..., n, D] (video tokens, then action tokens, then state tokens in
+    predict mode)."""
     cfg = model.cfg
     nv, p = cfg.video_tokens, cfg.patch_dim
     x = x.to(model.dtype)
     h = model.patch_embedding(x[..., : nv * p].unflatten(-1, (nv, p)))
     if cfg.action_mode == "predict":
-        act = x[..., nv * p :].unflatten(-1, (cfg.action_horizon, cfg.action_dim))
-        h = torch.cat([h, model.action_embedding(act)], dim=-2)
+        lay = chunk_layout(cfg)
+        act = x[..., lay.actions].unflatten(-1, (cfg.action_horizon, cfg.action_dim))
+        tokens = [h, model.action_embedding(act)]
+        if cfg.committed_actions:
+            tokens[1] = tokens[1] + model.action_known(x[..., lay.known, None])
+        if cfg.state_dim:
+            state = x[..., lay.state].unflatten(-1, (cfg.state_tokens, cfg.state_dim))
+            tokens.append(model.state_embedding(state))
+        h = torch.cat(tokens, dim=-2)
     return h
 
 
@@ -372,13 +392,32 @@ def head_velocity(
     y = F.layer_norm(h, (cfg.dim,), eps=cfg.eps) * (1 + scale) + shift
     out = model.head.head(y[..., :nv, :])[..., model.head_perm].flatten(-2).float()
     if cfg.action_mode == "predict":
-        out = torch.cat([out, model.action_head(y[..., nv:, :]).flatten(-2).float()], dim=-1)
+        na = cfg.action_tokens
+        parts = [out, model.action_head(y[..., nv : nv + na, :]).flatten(-2).float()]
+        if cfg.state_dim:
+            parts.append(model.state_head(y[..., nv + na :, :]).flatten(-2).float())
+        out = torch.cat(parts, dim=-1)
     if cfg.prediction == "x0":
         assert x is not None and sigma is not None, "an x0 head needs the states and sigmas"
         # v = (x - x0) / sigma; context chunks (sigma 0) are never stepped: their v only has
         # to stay finite (the training loss masks it)
         s = sigma.float().clamp_min(X0_MIN_SIGMA)[..., None]
         out = (x[..., : out.shape[-1]].float() - out) / s
+    if cfg.committed_actions:
+        # known rows are conditioning: never updated (v = 0), and so are the flags
+        assert x is not None, "a model with committed actions needs the chunk states"
+        lay = chunk_layout(cfg)
+        free = 1.0 - x[..., lay.known].float()  # [..., H]
+        act = out[..., lay.actions].unflatten(-1, (cfg.action_horizon, cfg.action_dim))
+        out = torch.cat(
+            [
+                out[..., : lay.actions.start],
+                (act * free[..., None]).flatten(-2),
+                out[..., lay.actions.stop :],
+                out.new_zeros(*out.shape[:-1], cfg.action_horizon),
+            ],
+            dim=-1,
+        )
     if cfg.action_mode == "condition":
         out = torch.cat(
             [out, out.new_zeros(*out.shape[:-1], cfg.action_horizon * cfg.action_dim)], -1
@@ -400,6 +439,7 @@ def token_positions(cfg: ModelConfig, chunk: torch.Tensor) -> torch.Tensor:
 
     Video token (t, i, j): t = chunk * T_grid + t (absolute frame index in the stream).
     Action token j: (chunk's first frame, grid_h, j), which no video token has.
+    State token f (camera frame f of the chunk): (its latent frame, grid_h + 1, 0).
     """
     gt, gh, gw = cfg.grid
     tt, hh, ww = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
@@ -408,6 +448,10 @@ def token_positions(cfg: ModelConfig, chunk: torch.Tensor) -> torch.Tensor:
         j = torch.arange(cfg.action_tokens, dtype=torch.float64)
         act = torch.stack([torch.zeros_like(j), torch.full_like(j, gh), j], -1)
         base = torch.cat([base, act])
+    if cfg.state_tokens:
+        f = torch.arange(cfg.state_tokens, dtype=torch.float64)
+        t = torch.div(f * gt, cfg.state_tokens, rounding_mode="floor")
+        base = torch.cat([base, torch.stack([t, torch.full_like(f, gh + 1), 0 * f], -1)])
     base = base.to(chunk.device)
     off = torch.zeros(*chunk.shape, 1, 3, dtype=torch.float64, device=chunk.device)
     off[..., 0, 0] = chunk.to(torch.float64) * gt
@@ -551,8 +595,15 @@ def forward_sequence(
             f"x_seq has {xdim} values per chunk; model {cfg.name} needs {chunk_numel(cfg)}"
         )
     if actions is not None:
-        nvp = cfg.video_tokens * cfg.patch_dim
-        x_seq = torch.cat([x_seq[..., :nvp], actions.reshape(b, c, -1).to(x_seq)], -1)
+        lay = chunk_layout(cfg)
+        x_seq = torch.cat(
+            [
+                x_seq[..., : lay.actions.start],
+                actions.reshape(b, c, -1).to(x_seq),
+                x_seq[..., lay.actions.stop :],
+            ],
+            -1,
+        )
     dev = model.device
     x_seq = x_seq.to(dev)
     sigmas = sigmas.to(dev)
@@ -578,10 +629,40 @@ def forward_sequence(
     return v[0] if unbatched else v
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where each part sits in a packed chunk state x [X] (``sampler.pack_chunk``)."""
+
+    video: slice
+    actions: slice
+    """[H, A] action values (empty without actions)."""
+    state: slice
+    """[F, S] state values (empty without them)."""
+    known: slice
+    """[H] action-row flags (empty without committed actions)."""
+    denoised: int
+    """Values x[:denoised] are the generated part (the rest is conditioning)."""
+
+
+def chunk_layout(cfg: ModelConfig) -> ChunkLayout:
+    nvp = cfg.video_tokens * cfg.patch_dim
+    na = cfg.action_horizon * cfg.action_dim if cfg.action_mode != "none" else 0
+    ns = cfg.state_tokens * cfg.state_dim
+    nk = cfg.action_horizon if cfg.committed_actions else 0
+    a_end, s_end = nvp + na, nvp + na + ns
+    return ChunkLayout(
+        video=slice(0, nvp),
+        actions=slice(nvp, a_end),
+        state=slice(a_end, s_end),
+        known=slice(s_end, s_end + nk),
+        denoised=s_end if cfg.action_mode == "predict" else nvp,
+    )
+
+
 def chunk_numel(cfg: ModelConfig) -> int:
-    """X: values in a packed chunk state (video tokens ++ action values if any)."""
-    extra = cfg.action_horizon * cfg.action_dim if cfg.action_mode != "none" else 0
-    return cfg.video_tokens * cfg.patch_dim + extra
+    """X: values in a packed chunk state (video tokens ++ action values ++ state values ++
+    action-row flags, as the config has them)."""
+    return chunk_layout(cfg).known.stop
 
 
 def build_model(

@@ -4,8 +4,9 @@ weights and what the weights say about how to sample them; what the serving spec
 It knows:
 
 - a preset name (``tiny``, ``push-wm``, ``wan2.1-14b``, ...): the preset's config, with the
-  shipped trained weights when the preset has them (``physis_ros.weights.SHIPPED``), else
-  none (random weights by seed);
+  shipped trained weights when the preset has them (``physis_ros.weights.SHIPPED``; when
+  the install lacks them, an error naming the command that makes them, never random weights
+  unasked), else none (random weights by seed);
 - a ``.safetensors`` file written by ``physis-train``: its metadata names the preset and the
   window, steps and schedule shift it was trained for;
 - a model directory (upstream Wan or diffusers): ``engine.checkpoints``, which holds its
@@ -59,7 +60,7 @@ def resolve_model(
     unknown name, a missing file, a checkpoint without the metadata that says which model it
     is)."""
     from physis_ros.engine import checkpoints
-    from physis_ros.weights import SHIPPED
+    from physis_ros.weights import SHIPPED, missing_shipped_weights
 
     layout = {"latent_frames": latent_frames, "resolution": resolution, "vae": vae}
     text = str(name_or_path).strip()
@@ -74,6 +75,8 @@ def resolve_model(
         config = checkpoints.resolve_model(text, **layout).cfg
         default = SHIPPED.get(text)
         path = default if default is not None and default.exists() else None
+        if default is not None and path is None and not weights:
+            raise ValueError(missing_shipped_weights(text))
     elif checkpoints.is_model_dir(text):
         if weights:
             raise ValueError(f"model {text} is a directory with its own weights: drop weights")

@@ -4,14 +4,20 @@ A chunk's state x is one flat float32 vector: the latent as video tokens [Nv, C*
 (token order (t, h, w) of the grid, feature order (c, pt, ph, pw)) followed by the action
 values [H, A] when the model has actions. In ``predict`` mode the action values are state
 (noised and denoised); in ``condition`` mode they are the commanded actions (never updated).
+A predict-mode model may also carry state values [F, S] (proprioception per frame: observed
+in context chunks, denoised in generated ones) and a flag per action row (1: the row is known
+— reported by the robot in a context chunk, committed in a generated one — and clean; 0: it
+is generated). Actions and states enter normalised by the config's centre and scale; pack and
+unpack convert. A row of NaN in the actions given for such a model means "not known".
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from physis_ros.engine.config import ModelConfig, SamplerConfig
-from physis_ros.engine.model import chunk_numel
+from physis_ros.engine.model import chunk_layout, chunk_numel
 
 
 def sigmas(sampler: SamplerConfig) -> list[float]:
@@ -28,9 +34,9 @@ def noise_seed(stream_seed: int, chunk: int) -> int:
 
 
 def state_numel(cfg: ModelConfig) -> int:
-    """Values of x that are denoised (video tokens, plus action values in predict mode)."""
-    extra = cfg.action_horizon * cfg.action_dim if cfg.action_mode == "predict" else 0
-    return cfg.video_tokens * cfg.patch_dim + extra
+    """Values of x that are denoised (video tokens, plus action and state values in predict
+    mode)."""
+    return chunk_layout(cfg).denoised
 
 
 def initial_noise(
@@ -38,11 +44,19 @@ def initial_noise(
 ) -> torch.Tensor:
     """x^(0) of a generated chunk, [X] float32 on the CPU (drawn on the CPU for every device).
 
-    ``actions`` [H, A]: the commanded actions of a ``condition`` model (zeros if None)."""
+    ``actions`` [H, A]: the commanded actions of a ``condition`` model (zeros if None); for a
+    model with committed actions, the committed rows (NaN rows: generated), which replace the
+    noise there (the noise drawn does not depend on them)."""
     gen = torch.Generator().manual_seed(noise_seed(stream_seed, chunk))
     x = torch.randn(state_numel(cfg), generator=gen, dtype=torch.float32)
     if cfg.action_mode == "condition":
         x = torch.cat([x, _actions(cfg, actions)])
+    elif cfg.committed_actions:
+        values, known = _known_rows(cfg, actions)
+        lay = chunk_layout(cfg)
+        rows = x[lay.actions].view(cfg.action_horizon, cfg.action_dim)
+        rows[known] = values[known]
+        x = torch.cat([x, known.float()])
     elif actions is not None:
         raise ValueError(
             f"model {cfg.name} (action_mode {cfg.action_mode!r}) takes no commanded actions"
@@ -50,18 +64,54 @@ def initial_noise(
     return x
 
 
+def _check_shape(name: str, value, shape: tuple[int, int], model: str) -> torch.Tensor:
+    value = torch.as_tensor(value, dtype=torch.float32)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} have shape {tuple(value.shape)}, model {model} needs {shape}")
+    return value.cpu()
+
+
+def _normalize(values: torch.Tensor, center: tuple, scale: tuple) -> torch.Tensor:
+    if center:
+        values = values - torch.tensor(center, dtype=torch.float32)
+    if scale:
+        values = values / torch.tensor(scale, dtype=torch.float32)
+    return values
+
+
+def _denormalize(values: torch.Tensor, center: tuple, scale: tuple) -> torch.Tensor:
+    if scale:
+        values = values * torch.tensor(scale, dtype=torch.float32, device=values.device)
+    if center:
+        values = values + torch.tensor(center, dtype=torch.float32, device=values.device)
+    return values
+
+
+def _known_rows(cfg: ModelConfig, actions) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalised rows [H, A] with 0 where unknown, known [H] bool) of actions whose unknown
+    rows are NaN (None: none known)."""
+    shape = (cfg.action_horizon, cfg.action_dim)
+    if actions is None:
+        return torch.zeros(shape), torch.zeros(shape[0], dtype=torch.bool)
+    actions = _check_shape("actions", actions, shape, cfg.name)
+    nan = torch.isnan(actions)
+    known = ~nan.any(-1)
+    if (nan.any(-1) != nan.all(-1)).any():
+        raise ValueError("a row of actions is partly NaN (a whole row of NaN means unknown)")
+    if torch.isinf(actions).any():
+        raise ValueError("actions contain inf")
+    values = _normalize(torch.where(nan, 0.0, actions), cfg.action_center, cfg.action_scale)
+    return torch.where(known[:, None], values, 0.0), known
+
+
 def _actions(cfg: ModelConfig, actions: torch.Tensor | None) -> torch.Tensor:
     shape = (cfg.action_horizon, cfg.action_dim)
     if actions is None:
         return torch.zeros(shape[0] * shape[1])
-    actions = torch.as_tensor(actions, dtype=torch.float32)
-    if tuple(actions.shape) != shape:
-        raise ValueError(
-            f"actions have shape {tuple(actions.shape)}, model {cfg.name} needs {shape}"
-        )
+    actions = _check_shape("actions", actions, shape, cfg.name)
     if not torch.isfinite(actions).all():
         raise ValueError("actions contain NaN or inf")
-    return actions.reshape(-1).cpu()
+    return _normalize(actions, cfg.action_center, cfg.action_scale).reshape(-1)
 
 
 def latent_to_tokens(cfg: ModelConfig, latent: torch.Tensor) -> torch.Tensor:
@@ -88,23 +138,107 @@ def tokens_to_latent(cfg: ModelConfig, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def pack_chunk(
-    cfg: ModelConfig, latent: torch.Tensor, actions: torch.Tensor | None = None
+    cfg: ModelConfig,
+    latent: torch.Tensor,
+    actions: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """latent [C, T, h, w] (+ actions [H, A]) -> x [X] float32."""
+    """latent [C, T, h, w] (+ actions [H, A], + state [F, S]) -> x [X] float32: an observed
+    chunk. A model with committed actions takes unknown rows as NaN (flag 0)."""
     x = latent_to_tokens(cfg, latent.float()).reshape(-1)
-    if cfg.action_mode != "none":
-        x = torch.cat([x, _actions(cfg, actions).to(x.device)])
+    parts = [x]
+    if cfg.committed_actions:
+        values, known = _known_rows(cfg, actions)
+        parts.append(values.reshape(-1))
+    elif cfg.action_mode != "none":
+        parts.append(_actions(cfg, actions))
     elif actions is not None:
         raise ValueError(f"model {cfg.name} has no actions")
-    return x
+    if cfg.state_dim:
+        if state is None:
+            raise ValueError(f"model {cfg.name} needs the state [F, S] of each observed frame")
+        shape = (cfg.state_tokens, cfg.state_dim)
+        state = _check_shape("state values", state, shape, cfg.name)
+        if not torch.isfinite(state).all():
+            raise ValueError("state values contain NaN or inf")
+        parts.append(_normalize(state, cfg.state_center, cfg.state_scale).reshape(-1))
+    elif state is not None:
+        raise ValueError(f"model {cfg.name} takes no state values")
+    if cfg.committed_actions:
+        parts.append(known.float())
+    return torch.cat([p.to(x.device) for p in parts])
 
 
 def unpack_chunk(cfg: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [X] -> (latent [C, T, h, w], actions [H, A] or None)."""
+    """x [X] -> (latent [C, T, h, w], actions [H, A] in the robot's units, or None)."""
     if x.numel() != chunk_numel(cfg):
         raise ValueError(f"chunk has {x.numel()} values, model {cfg.name} needs {chunk_numel(cfg)}")
-    nvp = cfg.video_tokens * cfg.patch_dim
-    latent = tokens_to_latent(cfg, x[:nvp].reshape(cfg.video_tokens, cfg.patch_dim))
+    lay = chunk_layout(cfg)
+    latent = tokens_to_latent(cfg, x[lay.video].reshape(cfg.video_tokens, cfg.patch_dim))
     if cfg.action_mode == "none":
         return latent, None
-    return latent, x[nvp:].reshape(cfg.action_horizon, cfg.action_dim)
+    actions = x[lay.actions].reshape(cfg.action_horizon, cfg.action_dim)
+    return latent, _denormalize(actions, cfg.action_center, cfg.action_scale)
+
+
+def unpack_state(cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor | None:
+    """x [X] -> the state values [F, S] in the robot's units (None: the model has none)."""
+    if not cfg.state_dim:
+        return None
+    values = x[chunk_layout(cfg).state].reshape(cfg.state_tokens, cfg.state_dim)
+    return _denormalize(values, cfg.state_center, cfg.state_scale)
+
+
+def request_actions(cfg: ModelConfig, actions, *, context: bool) -> torch.Tensor | None:
+    """Checks the actions an engine caller passes (numpy or torch, [H, A]) and returns them
+    as a CPU tensor. Observed chunks take actions when the model has any; generate requests
+    take them for a ``condition`` model (commanded) and a model with committed actions (NaN
+    rows: generated)."""
+    if actions is None:
+        return None
+    allowed = (
+        cfg.action_mode != "none"
+        if context
+        else (cfg.action_mode == "condition" or cfg.committed_actions)
+    )
+    if not allowed:
+        raise ValueError(
+            f"model {cfg.name} (action_mode {cfg.action_mode!r}) takes no "
+            + (
+                "actions with observations"
+                if context
+                else "commanded actions with generate requests"
+            )
+        )
+    arr = torch.as_tensor(np.asarray(actions, dtype=np.float32)).clone()
+    shape = (cfg.action_horizon, cfg.action_dim)
+    if tuple(arr.shape) != shape:
+        raise ValueError(f"actions have shape {tuple(arr.shape)}, model {cfg.name} needs {shape}")
+    if cfg.committed_actions:
+        _known_rows(cfg, arr)  # NaN rows allowed, partial rows and inf are not
+    elif not torch.isfinite(arr).all():
+        raise ValueError("actions contain NaN or inf")
+    return arr
+
+
+def request_state(cfg: ModelConfig, state) -> torch.Tensor | None:
+    """Checks an observed chunk's state values [F', S] (F' <= frames per chunk; the newest
+    row is repeated to fill, as the codec does with frames)."""
+    if state is None:
+        if cfg.state_dim:
+            raise ValueError(f"model {cfg.name} needs the state [F, S] of each observed frame")
+        return None
+    if not cfg.state_dim:
+        raise ValueError(f"model {cfg.name} takes no state values")
+    arr = torch.as_tensor(np.asarray(state, dtype=np.float32)).clone()
+    f = cfg.state_tokens
+    if arr.dim() != 2 or arr.shape[1] != cfg.state_dim or not 1 <= arr.shape[0] <= f:
+        raise ValueError(
+            f"state values have shape {tuple(arr.shape)}, model {cfg.name} needs "
+            f"[F<={f}, {cfg.state_dim}]"
+        )
+    if not torch.isfinite(arr).all():
+        raise ValueError("state values contain NaN or inf")
+    if arr.shape[0] < f:
+        arr = torch.cat([arr, arr[-1:].expand(f - arr.shape[0], -1)])
+    return arr

@@ -5,6 +5,9 @@ otherwise (``--weights``, ``--model``, ``--steps``, ``--window``, ``--shift``, `
 fed window by window. Over the link: ``--link HOST:PORT`` streams the bags to a running
 physis-serve, ``--serve-local`` to a physis-serve child on 127.0.0.1 serving those same engine
 settings (see link_replay.py for what is scored there).
+Closed loop (``--closed-loop``, no bags): a world-action model (default: the shipped push-wam)
+drives the goal-push task in simulation for ``--episodes`` held-out episodes at each
+``--delay-ms``, beside the scripted expert; see closed_loop.py.
 Prints one JSON summary line on stdout; progress and skip messages go to stderr.
 Exit status: 0 when at least one window was scored, 1 when none could be (or the server could
 not be reached), 2 on bad usage.
@@ -25,7 +28,7 @@ from physis_ros.eval.evaluate import EvalConfig, ModelInfo, evaluate
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="physis-eval", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "bags", nargs="+", help="rosbag2 folders (or .mcap/.db3 files), or folders of bags"
+        "bags", nargs="*", help="rosbag2 folders (or .mcap/.db3 files), or folders of bags"
     )
     p.add_argument(
         "--out", type=Path, default=Path("eval_report"), help="report folder (default eval_report)"
@@ -108,6 +111,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="bag seconds replayed per bag (0: all)",
     )
+    c = p.add_argument_group("closed loop (a world-action model drives the simulated robot)")
+    c.add_argument("--closed-loop", action="store_true", help="run episodes instead of bags")
+    c.add_argument("--episodes", type=int, default=20, help="episodes per run (default 20)")
+    c.add_argument(
+        "--seed0", type=int, default=10_000, help="task seed of the first episode (held out)"
+    )
+    c.add_argument(
+        "--delay-ms",
+        type=finite_float,
+        nargs="+",
+        default=[0.0],
+        help="response latencies to run at (ms; the control period is 50 ms)",
+    )
+    c.add_argument(
+        "--modes",
+        nargs="+",
+        default=["crossfade", "replace", "naive"],
+        choices=["crossfade", "replace", "naive"],
+        help="execution: delay-aware with crossfade or replace joins, or naive (no delay handling)",
+    )
+    c.add_argument("--no-expert", action="store_true", help="skip the scripted expert's run")
+    c.add_argument("--fade-rows", type=int, default=4, help="rows a crossfade spans")
+    c.add_argument(
+        "--time-limit-s",
+        type=finite_float,
+        default=None,
+        help="simulated seconds an episode may take to reach the goal (default: the task's 15)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -172,11 +203,17 @@ def engine_from_args(args) -> tuple[object, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.closed_loop:
+        from physis_ros.eval.closed_loop_cli import run_closed_loop
+
+        return run_closed_loop(args, parser, argv)
     if args.out.exists() and not args.out.is_dir():
         # checked before the run: the report is written after it
         raise UsageError(
             f"--out {args.out} exists and is not a folder", "choose another --out or remove it"
         )
+    if not args.bags:
+        parser.error("give bags to replay, or --closed-loop")
     over_link = bool(args.link or args.serve_local)
     engine = None
     try:

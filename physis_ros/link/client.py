@@ -562,6 +562,9 @@ class LinkClient:
             received_ns=received_ns,
             hop_ms=hop_ms,
             server_drops=drops,
+            action_start_ns=p.action_start_ns,
+            action_dt_ns=p.action_dt_ns,
+            known_action_rows=p.known_action_rows,
         )
 
     def _take_counters(self, counters: pb.StreamCounters) -> dict[str, int]:

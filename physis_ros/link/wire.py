@@ -97,6 +97,11 @@ class Observation:
     joint_velocities: np.ndarray | None = None
     action: np.ndarray | None = None
     """[A] or [H, A] commanded action, float32."""
+    commands: np.ndarray | None = None
+    """[N, A] float32 joint targets at commands_start_ns + i * commands_dt_ns (robot clock):
+    what was commanded before the capture and what is committed after it."""
+    commands_start_ns: int = 0
+    commands_dt_ns: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +126,12 @@ class Prediction:
     """Per-hop latencies; the cross-host ones (uplink, downlink) corrected by the clock offset."""
     server_drops: dict[str, int] = field(default_factory=dict)
     """Server-side drop counts of this stream so far, by reason."""
+    action_start_ns: int = 0
+    """Robot clock: the time row 0 of ``actions`` is for (0: not stated)."""
+    action_dt_ns: int = 0
+    """Robot clock ns between rows (with action_start_ns)."""
+    known_action_rows: int = 0
+    """Leading rows that are the robot's own committed ones."""
 
 
 HOP_NAMES = ("received", "queued", "entered", "left", "decoded", "sent")
@@ -284,6 +295,10 @@ def observation_to_proto(
         array_to_tensor(obs.joint_velocities, o.joint_velocities)
     if obs.action is not None:
         array_to_tensor(np.asarray(obs.action, dtype=np.float32), o.action)
+    if obs.commands is not None:
+        array_to_tensor(np.asarray(obs.commands, dtype=np.float32), o.commands)
+        o.commands_start_ns = obs.commands_start_ns
+        o.commands_dt_ns = obs.commands_dt_ns
     return msg
 
 
@@ -487,6 +502,13 @@ def observation_from_proto(
     action = opt("action")
     if action is not None and action.ndim not in (1, 2):
         raise WireError("bad_tensor", f"action has shape {action.shape}, expected [A] or [H, A]")
+    commands = opt("commands")
+    if commands is not None and (commands.ndim != 2 or o.commands_dt_ns <= 0):
+        raise WireError(
+            "bad_tensor",
+            f"commands have shape {commands.shape} and dt {o.commands_dt_ns} ns, expected "
+            "[N, A] and dt > 0",
+        )
     image = None
     if o.HasField("image"):
         img = o.image
@@ -506,6 +528,9 @@ def observation_from_proto(
         joint_positions=positions,
         joint_velocities=velocities,
         action=action,
+        commands=commands,
+        commands_start_ns=o.commands_start_ns if commands is not None else 0,
+        commands_dt_ns=o.commands_dt_ns if commands is not None else 0,
     )
 
 

@@ -59,6 +59,7 @@ from physis_ros.nodes.pairing import (
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import ChunkOverlap, DropCounter, RateMeter, RollingWindow
+from physis_ros.nodes.wam_execution import ActionExecution, ExecutionConfig
 
 _OBSERVED_IMAGES_KEPT = 16  # recent observed images (full size), for the side-by-side view
 _MEASURED_INTERVAL_MIN_SAMPLES = 10
@@ -87,6 +88,16 @@ class Bridge(Node):
             )
         )
         self.commands = CommandHistory(max_age_s=self.p.command_max_age_s)
+        # timed chunks of a world-action model: joined into one trajectory (wam_execution.py)
+        self.execution = ActionExecution(
+            ExecutionConfig(
+                execution=self.p.execution,
+                join=self.p.join,
+                fade_rows=self.p.fade_rows,
+                commands_dt_s=self.p.commands_dt_s,
+            ),
+            self.commands,
+        )
         # The action columns' joints: fixed by parameter, else on the first command.
         self._command_order: tuple[str, ...] = self.p.command_joint_names or self.p.action_names
         self.rates = {name: RateMeter() for name in ("image", "wrench", "joints", "command")}
@@ -263,6 +274,7 @@ class Bridge(Node):
             )
             return
         self.counts["commands"] += 1
+        self.execution.on_command(command_stamp_ns, np.asarray(positions, np.float64))
         waiting = self._awaiting_command
         if waiting is not None and command_stamp_ns >= waiting[0].image.stamp_ns:
             self._awaiting_command = None  # every command before the image is in now
@@ -349,6 +361,10 @@ class Bridge(Node):
             self._observed[seq] = observed
             while len(self._observed) > _OBSERVED_IMAGES_KEPT:
                 self._observed.popitem(last=False)
+        timeline = None
+        if promise is not None and promise.action_dim > 0 and self.p.command_topic:
+            # a world-action model continues the rows the robot committed (wam_execution.py)
+            timeline = self.execution.command_timeline(paired.image.stamp_ns)
         obs = Observation(
             seq=seq,
             capture_stamp_ns=paired.image.stamp_ns,
@@ -364,6 +380,9 @@ class Bridge(Node):
             joint_positions=positions,
             joint_velocities=velocities,
             action=action,
+            commands=None if timeline is None else timeline[0],
+            commands_start_ns=0 if timeline is None else timeline[1],
+            commands_dt_ns=0 if timeline is None else timeline[2],
         )
         self.client.send_observation(obs)  # non-blocking: newest wins inside the client
         self.counts["sent"] += 1
@@ -422,6 +441,7 @@ class Bridge(Node):
         if pred.stream_id != self._stream_id:  # a new stream (e.g. server restart) renumbers chunks
             self._stream_id = pred.stream_id
             self.gate.reset_stream()
+            self.execution.restart()
         interval_s = self.interval_s()
         self.gate.set_interval(interval_s)
         start_ns = pred.received_ns + int(self.p.action_lead_s * 1e9)
@@ -439,6 +459,9 @@ class Bridge(Node):
             )
             return
         actions = np.asarray(pred.actions, dtype=np.float32).reshape(len(pred.actions), -1)
+        if pred.action_start_ns > 0 and pred.action_dt_ns > 0:
+            self._publish_timed_chunk(pred, actions)
+            return
         dt_s = self.p.action_dt_s or interval_s / max(1, actions.shape[0])
         decision = self.gate.on_chunk(
             now_ns=self.now_ns(),
@@ -457,6 +480,49 @@ class Bridge(Node):
             decision.start_ns,
             dt_s,
             ActionChunk.SOURCE_MODEL,
+            stream_id=pred.stream_id,
+            chunk_index=pred.chunk_index,
+            observation_seq=pred.observation_seq,
+            observation_stamp_ns=pred.observation_stamp_ns,
+        )
+        self.counts["chunks_published"] += 1
+
+    def _publish_timed_chunk(self, pred: Prediction, actions: np.ndarray) -> None:
+        """A chunk whose rows say the time they are for (a world-action model's): the gate
+        refuses stale or out-of-order chunks and trims past rows, the execution joins what is
+        left to the committed trajectory, which goes out whole from now on."""
+        now_ns = self.now_ns()
+        dt_s = pred.action_dt_ns / 1e9
+        decision = self.gate.on_chunk(
+            now_ns=now_ns,
+            chunk_index=pred.chunk_index,
+            actions=actions,
+            start_ns=pred.action_start_ns if self.p.execution == "delay_aware" else now_ns,
+            dt_s=dt_s,
+            observation_stamp_ns=pred.observation_stamp_ns if pred.observation_seq >= 0 else 0,
+        )
+        if not decision.publish:
+            self.counts["chunks_expired"] += 1
+            self.drops.add(f"chunk:{decision.reason}")
+            return
+        report = self.execution.accept(
+            actions=actions.astype(np.float64),
+            start_ns=pred.action_start_ns,
+            dt_ns=pred.action_dt_ns,
+            chunk_index=pred.chunk_index,
+            now_ns=now_ns,
+        )
+        if not report.accepted:
+            self.counts["chunks_expired"] += 1
+            self.drops.add(f"chunk:{report.reason}")
+            return
+        self._publish_actions(
+            decision.actions,
+            decision.start_ns,
+            dt_s,
+            ActionChunk.SOURCE_MODEL,
+            trajectory=self.execution.trajectory(now_ns),
+            trajectory_stamp_ns=now_ns,
             stream_id=pred.stream_id,
             chunk_index=pred.chunk_index,
             observation_seq=pred.observation_seq,
@@ -497,8 +563,19 @@ class Bridge(Node):
         return list(latest.value[0]) if latest is not None else []
 
     def _publish_actions(
-        self, actions: np.ndarray, start_ns: int, dt_s: float, source: int, **ids
+        self,
+        actions: np.ndarray,
+        start_ns: int,
+        dt_s: float,
+        source: int,
+        *,
+        trajectory: tuple[np.ndarray, np.ndarray] | None = None,
+        trajectory_stamp_ns: int = 0,
+        **ids,
     ) -> None:
+        """``actions`` go out as the ActionChunk; the JointTrajectory is ``trajectory``
+        (time_from_start [P] ns from ``trajectory_stamp_ns``, rows [P, A]) when given, else
+        the rows at start + i * dt."""
         joint_names = self._joint_names()
         names = list(self.p.action_names) or [
             joint_names[i] if i < len(joint_names) else f"action_{i}"
@@ -516,7 +593,17 @@ class Bridge(Node):
             )
         )
         traj_names = joint_names[: actions.shape[1]]
-        if traj_names:
+        if traj_names and trajectory is not None:
+            from_start_ns, rows = trajectory
+            self.traj_pub.publish(
+                outputs.timed_trajectory_msg(
+                    stamp_ns=trajectory_stamp_ns,
+                    times_from_start_ns=from_start_ns,
+                    rows=rows,
+                    joint_names=traj_names,
+                )
+            )
+        elif traj_names:
             self.traj_pub.publish(
                 outputs.trajectory_msg(
                     actions=actions, start_ns=start_ns, dt_s=dt_s, joint_names=traj_names

@@ -10,6 +10,7 @@ from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.parameter import Parameter
 
 RELIABILITIES = ("best_effort", "reliable")
+JOINS = ("crossfade", "replace")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +92,17 @@ class BridgeParams:
     """Stop model actions after this long without a chunk (0: two intervals)."""
     max_observation_age_s: float = 2.0
     """Never publish a chunk conditioned on an observation older than this (0: no limit)."""
+    execution: str = "delay_aware"
+    """Chunks whose rows say the time they are for (world-action models): delay_aware (rows
+    at their time, past ones skipped, committed rows sent back to be continued) or naive (row
+    0 on arrival: the baseline)."""
+    join: str = "crossfade"
+    """How a timed chunk joins the committed trajectory: crossfade (blended over the overlap)
+    or replace."""
+    fade_rows: int = 4
+    """Rows a crossfade spans at most."""
+    commands_dt_s: float = 0.05
+    """Spacing of the joint-target timeline sent with each observation (world-action models)."""
     # visualisation
     camera_frame: str = "camera"
     """frame_id of the predicted and side-by-side images."""
@@ -146,6 +158,16 @@ class BridgeParams:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.execution not in ("delay_aware", "naive") or self.join not in JOINS:
+            raise ValueError(
+                f"execution {self.execution!r} must be delay_aware or naive, join {self.join!r} "
+                f"one of {JOINS}"
+            )
+        if self.fade_rows < 1 or not self.commands_dt_s > 0:
+            raise ValueError(
+                f"fade_rows {self.fade_rows} must be >= 1 and commands_dt_s "
+                f"{self.commands_dt_s} > 0"
+            )
         if self.input_depth < 1 or self.side_by_side_height < 0:
             raise ValueError(
                 f"input_depth {self.input_depth} must be >= 1 and "

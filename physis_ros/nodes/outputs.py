@@ -74,6 +74,22 @@ def trajectory_msg(
     return msg
 
 
+def timed_trajectory_msg(
+    *, stamp_ns: int, times_from_start_ns, rows: np.ndarray, joint_names: list[str]
+) -> JointTrajectory:
+    """Positions for the first len(joint_names) columns of ``rows``, point i reached
+    times_from_start_ns[i] after ``stamp_ns`` (the publishing time: "from now")."""
+    msg = JointTrajectory()
+    msg.header.stamp = time_msg(stamp_ns)
+    msg.joint_names = list(joint_names)
+    for row, from_start in zip(rows, times_from_start_ns, strict=True):
+        point = JointTrajectoryPoint()
+        point.positions = [float(v) for v in row[: len(joint_names)]]
+        point.time_from_start = duration_msg(int(from_start))
+        msg.points.append(point)
+    return msg
+
+
 def ee_path_markers(
     *,
     actions: np.ndarray,

@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True, kw_only=True)
 class Sample:
@@ -164,3 +166,17 @@ class CommandHistory:
                         return None, "stale"
                     return value, ""
         return None, "none_before_image"
+
+    def on_grid(self, start_ns: int, dt_ns: int, count: int) -> np.ndarray:
+        """The commands at start_ns + i * dt_ns, [count, A] float32: linear between the kept
+        commands, NaN before the first and after the last one kept."""
+        with self._lock:
+            kept = list(self._commands)
+        if not kept:
+            return np.full((count, 0), np.nan, np.float32)
+        stamps = np.array([s for s, _ in kept], np.float64)
+        values = np.array([v for _, v in kept], np.float64)
+        t = start_ns + dt_ns * np.arange(count, dtype=np.float64)
+        out = np.stack([np.interp(t, stamps, values[:, j]) for j in range(values.shape[1])], -1)
+        out[(t < stamps[0]) | (t > stamps[-1])] = np.nan
+        return out.astype(np.float32)

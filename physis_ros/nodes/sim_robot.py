@@ -5,7 +5,15 @@ camera): publishes ``camera/image`` (rgb8 ``sensor_msgs/Image``), ``wrench``
 (``WrenchStamped``) and ``joint_states`` at their own rates, and executes the
 ``joint_trajectory`` (``trajectory_msgs/JointTrajectory``) it receives. When no trajectory
 is fresh (none yet, or its last point ended ``trajectory_timeout_s`` ago) it falls back to
-the scene's scripted policy. Every physics step it publishes the joint targets it applied on
+the ``idle_policy``: the scene's scripted policy, or holding the last target.
+
+``task: goal_push`` runs goal-push episodes (``physis_ros.sim.task``): a goal drawn on the
+table, the box and arm at a start drawn from ``seed`` (then seed + 1, ...); an episode ends
+when the box centre is within GOAL_TOLERANCE_M of the goal (success, then
+``episode_pause_s``) or after TIME_LIMIT_S, and the next one starts; the scripted policy there
+is the task's expert. Episode results go to the log and to ``/diagnostics``.
+
+Every physics step it publishes the joint targets it applied on
 ``joint_command`` (``JointTrajectory``, one point, positions in the scene's joint order,
 stamped with the command time): the layout of the recorded bags (``physis_ros.sim.record``),
 so the bridge sees the live sim and a replayed bag alike and can condition the world model
@@ -22,6 +30,7 @@ import sys
 import threading
 
 import numpy as np
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import WrenchStamped
 from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
 from rclpy.node import Node
@@ -35,6 +44,10 @@ from physis_ros.nodes import frames
 from physis_ros.nodes.conversions import fill_image_msg
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
+from physis_ros.sim.task import GOAL_TOLERANCE_M, TIME_LIMIT_S, GoalPushExpert, sample_task
+
+TASKS = ("free", "goal_push")
+IDLE_POLICIES = ("scripted", "hold")
 
 PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
     # name, default, description, kind: "rate" (0.1..1000, settable), "fixed" (read-only), ""
@@ -51,13 +64,22 @@ PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
     (
         "trajectory_timeout_s",
         0.5,
-        "use the scripted policy once the last trajectory ended this long ago",
+        "use the idle policy once the last trajectory ended this long ago",
         "rate",
     ),
     ("table_frame", "table", "TF root: the table centre (frame of joint_command)", "fixed"),
     ("camera_frame", "camera", "frame_id of images (TF: top-down above the table)", "fixed"),
     ("tool_frame", "tool", "frame_id of the wrench (TF: the pusher at the arm's tip)", "fixed"),
     ("publish_tf", True, "publish the scene's frames on tf and tf_static (relative)", "fixed"),
+    ("task", "free", "free (the scripted scene) or goal_push (episodes with a goal)", "fixed"),
+    (
+        "idle_policy",
+        "scripted",
+        "what moves the arm while no trajectory is fresh: scripted (the scene's policy; "
+        "goal_push: the expert) or hold (the last target)",
+        "",
+    ),
+    ("episode_pause_s", 1.0, "goal_push: seconds between a success and the next episode", ""),
 )
 
 USAGE = NodeUsage(
@@ -93,6 +115,10 @@ class TrajectoryFollower:
             self._times_ns = start_ns + np.asarray(times_from_start_ns, dtype=np.int64)
             self._points = points
 
+    def clear(self) -> None:
+        with self._lock:
+            self._times_ns = self._points = None
+
     def targets(self, now_ns: int) -> np.ndarray | None:
         """Targets at ``now_ns``, or None when the trajectory is missing or has gone stale."""
         with self._lock:
@@ -110,6 +136,11 @@ class SimRobot(Node):
         for name, default, description, kind in PARAMETERS:
             self.declare_parameter(name, default, _descriptor(description, kind))
         p = {name: self.get_parameter(name).value for name in self._parameters}
+        if p["task"] not in TASKS or p["idle_policy"] not in IDLE_POLICIES:
+            raise ValueError(
+                f"task {p['task']!r} must be one of {TASKS}, idle_policy {p['idle_policy']!r} "
+                f"one of {IDLE_POLICIES}"
+            )
         self.scene = PushScene(
             SceneConfig(
                 image_height=p["image_height"], image_width=p["image_width"], seed=p["seed"]
@@ -117,6 +148,11 @@ class SimRobot(Node):
         )
         self.policy = ScriptedPolicy(p["seed"])
         self.follower = TrajectoryFollower(self.scene.joint_names, p["trajectory_timeout_s"])
+        self._idle_policy = p["idle_policy"]
+        self._held: np.ndarray | None = None
+        self.episodes = (
+            GoalEpisodes(p["seed"], p["episode_pause_s"]) if p["task"] == "goal_push" else None
+        )
         self._camera_frame, self._tool_frame = p["camera_frame"], p["tool_frame"]
         self._table_frame = p["table_frame"]
         self._state_period_s = 1.0 / p["state_rate_hz"]
@@ -167,6 +203,14 @@ class SimRobot(Node):
             self._on_trajectory,
             QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
         )
+        self.diag_pub = self.create_publisher(
+            DiagnosticArray,
+            "/diagnostics",
+            QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
+        )
+        if self.episodes is not None:
+            self.episodes.start(self.scene, self.get_clock().now().nanoseconds)
+            self.create_timer(1.0, self._on_diagnostics_timer)
         self.create_timer(self._state_period_s, self._on_state_timer)
         self.create_timer(1.0 / p["camera_rate_hz"], self._on_camera_timer)
 
@@ -191,6 +235,9 @@ class SimRobot(Node):
         start_ns = msg.header.stamp.sec * 1_000_000_000 + msg.header.stamp.nanosec
         if start_ns == 0:  # JointTrajectory convention: zero stamp means "start now"
             start_ns = self.get_clock().now().nanoseconds
+        if self.episodes is not None and start_ns < self.episodes.started_ns:
+            self.trajectories_rejected += 1  # planned for the previous episode
+            return
         self.follower.set(start_ns, times, points)
         self.trajectories_received += 1
 
@@ -202,8 +249,15 @@ class SimRobot(Node):
             targets = self.follower.targets(now.nanoseconds)
             self.executing_trajectory = targets is not None
             if targets is None:
-                targets = self.policy.joint_targets(self.scene, t_s)
-            self.scene.step(self._state_period_s, np.asarray(targets, dtype=np.float64))
+                targets = self._idle_targets(t_s)
+            self._held = np.asarray(targets, dtype=np.float64)
+            self.scene.step(self._state_period_s, self._held)
+            if self.episodes is not None:
+                ended = self.episodes.after_step(self.scene, now.nanoseconds)
+                if ended is not None:
+                    self.get_logger().info(ended)
+                    self.follower.clear()
+                    self._held = None
             q, qd, wrench = (
                 self.scene.joint_positions(),
                 self.scene.joint_velocities(),
@@ -230,6 +284,30 @@ class SimRobot(Node):
         w.wrench.torque.x, w.wrench.torque.y, w.wrench.torque.z = (float(v) for v in wrench[3:])
         self.wrench_pub.publish(w)
 
+    def _idle_targets(self, t_s: float) -> np.ndarray:
+        if self._idle_policy == "hold":
+            return self._held if self._held is not None else self.scene.joint_positions()
+        if self.episodes is not None:
+            previous = self._held if self._held is not None else self.scene.joint_positions()
+            return self.episodes.expert.joint_targets(self.scene, previous, self._state_period_s)
+        return self.policy.joint_targets(self.scene, t_s)
+
+    @quiet_at_shutdown
+    def _on_diagnostics_timer(self) -> None:
+        values = self.episodes.report(self.scene)
+        values["executing_trajectory"] = str(self.executing_trajectory)
+        status = DiagnosticStatus(
+            level=DiagnosticStatus.OK,
+            name=f"{self.get_name()}: goal_push",
+            message=f"episode {values['episode']}: {values['successes']} of "
+            f"{values['finished']} finished episodes reached the goal",
+            hardware_id="sim",
+            values=[KeyValue(key=k, value=str(v)) for k, v in values.items()],
+        )
+        array = DiagnosticArray(status=[status])
+        array.header.stamp = self.get_clock().now().to_msg()
+        self.diag_pub.publish(array)
+
     @quiet_at_shutdown
     def _on_camera_timer(self) -> None:
         stamp = self.get_clock().now().to_msg()
@@ -238,6 +316,66 @@ class SimRobot(Node):
         msg = Image()
         fill_image_msg(msg, rgb, stamp=stamp, frame_id=self._camera_frame)
         self.image_pub.publish(msg)
+
+
+class GoalEpisodes:
+    """goal_push episodes on the node's clock: starts, success or time-out, the pause, the
+    next start; counts what happened."""
+
+    def __init__(self, seed: int, pause_s: float) -> None:
+        self.seed0, self.pause_ns = seed, int(pause_s * 1e9)
+        self.index = 0
+        self.started_ns = 0
+        self.reached_ns: int | None = None
+        self.finished = self.successes = 0
+        self.times_to_goal_s: list[float] = []
+        self.expert: GoalPushExpert | None = None
+
+    def start(self, scene: PushScene, now_ns: int) -> None:
+        setup = sample_task(self.seed0 + self.index)
+        scene.set_state(
+            joints=np.array(setup.joints), box_xy=np.array(setup.box_xy), box_yaw=setup.box_yaw
+        )
+        scene.goal_xy = np.array(setup.goal_xy)
+        self.expert = GoalPushExpert(scene.goal_xy)
+        self.started_ns, self.reached_ns = now_ns, None
+
+    def after_step(self, scene: PushScene, now_ns: int) -> str | None:
+        """A line for the log when an episode ended (and the next one started), else None."""
+        error = float(np.linalg.norm(scene.box_pose()[:2] - scene.goal_xy))
+        elapsed_s = (now_ns - self.started_ns) / 1e9
+        if self.reached_ns is None and error <= GOAL_TOLERANCE_M:
+            self.reached_ns = now_ns
+            self.successes += 1
+            self.times_to_goal_s.append(elapsed_s)
+        done = self.reached_ns is not None and now_ns - self.reached_ns >= self.pause_ns
+        if not done and not (self.reached_ns is None and elapsed_s >= TIME_LIMIT_S):
+            return None
+        self.finished += 1
+        line = (
+            f"goal_push episode {self.index} (seed {self.seed0 + self.index}): "
+            + (
+                f"reached the goal in {self.times_to_goal_s[-1]:.2f} s"
+                if self.reached_ns is not None
+                else f"not within {TIME_LIMIT_S:g} s (box {error:.3f} m from the goal)"
+            )
+            + f"; {self.successes} of {self.finished} so far"
+        )
+        self.index += 1
+        self.start(scene, now_ns)
+        return line
+
+    def report(self, scene: PushScene) -> dict:
+        return {
+            "episode": self.index,
+            "seed": self.seed0 + self.index,
+            "finished": self.finished,
+            "successes": self.successes,
+            "median_time_to_goal_s": (
+                f"{float(np.median(self.times_to_goal_s)):.2f}" if self.times_to_goal_s else "-"
+            ),
+            "box_to_goal_m": f"{float(np.linalg.norm(scene.box_pose()[:2] - scene.goal_xy)):.3f}",
+        }
 
 
 def command_msg(stamp, joint_names: tuple[str, ...], targets, frame_id: str) -> JointTrajectory:

@@ -61,11 +61,14 @@ class LocalSystem:
         *,
         domain_id: int,
         model: str = "tiny",
+        weights: str | None = None,
         log_dir: str | None = None,
         server_port: int = 0,
     ) -> None:
         self.env = ros_env(domain_id)
         self.model = model
+        self.weights = weights
+        """physis-serve --weights (None: the preset's shipped or random weights)."""
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="physis_system_"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.port_file = self.log_dir / "server.port"
@@ -97,7 +100,8 @@ class LocalSystem:
             "server",
             [*launcher, "-m", "physis_ros.serve.main", "--model", self.model,
              "--host", "127.0.0.1", "--port", str(self.server_port),
-             "--port-file", str(self.port_file)],
+             "--port-file", str(self.port_file),
+             *(["--weights", self.weights] if self.weights else [])],
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

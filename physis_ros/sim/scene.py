@@ -45,6 +45,9 @@ BOX_STRIPE_RGB = (250, 240, 240)
 LINK_RGB = (40, 70, 170)
 PUSHER_RGB = (245, 200, 40)
 BASE_RGB = (60, 60, 60)
+GOAL_RGB = (70, 170, 80)
+GOAL_RADIUS_M = 0.05
+"""The goal marker (a disk of this radius) that a goal task draws under the box."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +127,21 @@ class PushScene:
         self._box_w = 0.0
         self._wrench = np.zeros(6)
         self.time_s = 0.0
+        self.goal_xy: np.ndarray | None = None
+        """Where a goal task wants the box (drawn as a green disk); None: no goal drawn."""
         self._pix = self._pixel_grid()
+
+    def set_state(self, *, joints: np.ndarray, box_xy: np.ndarray, box_yaw: float) -> None:
+        """Place the arm (at rest) and the box (still): the start of a goal task's episode."""
+        lo = np.array([a for a, _ in JOINT_LIMITS])
+        hi = np.array([b for _, b in JOINT_LIMITS])
+        self._q = np.clip(np.asarray(joints, dtype=np.float64).reshape(2), lo, hi)
+        self._qd = np.zeros(2)
+        self._box = np.asarray(box_xy, dtype=np.float64).reshape(2).copy()
+        self._box_yaw = float(box_yaw)
+        self._box_v = np.zeros(2)
+        self._box_w = 0.0
+        self._wrench = np.zeros(6)
 
     # ---- state ----
     def joint_positions(self) -> np.ndarray:
@@ -269,6 +286,9 @@ class PushScene:
         self._paint(img, ring, TABLE_MARK_RGB, pixel_m)
         rim = TABLE_HALF_M - np.maximum(np.abs(px), np.abs(py))
         self._paint(img, rim, TABLE_MARK_RGB, pixel_m)
+        if self.goal_xy is not None:  # under the box: covered when the box is on it
+            goal = np.hypot(px - self.goal_xy[0], py - self.goal_xy[1]) - GOAL_RADIUS_M
+            self._paint(img, goal, GOAL_RGB, pixel_m)
         # box with a stripe on one face so its yaw is visible
         c, s = math.cos(self._box_yaw), math.sin(self._box_yaw)
         dx, dy = px - self._box[0], py - self._box[1]

@@ -1,4 +1,5 @@
-"""The shipped weights: the push scene's world model, the embedded default that demos serve.
+"""The shipped weights: the push scene's world model (the embedded default that demos serve)
+and its world-action model.
 
 What belongs here: the path of the default checkpoint, reading a checkpoint's metadata (the
 safetensors header, parsed without torch so the robot side can read it too), and the engine
@@ -13,6 +14,8 @@ import struct
 from pathlib import Path
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "push_wm.safetensors"
+WAM_WEIGHTS = Path(__file__).resolve().parent / "push_wam.safetensors"
+"""The goal-push world-action model (``physis-train-wam``; docs/push_wam/README.md)."""
 DEFAULT_STEPS = 4
 """Denoising steps the default model is served with (measured in its eval report)."""
 DEFAULT_SHIFT = 3.0
@@ -59,8 +62,29 @@ def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         raise ValueError(f"{path}: safetensors header has a bad tensor entry: {err!r}") from None
 
 
-SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS}
+SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS, "push-wam": WAM_WEIGHTS}
 """Model presets that come with trained weights: served with them unless told otherwise."""
+
+TRAIN_COMMANDS: dict[str, str] = {
+    "push-wm": "physis-train --out out/push_wm",
+    "push-wam": "physis-train-wam --out out/push_wam",
+}
+"""The command that makes each preset's shipped weights (into OUT/weights.safetensors)."""
+
+
+def missing_shipped_weights(model: str | None) -> str | None:
+    """One line saying how to get a preset's trained weights when the install lacks them
+    (None when the preset ships none or they are there): serving such a preset on random
+    weights without being asked would look like a model that does not work."""
+    path = SHIPPED.get(model or "")
+    if path is None or path.exists():
+        return None
+    command = TRAIN_COMMANDS[str(model)]
+    made = f"{command.split('--out ', 1)[1]}/weights.safetensors"
+    return (
+        f"{model}: its trained weights ({path.name}) are not in this install; make them with "
+        f"`{command}` and pass --weights {made} (or --weights random)"
+    )
 
 
 def shipped_engine_defaults(model: str | None) -> dict:

@@ -37,7 +37,13 @@ from physis_ros.engine.codec import make_codec
 from physis_ros.engine.placement import Layout, Placement, validate_layout
 from physis_ros.engine.prompts import PromptBook, cond_to_json, trained_empty_prompt
 from physis_ros.engine.runtime import ChunkResult, Controller
-from physis_ros.engine.sampler import pack_chunk, unpack_chunk
+from physis_ros.engine.sampler import (
+    pack_chunk,
+    request_actions,
+    request_state,
+    unpack_chunk,
+    unpack_state,
+)
 from physis_ros.engine.transport import Activation
 from physis_ros.link.memtune import freeze_startup_objects
 from physis_ros.serve.dist.launch import (
@@ -409,42 +415,32 @@ class DistEngine(PlacementControl):
             return c
 
     def submit_context(
-        self, stream_id: int, frames: np.ndarray, actions: np.ndarray | None = None
+        self,
+        stream_id: int,
+        frames: np.ndarray,
+        actions: np.ndarray | None = None,
+        state: np.ndarray | None = None,
     ) -> int:
         """Encode an observation with the codec and append it as a context chunk."""
-        allowed = self.model_cfg.action_mode != "none"
+        cfg = self.model_cfg
         latent = self.codec.encode(frames, stream_id=stream_id)
-        x = pack_chunk(self.model_cfg, latent.cpu(), self._actions(actions, allowed=allowed))
+        x = pack_chunk(
+            cfg,
+            latent.cpu(),
+            request_actions(cfg, actions, context=True),
+            request_state(cfg, state),
+        )
         chunk = self.submit_context_x(stream_id, x)
         self.codec.observed(stream_id, chunk, latent)
         return chunk
 
     def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
-        act = self._actions(actions, allowed=self.model_cfg.action_mode == "condition")
+        act = request_actions(self.model_cfg, actions, context=False)
         with self._lock:
             self._check_stream(stream_id)
             c = self.controller.submit_generate(stream_id, act)
             self.controller.pump()
             return c
-
-    def _actions(self, actions: np.ndarray | None, *, allowed: bool) -> torch.Tensor | None:
-        cfg = self.model_cfg
-        if actions is None:
-            return None
-        if not allowed:
-            raise ValueError(
-                f"model {cfg.name} (action_mode {cfg.action_mode!r}) takes no "
-                "commanded actions here"
-            )
-        arr = np.asarray(actions, dtype=np.float32)
-        if arr.shape != (cfg.action_horizon, cfg.action_dim):
-            raise ValueError(
-                f"actions have shape {arr.shape}, model {cfg.name} needs "
-                f"{(cfg.action_horizon, cfg.action_dim)}"
-            )
-        if not np.isfinite(arr).all():
-            raise ValueError("actions contain NaN or inf")
-        return torch.from_numpy(arr.copy())
 
     def poll_results(self, timeout_s: float) -> list[ChunkResult]:
         """Finished generated chunks as packed states, in per-stream chunk order. Raises
@@ -468,12 +464,14 @@ class DistEngine(PlacementControl):
         for res in self.poll_results(timeout_s):
             x = res.x.float().cpu()
             latent, actions = unpack_chunk(self.model_cfg, x)
+            state = unpack_state(self.model_cfg, x)
             outputs.append(
                 ChunkOutput(
                     stream_id=res.stream_id,
                     chunk=res.chunk,
                     frames=self.codec.decode(latent, stream_id=res.stream_id, chunk=res.chunk),
                     actions=actions.numpy().copy() if predict else None,
+                    state=None if state is None else state.numpy().copy(),
                     entered_s=res.created_s,
                     left_s=res.left_s,
                     decoded_s=time.monotonic(),

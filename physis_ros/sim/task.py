@@ -1,0 +1,297 @@
+"""The goal-push task: push the box onto a goal marker, with a scripted expert and its clock.
+
+What belongs here (numpy only, no ROS, no torch): sampling an episode's start (arm, box) and
+goal from a seed, the expert (a feedback pusher that re-approaches whenever the box slips off
+its line), the perturbations that teach a learned policy to recover, the proprioceptive vector
+the bridge forwards (joint positions and velocities, the tip's wrench) and ``TaskSim``, the
+scene stepped on the task's clock. The world-action model ``push-wam`` is trained on the
+expert's episodes (``physis_ros.sim.episodes``) and driven by it in the closed loop
+(``physis_ros.eval.closed_loop``).
+
+Clock: physics at ``PHYSICS_HZ``; the camera at ``FRAME_HZ`` (frame n at n / FRAME_HZ s);
+joint targets are rows at ``CONTROL_HZ`` (row i is the target the joints are commanded to at
+i / CONTROL_HZ s; between rows the target moves linearly, as ``sim_robot`` follows a
+``JointTrajectory``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from physis_ros.sim.scene import (
+    BASE_XY,
+    BOX_HALF_M,
+    JOINT_LIMITS,
+    LINK_LENGTHS_M,
+    PUSHER_RADIUS_M,
+    PushScene,
+    SceneConfig,
+    forward_kinematics,
+    in_push_region,
+    inverse_kinematics,
+)
+
+PHYSICS_HZ = 100
+CONTROL_HZ = 20
+FRAME_HZ = 10
+TICKS_PER_ROW = PHYSICS_HZ // CONTROL_HZ
+TICKS_PER_FRAME = PHYSICS_HZ // FRAME_HZ
+GOAL_TOLERANCE_M = 0.05
+"""An episode succeeds when the box centre comes within this distance of the goal ..."""
+TIME_LIMIT_S = 15.0
+"""... within this many seconds of simulated time."""
+STATE_NAMES = (
+    "shoulder_pos",
+    "elbow_pos",
+    "shoulder_vel",
+    "elbow_vel",
+    "force_x",
+    "force_y",
+    "force_z",
+    "torque_x",
+    "torque_y",
+    "torque_z",
+)
+"""The proprioceptive vector per camera frame: joint_states positions and velocities, then
+the wrench (force N, torque N·m), as the bridge forwards them."""
+WRENCH_SLICE = slice(4, 10)
+CONTACT_M = BOX_HALF_M + PUSHER_RADIUS_M
+"""Pusher centre to box centre when the pusher touches the middle of a face."""
+_MIN_REACH_M, _MAX_REACH_M = 0.24, 0.62
+"""Where the expert's waypoints may lie (the arm folds to 0.16 m and reaches 0.70 m)."""
+
+
+@dataclass(frozen=True)
+class TaskSetup:
+    """One episode's start and goal (table frame, metres / radians)."""
+
+    seed: int
+    joints: tuple[float, float]
+    box_xy: tuple[float, float]
+    box_yaw: float
+    goal_xy: tuple[float, float]
+
+
+def _reachable(xy: np.ndarray) -> bool:
+    """Whether the tip reaches ``xy`` with the elbow bent positive (the one branch the task
+    uses: switching branches would sweep the arm through the scene), with some margin to the
+    joint limits."""
+    l1, l2 = LINK_LENGTHS_M
+    dx, dy = float(xy[0]) - BASE_XY[0], float(xy[1]) - BASE_XY[1]
+    reach = math.hypot(dx, dy)
+    if not (_MIN_REACH_M <= reach <= _MAX_REACH_M and abs(float(xy[0])) <= 0.45):
+        return False
+    elbow = math.acos(max(-1.0, min(1.0, (reach**2 - l1**2 - l2**2) / (2 * l1 * l2))))
+    shoulder = math.atan2(dy, dx) - math.atan2(l2 * math.sin(elbow), l1 + l2 * math.cos(elbow))
+    (s_lo, s_hi), (_, e_hi) = JOINT_LIMITS
+    return s_lo + 0.1 <= shoulder <= s_hi - 0.1 and elbow <= e_hi - 0.1
+
+
+def sample_task(seed: int) -> TaskSetup:
+    """A start and goal drawn from ``seed``: box and goal 0.12-0.35 m apart where the arm can
+    push, the arm somewhere else. Held-out seeds give starts and goals never trained on."""
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    rng = np.random.default_rng([seed, 0x9A11])
+    while True:
+        box = np.array([rng.uniform(-0.3, 0.3), rng.uniform(-0.25, 0.2)])
+        goal = np.array([rng.uniform(-0.3, 0.3), rng.uniform(-0.25, 0.2)])
+        dist = float(np.linalg.norm(goal - box))
+        if not (in_push_region(box) and in_push_region(goal) and 0.12 <= dist <= 0.35):
+            continue
+        d = (goal - box) / dist
+        # the pusher must reach behind the box at the start and at the goal
+        behind = CONTACT_M + 0.05
+        if all(map(_reachable, (box, goal, box - d * behind, goal - d * behind))):
+            break
+    while True:
+        ee = np.array([rng.uniform(-0.35, 0.35), rng.uniform(-0.3, 0.1)])
+        if _reachable(ee) and np.linalg.norm(ee - box) > 0.2:
+            break
+    joints = inverse_kinematics(ee, np.array([1.2, 1.5]))  # the elbow-positive branch
+    return TaskSetup(
+        seed=seed,
+        joints=(float(joints[0]), float(joints[1])),
+        box_xy=(float(box[0]), float(box[1])),
+        box_yaw=float(rng.uniform(-math.pi, math.pi)),
+        goal_xy=(float(goal[0]), float(goal[1])),
+    )
+
+
+class TaskSim:
+    """A ``PushScene`` with a goal, stepped one physics tick at a time."""
+
+    def __init__(self, setup: TaskSetup, *, image_size: tuple[int, int] = (32, 32)) -> None:
+        self.setup = setup
+        self.scene = PushScene(
+            SceneConfig(image_height=image_size[0], image_width=image_size[1], seed=setup.seed)
+        )
+        self.scene.set_state(
+            joints=np.array(setup.joints), box_xy=np.array(setup.box_xy), box_yaw=setup.box_yaw
+        )
+        self.goal = np.array(setup.goal_xy)
+        self.scene.goal_xy = self.goal
+        self.tick = 0
+        self.reached_s: float | None = None
+        """Simulated time at which the box first came within GOAL_TOLERANCE_M."""
+
+    @property
+    def time_s(self) -> float:
+        return self.tick / PHYSICS_HZ
+
+    def step(self, joint_targets: np.ndarray) -> None:
+        self.scene.step(1.0 / PHYSICS_HZ, joint_targets)
+        self.tick += 1
+        if self.reached_s is None and self.box_error_m() <= GOAL_TOLERANCE_M:
+            self.reached_s = self.time_s
+
+    def box_error_m(self) -> float:
+        return float(np.linalg.norm(self.scene.box_pose()[:2] - self.goal))
+
+    def proprio(self) -> np.ndarray:
+        """[S] float32 in STATE_NAMES order."""
+        s = self.scene
+        return np.concatenate([s.joint_positions(), s.joint_velocities(), s.wrench()]).astype(
+            np.float32
+        )
+
+    def render(self) -> np.ndarray:
+        return self.scene.render()
+
+
+class GoalPushExpert:
+    """A feedback pusher. ``approach``: to a point behind the box on the goal line, orbiting
+    the box at a safe distance while the straight way would hit it; ``push``: through the box
+    towards the goal while the pusher stays behind it and near the line, else approach again;
+    ``done``: back off once the box is on the goal (and approach again if it leaves). The
+    pusher moves in straight lines at a bounded speed (inverse kinematics of small steps), so
+    the joint targets are smooth."""
+
+    MAX_EE_SPEED_M_S = 0.35
+    MIN_PUSH_SPEED_M_S = 0.06
+    MAX_TARGET_SPEED_RAD_S = 2.0
+    STOP_M = 0.015
+    """The box counts as on the goal for the expert (tighter than GOAL_TOLERANCE_M)."""
+    _BEHIND_M = CONTACT_M + 0.045
+    _ORBIT_M = 0.165
+    """Orbit radius round the box centre: clear of its corners (0.099 m) and the pusher."""
+
+    def __init__(self, goal_xy: np.ndarray) -> None:
+        self.goal = np.asarray(goal_xy, dtype=np.float64)
+        self.phase = "approach"
+        self._direction = np.array([0.0, 1.0])
+
+    def waypoint(self, box_xy: np.ndarray, ee_xy: np.ndarray) -> np.ndarray:
+        """Where the pusher should head now (table frame, m); updates the phase."""
+        to_goal = self.goal - box_xy
+        dist = float(np.linalg.norm(to_goal))
+        if dist < self.STOP_M or (self.phase == "done" and dist < 2 * GOAL_TOLERANCE_M / 3):
+            self.phase = "done"
+            return box_xy - self._direction * (self._BEHIND_M + 0.03)
+        d = to_goal / dist
+        self._direction = d
+        n = np.array([-d[1], d[0]])
+        rel = ee_xy - box_xy
+        along, lateral = float(rel @ d), float(rel @ n)
+        through = box_xy + d * min(0.06, dist + 0.01)
+        if self.phase == "push":
+            lost = abs(lateral) > 0.04 or along > -BOX_HALF_M or along < -(CONTACT_M + 0.09)
+            if not lost:
+                # aim through the box: the pusher stays in contact and drives it along d
+                # (a short aim near the goal so that the box stops there)
+                return through - n * lateral
+        self.phase = "approach"
+        behind = box_xy - d * self._BEHIND_M
+        if np.linalg.norm(ee_xy - behind) < 0.02:
+            self.phase = "push"
+            return through
+        at = math.atan2(rel[1], rel[0])
+        gap = (math.atan2(-d[1], -d[0]) - at + math.pi) % (2 * math.pi) - math.pi
+        if abs(gap) < math.radians(25):  # already behind the box: straight in
+            return behind
+        far = box_xy - d * self._ORBIT_M
+        if _segment_clearance(ee_xy, far, box_xy) >= self._ORBIT_M - 0.01:
+            return far
+        # orbit: a point on the circle, at most 50 degrees further round towards behind, the
+        # way round that the arm can reach (near its base it cannot)
+        radius = max(self._ORBIT_M, min(float(np.linalg.norm(rel)), self._ORBIT_M + 0.05))
+        arc = min(
+            (gap, gap - math.copysign(2 * math.pi, gap)),
+            key=lambda a: (not self._arc_reachable(box_xy, radius, at, a), abs(a)),
+        )
+        turn = at + math.copysign(min(abs(arc), math.radians(50)), arc)
+        return box_xy + radius * np.array([math.cos(turn), math.sin(turn)])
+
+    @staticmethod
+    def _arc_reachable(centre: np.ndarray, radius: float, start: float, arc: float) -> bool:
+        steps = max(2, int(abs(arc) / math.radians(15)) + 1)
+        return all(
+            _reachable(centre + radius * np.array([math.cos(a), math.sin(a)]))
+            for a in np.linspace(start, start + arc, steps)[1:]
+        )
+
+    def joint_targets(self, scene: PushScene, previous: np.ndarray, dt_s: float) -> np.ndarray:
+        """The next row: the commanded tip (forward kinematics of ``previous``, the row in
+        force) moved at most MAX_EE_SPEED_M_S * dt_s towards the waypoint, by inverse
+        kinematics near ``previous``."""
+        box = scene.box_pose()[:2]
+        goal = self.waypoint(box, scene.end_effector_xy())
+        tip = forward_kinematics(previous)[1]
+        step = goal - tip
+        norm = float(np.linalg.norm(step))
+        speed = self.MAX_EE_SPEED_M_S
+        if self.phase == "push":  # slow down near the goal: the box slides on after a push
+            remaining = float(np.linalg.norm(self.goal - box))
+            speed = min(speed, max(self.MIN_PUSH_SPEED_M_S, 3.0 * remaining))
+        limit_m = speed * dt_s
+        if norm > limit_m:
+            step *= limit_m / norm
+        q = inverse_kinematics(tip + step, previous)
+        limit = self.MAX_TARGET_SPEED_RAD_S * dt_s
+        return previous + np.clip(q - previous, -limit, limit)
+
+
+def _segment_clearance(a: np.ndarray, b: np.ndarray, p: np.ndarray) -> float:
+    """Distance from point p to the segment a-b."""
+    ab = b - a
+    t = float(np.clip((p - a) @ ab / max(float(ab @ ab), 1e-12), 0.0, 1.0))
+    return float(np.linalg.norm(a + t * ab - p))
+
+
+class Perturbations:
+    """Episodes of training data are disturbed now and then: for 0.3-0.8 s the commanded
+    targets wander to a random nearby configuration (an external push, a bad command), then
+    the expert takes over from wherever that left the arm and the box: the recoveries a
+    learned policy needs to have seen. Rows commanded during a perturbation are flagged (the
+    model is never trained to produce them)."""
+
+    MEAN_GAP_S = 3.0
+    SPEED_RAD_S = 1.5
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng([seed, 0x5EED])
+        self._next_s = 1.0 + float(self._rng.exponential(self.MEAN_GAP_S))
+        self._end_s = -1.0
+        self._goal: np.ndarray | None = None
+
+    def active(self, t_s: float, previous: np.ndarray) -> bool:
+        if t_s >= self._next_s and self._goal is None:
+            self._goal = previous + self._rng.uniform(-0.6, 0.6, 2)
+            self._end_s = t_s + float(self._rng.uniform(0.3, 0.8))
+        if self._goal is not None and t_s >= self._end_s:
+            self._goal = None
+            self._next_s = t_s + 0.5 + float(self._rng.exponential(self.MEAN_GAP_S))
+        return self._goal is not None
+
+    def joint_targets(self, previous: np.ndarray, dt_s: float) -> np.ndarray:
+        assert self._goal is not None
+        limit = self.SPEED_RAD_S * dt_s
+        return previous + np.clip(self._goal - previous, -limit, limit)
+
+
+def end_effector_path(joints: np.ndarray) -> np.ndarray:
+    """[N, 2] end-effector positions of joint rows [N, 2] (for plots)."""
+    return np.stack([forward_kinematics(q)[1] for q in np.asarray(joints, np.float64)])

@@ -1,0 +1,387 @@
+"""``physis-train-wam``: the goal-push world-action model (push-wam), from nothing, in one command.
+
+It runs the scripted expert on the goal-push task (train seeds 0..N-1 with perturbations and
+recoveries, validation seeds from 20000), then trains with the noisy-history recipe on the
+live timeline (DESIGN.md §3): a window of ``chunks`` chunks whose first 1..``max_obs`` are
+observed (clean: frames, state, the actions the robot reported), the rest generated at one
+noise level shared by the window (the levels of the served sampler). The robot's known
+actions are a prefix of the timeline: every row up to the newest observed frame plus
+0..``max_freeze_rows`` rows (what it executes while the answer is on its way) enters clean
+and flagged; the model learns frames, the remaining action rows and the state together.
+Loss: velocity MSE of video, action rows and state values, each a mean over what counts
+(rows commanded by a perturbation are never trained on).
+
+Writes ``weights.safetensors`` (fp16, with the metadata the engine and the eval read),
+``train_log.json`` and ``loss_curve.png`` into ``--out``. Reproducible from ``--seed`` on one
+CPU thread. The engine-side layout is ``physis_ros.engine.sampler``; the data
+``physis_ros.train.wam_data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.model import (
+    build_model,
+    chunk_layout,
+    forward_sequence,
+    load_upstream_state_dict,
+    make_cond,
+    to_upstream_state_dict,
+)
+from physis_ros.engine.sampler import sigmas
+from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES
+from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at
+from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for
+
+VAL_SEED0 = 20_000
+"""Validation episodes' seeds start here; held-out evaluation uses 10000.. (physis-eval)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WamTrainConfig:
+    """Everything that determines the trained weights."""
+
+    model: str = "push-wam"
+    """Preset (``push-wam``, or ``push-wam-nowrench``: the same without the wrench)."""
+    episodes: int = 1000
+    """Training episodes (expert, with perturbations), seeds 0..episodes-1."""
+    val_episodes: int = 40
+    steps: int = 3000
+    batch_size: int = 16
+    chunks: int = 4
+    """Chunks per window: 1..max_obs observed, the rest generated."""
+    max_obs: int = 3
+    window: int = 3
+    """W: previous chunks each chunk attends to (the served window)."""
+    max_freeze_rows: int = 8
+    """Rows after the newest observed frame that may be known (0.4 s at 20 Hz)."""
+    shift: float = 3.0
+    sample_steps: int = 4
+    """Noise levels of the K-step sampler (this shift) the windows are trained at."""
+    action_weight: float = 2.0
+    state_weight: float = 0.5
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ema: float = 0.999
+    save_dtype: str = "float16"
+    seed: int = 0
+    threads: int = 1
+    val_every: int = 100
+    checkpoint_every: int = 250
+    """Write the weights so far (``weights.safetensors``) every this many steps (0: only at
+    the end): a long run can be evaluated, or stopped, midway."""
+    max_minutes: float = 0.0
+    """0: no limit; otherwise stop after this many minutes of training."""
+    stop_after_steps: int = 0
+    """0: run all ``steps``; else stop after this many with the learning-rate schedule of
+    ``steps``: reproduces exactly the checkpoint a longer run wrote at that step."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "episodes": self.episodes >= 1,
+            "val_episodes": self.val_episodes >= 1,
+            "steps": self.steps >= 1,
+            "batch_size": self.batch_size >= 1,
+            "chunks": self.chunks >= 2,
+            "max_obs": 1 <= self.max_obs < self.chunks,
+            "window": self.window >= self.max_obs,
+            "max_freeze_rows": self.max_freeze_rows >= 0,
+            "shift": self.shift > 0,
+            "sample_steps": self.sample_steps >= 1,
+            "action_weight": self.action_weight >= 0,
+            "state_weight": self.state_weight >= 0,
+            "lr": self.lr > 0,
+            "ema": 0 <= self.ema < 1,
+            "save_dtype": self.save_dtype in SAVE_DTYPES,
+            "threads": self.threads >= 1,
+            "val_every": self.val_every >= 1,
+            "checkpoint_every": self.checkpoint_every >= 0,
+            "max_minutes": self.max_minutes >= 0,
+            "stop_after_steps": 0 <= self.stop_after_steps <= self.steps,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} has an invalid value: {getattr(self, name)!r}")
+        cfg = get_preset(self.model)
+        if not (cfg.action_mode == "predict" and cfg.committed_actions and cfg.state_dim):
+            raise ValueError(f"model {self.model!r} is not a world-action model with state")
+        if self.episodes + self.val_episodes > VAL_SEED0:
+            raise ValueError(f"training seeds would reach the validation seeds ({VAL_SEED0}..)")
+
+
+def wam_loss(
+    model,
+    batch: WamBatch,
+    *,
+    sigma: torch.Tensor,
+    eps: torch.Tensor,
+    cond: torch.Tensor,
+    window: int,
+    action_weight: float,
+    state_weight: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """sigma [B] (one per window), eps [B, C, denoised] noise. Returns the loss and its parts
+    (velocity MSE of video, action rows, state values over what counts)."""
+    cfg = model.cfg
+    lay = chunk_layout(cfg)
+    x0 = batch.x0
+    b, c, _ = x0.shape
+    h, a = cfg.action_horizon, cfg.action_dim
+    gen = torch.arange(c)[None, :] >= batch.n_obs[:, None]  # [B, C]
+    sig = torch.where(gen, sigma[:, None], torch.zeros(()))
+    d = lay.denoised
+    x_in = x0.clone()
+    noised = (1 - sig[..., None]) * x0[..., :d] + sig[..., None] * eps
+    x_in[..., :d] = torch.where(gen[..., None], noised, x0[..., :d])
+    # known rows stay clean; an observed chunk's unknown rows are 0, as pack_chunk sends them
+    rows_in = x_in[..., lay.actions].view(b, c, h, a)
+    rows0 = x0[..., lay.actions].view(b, c, h, a)
+    unknown_obs = ~gen[..., None] & ~batch.known
+    rows_in = torch.where(batch.known[..., None], rows0, rows_in)
+    rows_in = torch.where(unknown_obs[..., None], torch.zeros(()), rows_in)
+    x_in[..., lay.actions] = rows_in.reshape(b, c, h * a)
+    v = forward_sequence(model, x_in, sig, cond, window=window)
+    err = (v[..., :d] - (eps - x0[..., :d])).pow(2)
+    chunk_mask = (gen & batch.trained_chunks).float()
+    video = (err[..., lay.video].mean(-1) * chunk_mask).sum() / chunk_mask.sum().clamp_min(1)
+    state = (err[..., lay.state].mean(-1) * chunk_mask).sum() / chunk_mask.sum().clamp_min(1)
+    rows = err[..., lay.actions].view(b, c, h, a).mean(-1)
+    row_mask = batch.trained_rows.float()
+    action = (rows * row_mask).sum() / row_mask.sum().clamp_min(1)
+    loss = video + action_weight * action + state_weight * state
+    return loss, {"video": video.item(), "action": action.item(), "state": state.item()}
+
+
+def _levels(cfg: WamTrainConfig) -> torch.Tensor:
+    return torch.tensor(
+        sigmas(SamplerConfig(steps=cfg.sample_steps, shift=cfg.shift))[:-1], dtype=torch.float32
+    )
+
+
+@torch.no_grad()
+def _validate(model, val: tuple, cfg: WamTrainConfig) -> dict[str, float]:
+    model.eval()
+    batch, sigma, eps = val
+    cond = make_cond(model.cfg, 0).expand(len(sigma), -1, -1)
+    loss, parts = wam_loss(
+        model,
+        batch,
+        sigma=sigma,
+        eps=eps,
+        cond=cond,
+        window=cfg.window,
+        action_weight=cfg.action_weight,
+        state_weight=cfg.state_weight,
+    )
+    return {"loss": loss.item(), **parts}
+
+
+def _val_set(windows: WamWindows, cfg: WamTrainConfig, size: int = 48) -> tuple:
+    """A fixed validation batch: every sampler level equally often, fixed noise."""
+    gen = torch.Generator().manual_seed(cfg.seed + 99)
+    batch = windows.batch(size)
+    levels = _levels(cfg)
+    sigma = levels[torch.arange(size) % len(levels)]
+    eps = torch.randn(size, cfg.chunks, chunk_layout(windows.cfg).denoised, generator=gen)
+    return batch, sigma, eps
+
+
+def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
+    """What the engine, the server and physis-eval read from the weights."""
+    mcfg = get_preset(cfg.model)
+    return {
+        "format": "physis_ros world-action model",
+        "model": cfg.model,
+        "window": str(cfg.window),
+        "steps": str(cfg.sample_steps),
+        "frame_hz": str(float(FRAME_HZ)),
+        "action_hz": str(float(CONTROL_HZ)),
+        "image_size": f"{mcfg.image_size[0]}x{mcfg.image_size[1]}",
+        "frames_per_chunk": str(mcfg.frames_per_chunk),
+        "action_names": "shoulder,elbow",
+        "state_names": ",".join(STATE_NAMES[: mcfg.state_dim]),
+        "context_noise": "clean",
+        "horizon": "1",
+        "max_known_rows_ahead": str(cfg.max_freeze_rows),
+        "cond_seed": "0",
+        "train_config": json.dumps(asdict(cfg)),
+        "torch": torch.__version__,
+        **extra,
+    }
+
+
+def _save(  # noqa: PLR0917 - one call site per use, all of them here
+    model, cfg: WamTrainConfig, out: Path, steps_done, wall_s, windows, episodes, val
+):
+    """Round the weights to the saved dtype (in ``model``), write them with their metadata;
+    returns the validation losses of exactly what was written (None without ``val``)."""
+    from safetensors.torch import save_file
+
+    dtype = SAVE_DTYPES[cfg.save_dtype]
+    state = {k: v.to(dtype) for k, v in to_upstream_state_dict(model).items()}
+    load_upstream_state_dict(model, state)
+    meta = metadata(
+        cfg,
+        {
+            "steps_done": str(steps_done),
+            "train_wall_s": f"{wall_s:.1f}",
+            "train_frames": str(windows.total_frames),
+            "train_episodes": str(episodes),
+        },
+    )
+    save_file(state, str(out / "weights.safetensors"), metadata=meta)
+    return _validate(model, val, cfg) if val is not None else None
+
+
+def train_wam(
+    cfg: WamTrainConfig, out_dir: str | Path, *, data_dir: Path | None = None, progress=True
+) -> dict:
+    """Generate (or reuse) the episodes, train, write the weights and the log; returns it."""
+    from tqdm import tqdm
+
+    from physis_ros.eval.plots import line_chart
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    mcfg = get_preset(cfg.model)
+    cache = data_dir if data_dir is not None else out / "data"
+    train_eps = episodes_for(list(range(cfg.episodes)), perturb=True, cache_dir=cache)
+    val_seeds = list(range(VAL_SEED0, VAL_SEED0 + cfg.val_episodes))
+    val_eps = episodes_for(val_seeds, perturb=True, cache_dir=cache, progress=progress)
+    common = dict(chunks=cfg.chunks, max_obs=cfg.max_obs, max_freeze_rows=cfg.max_freeze_rows)
+    windows = WamWindows(train_eps, mcfg, seed=cfg.seed, **common)
+    val = _val_set(WamWindows(val_eps, mcfg, seed=cfg.seed + 1, **common), cfg)
+    model = build_model(mcfg, seed=cfg.seed).train()
+    shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
+    )
+    noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    levels = _levels(cfg)
+    denoised = chunk_layout(mcfg).denoised
+    cond = make_cond(mcfg, 0).expand(cfg.batch_size, -1, -1)
+    log: dict = {"train_loss": [], "train_parts": [], "val": [], "config": asdict(cfg)}
+    t0 = time.perf_counter()
+    stopped_early = False
+    bar = tqdm(range(cfg.steps), desc="train push-wam", unit="step", disable=not progress)
+    for step in bar:
+        batch = windows.batch(cfg.batch_size)
+        sigma = levels[torch.randint(0, len(levels), (cfg.batch_size,), generator=noise_gen)]
+        eps = torch.randn(cfg.batch_size, cfg.chunks, denoised, generator=noise_gen)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss, parts = wam_loss(
+            model,
+            batch,
+            sigma=sigma,
+            eps=eps,
+            cond=cond,
+            window=cfg.window,
+            action_weight=cfg.action_weight,
+            state_weight=cfg.state_weight,
+        )
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower --lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        if cfg.ema:
+            _ema_update(shipped, model, min(cfg.ema, (1 + step) / (10 + step)))
+        log["train_loss"].append(round(loss.item(), 6))
+        log["train_parts"].append({k: round(v, 6) for k, v in parts.items()})
+        if step % cfg.val_every == 0 or step == cfg.steps - 1:
+            vals = _validate(shipped, val, cfg)
+            model.train()
+            log["val"].append({"step": step, **{k: round(v, 6) for k, v in vals.items()}})
+            bar.set_postfix(
+                loss=f"{loss.item():.4f}", val=f"{vals['loss']:.4f}", act=f"{vals['action']:.4f}"
+            )
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            ema_copy = copy.deepcopy(shipped)
+            elapsed = time.perf_counter() - t0
+            _save(ema_copy, cfg, out, step + 1, elapsed, windows, len(train_eps), None)
+        if cfg.stop_after_steps and step + 1 >= cfg.stop_after_steps:
+            stopped_early = step + 1 < cfg.steps
+            break
+        if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+            stopped_early = True
+            break
+    wall_s = time.perf_counter() - t0
+    steps_done = len(log["train_loss"])
+    final = _save(shipped, cfg, out, steps_done, wall_s, windows, len(train_eps), val)
+    log.update(
+        steps_done=steps_done,
+        stopped_early=stopped_early,
+        wall_s=wall_s,
+        train_episodes=len(train_eps),
+        train_frames=windows.total_frames,
+        expert_success_train=float(np.mean([ep.reached_s is not None for ep in train_eps])),
+        platform=platform.platform(),
+        final_train_loss_mean_last50=float(np.mean(log["train_loss"][-50:])),
+        final_val=final,
+    )
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    steps_axis = list(range(steps_done))
+    vsteps = [v["step"] for v in log["val"]]
+    line_chart(
+        out / "loss_curve.png",
+        {
+            "train loss (EMA 0.95)": (steps_axis, _ema(log["train_loss"], 0.95)),
+            "validation loss": (vsteps, [v["loss"] for v in log["val"]]),
+            "validation action part": (vsteps, [v["action"] for v in log["val"]]),
+        },
+        title=f"physis-train-wam {cfg.model}: velocity MSE",
+        xlabel="step",
+        ylabel="loss",
+        markers=False,
+    )
+    return log
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="physis-train-wam", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="output folder")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where the generated episodes are cached (default OUT/data)",
+    )
+    defaults = WamTrainConfig()
+    for name, val in asdict(defaults).items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=type(val), default=val, help=f"(default {val})"
+        )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    try:
+        cfg = WamTrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
+    except ValueError as err:
+        parser.error(str(err))
+    log = train_wam(cfg, args.out, data_dir=args.data_dir, progress=not args.quiet)
+    keys = ("steps_done", "stopped_early", "wall_s", "train_episodes", "train_frames")
+    summary = {k: log[k] for k in keys}
+    summary.update(final_val=log["final_val"], weights=str(args.out / "weights.safetensors"))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""push-wam's training data: goal-push episodes in memory and training windows cut from them.
+
+What belongs here: generating (or loading the cached) expert episodes of the goal-push task
+(``physis_ros.sim.episodes``), keeping their frames as the pixel codec's tokens, and drawing
+training windows on the live timeline: ``chunks`` consecutive chunks (slot c = frames
+[s + cF, s + (c+1)F) and the joint-target rows from the slot's first frame on), the first
+``n_obs`` of them observed. What the robot knows of the actions is a prefix of the timeline:
+every row at or before the newest observed frame's time plus ``freeze`` rows (the rows it
+executes while the answer is on its way) is known — clean and flagged, in observed and
+generated chunks alike — and the rest is generated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from physis_ros.engine.codec import Codec
+from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.model import chunk_layout, chunk_numel
+from physis_ros.engine.sampler import _normalize, latent_to_tokens
+from physis_ros.sim.episodes import TaskEpisode, load_episodes, run_expert_episode, save_episodes
+from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES, sample_task
+
+ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
+DATA_VERSION = 2
+"""Bumped whenever the task, the expert or the perturbations change: cached episodes made
+by another version are not reused."""
+
+
+def episodes_for(
+    seeds: list[int], *, perturb: bool, cache_dir: Path | None, progress: bool = True
+) -> list[TaskEpisode]:
+    """Expert episodes of ``seeds`` (cached as one .npz per seed list under ``cache_dir``)."""
+    from tqdm import tqdm
+
+    key = hashlib.sha256(json.dumps([DATA_VERSION, seeds, perturb]).encode()).hexdigest()[:12]
+    path = None if cache_dir is None else Path(cache_dir) / f"episodes_{key}.npz"
+    if path is not None and path.exists():
+        return load_episodes(path)
+    episodes = [
+        run_expert_episode(sample_task(seed), perturb=perturb)
+        for seed in tqdm(seeds, desc="expert episodes", unit="ep", disable=not progress)
+    ]
+    if path is not None:  # written whole, then renamed: a concurrent run never reads half
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
+        save_episodes(partial, episodes)
+        partial.replace(path)
+    return episodes
+
+
+@dataclass
+class _Episode:
+    latents: np.ndarray
+    """[N, C, h, w] uint8: frame n's latent (the pixel codec is exact: (latent + 1) * 127.5)."""
+    state: np.ndarray
+    """[N, S] float32 normalised state values."""
+    rows: np.ndarray
+    """[M, A] float32 normalised joint-target rows."""
+    perturbed: np.ndarray
+    """[M] bool."""
+
+
+@dataclass
+class WamBatch:
+    x0: torch.Tensor
+    """[B, C, X] clean packed chunks (unknown rows hold their true values, flags set)."""
+    n_obs: torch.Tensor
+    """[B] observed chunks at the start of each window."""
+    known: torch.Tensor
+    """[B, C, H] bool: rows known to the robot (conditioning, not trained)."""
+    trained_rows: torch.Tensor
+    """[B, C, H] bool: generated rows whose action error counts (not known, not perturbed)."""
+    trained_chunks: torch.Tensor
+    """[B, C] bool: generated chunks whose video and state error count (no unknown
+    perturbed row in the chunk's own period: the model never learns to produce those)."""
+
+
+class WamWindows:
+    """Draws training windows [B, C, X] from episodes, reproducibly from a seed."""
+
+    def __init__(
+        self,
+        episodes: list[TaskEpisode],
+        cfg: ModelConfig,
+        *,
+        chunks: int,
+        max_obs: int,
+        max_freeze_rows: int,
+        seed: int,
+        per_slot_fraction: float = 0.5,
+    ) -> None:
+        if cfg.codec != "pixel" or cfg.codec_stride[0] != 1:
+            raise ValueError("push-wam training keeps each frame's pixel-codec latent")
+        self.cfg = cfg
+        self.chunks, self.max_obs, self.max_freeze_rows = chunks, max_obs, max_freeze_rows
+        self.per_slot_fraction = per_slot_fraction
+        self.frames = cfg.frames_per_chunk
+        codec = Codec(cfg)
+        state_cols = [STATE_NAMES.index(n) for n in STATE_NAMES[: cfg.state_dim]]
+        self.episodes = []
+        for ep in episodes:
+            if len(ep.frames) < chunks * self.frames:
+                continue
+            latent = codec.encode_frames(ep.frames)  # [C, N, h, w]
+            latents = ((latent.permute(1, 0, 2, 3) + 1.0) * 127.5).round().to(torch.uint8)
+            state = _normalize(
+                torch.from_numpy(ep.proprio[:, state_cols]), cfg.state_center, cfg.state_scale
+            )
+            rows = _normalize(torch.from_numpy(ep.rows), cfg.action_center, cfg.action_scale)
+            self.episodes.append(
+                _Episode(latents.numpy(), state.numpy(), rows.numpy(), ep.perturbed.copy())
+            )
+        if not self.episodes:
+            raise ValueError(f"no episode has the {chunks * self.frames} frames a window needs")
+        starts = np.array([len(e.latents) - chunks * self.frames + 1 for e in self.episodes], float)
+        self.weights = starts / starts.sum()
+        self.rng = np.random.default_rng(seed)
+
+    @property
+    def total_frames(self) -> int:
+        return sum(len(e.latents) for e in self.episodes)
+
+    def batch(self, size: int) -> WamBatch:
+        cfg, c_n, f = self.cfg, self.chunks, self.frames
+        h = cfg.action_horizon
+        lay = chunk_layout(cfg)
+        x0 = torch.zeros(size, c_n, chunk_numel(cfg))
+        n_obs = torch.zeros(size, dtype=torch.long)
+        known = torch.zeros(size, c_n, h, dtype=torch.bool)
+        trained_rows = torch.zeros(size, c_n, h, dtype=torch.bool)
+        trained_chunks = torch.zeros(size, c_n, dtype=torch.bool)
+        for b, i in enumerate(self.rng.choice(len(self.episodes), size=size, p=self.weights)):
+            ep = self.episodes[i]
+            start = int(self.rng.integers(0, len(ep.latents) - c_n * f + 1))
+            obs = int(self.rng.integers(1, self.max_obs + 1))
+            freeze = int(self.rng.integers(0, self.max_freeze_rows + 1))
+            n_obs[b] = obs
+            last_known = ROWS_PER_FRAME * (start + obs * f - 1) + freeze
+            # half the windows: each observed chunk knows its rows as of its own last frame
+            # (a live stream takes each observed slot once, when it completes)
+            per_slot = bool(self.rng.random() < self.per_slot_fraction)
+            for c in range(c_n):
+                first = start + c * f
+                horizon = last_known
+                if per_slot and c < obs:
+                    horizon = ROWS_PER_FRAME * (first + f - 1) + freeze
+                latent = torch.from_numpy(ep.latents[first : first + f]).float() / 127.5 - 1
+                video = latent_to_tokens(cfg, latent.permute(1, 0, 2, 3)).reshape(-1)
+                idx = np.minimum(ROWS_PER_FRAME * first + np.arange(h), len(ep.rows) - 1)
+                is_known = ROWS_PER_FRAME * first + np.arange(h) <= horizon
+                pert = ep.perturbed[idx] & (ROWS_PER_FRAME * first + np.arange(h) < len(ep.rows))
+                x0[b, c, lay.video] = video
+                x0[b, c, lay.actions] = torch.from_numpy(ep.rows[idx].reshape(-1))
+                x0[b, c, lay.state] = torch.from_numpy(ep.state[first : first + f].reshape(-1))
+                x0[b, c, lay.known] = torch.from_numpy(is_known.astype(np.float32))
+                known[b, c] = torch.from_numpy(is_known)
+                if c >= obs:
+                    trained_rows[b, c] = torch.from_numpy(~is_known & ~pert)
+                    own = slice(0, ROWS_PER_FRAME * f)
+                    trained_chunks[b, c] = not bool((pert & ~is_known)[own].any())
+        return WamBatch(x0, n_obs, known, trained_rows, trained_chunks)
