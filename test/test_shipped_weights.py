@@ -2,8 +2,6 @@
 committed) is refused by every command that would serve it, in one line that names the
 command making them; never served on random weights unasked."""
 
-import logging
-
 import numpy as np
 import pytest
 
@@ -47,17 +45,14 @@ def test_demo_and_closed_loop_eval_refuse_in_one_line(push_wam_absent, tmp_path,
     assert not (tmp_path / "cl").exists()
 
 
-def test_physis_serve_refuses_in_one_line(push_wam_absent, caplog):
+def test_physis_serve_refuses_in_one_line(push_wam_absent, capsys):
     from physis_ros.serve.main import main as serve_main
 
-    with caplog.at_level(logging.ERROR):
-        assert serve_main(["--model", "push-wam", "--port", "0"]) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(errors) == 1, errors
-    _one_line_naming_the_trainer(errors[0])
+    assert serve_main(["--model", "push-wam", "--port", "0"]) == 2
+    _one_line_naming_the_trainer(capsys.readouterr().err)
 
 
-def test_a_world_action_model_is_not_served_yet_and_says_so(tmp_path, capsys, caplog):
+def test_a_world_action_model_is_not_served_yet_and_says_so(tmp_path, capsys):
     """physis-serve's sessions do not build a world-action stream's state and committed rows
     yet: serving one (any weights) and the demo that would drive with it stop in one line
     that points to the closed-loop evaluation."""
@@ -66,9 +61,8 @@ def test_a_world_action_model_is_not_served_yet_and_says_so(tmp_path, capsys, ca
     from physis_ros.demo import main as demo_main
     from physis_ros.serve.main import main as serve_main
 
-    with caplog.at_level(logging.ERROR):
-        assert serve_main(["--model", "push-wam", "--weights", "random", "--port", "0"]) == 2
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert serve_main(["--model", "push-wam", "--weights", "random", "--port", "0"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and "cannot serve a world-action model" in errors[0], errors
     assert "physis-eval --closed-loop --weights" in errors[0]
 

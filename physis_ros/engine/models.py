@@ -76,7 +76,7 @@ def resolve_model(
         default = SHIPPED.get(text)
         path = default if default is not None and default.exists() else None
         if default is not None and path is None and not weights:
-            raise ValueError(missing_shipped_weights(text))
+            raise UsageError(missing_shipped_weights(text))  # the line says the fix
     elif checkpoints.is_model_dir(text):
         if weights:
             raise ValueError(f"model {text} is a directory with its own weights: drop weights")

@@ -180,12 +180,12 @@ class ServingSpec:
             vae=self.vae,
         )
         if resolved.config.state_dim:
-            raise ValueError(
+            raise UsageError(
                 f"{self.model}: physis-serve cannot serve a world-action model with state yet "
                 "(its sessions do not build the per-frame state, the committed rows and the "
                 "timed replies such a stream needs: serve/wam_requests.py is not wired into "
-                "serve/session.py); run it in the closed loop with physis-eval --closed-loop "
-                "--weights FILE"
+                "serve/session.py)",
+                "run it in the closed loop with physis-eval --closed-loop --weights FILE",
             )
         check_weights_fit(resolved)
         sampling = {"steps": 4, "window": 2, "shift": 5.0, **resolved.sampling}
