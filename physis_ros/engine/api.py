@@ -13,6 +13,10 @@ from typing import Protocol
 
 import numpy as np
 
+DEFAULT_HORIZON = 1
+"""Chunks ahead of its newest observation a served (live) stream predicts when neither the
+client nor the model's weights (metadata ``horizon``) say."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StreamSpec:
@@ -26,6 +30,10 @@ class StreamSpec:
     """Name of a prompt embedding the server holds ("": the model's empty prompt)."""
     prompt_embedding: np.ndarray | None = None
     """Or the embedding itself: [n <= text_len, text_dim] float32/float16 (not with ``prompt``)."""
+    horizon: int | None = None
+    """Chunks ahead of its newest observation the stream may generate (the live timeline,
+    DESIGN.md §3.1); None: the engine's default (the model's); 0: no limit, and observations
+    then only take new slots (offline generation)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +54,12 @@ class StreamPromise:
     image_width: int
     action_horizon: int
     action_dim: int
+    """Values per action the stream sends (condition models) or gets (predict models)."""
+    horizon: int = 0
+    """Chunks ahead of its newest observation the stream generates (0: no limit)."""
+    action_mode: str = "none"
+    """The model's: ``none``/``condition`` (a world model: frames only) or ``predict`` (a
+    world-action model: its chunks carry actions)."""
 
 
 class AdmissionRefused(Exception):
@@ -68,6 +82,7 @@ class ChunkOutput:
 
     stream_id: int
     chunk: int
+    """Its time slot: it predicts camera frames [chunk*F, (chunk+1)*F) of the stream."""
     frames: np.ndarray | None
     """[F, H, W, 3] uint8 predicted camera frames (None for an action-only model)."""
     actions: np.ndarray | None
@@ -78,6 +93,8 @@ class ChunkOutput:
     """time.monotonic() when it left the last stage."""
     decoded_s: float
     """time.monotonic() when decoding finished."""
+    anchor: int = -1
+    """The newest observed slot when it entered (-1: none): it is chunk - anchor ahead."""
 
 
 class StreamEngine(Protocol):
@@ -90,15 +107,22 @@ class StreamEngine(Protocol):
         """Free the stream's KV slots; outputs still in flight are dropped."""
 
     def submit_context(
-        self, stream_id: int, frames: np.ndarray, actions: np.ndarray | None = None
+        self,
+        stream_id: int,
+        frames: np.ndarray,
+        actions: np.ndarray | None = None,
+        *,
+        slot: int | None = None,
     ) -> int:
-        """Append an observation chunk (frames [F, H, W, 3] uint8, F <= chunk_frames; the
-        newest frame is repeated to fill). ``actions`` [H, A]: commanded actions it carries.
-        Returns the chunk index."""
+        """Queue the observation of ``slot`` (None: the next new one; with a horizon, one
+        already generated is replaced in the history of every chunk queued after it):
+        frames [F, H, W, 3] uint8, F <= chunk_frames (the newest frame is repeated to fill),
+        ``actions`` [H, A] the commanded actions it carries. Returns its slot."""
 
     def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
-        """Append a chunk to generate (``actions`` [H, A] conditions a world model).
-        Returns the chunk index."""
+        """Queue a chunk to generate for the next new slot, anchored at the newest observed
+        one (``actions`` [H, A] conditions a world model). Returns its slot; ValueError when
+        it would lie beyond the stream's horizon."""
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
         """Generated chunks that finished, in per-stream chunk order; waits up to timeout_s."""
