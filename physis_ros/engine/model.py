@@ -447,9 +447,10 @@ def forward_sequence(
     [B, C] per-chunk noise level (0 for clean/context chunks); cond [Lt, text_dim] or
     [B, Lt, text_dim] raw conditioning tokens; actions [(B,) C, H, A] if given replaces the
     action values packed in x; chunk_offset: absolute index of the first chunk (RoPE).
-    ``slots`` [C] (instead of chunk_offset + 0..C-1) and ``chunk_mask`` [C, C] bool (instead
-    of the window's block-causal mask): the time slot of each element and which elements each
-    may attend, for sequences that hold two versions of a slot (the live oracle).
+    ``slots`` [C] (instead of chunk_offset + 0..C-1) and ``chunk_mask`` [C, C] or [B, C, C]
+    bool (instead of the window's block-causal mask): the time slot of each element and which
+    elements each may attend, for sequences that hold two versions of a slot (the live
+    oracle) or rows with different layouts (training windows).
     Returns the velocity v with x_seq's shape (float32; zero on conditioning action values).
     """
     cfg = model.cfg
@@ -476,7 +477,9 @@ def forward_sequence(
     ctx = embed_cond(model, cond)
     if chunk_mask is None:
         chunk_mask = window_mask(c, window, dev)
-    mask = chunk_mask.to(dev).repeat_interleave(n, 0).repeat_interleave(n, 1)
+    mask = chunk_mask.to(dev).repeat_interleave(n, -2).repeat_interleave(n, -1)
+    if mask.dim() == 3:  # one mask per row: [B, 1, C*n, C*n] over the heads
+        mask = mask[:, None]
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (

@@ -70,6 +70,11 @@ class LinkPromise:
     action_horizon: int
     action_dim: int
     max_observation_bytes: int
+    horizon: int = 0
+    """Chunks ahead of its newest observation the stream predicts."""
+    action_mode: str = ""
+    """none / condition: a world model (frames only); predict: a world-action model (its
+    chunks carry actions); empty: the server did not say."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,8 +124,12 @@ class LinkClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls_server_name: str | None = None,
         tune_process: bool = True,
+        horizon: int = 0,
     ) -> None:
-        """``clock_ns`` is the robot clock: it must be the clock of the capture stamps
+        """``horizon``: chunks ahead of its newest observation the stream asks for (0: the
+        model's default).
+
+        ``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
 
         ``tune_process``: on start, (1) let this process reuse freed large buffers instead
@@ -139,6 +148,8 @@ class LinkClient:
             raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
         if target_interval_ms < 0:
             raise ValueError(f"target_interval_ms must be >= 0, got {target_interval_ms}")
+        if horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: the model's), got {horizon}")
         if prediction_queue_size < 1:
             raise ValueError(f"prediction_queue_size must be >= 1, got {prediction_queue_size}")
         if (client_cert_path is None) != (client_key_path is None):
@@ -152,6 +163,7 @@ class LinkClient:
             target_interval_ms=target_interval_ms,
             client_name=client_name,
             prompt=prompt,
+            horizon=horizon,
         )
         if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
             array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
@@ -476,6 +488,9 @@ class LinkClient:
             received_ns=received_ns,
             hop_ms=hop_ms,
             server_drops=dict(p.counters.drops),
+            anchor_slot=p.anchor_slot,
+            horizon=p.horizon,
+            first_frame_seq=p.first_frame_seq,
         )
 
     def _take_counters(self, counters: pb.StreamCounters) -> None:

@@ -28,6 +28,8 @@ PROMISE_FIELDS = (
     "image_width",
     "action_horizon",
     "action_dim",
+    "horizon",
+    "action_mode",
 )
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
@@ -97,7 +99,7 @@ class Prediction:
     actions: np.ndarray | None
     """[H, A] float32."""
     observation_seq: int
-    """Seq of the observation it is conditioned on (-1 if none yet)."""
+    """Seq of the newest observation of its anchor slot (-1: no anchor yet)."""
     observation_stamp_ns: int
     """Capture stamp of that observation, robot clock (0 if none)."""
     server_times_ns: dict[str, int]
@@ -108,6 +110,13 @@ class Prediction:
     """Per-hop latencies; the cross-host ones (uplink, downlink) corrected by the clock offset."""
     server_drops: dict[str, int] = field(default_factory=dict)
     """Server-side drop counts of this stream so far, by reason."""
+    anchor_slot: int = -1
+    """The newest observed slot when it entered (-1: none): it reads the stream's
+    observations up to that slot."""
+    horizon: int = 0
+    """chunk_index - anchor_slot: how many chunks ahead of its anchor it predicts."""
+    first_frame_seq: int = -1
+    """The observation seq its first predicted frame corresponds to (-1: unknown)."""
 
 
 HOP_NAMES = ("received", "queued", "entered", "left", "decoded", "sent")

@@ -92,6 +92,7 @@ def build_local_engine(engine_section: dict[str, Any]) -> tuple[StreamEngine, Se
         blocks=engine.cfg.num_blocks,
         placement=str(engine.runtime.placement),
         action_mode=engine.cfg.action_mode,
+        horizon=engine.horizon,
         engine_info=engine_info,
     )
 

@@ -40,14 +40,27 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-ENGINE_KEYS = ("model", "steps", "window", "dtype", "vae", "resolution", "latent_frames")
+ENGINE_KEYS = (
+    "model",
+    "steps",
+    "window",
+    "dtype",
+    "vae",
+    "resolution",
+    "latent_frames",
+    "shift",
+    "horizon",
+    "context_noise",
+)
 """Keys of the YAML ``engine`` section every rank takes (unless ``distributed`` sets them)."""
 
 
 def runtime_config(config: dict[str, Any], args: argparse.Namespace | None = None) -> RuntimeConfig:
     """RuntimeConfig from the YAML ``engine`` (model, steps, window, ...) and ``distributed``
-    sections; the model flags (--model, --dtype, --vae, ...) override."""
+    sections; the model flags (--model, --dtype, --vae, ...) override. A preset with shipped
+    weights (push-wm) runs them, as trained, unless told otherwise."""
     from physis_ros.serve.main import model_section
+    from physis_ros.weights import shipped_engine_defaults
 
     engine = config.get("engine", {}) or {}
     section = dict(config.get("distributed", {}) or {})
@@ -56,6 +69,12 @@ def runtime_config(config: dict[str, Any], args: argparse.Namespace | None = Non
             section[key] = engine[key]
     flags = model_section({}, args) if args is not None else {}
     section.update({k: v for k, v in flags.items() if k in ENGINE_KEYS})
+    shipped = shipped_engine_defaults(section.get("model", RuntimeConfig.model))
+    if shipped and "weights_path" not in section:
+        section["weights_path"] = shipped.pop("checkpoint")
+        shipped.pop("model")
+        for key, value in shipped.items():
+            section.setdefault(key, value)
     known = {f for f in RuntimeConfig.__dataclass_fields__}
     unknown = sorted(set(section) - known)
     if unknown:
@@ -107,6 +126,7 @@ def serve_torchrun(args: argparse.Namespace) -> int:
             blocks=mc.num_blocks,
             placement=f"{cfg.placement} over {engine.world_size} ranks ({ctx.backend})",
             action_mode=mc.action_mode,
+            horizon=cfg.horizon,
             engine_info=engine_info,
         )
 
