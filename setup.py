@@ -60,7 +60,7 @@ setup(
         "serve": ["torch", "safetensors", "grpcio", "grpcio-health-checking", "protobuf"],
         # robot side link client (no torch)
         "link": ["grpcio", "protobuf"],
-        "eval": ["rosbags", "pillow", "tqdm"],
+        "eval": ["rosbags", "pillow", "tqdm", "scikit-image"],
         # workstation, optional: the real Wan VAE codec (diffusers) and physis-embed's text
         # encoder (transformers); never needed on the robot
         "models": ["diffusers", "transformers"],

@@ -70,6 +70,7 @@ class FakeEngine:
             image_width=self.width,
             action_horizon=self.horizon,
             action_dim=self.action_dim,
+            horizon=spec.horizon or 0,
         )
 
     def close_stream(self, stream_id: int) -> None:
