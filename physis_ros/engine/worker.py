@@ -313,7 +313,7 @@ class Worker:
         )
 
     @torch.inference_mode()
-    def _allocate(  # noqa: PLR0917
+    def _allocate(
         self, layout: Layout, cond: torch.Tensor, history: str, seed: int, horizon: int
     ) -> _StreamState:
         st = _StreamState(layout=layout, history=history, seed=seed, horizon=horizon)

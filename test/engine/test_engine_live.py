@@ -41,9 +41,13 @@ def test_live_plans_replace_predicted_slots(tiny, horizon):
     assert all(1 <= v.slot - v.anchor <= horizon for v in gen)
     # a prediction read after its slot was observed is not what a later chunk reads
     if horizon > 1:
-        noisy = oracle.sample(tiny, SAMPLER, plan, mode="pipelined", seed=7, cond=make_cond(tiny.cfg, 70))
+        noisy = oracle.sample(
+            tiny, SAMPLER, plan, mode="pipelined", seed=7, cond=make_cond(tiny.cfg, 70)
+        )
         stale = [("observe", 0, plan[0][2])] + [("generate", None)] * max(noisy)
-        old = oracle.sample(tiny, SAMPLER, stale, mode="pipelined", seed=7, cond=make_cond(tiny.cfg, 70))
+        old = oracle.sample(
+            tiny, SAMPLER, stale, mode="pipelined", seed=7, cond=make_cond(tiny.cfg, 70)
+        )
         assert max((noisy[c] - old[c]).abs().max().item() for c in noisy) > 1e-3
 
 
@@ -98,7 +102,9 @@ def test_noised_context_equals_the_live_oracle(request, model_name):
     out, _ = run_live_inline(rt, plans, mode="pipelined", horizon=horizon)
     assert worst_live_error(model, sampler, plans, out, mode="pipelined") <= TOL
     clean = SamplerConfig(steps=3, window=2, shift=3.0)
-    ref_clean = oracle.sample(model, clean, plans[0], mode="pipelined", seed=7, cond=make_cond(tiny.cfg, 70))
+    ref_clean = oracle.sample(
+        model, clean, plans[0], mode="pipelined", seed=7, cond=make_cond(model.cfg, 70)
+    )
     assert max((out[0][c].x - x).abs().max().item() for c, x in ref_clean.items()) > 1e-3
 
 

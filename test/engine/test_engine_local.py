@@ -75,7 +75,9 @@ def test_local_engine_live_stream_replaces_predictions_and_names_anchors():
 
     horizon = 3
     with LocalEngine("tiny", steps=3, window=2, workers=2) as eng:
-        sid = eng.open_stream(StreamSpec(seed=6, cond_seed=8, horizon=horizon)).stream_id
+        sid = eng.open_stream(
+            StreamSpec(seed=6, prompt_embedding=tiny_cond(8), horizon=horizon)
+        ).stream_id
         rng = np.random.default_rng(1)
         codec = Codec(eng.cfg)
         plan, outs = [], []
@@ -91,7 +93,12 @@ def test_local_engine_live_stream_replaces_predictions_and_names_anchors():
         with pytest.raises(ValueError, match="horizon"):
             eng.submit_generate(sid)
     ref = oracle.sample(
-        eng.model, SamplerConfig(steps=3, window=2), plan, mode="pipelined", seed=6, cond_seed=8
+        eng.model,
+        SamplerConfig(steps=3, window=2),
+        plan,
+        mode="pipelined",
+        seed=6,
+        cond=torch.from_numpy(tiny_cond(8)),
     )
     anchors = {v.slot: v.anchor for v in oracle.versions(plan, 2) if not v.observed}
     assert sorted(o.chunk for o in outs) == sorted(ref) == list(range(1, 6 + horizon))

@@ -615,7 +615,13 @@ def test_large_frames_cross_the_link_intact():
         try:
             got = []
             deadline_s = time.monotonic() + 15
+            seq = 0
             while len(got) < 5 and time.monotonic() < deadline_s:
+                seq += 1  # predictions follow observed slots: the camera goes on
+                frame = rgb_image(np.zeros((160, 160, 3), np.uint8))
+                client.send_observation(
+                    Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=frame)
+                )
                 if (p := client.get_prediction(0.1)) is not None:
                     got.append(p)
             assert len(got) == 5, client.stats()
