@@ -40,6 +40,7 @@ from physis_ros.engine.model import (
 )
 from physis_ros.engine.sampler import sigmas, state_numel
 from physis_ros.train.data import SequenceSampler, load_dataset
+from physis_ros.train.warmstart import load_init
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,8 +90,8 @@ class TrainConfig:
     frame_hz: float = 10.0
     """Camera rate the model learns (bags are subsampled to it)."""
     init: str = ""
-    """Start from these weights (a physis-train checkpoint of the same preset) instead of the
-    seeded initialisation: continues a finished run with a new learning-rate schedule."""
+    """Start from these weights (a physis-train checkpoint of the same model, or of one with
+    another patch size: ``warmstart.load_init``) instead of the seeded initialisation."""
     seed: int = 0
     threads: int = 1
     """torch CPU threads (1: bit-reproducible, and fastest on a shared 2-core machine)."""
@@ -253,11 +254,13 @@ def _val_batch(sampler: SequenceSampler, cfg: TrainConfig, size: int) -> Windows
 
 
 def _windows(sampler: SequenceSampler, cfg: TrainConfig, gen: torch.Generator) -> Windows:
-    """A training batch: windows with 1..max_context observations, commands dropped from a
-    fraction of them (the model also predicts without commands)."""
+    """A training batch: windows with n_obs observations (drawn 1..max_context, one draw per
+    batch: the batch is only as long as that needs), commands dropped from a fraction of them
+    (the model also predicts without commands)."""
     mcfg = sampler.cfg
-    x0 = sampler.batch(cfg.batch_size)
-    n_obs = torch.randint(1, cfg.max_context + 1, (cfg.batch_size,), generator=gen)
+    n = int(torch.randint(1, cfg.max_context + 1, (1,), generator=gen))
+    x0 = sampler.batch(cfg.batch_size)[:, cfg.max_context - n :]
+    n_obs = torch.full((cfg.batch_size,), n)
     sigma = _train_sigmas(cfg, gen)
     eps = torch.randn(cfg.batch_size, x0.shape[1], state_numel(mcfg), generator=gen)
     if cfg.action_dropout and mcfg.action_mode == "condition":
@@ -294,8 +297,7 @@ def train(
         val_sampler = SequenceSampler(val_data, mcfg, chunks=chunks, seed=cfg.seed + 1)
     val = _val_batch(val_sampler, cfg, 32) if val_sampler else None
     model = build_model(mcfg, seed=cfg.seed).train()
-    if cfg.init:
-        model.load_safetensors(cfg.init)
+    init_how = load_init(model, cfg.init) if cfg.init else ""
     # the weights that are validated and saved: an EMA of the trained ones (or those)
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     opt = torch.optim.AdamW(
@@ -361,7 +363,7 @@ def train(
         "train_frames": str(data.frames),
         "train_episodes": str(len(data.episodes)),
         "torch": torch.__version__,
-        **({"init_sha256": _sha256(cfg.init)} if cfg.init else {}),
+        **({"init_sha256": _sha256(cfg.init), "init": init_how} if cfg.init else {}),
     }
     from safetensors.torch import save_file
 
