@@ -16,6 +16,7 @@ CONSOLE_SCRIPTS = [
     "physis-bench = physis_ros.bench.cli:main",
     "physis-demo = physis_ros.demo:main",
     "physis-serve = physis_ros.serve.main:main",
+    "physis-torchrun = physis_ros.tools.torchrun:main",
     "bridge = physis_ros.nodes.bridge:main",
     "sim_robot = physis_ros.nodes.sim_robot:main",
     "physis-sim = physis_ros.tools.sim_cli:main",
@@ -29,17 +30,24 @@ CONSOLE_SCRIPTS = [
 
 
 class BuildPyWithProto(build_py):
-    """Generates the wire code (physis_ros/link/proto_gen) from proto/ before copying."""
+    """Generates the wire code (physis_ros.link.proto_gen) from proto/ while building: into
+    the build tree for a wheel, into the source tree for an editable install. The generated
+    package is never read from the source tree here, so a clean clone builds."""
 
     def run(self):
-        runpy.run_path(str(Path(__file__).resolve().parent / "proto" / "generate.py"))["generate"]()
         super().run()
+        generate = runpy.run_path(str(Path(__file__).resolve().parent / "proto" / "generate.py"))
+        if self.editable_mode:
+            generate["generate"]()
+        else:
+            generate["generate"](Path(self.build_lib) / "physis_ros" / "link" / "proto_gen")
 
 
-# proto_gen is generated (git-ignored), so find_packages may not see it in a fresh checkout.
-PACKAGES = sorted(
-    set(find_packages(include=["physis_ros", "physis_ros.*"])) | {"physis_ros.link.proto_gen"}
-)
+# The generated wire code needs at least the runtime of the grpcio-tools that generated it
+# (pinned in pyproject.toml's build requirements).
+WIRE = ["grpcio>=1.85.1", "protobuf>=7.35.1,<8"]
+
+PACKAGES = find_packages(include=["physis_ros", "physis_ros.*"], exclude=["*.proto_gen"])
 
 setup(
     name="physis_ros",
@@ -50,16 +58,15 @@ setup(
     packages=PACKAGES,
     package_data={
         "physis_ros": ["py.typed"],
-        "physis_ros.link.proto_gen": ["*.pyi"],
         "physis_ros.weights": ["*.safetensors"],
     },
     cmdclass={"build_py": BuildPyWithProto},
     install_requires=["numpy", "PyYAML"],
     extras_require={
         # workstation: engine, distributed runtime, server front end
-        "serve": ["torch", "safetensors", "grpcio", "grpcio-health-checking", "protobuf"],
+        "serve": ["torch", "safetensors", *WIRE, "grpcio-health-checking"],
         # robot side link client (no torch)
-        "link": ["grpcio", "protobuf"],
+        "link": WIRE,
         "eval": ["rosbags", "pillow", "tqdm", "scikit-image"],
         # workstation, optional: the real Wan VAE codec (diffusers) and physis-embed's text
         # encoder (transformers); never needed on the robot

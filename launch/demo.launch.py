@@ -1,92 +1,73 @@
-"""The closed-loop demo on one machine: sim_robot + physis-serve (CPU, the shipped push-wm
-world model) + bridge, optionally rviz with config/physis.rviz. The camera runs at the size
-and rate push-wm was trained on (32x32, 10 Hz). Without ``ros2 launch``, ``physis-demo`` (make demo)
-starts the same processes itself.
+"""The closed loop on one machine: workstation.launch.py (physis-serve on loopback, the shipped
+push-wm world model on the CPU) and robot.launch.py with sim:=true (sim_robot + bridge),
+optionally rviz. The sim's camera is the one push-wm was trained on (config/sim_robot.yaml:
+32x32 at 10 Hz). Without ``ros2 launch``, ``physis-demo`` (make demo) starts the same
+programs itself and writes a summary and a picture.
 
     ros2 launch physis_ros demo.launch.py rviz:=true
+    ros2 launch physis_ros demo.launch.py namespace:=arm1 port:=0 port_file:=/tmp/demo.port
 """
 
 import os
 
 from ament_index_python.packages import get_package_share_directory
-from launch.actions import DeclareLaunchArgument, ExecuteProcess, SetEnvironmentVariable
-from launch.conditions import IfCondition
+from launch.actions import DeclareLaunchArgument, GroupAction, IncludeLaunchDescription
+from launch.launch_description_sources import PythonLaunchDescriptionSource
 from launch.substitutions import LaunchConfiguration
-from launch_ros.actions import Node
 
 from launch import LaunchDescription
 
 
 def generate_launch_description():
-    share = get_package_share_directory("physis_ros")
-    config = os.path.join(share, "config")
+    launch_dir = os.path.join(get_package_share_directory("physis_ros"), "launch")
+    arguments = [
+        ("model", "push-wm", "model preset physis-serve runs (push-wm: shipped trained weights)"),
+        (
+            "weights",
+            "",
+            "weights from physis-train, model named inside ('' = model's shipped ones)",
+        ),
+        ("port", "50051", "port of the local physis-serve (0: ephemeral, needs port_file)"),
+        ("port_file", "", "physis-serve writes its port here and the bridge reads it"),
+        ("namespace", "", "namespace of the robot's nodes and topics ('' = none)"),
+        ("target_interval_ms", "200.0", "interval the bridge asks between chunks"),
+        ("rviz", "false", "start rviz2 with config/physis.rviz"),
+    ]
+    arg = LaunchConfiguration
+
+    def include(name: str, launch_arguments: dict) -> GroupAction:
+        source = PythonLaunchDescriptionSource(os.path.join(launch_dir, name))
+        # scoped: the two files' arguments do not leak into each other
+        return GroupAction(
+            [IncludeLaunchDescription(source, launch_arguments=launch_arguments.items())]
+        )
+
     return LaunchDescription(
         [
-            DeclareLaunchArgument(
-                "model",
-                default_value="push-wm",
-                description="model preset physis-serve runs (push-wm: shipped trained weights)",
+            *(
+                DeclareLaunchArgument(name, default_value=default, description=text)
+                for name, default, text in arguments
             ),
-            DeclareLaunchArgument(
-                "port", default_value="50051", description="port of the local physis-serve"
+            include(
+                "workstation.launch.py",
+                {
+                    "model": arg("model"),
+                    "weights": arg("weights"),
+                    "host": "127.0.0.1",
+                    "port": arg("port"),
+                    "port_file": arg("port_file"),
+                },
             ),
-            DeclareLaunchArgument(
-                "rviz", default_value="false", description="start rviz2 with physis.rviz"
-            ),
-            DeclareLaunchArgument(
-                "fastdds_profile",
-                default_value=os.path.join(config, "fastdds.xml"),
-                description="Fast DDS XML profile (shared-memory segment sized for images)",
-            ),
-            SetEnvironmentVariable(
-                "FASTDDS_DEFAULT_PROFILES_FILE", LaunchConfiguration("fastdds_profile")
-            ),
-            ExecuteProcess(
-                cmd=[
-                    "physis-serve",
-                    "--config",
-                    os.path.join(config, "serve.yaml"),
-                    "--model",
-                    LaunchConfiguration("model"),
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    LaunchConfiguration("port"),
-                ],
-                output="screen",
-            ),
-            Node(
-                package="physis_ros",
-                executable="sim_robot",
-                name="sim_robot",
-                output="screen",
-                parameters=[
-                    os.path.join(config, "sim_robot.yaml"),
-                    # what push-wm was trained on (physis_ros/weights metadata)
-                    {"camera_rate_hz": 10.0, "image_height": 32, "image_width": 32},
-                ],
-            ),
-            Node(
-                package="physis_ros",
-                executable="bridge",
-                name="bridge",
-                output="screen",
-                parameters=[
-                    os.path.join(config, "bridge.yaml"),
-                    {
-                        "server": ["127.0.0.1:", LaunchConfiguration("port")],
-                        # push-wm's action columns (its metadata action_names): sim_robot's
-                        # joint_command positions, sent with each image, condition it
-                        "command_joint_names": ["shoulder", "elbow"],
-                    },
-                ],
-            ),
-            Node(
-                package="rviz2",
-                executable="rviz2",
-                name="rviz2",
-                arguments=["-d", os.path.join(config, "physis.rviz")],
-                condition=IfCondition(LaunchConfiguration("rviz")),
+            include(
+                "robot.launch.py",
+                {
+                    "sim": "true",
+                    "namespace": arg("namespace"),
+                    "server": ["127.0.0.1:", arg("port")],
+                    "server_port_file": arg("port_file"),
+                    "target_interval_ms": arg("target_interval_ms"),
+                    "rviz": arg("rviz"),
+                },
             ),
         ]
     )

@@ -1,67 +1,106 @@
-"""Robot side: the physis bridge, with parameters from config/bridge.yaml.
+"""Robot side: the physis bridge (config/bridge.yaml), optionally the simulated robot and rviz.
 
-    ros2 launch physis_ros robot.launch.py server:=gpu-box:50051 namespace:=arm
+    ros2 launch physis_ros robot.launch.py server:=gpu-box:50051 namespace:=arm1 \\
+        token_file:=token.txt tls_ca:=ca.pem
+    ros2 launch physis_ros robot.launch.py sim:=true namespace:=arm1     # no hardware
 
-Camera, wrench, joint-state and joint-command topics are relative (remap them in bridge.yaml
-or with a namespace); the robot's commanded joint targets on ``joint_command`` condition an
-action-conditioned world model. FASTDDS_DEFAULT_PROFILES_FILE points at config/fastdds.xml,
-whose shared-memory segment is large enough for camera images (the Fast DDS default loses
-640x480 frames).
+Every topic is relative: ``namespace:=arm1`` gives ``/arm1/camera/image``,
+``/arm1/predicted/image``, ``/arm1/pipeline_stats``, ``/arm1/tf``...; only ``/diagnostics``
+is global, its statuses named ``arm1/bridge: ...``. Two robots against one workstation are
+two of these launches with different namespaces and the same server. ``rviz:=true`` starts
+rviz2 with config/physis.rviz in the namespace, reading that namespace's tf. The bridge's
+camera, wrench, joint-state and joint-command topics are remapped in bridge.yaml (or by
+remapping) to the robot's drivers; ``sim:=true`` starts sim_robot to provide them.
+FASTDDS_DEFAULT_PROFILES_FILE points at config/fastdds.xml, whose shared-memory segment is
+large enough for camera images (the Fast DDS default loses 640x480 frames).
 """
 
 import os
 
 from ament_index_python.packages import get_package_share_directory
 from launch.actions import DeclareLaunchArgument, SetEnvironmentVariable
+from launch.conditions import IfCondition
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
+from launch_ros.parameter_descriptions import ParameterValue
 
 from launch import LaunchDescription
 
 
 def generate_launch_description():
-    share = get_package_share_directory("physis_ros")
+    config = os.path.join(get_package_share_directory("physis_ros"), "config")
+    arguments = [
+        ("namespace", "", "namespace of this robot's nodes and topics ('' = none)"),
+        ("server", "127.0.0.1:50051", "host:port of physis-serve on the GPU workstation"),
+        ("server_port_file", "", "wait for this port file of a local physis-serve ('' = none)"),
+        ("token_file", "", "file holding the bearer token the server expects ('' = none)"),
+        ("tls_ca", "", "CA certificate (PEM) of the server's TLS certificate ('' = plaintext)"),
+        (
+            "target_interval_ms",
+            "200.0",
+            "interval the robot asks between chunks (push-wm: one chunk = 200 ms of video)",
+        ),
+        (
+            "params_file",
+            os.path.join(config, "bridge.yaml"),
+            "ROS parameters of the bridge (topics, QoS, safety, markers)",
+        ),
+        ("fallback", "hold", "what to publish when chunks stop arriving: hold or zeros"),
+        ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
+        ("rviz", "false", "also start rviz2 with config/physis.rviz"),
+        (
+            "fastdds_profile",
+            os.path.join(config, "fastdds.xml"),
+            "Fast DDS XML profile (shared-memory segment sized for images)",
+        ),
+    ]
+    arg = LaunchConfiguration
+    namespace = arg("namespace")
     return LaunchDescription(
         [
-            DeclareLaunchArgument(
-                "namespace", default_value="", description="namespace of the bridge and its topics"
+            *(
+                DeclareLaunchArgument(name, default_value=default, description=text)
+                for name, default, text in arguments
             ),
-            DeclareLaunchArgument(
-                "server",
-                default_value="127.0.0.1:50051",
-                description="host:port of physis-serve on the GPU workstation",
-            ),
-            DeclareLaunchArgument(
-                "params_file",
-                default_value=os.path.join(share, "config", "bridge.yaml"),
-                description="ROS parameters of the bridge (topics, QoS, safety, markers)",
-            ),
-            DeclareLaunchArgument(
-                "fallback",
-                default_value="hold",
-                description="what to publish when chunks stop arriving: hold or zeros",
-            ),
-            DeclareLaunchArgument(
-                "fastdds_profile",
-                default_value=os.path.join(share, "config", "fastdds.xml"),
-                description="Fast DDS XML profile (shared-memory segment sized for images)",
-            ),
-            SetEnvironmentVariable(
-                "FASTDDS_DEFAULT_PROFILES_FILE", LaunchConfiguration("fastdds_profile")
-            ),
+            SetEnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE", arg("fastdds_profile")),
             Node(
                 package="physis_ros",
                 executable="bridge",
                 name="bridge",
-                namespace=LaunchConfiguration("namespace"),
+                namespace=namespace,
                 output="screen",
                 parameters=[
-                    LaunchConfiguration("params_file"),
+                    arg("params_file"),
                     {
-                        "server": LaunchConfiguration("server"),
-                        "fallback": LaunchConfiguration("fallback"),
+                        "server": ParameterValue(arg("server"), value_type=str),
+                        "server_port_file": ParameterValue(arg("server_port_file"), value_type=str),
+                        "token_file": ParameterValue(arg("token_file"), value_type=str),
+                        "root_cert_path": ParameterValue(arg("tls_ca"), value_type=str),
+                        "target_interval_ms": ParameterValue(
+                            arg("target_interval_ms"), value_type=float
+                        ),
+                        "fallback": ParameterValue(arg("fallback"), value_type=str),
                     },
                 ],
+            ),
+            Node(
+                package="physis_ros",
+                executable="sim_robot",
+                name="sim_robot",
+                namespace=namespace,
+                output="screen",
+                parameters=[os.path.join(config, "sim_robot.yaml")],
+                condition=IfCondition(arg("sim")),
+            ),
+            Node(
+                package="rviz2",
+                executable="rviz2",
+                name="rviz2",
+                namespace=namespace,
+                arguments=["-d", os.path.join(config, "physis.rviz")],
+                # tf is relative (one tree per robot namespace); rviz2 subscribes to /tf
+                remappings=[("/tf", "tf"), ("/tf_static", "tf_static")],
+                condition=IfCondition(arg("rviz")),
             ),
         ]
     )

@@ -5,7 +5,9 @@ CPU, ephemeral port), ``sim_robot`` (a planar arm pushing a box, its camera at t
 rate the model was trained on: 32x32 at 10 Hz) and the ``bridge`` as child processes on an
 isolated ROS domain with real topics and the real link; the sim robot executes the
 trajectories the bridge publishes (a world model publishes none: its scripted policy runs).
-Prints once a second the achieved interval, response latency and drops; stops after
+Prints once a second the achieved interval against the server's promise, the response
+latency, the chunk overlap (the share of chunks that entered the server's pipeline before
+the previous one left it: the assembly line at work) and drops; stops after
 ``--duration-s`` or Ctrl-C; stops every child; writes ``summary.json`` and ``strip.png``
 (observed | predicted, one row per sampled second) under ``--out``.
 No torch in this process: the model runs in physis-serve.
@@ -17,29 +19,18 @@ import argparse
 import json
 import os
 import random
-import struct
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 
 def write_png(path: Path, rgb: np.ndarray) -> None:
-    """[H, W, 3] uint8 -> an 8-bit RGB PNG (zlib only, no imaging library needed)."""
-    height, width, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[row].tobytes() for row in range(height))
+    """[H, W, 3] uint8 -> an 8-bit RGB PNG."""
+    from PIL import Image
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6))
-        + chunk(b"IEND", b"")
-    )  # fmt: skip
+    Image.fromarray(np.ascontiguousarray(rgb, dtype=np.uint8)).save(path, "PNG")
 
 
 def image_to_rgb(msg) -> np.ndarray:
@@ -76,13 +67,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--target-interval-ms",
         type=float,
-        default=None,
-        help="pacing asked of the server (default: the video one chunk covers for a model "
-        "with shipped weights, 200 ms for push-wm; else 100; 0: as fast as it can; the action "
-        "deadline is two intervals, so an unpaced CPU server with jitter trips it often)",
+        default=0.0,
+        help="interval asked of the server (default 0: the interval physis-serve planned for "
+        "at start-up, the fastest it can promise a stream; the video one chunk covers, 200 ms "
+        "for push-wm, asks for real time)",
     )
     parser.add_argument(
         "--out", default="out/demo", help="directory for summary.json and strip.png"
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="run physis-serve under torchrun with this many ranks (0: one process)",
     )
     parser.add_argument(
         "--domain-id",
@@ -93,9 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.duration_s > 0:
         parser.error(f"--duration-s must be positive, got {args.duration_s}")
-    camera = shipped_camera(args.model)
-    if args.target_interval_ms is None:
-        args.target_interval_ms = camera["chunk_ms"] if camera else 100.0
+    if args.ranks < 0:
+        parser.error(f"--ranks must be >= 0, got {args.ranks}")
     if args.target_interval_ms < 0:
         parser.error(f"--target-interval-ms must be >= 0, got {args.target_interval_ms}")
     return args
@@ -143,14 +139,16 @@ def main(argv=None) -> int:
     started_s = time.monotonic()
     interrupted = False
     try:
-        port = loop.start_server()
-        print(f"physis-demo: physis-serve ({args.model}) on 127.0.0.1:{port}", flush=True)
-        monitor = Monitor(domain_id=domain_id)
+        # The robot first: physis-serve measures this machine at start-up, with the load the
+        # simulated robot puts on it.
         camera = shipped_camera(args.model)
         if camera is not None:
             loop.start_sim_robot(**{k: v for k, v in camera.items() if k != "chunk_ms"})
         else:
             loop.start_sim_robot()
+        port = loop.start_server(timeout_s=300.0, ranks=args.ranks)
+        print(f"physis-demo: physis-serve ({args.model}) on 127.0.0.1:{port}", flush=True)
+        monitor = Monitor(domain_id=domain_id)
         loop.start_bridge(target_interval_ms=args.target_interval_ms)
         started_s = time.monotonic()
         while time.monotonic() - started_s < args.duration_s:
@@ -171,7 +169,8 @@ def main(argv=None) -> int:
             drops = dict(zip(stats.drop_reasons, stats.drop_counts, strict=True))
             print(
                 f"[{t:5.1f} s] interval {stats.interval_median_ms:6.1f} ms "
-                f"(p99 {stats.interval_p99_ms:6.1f}, target {stats.target_interval_ms:.0f})  "
+                f"(p99 {stats.interval_p99_ms:6.1f}, promised {stats.promised_interval_ms:.1f})  "
+                f"overlap {stats.chunk_overlap:4.0%}  "
                 f"response {stats.response_latency_ms:6.1f} ms  "
                 f"chunks {stats.chunks_published:4d}  sent {stats.observations_sent:4d}  "
                 f"dropped {stats.observations_dropped} {drops or ''}",
@@ -191,6 +190,7 @@ def main(argv=None) -> int:
         exit_codes = loop.stop()
     summary = {
         "model": args.model,
+        "server": f"torchrun, {args.ranks} ranks" if args.ranks else "one process",
         "duration_s": round(elapsed_s, 2),
         "interrupted": interrupted,
         "children_exit_codes": exit_codes,
@@ -202,6 +202,9 @@ def main(argv=None) -> int:
             interval_p99_ms=round(stats.interval_p99_ms, 2),
             interval_jitter_ms=round(stats.interval_jitter_ms, 2),
             promised_interval_ms=round(stats.promised_interval_ms, 2),
+            promised_response_latency_ms=round(stats.promised_response_latency_ms, 2),
+            promise_revision=stats.promise_revision,
+            chunk_overlap=round(stats.chunk_overlap, 3),
             response_latency_median_ms=round(stats.response_latency_ms, 2),
             response_latency_p99_ms=round(stats.response_latency_p99_ms, 2),
             hop_median_ms=dict(
@@ -230,7 +233,11 @@ def main(argv=None) -> int:
     published = (stats.chunks_published if stats is not None else 0) + counts.get(
         "predicted/image", 0
     )
-    ok = stats is not None and published > 0 and all(c == 0 for c in exit_codes.values())
+    # torchrun itself exits 1 when it forwards the stop signal to its ranks
+    stopped = (
+        {**exit_codes, "server": 0} if args.ranks and exit_codes.get("server") == 1 else exit_codes
+    )
+    ok = stats is not None and published > 0 and all(c == 0 for c in stopped.values())
     return 0 if ok or interrupted else 1
 
 

@@ -121,3 +121,24 @@ def worst_oracle_error(cfg, plans: dict, specs: dict, got: dict, device: str = "
         for c, x in ref.items():
             worst = max(worst, (got[sid][c] - x.cpu()).abs().max().item())
     return worst
+
+
+def observed_plan(cfg: ModelConfig, seed: int, pairs: int):
+    """[(kind, value)]: ``pairs`` times an observation (random camera frames and commanded
+    actions, encoded by the codec into a context chunk's state) then a generate request
+    (with those actions when the model is conditioned on them)."""
+    from physis_ros.engine.codec import Codec
+    from physis_ros.engine.sampler import pack_chunk
+
+    codec = Codec(cfg, device="cpu")
+    gen = torch.Generator().manual_seed(2000 + seed)
+    plan = []
+    for _ in range(pairs):
+        frames = torch.randint(0, 256, (cfg.frames_per_chunk, *cfg.image_size, 3), generator=gen)
+        actions = None
+        if cfg.action_mode != "none":
+            actions = torch.rand(cfg.action_horizon, cfg.action_dim, generator=gen) * 2 - 1
+        latent = codec.encode(frames.to(torch.uint8).numpy()).cpu()
+        plan.append(("context", pack_chunk(cfg, latent, actions)))
+        plan.append(("generate", actions if cfg.action_mode == "condition" else None))
+    return plan

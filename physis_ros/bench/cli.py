@@ -16,6 +16,10 @@ SUBCOMMANDS = {
     ),
     "link": ("physis_ros.bench.link", "robot <-> workstation link round trip (no torch)"),
     "ros": ("physis_ros.bench.ros", "ROS 2 node throughput and latency (no torch)"),
+    "serve": (
+        "physis_ros.bench.serve",
+        "the real server's admission and promises against what streams get",
+    ),
 }
 
 

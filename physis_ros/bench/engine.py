@@ -11,7 +11,9 @@ measured in the same run through the same code (``stage.measure_block_ms``);
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -71,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--block-impl",
+        choices=("eager", "fused"),
+        default=None,
+        help="how blocks run (engine/fused.py); default: $PHYSIS_BLOCK_IMPL or eager",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--ranks",
@@ -132,16 +140,17 @@ def _run_mode(
         return (t1 - t0 - sum(d for s, d in pauses if t0 <= s < t1)) * 1e3
 
     t0, cpu0 = time.monotonic(), time.process_time()
-    out = run_plan(
-        rt,
-        plans,
-        mode=mode,
-        max_in_flight=in_flight,
-        threads=N > 1,
-        seeds={s: args.seed + s for s in plans},
-        conds={s: make_cond(model.cfg, 100 + s) for s in plans},
-        on_output=None if N > 1 or timer is None else sample,
-    )
+    with rt:  # its threads (worker loops, host copiers) joined when the run is done
+        out = run_plan(
+            rt,
+            plans,
+            mode=mode,
+            max_in_flight=in_flight,
+            threads=N > 1,
+            seeds={s: args.seed + s for s in plans},
+            conds={s: make_cond(model.cfg, 100 + s) for s in plans},
+            on_output=None if N > 1 or timer is None else sample,
+        )
     wall_s = time.monotonic() - t0
     # CPU time is far less sensitive than wall time to other jobs taking the cores
     cpu_ms = (time.process_time() - cpu0 - sum(d for _, d in pauses)) * 1e3
@@ -153,7 +162,7 @@ def _run_mode(
         gen = [c for c, (kind, _) in enumerate(plan) if kind == "generate"]
         ctx = [c for c, (kind, _) in enumerate(plan) if kind == "context"]
         fills.append(span_ms(res[gen[0]].created_s, res[gen[0]].left_s))
-        for a, b in zip(gen[skip:], gen[skip + 1 :], strict=False):
+        for a, b in itertools.pairwise(gen[skip:]):
             if b == a + 1:  # no observation in between
                 gaps.append(span_ms(res[a].left_s, res[b].left_s))
         for c in ctx[1:]:
@@ -218,7 +227,9 @@ def run(args: argparse.Namespace) -> dict:
     )
     sampler = SamplerConfig(steps=args.steps, window=args.window)
     dtype = DTYPES[args.dtype]
-    model = build_model(cfg, seed=args.seed, device=args.device, dtype=dtype)
+    model = build_model(
+        cfg, seed=args.seed, device=args.device, dtype=dtype, block_impl=args.block_impl
+    )
     codec = Codec(cfg, device=args.device)
     K, L, N, S = sampler.steps, cfg.num_blocks, args.workers, args.streams
     plans = _plans(cfg, args, codec)
@@ -226,11 +237,8 @@ def run(args: argparse.Namespace) -> dict:
     modes = list(MODES) if args.mode == "all" else [args.mode]
     # warm-up (excluded): allocator, kernels, caches
     warm = {0: plans[0][: 2 + min(K, args.chunks)]}
-    run_plan(
-        InProcRuntime(model, sampler, layout_even(K, L, 1), batching=batching),
-        warm,
-        mode="pipelined",
-    )
+    with InProcRuntime(model, sampler, layout_even(K, L, 1), batching=batching) as rt:
+        run_plan(rt, warm, mode="pipelined")
     timer = BlockTimer(model, [args.window])
     block_before = [timer.sample() for _ in range(25)][5:]
     main_mode = "pipelined" if "pipelined" in modes else modes[0]
@@ -267,6 +275,7 @@ def run(args: argparse.Namespace) -> dict:
         "batching": batching,
         "device": args.device,
         "dtype": args.dtype,
+        "block_impl": "fused" if getattr(model, "fused_blocks", None) is not None else "eager",
         "threads": args.threads,
         "tokens_per_chunk": cfg.tokens_per_chunk,
         "block_ms": block_ms,
@@ -402,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.block_impl:  # the ranks of --ranks build their models from the environment
+        os.environ["PHYSIS_BLOCK_IMPL"] = args.block_impl
     try:
         if args.ranks:
             from physis_ros.bench.engine_dist import run as run_dist

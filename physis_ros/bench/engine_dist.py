@@ -17,6 +17,7 @@ worker spent in block forwards); ``cpu_share_1_rank`` for the baseline.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -119,7 +120,7 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
         gen = [c for c, (kind, _) in enumerate(plan) if kind == "generate"]
         ctx = [c for c, (kind, _) in enumerate(plan) if kind == "context"]
         fills.append((res[gen[0]].left_s - res[gen[0]].created_s) * 1e3)
-        for a, b in zip(gen[skip:], gen[skip + 1 :], strict=False):
+        for a, b in itertools.pairwise(gen[skip:]):
             if b == a + 1:  # no observation in between
                 gaps.append((res[b].left_s - res[a].left_s) * 1e3)
         for c in ctx[1:]:

@@ -10,6 +10,9 @@ Imports torch; never rclpy. Modules (pool/ is the shared-pool admission and simu
   vae        the Wan VAE through diffusers, causal per stream
   oracle     offline full-sequence samplers (noisy and clean history) every mode must equal
   stage      KV rings, one batched block forward over tasks (run_block), block timing
+  fused      the fused block forward (one QKV GEMM, norm+RoPE into the ring, one-pass norms);
+  fused_triton  its Triton kernels (CUDA)
+  devcopy    host <-> device copies that never make the worker wait for the GPU
   placement  stages (k, l) -> virtual ranks -> worker ranks; printable
   worker     Worker.run_once: receive -> ready tasks -> group by block -> forward -> send
   transport  Activation and the Transport interface (InProcTransport here)

@@ -60,6 +60,11 @@ class StreamPromise:
     action_mode: str = "none"
     """The model's: ``none``/``condition`` (a world model: frames only) or ``predict`` (a
     world-action model: its chunks carry actions)."""
+    target_interval_ms: float = 0.0
+    """The interval the stream is paced at: what it asked for, or the pool's default target
+    when it asked for 0; 0: not paced (an engine without admission, as fast as it goes)."""
+    revision: int = 0
+    """0 at admission; +1 each time the promise is revised (another stream joined or left)."""
 
 
 class AdmissionRefused(Exception):

@@ -27,7 +27,12 @@ from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_m
 from physis_ros.engine.codec import make_codec
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.model import build_model
-from physis_ros.engine.placement import Layout, layout_by_block_even, layout_even
+from physis_ros.engine.placement import (
+    Layout,
+    layout_by_block_even,
+    layout_even,
+    validate_layout,
+)
 from physis_ros.engine.prompts import PromptBook, trained_empty_prompt
 from physis_ros.engine.runtime import MODES, ChunkResult, InProcRuntime
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
@@ -115,7 +120,10 @@ class LocalEngine:
             layout = layout_by_block_even(steps, L, workers)  # caches shared over steps
         elif layout is None:
             layout = layout_even(steps, L, workers)
-        self.runtime = InProcRuntime(self.model, self.sampler, layout, batching=batching)
+        num_workers = max(workers, 1 + max(max(row) for row in layout))
+        self.runtime = InProcRuntime(
+            self.model, self.sampler, layout, num_workers=num_workers, batching=batching
+        )
         self.workers = self.runtime.placement.num_workers
         # One measured block forward calibrates what the promise says.
         self.block_ms = measure_block_ms(self.model, [window], repeats=5, warmup=2)
@@ -131,10 +139,15 @@ class LocalEngine:
         self._driver.start()
 
     # ---- StreamEngine ------------------------------------------------------------------------
-    def open_stream(self, spec: StreamSpec) -> StreamPromise:
+    def open_stream(self, spec: StreamSpec, *, layout: Layout | None = None) -> StreamPromise:
+        """Open a stream on the engine's default layout, checked roughly against its target
+        interval here; or on ``layout`` (placed and checked by the pool in front of it,
+        ``physis_ros.engine.pool.service``), which only has to name this engine's workers."""
         self._check_alive()
         cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding)
         cfg, k, L = self.cfg, self.sampler.steps, self.cfg.num_blocks
+        if layout is not None:
+            validate_layout(layout, k, L, self.workers)
         per_chunk_ms = k * L * self.block_ms
         if self.mode == "pipelined":
             interval_ms, depth = per_chunk_ms / self.workers, self.workers
@@ -152,7 +165,7 @@ class LocalEngine:
                     shortfall="1 stream",
                 )
             interval_ms *= open_now + 1  # streams share the same workers
-            if spec.target_interval_ms and interval_ms > spec.target_interval_ms:
+            if layout is None and spec.target_interval_ms and interval_ms > spec.target_interval_ms:
                 raise AdmissionRefused(
                     f"expected interval {interval_ms:.1f} ms exceeds target "
                     f"{spec.target_interval_ms:.1f} ms",
@@ -169,6 +182,7 @@ class LocalEngine:
                 mode=self.mode,
                 max_in_flight=self.max_in_flight,
                 horizon=horizon,
+                layout=layout,
             )
         return StreamPromise(
             stream_id=sid,
@@ -244,7 +258,7 @@ class LocalEngine:
     def shutdown(self) -> None:
         self._stop.set()
         self._driver.join(timeout=10.0)
-        self.runtime.stop_threads()
+        self.runtime.close()
 
     def __enter__(self) -> LocalEngine:
         return self

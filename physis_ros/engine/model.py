@@ -81,14 +81,43 @@ def _seeded(seed: int | None, part: int, make: Callable[[], nn.Module], device, 
     # Each part is initialised from its own seed on the CPU, so a worker that builds only
     # blocks 10..19 gets exactly the weights the full model has there, on any device; each
     # part moves to the device at once, so a 14B model never sits whole in host memory.
-    # seed None: the weights are loaded next, so the part is built on the device directly
-    # (a 14B model's random init on the CPU alone takes minutes).
+    # seed None: the weights are loaded next (or only timed), so the part is allocated on the
+    # device directly and filled at memory speed (a 14B model's random init on the CPU alone
+    # takes minutes; one 33B block's, 10-25 s).
     if seed is None:
-        with torch.device(device):
-            return make().to(dtype=dtype)
+        with torch.device("meta"):
+            part = make().to(dtype=dtype)
+        part = part.to_empty(device=device)
+        _fill_unseeded(part)
+        return part
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((seed * 1_000_003 + part + 7) % (2**63))
         return make().to(device=device, dtype=dtype)
+
+
+_FILL_PERIOD = 65_537
+"""A prime: rows of any width see the pattern shifted, not repeated."""
+
+
+@torch.no_grad()
+def _fill_unseeded(part: nn.Module) -> None:
+    """Random-looking finite weights of the usual scales without a random draw per value: a
+    fixed normal sequence repeated (matrices scaled by 1/sqrt(fan-in), norm weights near 1,
+    biases near 0). Only the values' spread matters to timing, and loading overwrites them."""
+    gen = torch.Generator().manual_seed(_FILL_PERIOD)
+    base = torch.randn(_FILL_PERIOD, generator=gen)
+    for name, p in part.named_parameters():
+        if p.dim() >= 2:
+            seq = base / p.shape[-1] ** 0.5
+        elif "norm" in name and name.endswith("weight"):
+            seq = 1 + 0.02 * base
+        else:
+            seq = 0.02 * base
+        seq = seq.to(p.device, p.dtype)
+        flat = p.view(-1)
+        whole = flat.numel() // _FILL_PERIOD * _FILL_PERIOD
+        flat[:whole].view(-1, _FILL_PERIOD).copy_(seq.expand(whole // _FILL_PERIOD, -1))
+        flat[whole:].copy_(seq[: flat.numel() - whole])  # one pass over the weights
 
 
 class WanDiT(nn.Module):
@@ -156,11 +185,13 @@ class WanDiT(nn.Module):
 
         save_file(to_upstream_state_dict(self), str(path))
 
-    def load_safetensors(self, path: str | Path, *, strict: bool = True) -> None:
-        """Load upstream-named weights (blocks this model does not hold are skipped)."""
+    def load_safetensors(self, path: str | Path) -> None:
+        """Load upstream-named weights, strictly: every key this model holds (the blocks it
+        was built with, and the stem) must be in the file with its shape, and the file may
+        hold no other key except those of blocks this model does not hold."""
         from safetensors.torch import load_file
 
-        load_upstream_state_dict(self, load_file(str(path), device="cpu"), strict=strict)
+        load_upstream_state_dict(self, load_file(str(path), device="cpu"), source=str(path))
 
 
 class _Stem(nn.Module):
@@ -196,36 +227,76 @@ def to_upstream_state_dict(model: WanDiT) -> dict[str, torch.Tensor]:
 
 
 def load_upstream_state_dict(
-    model: WanDiT, state: dict[str, torch.Tensor], *, strict: bool = True
+    model: WanDiT, state: dict[str, torch.Tensor], *, source: str = "checkpoint"
 ) -> None:
-    cfg = model.cfg
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    if strict and missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} keys, e.g. {missing[:5]}")
-    extra = [k for k in state if k not in own and not _is_absent_block(model, k)]
-    if strict and extra:
-        raise ValueError(f"checkpoint has {len(extra)} unknown keys, e.g. {extra[:5]}")
+    """Load ``state`` (upstream key names) into ``model`` strictly (see ``check_state_keys``)."""
+    check_state_keys(model, {k: tuple(v.shape) for k, v in state.items()}, source=source)
     fixed = {}
     for key, tensor in state.items():
-        if key not in own:
+        if _is_absent_block(model, key):
             continue
-        val = tensor
-        if key == "patch_embedding.weight":
-            if tuple(val.shape) != (cfg.dim, cfg.in_channels, *cfg.patch):
-                raise ValueError(f"patch_embedding.weight has shape {tuple(val.shape)}")
-            val = val.reshape(cfg.dim, cfg.patch_dim)
-        if tuple(val.shape) != tuple(own[key].shape):
-            raise ValueError(
-                f"{key}: checkpoint shape {tuple(val.shape)} != model {tuple(own[key].shape)}"
-            )
-        fixed[key] = val
-    model.load_state_dict(fixed, strict=False)
+        if key == "patch_embedding.weight":  # stored as the Conv3d [D, C, pt, ph, pw]
+            fixed[key] = tensor.reshape(model.cfg.dim, model.cfg.patch_dim)
+        else:
+            fixed[key] = tensor
+    model.load_state_dict(fixed)
+
+
+def upstream_shapes(model: WanDiT) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor ``model`` holds, as an upstream checkpoint stores it."""
+    cfg = model.cfg
+    out = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    out["patch_embedding.weight"] = (cfg.dim, cfg.in_channels, *cfg.patch)
+    return out
+
+
+MAX_KEYS_NAMED = 8
+"""A key mismatch names at most this many keys of each kind (and how many more there are)."""
+
+
+def check_state_keys(
+    model: WanDiT, shapes: dict[str, tuple[int, ...]], *, source: str = "checkpoint"
+) -> None:
+    """Raise ValueError, in one line naming the keys, unless ``shapes`` (key -> shape of a
+    checkpoint) holds exactly the tensors ``model`` needs: none missing, none unexpected
+    (keys of blocks the model was built without are skipped, not unexpected), none of another
+    shape. ``model`` may live on the meta device (shapes only)."""
+    own = upstream_shapes(model)
+    missing = sorted(k for k in own if k not in shapes)
+    unexpected = sorted(k for k in shapes if k not in own and not _is_absent_block(model, k))
+    misshaped = sorted(
+        f"{k} {list(shapes[k])} (model {list(own[k])})"
+        for k in own
+        if k in shapes and tuple(shapes[k]) != own[k]
+    )
+    parts = [
+        f"{label} {len(keys)} key(s) {_named(keys)}"
+        for label, keys in (
+            ("lacks", missing),
+            ("has unexpected", unexpected),
+            ("has mis-shaped", misshaped),
+        )
+        if keys
+    ]
+    if parts:
+        raise ValueError(f"{source} does not fit model {model.cfg.name}: " + "; ".join(parts))
+
+
+def _named(keys: list[str]) -> str:
+    shown = ", ".join(keys[:MAX_KEYS_NAMED])
+    more = len(keys) - MAX_KEYS_NAMED
+    return f"[{shown}{f', and {more} more' if more > 0 else ''}]"
 
 
 def _is_absent_block(model: WanDiT, key: str) -> bool:
     parts = key.split(".")
-    return parts[0] == "blocks" and int(parts[1]) not in model.block_ids
+    return (
+        len(parts) > 1
+        and parts[0] == "blocks"
+        and parts[1].isdigit()
+        and int(parts[1]) < model.cfg.num_blocks
+        and int(parts[1]) not in model.block_ids
+    )
 
 
 # ---- pure functions: embedding, RoPE, one block, head ----------------------------------------
@@ -508,11 +579,17 @@ def build_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     block_ids: set[int] | None = None,
+    block_impl: str | None = None,
 ) -> WanDiT:
     """Random-init (by seed; None: unseeded, to load weights into) model on ``device`` in
-    ``dtype``, in eval mode."""
+    ``dtype``, in eval mode. ``block_impl``: how the engine runs its blocks, ``eager`` or
+    ``fused`` (engine/fused.py; None: the ``PHYSIS_BLOCK_IMPL`` environment variable)."""
+    from physis_ros.engine import fused
+
     model = WanDiT(cfg, seed=seed, block_ids=block_ids, device=device, dtype=dtype)
-    return model.to(device=device).eval()  # the head_perm buffer
+    model = model.to(device=device).eval()  # the head_perm buffer
+    fused.set_block_impl(model, block_impl or fused.default_block_impl())
+    return model
 
 
 def param_count(model: nn.Module) -> int:

@@ -9,7 +9,8 @@ mode, on the same workers:
                         the next chunk enters.
 ``InProcRuntime`` runs N workers in this process over ``InProcTransport``: ``run_inline``
 drives them deterministically in one thread (tests); ``start_threads`` gives each its own
-thread (torch releases the GIL inside ops).
+thread (torch releases the GIL inside ops). ``close`` (or ``with``) joins every thread it and
+its workers started.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from physis_ros.engine.config import SamplerConfig
+from physis_ros.engine.devcopy import to_device
 from physis_ros.engine.model import WanDiT, make_cond
 from physis_ros.engine.placement import Layout, Placement
 from physis_ros.engine.sampler import initial_noise
@@ -39,7 +41,8 @@ class ChunkResult:
     chunk: int
     """Its time slot."""
     x: torch.Tensor
-    """[X] float32 final state x^(K) (on the sink worker's device)."""
+    """[X] float32 final state x^(K): on the host from a GPU worker (pinned, copied on a side
+    stream), else on the sink worker's device."""
     created_s: float
     """time.monotonic() when the chunk entered the pipeline."""
     left_s: float
@@ -201,7 +204,7 @@ class Controller:
                     0,
                     0,
                     p.flags,
-                    p.x.to(self.device),
+                    to_device(p.x, self.device),  # asynchronous: the GPU's queue is not drained
                     None,
                     epoch=st.epoch,
                     ticket=st.next_ticket,
@@ -386,6 +389,21 @@ class InProcRuntime:
         self._threads.clear()
         if self.errors:
             raise RuntimeError(f"a worker failed: {self.errors[0]!r}") from self.errors[0]
+
+    def close(self) -> None:
+        """Stop every thread the runtime and its workers started (worker loops, host copiers)
+        and join them; raises a worker's failure like ``stop_threads``. Idempotent."""
+        try:
+            self.stop_threads()
+        finally:
+            for w in self.workers:
+                w.close()
+
+    def __enter__(self) -> InProcRuntime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def submit_item(controller: Controller, stream_id: int, item: tuple) -> int:

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from physis_ros.engine import model as M
+from physis_ros.engine.devcopy import to_device
+from physis_ros.engine.fused import fused_blocks
 from physis_ros.engine.model import WanDiT
 
 
@@ -56,11 +58,22 @@ class KVRing:
         self, slot: int, k: torch.Tensor, v: torch.Tensor, *, observed: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [H, n, d] of slot ``slot`` -> keys/values it attends to [H, m*n, d]."""
+        k_entry, v_entry = self.reserve(slot, observed=observed)
+        k_entry.copy_(k)
+        v_entry.copy_(v)
+        return self.attended(slot)
+
+    def reserve(self, slot: int, *, observed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entry of ``slot``, k and v [H, n, d] views for the caller to fill (``write``
+        without a copy; then ``attended``), marked as holding that slot's version."""
+        n, e = self.tokens, slot % self.entries
+        self.slot[e], self.observed[e] = slot, observed
+        return self.k[:, e * n : (e + 1) * n], self.v[:, e * n : (e + 1) * n]
+
+    def attended(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [H, m*n, d] a chunk of ``slot`` attends to: slots slot-W..slot."""
         n, r = self.tokens, self.entries
         e = slot % r
-        self.k[:, e * n : (e + 1) * n] = k
-        self.v[:, e * n : (e + 1) * n] = v
-        self.slot[e], self.observed[e] = slot, observed
         first = max(0, slot - self.window)
         if slot - first + 1 == r:  # the window is the whole ring
             return self.k, self.v
@@ -122,13 +135,13 @@ class StageCaches:
 
     def rope(self, chunks: list[int]) -> torch.Tensor:
         """[B, n, d/2] complex rotations."""
-        missing = [c for c in chunks if c not in self._rope]
+        missing = sorted({c for c in chunks if c not in self._rope})
         if missing:
             if len(self._rope) + len(missing) > self.max_chunks:
                 self._rope.clear()
-            ids = torch.tensor(sorted(set(chunks)), device=self.model.device)
-            freqs = M.rope_freqs(self.model, ids)
-            for i, c in enumerate(ids.tolist()):
+            # on the CPU, then one asynchronous copy: no host synchronisation per chunk
+            freqs = to_device(M.rope_freqs(self.model, torch.tensor(missing)), self.model.device)
+            for i, c in enumerate(missing):
                 self._rope[c] = freqs[i]
         if len(chunks) == 1:
             return self._rope[chunks[0]][None]
@@ -138,10 +151,10 @@ class StageCaches:
         """e [B, D], e0 [B, 6, D] of each task at its noise level."""
         sig = [t.sigma for t in tasks]
         if self.model.cfg.action_mode == "condition":  # depends on each chunk's actions
-            return M.time_embed(self.model, torch.tensor(sig, device=xs.device), xs)
+            return M.time_embed(self.model, to_device(torch.tensor(sig), xs.device), xs)
         for s in set(sig):
             if s not in self._time:
-                e, e0 = M.time_embed(self.model, torch.tensor([s], device=xs.device))
+                e, e0 = M.time_embed(self.model, to_device(torch.tensor([s]), xs.device))
                 self._time[s] = (e[0], e0[0])
         if len(tasks) == 1:
             e, e0 = self._time[sig[0]]
@@ -160,7 +173,6 @@ def run_block(
 
     Returns h [B, n, D], and at the last block v [B, X] float32 (else None). Weight GEMMs run
     on all B*n tokens at once; attention runs per task against its own KV ring."""
-    cfg = model.cfg
     xs = tasks[0].x[None] if len(tasks) == 1 else torch.stack([t.x for t in tasks])
     e, e0 = caches.time(tasks, xs)
     if block == 0:
@@ -168,6 +180,10 @@ def run_block(
     else:
         h = tasks[0].h[None] if len(tasks) == 1 else torch.stack([t.h for t in tasks])
     rope = caches.rope([t.chunk for t in tasks])
+    fused = fused_blocks(model)
+    if fused is not None:  # engine/fused.py: the same math in fewer passes
+        h = fused.forward(block, h, e0, rope, tasks)
+        return h, _head(model, block, tasks, caches, h, e, xs)
     if len(tasks) == 1:
         ck, cv = tasks[0].cross_k[None], tasks[0].cross_v[None]
     else:
@@ -187,12 +203,25 @@ def run_block(
         return torch.stack(outs).transpose(1, 2).unsqueeze(1)
 
     h = M.block_forward(model, block, h[:, None], e0[:, None], rope[:, None], ck, cv, attend)[:, 0]
-    if block == cfg.num_blocks - 1:
-        if cfg.prediction != "x0":  # the velocity head needs neither (no host-to-device copy)
-            return h, M.head_velocity(model, h, e)
-        sig = torch.tensor([t.sigma for t in tasks], device=xs.device)
-        return h, M.head_velocity(model, h, e, xs, sig)
-    return h, None
+    return h, _head(model, block, tasks, caches, h, e, xs)
+
+
+def _head(  # noqa: PLR0917
+    model: WanDiT,
+    block: int,
+    tasks: list[StageTask],
+    caches: StageCaches,
+    h: torch.Tensor,
+    e: torch.Tensor,
+    xs: torch.Tensor,
+) -> torch.Tensor | None:
+    """v [B, X] float32 after the last block, else None."""
+    if block != model.cfg.num_blocks - 1:
+        return None
+    if model.cfg.prediction != "x0":  # the velocity head needs neither (no host-to-device copy)
+        return M.head_velocity(model, h, e)
+    sig = to_device(torch.tensor([t.sigma for t in tasks]), xs.device)
+    return M.head_velocity(model, h, e, xs, sig)
 
 
 def _sync(device: torch.device) -> None:
@@ -247,9 +276,12 @@ def _timing_tasks(
     ctx = M.embed_cond(model, M.make_cond(cfg, 0))
     ck, cv = M.cross_kv(model, block, ctx)
     gen = torch.Generator().manual_seed(0)
+    ring_gen = torch.Generator(device=dev).manual_seed(1)
     tasks = []
     for hist in history_chunks:
         ring = KVRing(win, cfg.num_heads, cfg.tokens_per_chunk, cfg.head_dim, dev, dt)
+        ring.k.normal_(generator=ring_gen)  # never time on zeros: GPUs run faster on them
+        ring.v.normal_(generator=ring_gen)
         h = torch.randn(cfg.tokens_per_chunk, cfg.dim, generator=gen).to(dev, dt)
         x = torch.randn(M.chunk_numel(cfg), generator=gen).to(dev)
         tasks.append(

@@ -33,12 +33,14 @@ import collections
 import dataclasses
 import queue
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from physis_ros.engine import model as M
 from physis_ros.engine.config import SamplerConfig
+from physis_ros.engine.devcopy import HostCopier
 from physis_ros.engine.model import WanDiT
 from physis_ros.engine.placement import Layout, Placement, blocks_share_worker, validate_layout
 from physis_ros.engine.sampler import context_noise, noise_context
@@ -141,6 +143,13 @@ class Worker:
         self._stalled = False
         """Queued tasks exist but none can run (waiting for a KV ring or an earlier chunk)."""
         self._control: queue.SimpleQueue = queue.SimpleQueue()
+        self._host_copier: HostCopier | None = None
+
+    def close(self) -> None:
+        """Stop the threads this worker started (its host copier: copies asked for so far are
+        delivered first). Idempotent; call it once the worker's loop has stopped."""
+        if self._host_copier is not None:
+            self._host_copier.close()
 
     # ---- streams (thread-safe: applied by the worker's own loop) ---------------------------
     def open_stream(
@@ -373,7 +382,7 @@ class Worker:
     def _accept(self, msg: Activation) -> None:
         if msg.step == self.steps:
             if self.rank == self.placement.sink_rank:
-                self.sink.put((time.monotonic(), msg))
+                self._to_sink(msg)
             else:
                 self.stats.drops["finished chunk at a rank that is not the sink"] += 1
             return
@@ -506,6 +515,25 @@ class Worker:
             if st.ship:
                 self._ship_ready(sid, st)
 
+    def _to_sink(self, msg: Activation) -> None:
+        """A finished chunk to ``sink``. From a GPU its x crosses to pinned host memory on a
+        copy stream first (``devcopy.HostCopier``): the worker never waits for the GPU, and
+        the chunk reaches the sink (its ``left_s`` stamped) when the GPU has produced it."""
+        if msg.x.device.type != "cuda":
+            self.sink.put((time.monotonic(), msg))
+            return
+        if self._host_copier is None:
+            self._host_copier = HostCopier(msg.x.device)
+            # its thread ends with the worker (``close``; a worker dropped unclosed: here, and
+            # at the latest devcopy's atexit hook joins it before the interpreter finalises)
+            weakref.finalize(self, self._host_copier.close, wait=False)
+
+        def deliver(host: list[torch.Tensor]) -> None:
+            msg.x = host[0]
+            self.sink.put((time.monotonic(), msg))
+
+        self._host_copier.copy([msg.x], deliver)
+
     def _forward(self, msg: Activation, h: torch.Tensor, v: torch.Tensor | None) -> None:
         k, blk = msg.step, msg.block
         st = self._streams[msg.stream_id]
@@ -524,7 +552,7 @@ class Worker:
             dst = st.layout_for(nxt.ticket)[nxt.step][nxt.block]
         if dst == self.rank:
             if nxt.step == self.steps:
-                self.sink.put((time.monotonic(), nxt))
+                self._to_sink(nxt)
             else:
                 self._enqueue(nxt)
         else:

@@ -55,7 +55,8 @@ STATES = ("connecting", "connected", "streaming", "disconnected")
 
 @dataclass(frozen=True, kw_only=True)
 class LinkPromise:
-    """What the server promised this stream (from OpenStream)."""
+    """What the server promised this stream (from OpenStream; revised by the server when
+    other streams join or leave)."""
 
     stream_id: int
     model: str
@@ -70,6 +71,10 @@ class LinkPromise:
     action_horizon: int
     action_dim: int
     max_observation_bytes: int
+    target_interval_ms: float = 0.0
+    """The interval the server paces the stream at (0: unpaced)."""
+    revision: int = 0
+    """0: the promise made at OpenStream; n: its n-th revision."""
     horizon: int = 0
     """Chunks ahead of its newest observation the stream predicts."""
     action_mode: str = ""
@@ -292,6 +297,10 @@ class LinkClient:
                 )
             except grpc.RpcError as exc:  # the server may already be gone: say so, go on
                 self._set_error(f"CloseStream: {_rpc_error_text(exc)}")
+            except ValueError:
+                # "Cannot invoke RPC on closed channel": the stream ended meanwhile (the
+                # server stopping too, as on a Ctrl-C of both) and its channel is closed
+                pass
         if call is not None:
             call.cancel()
         if self._thread is not None:
@@ -440,6 +449,12 @@ class LinkClient:
             self._clock.add(p.client_send_ns, p.server_receive_ns, p.server_send_ns, received_ns)
         elif kind == "stats":
             self._take_counters(msg.stats)
+        elif kind == "promise":  # revised: keep what only OpenStream says (message limits)
+            with self._stats_lock:
+                if self._promise is not None and msg.promise.stream_id == self._promise.stream_id:
+                    self._promise = _promise_from_proto(
+                        msg.promise, max_observation_bytes=self._promise.max_observation_bytes
+                    )
         elif kind == "prediction":
             prediction = self._prediction_from_proto(msg.prediction, received_ns, frames_data)
             with self._stats_lock:
@@ -512,10 +527,14 @@ class LinkClient:
             self._last_error = text
 
 
-def _promise_from_proto(p: pb.StreamPromise) -> LinkPromise:
+def _promise_from_proto(
+    p: pb.StreamPromise, *, max_observation_bytes: int | None = None
+) -> LinkPromise:
     return LinkPromise(
         **{name: getattr(p, name) for name in PROMISE_FIELDS},
-        max_observation_bytes=p.max_observation_bytes,
+        max_observation_bytes=(
+            p.max_observation_bytes if max_observation_bytes is None else max_observation_bytes
+        ),
     )
 
 

@@ -28,6 +28,8 @@ PROMISE_FIELDS = (
     "image_width",
     "action_horizon",
     "action_dim",
+    "target_interval_ms",
+    "revision",
     "horizon",
     "action_mode",
 )

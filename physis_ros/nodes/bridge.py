@@ -41,7 +41,7 @@ from visualization_msgs.msg import MarkerArray
 from physis_ros.link.client import CameraImage, LinkClient, Observation, Prediction
 from physis_ros.msg import ActionChunk, PipelineStats
 from physis_ros.nodes import outputs
-from physis_ros.nodes.bridge_params import BridgeParams, declare_bridge_params
+from physis_ros.nodes.bridge_params import BridgeParams, declare_bridge_params, parameter_docs
 from physis_ros.nodes.conversions import (
     ConversionError,
     command_positions,
@@ -59,9 +59,9 @@ from physis_ros.nodes.pairing import (
     PairedObservation,
     Sample,
 )
-from physis_ros.nodes.run import run_node
+from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
-from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
+from physis_ros.nodes.stats import ChunkOverlap, DropCounter, RateMeter, RollingWindow
 
 _OBSERVED_IMAGES_KEPT = 16  # recent observed images (full size), for the side-by-side view
 _MEASURED_INTERVAL_MIN_SAMPLES = 10
@@ -96,6 +96,7 @@ class Bridge(Node):
         self.chunk_rate = RateMeter()
         self.interval_ms = RollingWindow()
         self.response_ms = RollingWindow()
+        self.chunk_overlap = ChunkOverlap()
         self.obs_to_send_ms = RollingWindow()
         self.receive_to_publish_ms = RollingWindow()
         self.hop_ms: dict[str, RollingWindow] = {}
@@ -120,6 +121,7 @@ class Bridge(Node):
         """Why the robot holds (a fallback went out, no model chunk published since); "": not."""
         self._stream_id: int | None = None
         self._promise = None  # the link's promise, refreshed by the receive thread and timers
+        self._link_error_logged = ""
 
         self.client = client or self._make_client()
         self._make_io()
@@ -137,12 +139,16 @@ class Bridge(Node):
         target = p.server
         if p.server_port_file:
             target = f"{p.server.rsplit(':', 1)[0]}:{_wait_for_port(p.server_port_file, 30.0)}"
+        token = p.token or None
+        if p.token_file:
+            with open(p.token_file) as f:
+                token = f.read().strip()
         return LinkClient(
             target,
             seed=p.seed,
             prompt=p.prompt,
             target_interval_ms=p.target_interval_ms,
-            token=p.token or None,
+            token=token,
             root_cert_path=p.root_cert_path or None,
             client_cert_path=p.client_cert_path or None,
             client_key_path=p.client_key_path or None,
@@ -351,6 +357,8 @@ class Bridge(Node):
             try:
                 self._publish_prediction(prediction)
             except Exception as exc:  # noqa: BLE001 - a bad chunk must not kill the output thread
+                if not self.context.ok():
+                    return  # Ctrl-C shut the context down under the publish
                 self.drops.add("bad_prediction")
                 self.get_logger().error(
                     f"prediction {prediction.chunk_index} not published: {exc!r}"
@@ -382,6 +390,8 @@ class Bridge(Node):
         self._last_chunk_s = now_s
         for name, value in pred.hop_ms.items():
             self.hop_ms.setdefault(name, RollingWindow()).add(value)
+        times = pred.server_times_ns
+        self.chunk_overlap.add(pred.stream_id, times.get("entered", 0), times.get("left", 0))
         if "capture_to_received" in pred.hop_ms:
             self.response_ms.add(pred.hop_ms["capture_to_received"])
         if pred.stream_id != self._stream_id:  # a new stream (e.g. server restart) renumbers chunks
@@ -515,6 +525,7 @@ class Bridge(Node):
             return promise.action_mode == "predict"
         return self.gate.armed()
 
+    @quiet_at_shutdown
     def _on_watchdog(self) -> None:
         now_ns = self.now_ns()
         if not self.predicts_actions() or not self.gate.check_deadline(now_ns):
@@ -550,11 +561,16 @@ class Bridge(Node):
         self.counts["fallbacks"] += 1
         self._publish_diagnostics(now_ns, link)  # ERROR now, not at the next stats period
 
+    @quiet_at_shutdown
     def _on_stats_timer(self) -> None:
         from physis_ros.nodes.bridge_report import pipeline_stats_msg
 
         link = self.client.stats()
         self._promise = link.promise
+        if link.last_error != self._link_error_logged:  # a refusal is not silent
+            if link.last_error:
+                self.get_logger().warning(f"link: {link.last_error}")
+            self._link_error_logged = link.last_error
         now_ns = self.now_ns()
         self.stats_pub.publish(pipeline_stats_msg(self, link, now_ns))
         self._publish_diagnostics(now_ns, link)
@@ -564,7 +580,10 @@ class Bridge(Node):
 
         self.diag_pub.publish(
             outputs.diagnostic_array(
-                stamp_ns=now_ns, node_name=self.get_name(), report=diagnostics_report(self, link)
+                stamp_ns=now_ns,
+                # namespace/name: two robots' bridges on one /diagnostics stay apart
+                node_name=self.get_fully_qualified_name().lstrip("/"),
+                report=diagnostics_report(self, link),
             )
         )
 
@@ -589,11 +608,24 @@ def _wait_for_port(path: str, timeout_s: float) -> int:
     raise TimeoutError(f"no port in {path} after {timeout_s} s")
 
 
+def usage() -> NodeUsage:
+    docs = parameter_docs()
+    return NodeUsage(
+        prog="bridge",
+        description=__doc__.replace("``", ""),
+        parameters=[
+            (f.name, f.default, docs[f.name]) for f in BridgeParams.__dataclass_fields__.values()
+        ],
+        params_file="bridge.yaml",
+        example="ros2 run physis_ros bridge --ros-args -r __ns:=/arm1 -p server:=gpu-box:50051",
+    )
+
+
 def main(args=None) -> int:
     # Callbacks, the link's gRPC threads and the publishing thread share the GIL; the default
     # 5 ms switch interval makes the publishing thread wait for it several times per chunk.
     sys.setswitchinterval(0.0005)
-    return run_node(Bridge, args, executor="events")
+    return run_node(Bridge, args, usage=usage(), executor="events")
 
 
 if __name__ == "__main__":

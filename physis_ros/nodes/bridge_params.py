@@ -49,6 +49,9 @@ class BridgeParams:
     """If set, wait for physis-serve --port-file and use the port written there."""
     token: str = ""
     """Bearer token the server expects ('' for none)."""
+    token_file: str = ""
+    """File holding the bearer token, read at start (unlike token, not readable as a
+    parameter by others on the ROS graph); wins over token."""
     root_cert_path: str = ""
     """CA bundle for TLS ('' for a plaintext link)."""
     client_cert_path: str = ""
@@ -146,8 +149,9 @@ class BridgeParams:
 _READ_ONLY = {
     "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic",
     "command_topic", "command_joint_names",
-    "input_reliability", "input_depth", "server", "server_port_file", "token", "root_cert_path",
-    "client_cert_path", "client_key_path", "seed", "target_interval_ms", "prompt",
+    "input_reliability", "input_depth", "server", "server_port_file", "token", "token_file",
+    "root_cert_path", "client_cert_path", "client_key_path", "seed", "target_interval_ms",
+    "prompt",
 }  # fmt: skip
 _ARRAY_TYPES = {
     "command_joint_names": Parameter.Type.STRING_ARRAY,

@@ -19,6 +19,9 @@ def pipeline_stats_msg(node, link, now_ns: int) -> PipelineStats:
         msg.steps, msg.blocks = int(promise.steps), int(promise.blocks)
         msg.pipeline_depth = int(promise.pipeline_depth)
         msg.promised_interval_ms = float(promise.expected_interval_ms)
+        msg.promised_response_latency_ms = float(promise.expected_response_latency_ms)
+        msg.promise_revision = int(getattr(promise, "revision", 0))
+    msg.chunk_overlap = float(node.chunk_overlap.share())
     msg.target_interval_ms = node.interval_s() * 1e3 if node.counts["chunks_received"] else 0.0
     interval = node.interval_ms.summary()
     msg.interval_median_ms, msg.interval_p99_ms = interval["median"], interval["p99"]
@@ -85,6 +88,11 @@ def diagnostics_report(node, link) -> dict:
     output_values = {
         "target_interval_ms": target_ms,
         "promised_interval_ms": float(promise.expected_interval_ms) if promise else 0.0,
+        "promised_response_latency_ms": (
+            float(promise.expected_response_latency_ms) if promise else 0.0
+        ),
+        "promise_revision": int(getattr(promise, "revision", 0)) if promise else 0,
+        "chunk_overlap": node.chunk_overlap.share(),
         "interval_median_ms": interval["median"],
         "interval_p99_ms": interval["p99"],
         "interval_jitter_ms": interval["std"],

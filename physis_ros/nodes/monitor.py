@@ -38,11 +38,14 @@ TOPICS = {
 
 
 class Monitor:
-    def __init__(self, *, domain_id: int | None = None, keep: tuple[str, ...] = ()) -> None:
-        """``keep``: topics whose every message is kept (others: only the latest)."""
+    def __init__(
+        self, *, domain_id: int | None = None, keep: tuple[str, ...] = (), namespace: str = ""
+    ) -> None:
+        """``keep``: topics whose every message is kept (others: only the latest);
+        ``namespace``: the robot's, against which the relative topic names resolve."""
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id)
-        self.node = Node("physis_monitor", context=self.context)
+        self.node = Node("physis_monitor", namespace=namespace, context=self.context)
         self._lock = threading.Lock()
         self.arrivals: dict[str, list[float]] = defaultdict(list)
         self.latest: dict[str, object] = {}
@@ -89,7 +92,7 @@ class Monitor:
 
     def published_types(self, topic: str) -> set[str]:
         """Types offered by the publishers of ``topic`` other than this monitor."""
-        name = topic if topic.startswith("/") else "/" + topic  # graph queries want full names
+        name = self.node.resolve_topic_name(topic)  # graph queries want full names
         return {info.topic_type for info in self.node.get_publishers_info_by_topic(name)}
 
     def wait_for(self, predicate, timeout_s: float, poll_s: float = 0.05) -> bool:

@@ -9,7 +9,11 @@ the scene's scripted policy. Every physics step it publishes the joint targets i
 ``joint_command`` (``JointTrajectory``, one point, positions in the scene's joint order,
 stamped with the command time): the layout of the recorded bags (``physis_ros.sim.record``),
 so the bridge sees the live sim and a replayed bag alike and can condition the world model
-on the commands. Simulated time follows the wall clock; stamps are ROS time.
+on the commands. With each physics step it also publishes the arm's frames on ``tf``, and
+once the static ones (table, camera, arm base) on ``tf_static`` (``physis_ros.nodes.frames``):
+``table`` is the fixed frame of config/physis.rviz and of the bridge's markers. Every topic
+is relative, so ``-r __ns:=/arm1`` puts a whole robot in a namespace. Simulated time follows
+the wall clock; stamps are ROS time.
 """
 
 from __future__ import annotations
@@ -21,20 +25,56 @@ import numpy as np
 from geometry_msgs.msg import WrenchStamped
 from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
 from rclpy.node import Node
-from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
+from tf2_msgs.msg import TFMessage
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
+from physis_ros.nodes import frames
 from physis_ros.nodes.conversions import fill_image_msg
-from physis_ros.nodes.run import run_node
+from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
 
+PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
+    # name, default, description, kind: "rate" (0.1..1000, settable), "fixed" (read-only), ""
+    ("camera_rate_hz", 30.0, "camera images per second (camera/image)", "rate"),
+    (
+        "state_rate_hz",
+        100.0,
+        "physics steps, wrench, joint states, joint commands and arm TF per second",
+        "rate",
+    ),
+    ("image_height", 64, "camera height in pixels", "fixed"),
+    ("image_width", 64, "camera width in pixels", "fixed"),
+    ("seed", 0, "scene and scripted-policy seed", "fixed"),
+    (
+        "trajectory_timeout_s",
+        0.5,
+        "use the scripted policy once the last trajectory ended this long ago",
+        "rate",
+    ),
+    ("table_frame", "table", "TF root: the table centre (frame of joint_command)", "fixed"),
+    ("camera_frame", "camera", "frame_id of images (TF: top-down above the table)", "fixed"),
+    ("tool_frame", "tool", "frame_id of the wrench (TF: the pusher at the arm's tip)", "fixed"),
+    ("publish_tf", True, "publish the scene's frames on tf and tf_static (relative)", "fixed"),
+)
 
-def _rate(description: str) -> ParameterDescriptor:
-    return ParameterDescriptor(
-        description=description,
-        floating_point_range=[FloatingPointRange(from_value=0.1, to_value=1000.0)],
-    )
+USAGE = NodeUsage(
+    prog="sim_robot",
+    description=__doc__.replace("``", ""),
+    parameters=[(name, default, text) for name, default, text, _ in PARAMETERS],
+    params_file="sim_robot.yaml",
+    example="ros2 run physis_ros sim_robot --ros-args -r __ns:=/arm1 -p camera_rate_hz:=10.0",
+)
+
+
+def _descriptor(description: str, kind: str) -> ParameterDescriptor:
+    if kind == "rate":
+        return ParameterDescriptor(
+            description=description,
+            floating_point_range=[FloatingPointRange(from_value=0.1, to_value=1000.0)],
+        )
+    return ParameterDescriptor(description=description, read_only=kind == "fixed")
 
 
 class TrajectoryFollower:
@@ -66,36 +106,8 @@ class TrajectoryFollower:
 class SimRobot(Node):
     def __init__(self) -> None:
         super().__init__("sim_robot")
-        self.declare_parameter("camera_rate_hz", 30.0, _rate("camera images per second"))
-        self.declare_parameter(
-            "state_rate_hz",
-            100.0,
-            _rate("physics steps, wrench, joint states and joint commands per second"),
-        )
-        self.declare_parameter(
-            "image_height",
-            64,
-            ParameterDescriptor(description="camera height in pixels", read_only=True),
-        )
-        self.declare_parameter(
-            "image_width",
-            64,
-            ParameterDescriptor(description="camera width in pixels", read_only=True),
-        )
-        self.declare_parameter(
-            "seed", 0, ParameterDescriptor(description="scene and policy seed", read_only=True)
-        )
-        self.declare_parameter(
-            "trajectory_timeout_s",
-            0.5,
-            _rate("use the scripted policy once the last trajectory ended this long ago"),
-        )
-        self.declare_parameter(
-            "camera_frame", "camera", ParameterDescriptor(description="frame_id of images")
-        )
-        self.declare_parameter(
-            "tool_frame", "tool", ParameterDescriptor(description="frame_id of the wrench")
-        )
+        for name, default, description, kind in PARAMETERS:
+            self.declare_parameter(name, default, _descriptor(description, kind))
         p = {name: self.get_parameter(name).value for name in self._parameters}
         self.scene = PushScene(
             SceneConfig(
@@ -105,6 +117,7 @@ class SimRobot(Node):
         self.policy = ScriptedPolicy(p["seed"])
         self.follower = TrajectoryFollower(self.scene.joint_names, p["trajectory_timeout_s"])
         self._camera_frame, self._tool_frame = p["camera_frame"], p["tool_frame"]
+        self._table_frame = p["table_frame"]
         self._state_period_s = 1.0 / p["state_rate_hz"]
         self._t0_ns = self.get_clock().now().nanoseconds
         self._lock = threading.Lock()
@@ -122,6 +135,31 @@ class SimRobot(Node):
             "joint_command",
             QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
         )
+        self.tf_pub = None
+        if p["publish_tf"]:
+            # tf2's conventions (static: one latched message for late joiners); relative
+            # names, so a namespaced robot has its own tree (rviz: remap /tf to tf).
+            self.tf_pub = self.create_publisher(
+                TFMessage, "tf", QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+            )
+            static_pub = self.create_publisher(
+                TFMessage,
+                "tf_static",
+                QoSProfile(
+                    depth=1,
+                    reliability=ReliabilityPolicy.RELIABLE,
+                    durability=DurabilityPolicy.TRANSIENT_LOCAL,
+                ),
+            )
+            static_pub.publish(
+                TFMessage(
+                    transforms=frames.static_transforms(
+                        self.get_clock().now().to_msg(),
+                        table=self._table_frame,
+                        camera=self._camera_frame,
+                    )
+                )
+            )
         self.create_subscription(
             JointTrajectory,
             "joint_trajectory",
@@ -155,6 +193,7 @@ class SimRobot(Node):
         self.follower.set(start_ns, times, points)
         self.trajectories_received += 1
 
+    @quiet_at_shutdown
     def _on_state_timer(self) -> None:
         now = self.get_clock().now()
         t_s = (now.nanoseconds - self._t0_ns) * 1e-9
@@ -170,7 +209,13 @@ class SimRobot(Node):
                 self.scene.wrench(),
             )
         stamp = now.to_msg()
-        self.command_pub.publish(command_msg(stamp, self.scene.joint_names, targets))
+        self.command_pub.publish(
+            command_msg(stamp, self.scene.joint_names, targets, frame_id=self._table_frame)
+        )
+        if self.tf_pub is not None:
+            self.tf_pub.publish(
+                TFMessage(transforms=frames.arm_transforms(stamp, q, tool=self._tool_frame))
+            )
         joints = JointState()
         joints.header.stamp = stamp
         joints.name = list(self.scene.joint_names)
@@ -184,6 +229,7 @@ class SimRobot(Node):
         w.wrench.torque.x, w.wrench.torque.y, w.wrench.torque.z = (float(v) for v in wrench[3:])
         self.wrench_pub.publish(w)
 
+    @quiet_at_shutdown
     def _on_camera_timer(self) -> None:
         stamp = self.get_clock().now().to_msg()
         with self._lock:
@@ -193,19 +239,19 @@ class SimRobot(Node):
         self.image_pub.publish(msg)
 
 
-def command_msg(stamp, joint_names: tuple[str, ...], targets) -> JointTrajectory:
+def command_msg(stamp, joint_names: tuple[str, ...], targets, frame_id: str) -> JointTrajectory:
     """The commanded joint targets as the recorded bags hold them: one point, reached at
-    once (time_from_start 0), header frame ``table`` (physis_ros.sim.record.TABLE_FRAME)."""
+    once (time_from_start 0), header frame the table (physis_ros.sim.record.TABLE_FRAME)."""
     msg = JointTrajectory()
     msg.header.stamp = stamp
-    msg.header.frame_id = "table"
+    msg.header.frame_id = frame_id
     msg.joint_names = list(joint_names)
     msg.points = [JointTrajectoryPoint(positions=[float(v) for v in targets])]
     return msg
 
 
 def main(args=None) -> int:
-    return run_node(SimRobot, args)
+    return run_node(SimRobot, args, usage=USAGE)
 
 
 if __name__ == "__main__":

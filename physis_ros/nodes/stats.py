@@ -27,13 +27,14 @@ class RollingWindow:
         return len(self._samples)
 
     def summary(self) -> dict[str, float]:
-        """median, p99, std and n; zeros when nothing was measured yet."""
+        """median, mean, p99, std and n; zeros when nothing was measured yet."""
         with self._lock:
             values = np.asarray(self._samples, dtype=np.float64)
         if values.size == 0:
-            return {"median": 0.0, "p99": 0.0, "std": 0.0, "n": 0}
+            return {"median": 0.0, "mean": 0.0, "p99": 0.0, "std": 0.0, "n": 0}
         return {
             "median": float(np.median(values)),
+            "mean": float(values.mean()),
             "p99": float(np.percentile(values, 99)),
             "std": float(values.std()),
             "n": int(values.size),
@@ -94,3 +95,28 @@ class DropCounter:
     def total(self) -> int:
         with self._lock:
             return sum(self._counts.values())
+
+
+class ChunkOverlap:
+    """Share of a stream's chunks that entered the server's pipeline before the stream's
+    previous chunk left it (server stamps of consecutive predictions): 0 when chunks run one
+    at a time, near 1 when the assembly line carries several at once. Over the last ``size``
+    chunks; a new stream starts afresh."""
+
+    def __init__(self, size: int = 200) -> None:
+        self._window = RollingWindow(size)
+        self._last: tuple[int, int] | None = None  # (stream id, left_ns of its last chunk)
+        self._lock = threading.Lock()
+
+    def add(self, stream_id: int, entered_ns: int, left_ns: int) -> None:
+        with self._lock:
+            last, self._last = self._last, (stream_id, left_ns)
+        if last is not None and last[0] == stream_id and entered_ns and last[1]:
+            self._window.add(1.0 if entered_ns < last[1] else 0.0)
+
+    def share(self) -> float:
+        """0..1 (0 before two chunks of one stream)."""
+        return self._window.summary()["mean"]
+
+    def __len__(self) -> int:
+        return len(self._window)

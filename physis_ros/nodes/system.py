@@ -80,12 +80,22 @@ class LocalSystem:
         self.procs[name] = proc
         return proc
 
-    def start_server(self, timeout_s: float = 60.0) -> int:
-        """Starts physis-serve and waits until it serves; returns its port."""
+    def start_server(self, timeout_s: float = 60.0, ranks: int = 0) -> int:
+        """Starts physis-serve (``ranks`` > 0: that many ranks under torchrun) and waits until
+        it serves; returns its port."""
         self.port_file.unlink(missing_ok=True)
+        launcher = [sys.executable]
+        if ranks:
+            launcher += [
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(ranks),
+            ]
         self._spawn(
             "server",
-            [sys.executable, "-m", "physis_ros.serve.main", "--model", self.model,
+            [*launcher, "-m", "physis_ros.serve.main", "--model", self.model,
              "--host", "127.0.0.1", "--port", str(self.server_port),
              "--port-file", str(self.port_file)],
         )  # fmt: skip

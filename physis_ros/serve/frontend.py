@@ -27,13 +27,18 @@ from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     AUTH_METADATA_KEY,
-    PROMISE_FIELDS,
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
     WireError,
     tensor_to_array,
 )
-from physis_ros.serve.session import EngineLoop, Session, SessionEnded, SessionLimits
+from physis_ros.serve.session import (
+    EngineLoop,
+    Session,
+    SessionEnded,
+    SessionLimits,
+    fill_promise,
+)
 
 log = logging.getLogger(__name__)
 
@@ -245,13 +250,9 @@ class Frontend:
             self.streams_opened += 1
         self._loop.add(session)
         log.info("opened stream %d for %r", promise.stream_id, spec.client_name)
-        return pb.OpenStreamReply(
-            protocol_version=PROTOCOL_VERSION,
-            promise=pb.StreamPromise(
-                **{name: getattr(promise, name) for name in PROMISE_FIELDS},
-                max_observation_bytes=self._config.limits.max_observation_bytes,
-            ),
-        )
+        reply = pb.OpenStreamReply(protocol_version=PROTOCOL_VERSION)
+        fill_promise(reply.promise, promise, self._config.limits)
+        return reply
 
     # ---- Stream ------------------------------------------------------------------------
 
@@ -353,6 +354,7 @@ class Frontend:
                 refusals=dict(self.refusals),
             )
         for s in sessions:
+            promise = s.promise
             info.streams.add(
                 stream_id=s.stream_id,
                 attached=s.attached,
@@ -360,6 +362,10 @@ class Frontend:
                 chunks_out=s.chunks_out,
                 counters=s.counters(),
                 client_name=s.client_name,
+                promised_interval_ms=promise.expected_interval_ms,
+                promised_response_latency_ms=promise.expected_response_latency_ms,
+                promise_revision=promise.revision,
+                response_latency_ms=s.response_latency_ms(),
             )
         describe = d.engine_info or getattr(self._loop.engine, "info", None)
         if callable(describe):

@@ -1,14 +1,17 @@
 """`physis-serve`: the inference server.
 
-Single-process mode (the default): an in-process engine, the EngineLoop thread and the gRPC
-front end in one process. ``serve_single_process`` is that path; a torchrun mode (rank 0
-runs the front end over a distributed engine) can call ``run_frontend`` with its own engine.
-Parameters come from ``--config`` (YAML, section ``frontend`` and ``engine``); flags override.
+Single-process mode (the default): the engine's worker threads, the pool in front of them
+(admission, placement, promises), the EngineLoop thread and the gRPC front end in one
+process. Under torchrun rank 0 runs the same front end over every rank
+(``physis_ros.serve.dist.serve``). What is served is one ``ServingSpec`` (serve/spec.py) from
+``--config`` (YAML sections ``engine``, ``placement``, ``pool``, ``distributed``; the
+``frontend`` section configures the gRPC server) and flags, resolved and checked once.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -20,11 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from physis_ros.engine.api import StreamEngine
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
 from physis_ros.serve.session import EngineLoop, SessionLimits
+from physis_ros.serve.spec import ServingSpec
 
 log = logging.getLogger("physis-serve")
 
@@ -41,7 +46,7 @@ def load_config(path: str | Path | None) -> dict[str, dict[str, Any]]:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
-    for section in ("frontend", "engine"):
+    for section in ("frontend", "engine", "placement", "pool", "distributed"):
         data.setdefault(section, {})
         if not isinstance(data[section], dict):
             raise ValueError(f"{path}: section {section!r} must be a mapping")
@@ -63,38 +68,26 @@ def frontend_config(section: dict[str, Any], **overrides: Any) -> FrontendConfig
     return FrontendConfig(limits=limits, **values)
 
 
-def build_local_engine(engine_section: dict[str, Any]) -> tuple[StreamEngine, ServerDescription]:
-    """The in-process engine described by the YAML ``engine`` section (LocalEngine's keyword
-    arguments: model, steps, window, workers, mode, max_streams, checkpoint, ...); a preset
-    with shipped weights gets them (``physis_ros.weights.SHIPPED``) unless it names its own."""
-    from physis_ros.engine.local import LocalEngine
-    from physis_ros.weights import shipped_engine_defaults
-
-    # A preset with shipped weights (push-wm) is served with them, at the window and schedule
-    # it was trained for; keys the section sets explicitly win.
-    engine_section = {**shipped_engine_defaults(engine_section.get("model")), **engine_section}
-    engine = LocalEngine(**engine_section)
-
-    def engine_info() -> dict[str, Any]:
-        return {
-            "kind": "LocalEngine",
-            "mode": engine.mode,
-            "workers": engine.workers,
-            "open_streams": len(engine.runtime.controller.streams),
-            "max_streams": engine.max_streams,
-            "block_ms": f"{engine.block_ms:.3f}",
-            "prompts": ",".join(engine.prompts.names()),
-        }
-
-    return engine, ServerDescription(
-        model=engine.cfg.name,
-        steps=engine.sampler.steps,
-        blocks=engine.cfg.num_blocks,
-        placement=str(engine.runtime.placement),
-        action_mode=engine.cfg.action_mode,
-        horizon=engine.horizon,
-        engine_info=engine_info,
+def serving_spec(args: argparse.Namespace, config: dict[str, dict[str, Any]]) -> ServingSpec:
+    """The spec from the YAML sections and the flags that override them (not resolved)."""
+    model, weights = args.model, args.weights
+    if weights and weights != "random" and model is None:
+        model, weights = weights, None  # a physis-train file names its model in its metadata
+    spec = ServingSpec.from_config(
+        config,
+        model=model,
+        weights=weights,
+        plan=args.plan,
+        policy=args.policy,
+        default_target_ms=args.default_target_ms,
+        dtype=args.dtype,
+        vae=args.vae,
+        resolution=args.resolution,
+        latent_frames=args.latent_frames,
     )
+    if getattr(args, "prompts", None):  # added to the file's, as --prompts says
+        spec = dataclasses.replace(spec, prompts=(*spec.prompts, *args.prompts))
+    return spec
 
 
 def run_frontend(
@@ -152,12 +145,13 @@ def run_frontend(
 
 def serve_single_process(
     args: argparse.Namespace,
-    engine_factory: Callable[[dict[str, Any]], tuple[StreamEngine, ServerDescription]]
-    | None = None,
+    engine_factory: Callable[[ServingSpec], tuple[StreamEngine, ServerDescription]] | None = None,
+    *,
+    spec: ServingSpec | None = None,
 ) -> int:
-    """physis-serve with an in-process engine, until SIGINT / SIGTERM."""
+    """physis-serve until SIGINT / SIGTERM: an in-process engine, or the one
+    ``engine_factory`` builds from the resolved spec (rank 0 under torchrun)."""
     cfg = load_config(args.config)
-    engine_section = model_section(cfg["engine"], args)
     frontend_section = dict(cfg["frontend"])
     loop_options = {k: float(frontend_section[k]) for k in _LOOP_KEYS if k in frontend_section}
     token = args.token
@@ -172,11 +166,19 @@ def serve_single_process(
         tls_key_path=args.tls_key,
         tls_client_ca_path=args.tls_client_ca,
     )
-    if engine_factory is None:
-        engine_factory = (
-            _factory_from_name(args.engine_factory) if args.engine_factory else build_local_engine
-        )
-    engine, description = engine_factory(engine_section)
+    if engine_factory is not None:
+        engine, description = engine_factory(spec or serving_spec(args, cfg).resolve())
+    elif args.engine_factory:  # another StreamEngine (tests): it reads the engine section
+        engine_section = model_section(cfg["engine"], args)
+        engine, description = _factory_from_name(args.engine_factory)(engine_section)
+    else:
+        from physis_ros.serve.build import build_local
+
+        spec = serving_spec(args, cfg).resolve()
+        log.info("serving spec: %s", spec.to_json())
+        # One intra-op thread per worker unless told: worker threads share the cores.
+        torch.set_num_threads(args.threads if args.threads is not None else spec.threads)
+        engine, description = build_local(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _signum, _frame: stop.set())
@@ -246,6 +248,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="YAML parameters (default: config/serve.yaml of the source tree, if present)",
     )
     add_model_arguments(parser)
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="safetensors weights written by physis-train: the model, window, steps and shift "
+        "come from its metadata unless --model names the model ('random': random weights; "
+        "overrides engine.weights)",
+    )
+    parser.add_argument(
+        "--plan",
+        default=None,
+        help="placement: auto (planned at start-up) or by hand: even, single, one-stage, "
+        "groups:a,b,..., balanced (overrides placement.plan)",
+    )
+    parser.add_argument(
+        "--policy",
+        default=None,
+        choices=("shared", "static"),
+        help="how streams share the workers (overrides pool.policy)",
+    )
+    parser.add_argument(
+        "--default-target-ms",
+        type=float,
+        default=None,
+        help="interval of a stream that asks for 0 (overrides pool.default_target_ms; 0: the "
+        "fastest the plan can promise one stream, which takes the pool)",
+    )
     parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port; 0 = ephemeral")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
@@ -268,7 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=None,
-        help="torch intra-op threads (default: torch's own choice)",
+        help="torch intra-op threads per process (default: distributed.threads, 1)",
     )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
@@ -279,14 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
         from physis_ros.serve.dist.serve import serve_torchrun, under_torchrun
 
         if under_torchrun():  # torchrun: rank 0 serves over a DistEngine, others are workers
+            if args.weights:
+                raise ValueError("--weights is not read under torchrun yet; serve a preset")
             return serve_torchrun(args)
         return serve_single_process(args)
     except (ValueError, OSError) as exc:

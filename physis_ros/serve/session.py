@@ -13,6 +13,9 @@ then the stream's not yet generated slots up to newest observed + horizon are ge
 (at stream start ``horizon`` chunks, then one per observed chunk), conditioned on the newest
 commanded actions held. It polls the engine and maps each finished chunk to a prediction
 that names its anchor (the observation it reads last) and how many chunks ahead it is.
+Generation is paced at the interval the stream was admitted at (a burst of up to ``horizon``
+chunks allowed: the slots a new observation releases at once). Promises the engine revises
+(another stream joined or left) replace the stream's own and go to its client.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from google.protobuf.message import DecodeError
 from physis_ros.engine.api import ChunkOutput, StreamEngine, StreamFailed, StreamPromise
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
+    PROMISE_FIELDS,
     PROTOCOL_VERSION,
     WireError,
     array_to_tensor,
@@ -83,6 +87,13 @@ ANCHORS_KEPT = 1024
 """Observed slots a stream remembers for the replies of chunks anchored on them."""
 
 
+def fill_promise(out: pb.StreamPromise, promise: StreamPromise, limits: SessionLimits) -> None:
+    """The wire form of ``promise`` (OpenStream's reply and every revision)."""
+    for name in PROMISE_FIELDS:
+        setattr(out, name, getattr(promise, name))
+    out.max_observation_bytes = limits.max_observation_bytes
+
+
 @dataclass(frozen=True)
 class ChunkReady:
     """A finished chunk on the outbound queue: the gRPC writer thread turns it into a
@@ -116,7 +127,12 @@ class Session:
         self.stream_id = promise.stream_id
         self.limits = limits
         self.client_name = client_name
-        self.target_interval_ms = max(target_interval_ms, 0.0)
+        # Paced at what the pool admitted it at (its request, or the default target for a
+        # request of 0); an engine without admission paces at the request.
+        paced_ms = promise.target_interval_ms or target_interval_ms
+        self.interval_s = max(paced_ms, 0.0) / 1000.0
+        self.next_generate_s = 0.0
+        """Monotonic: when the pace allows the next generated chunk."""
         self.opened_s = time.monotonic()
         self._lock = threading.Lock()
         self.slots = SlotAssembler(max(promise.chunk_frames, 1), promise.action_horizon)
@@ -151,6 +167,10 @@ class Session:
         self.newest_observed: ObservedChunk | None = None
         self.left_s: collections.deque[float] = collections.deque(maxlen=33)
         self.chunks_out = 0
+        # Response latency as the promise means it: observation handed to the engine -> the
+        # first chunk conditioned on it left the pipeline (server clock, ms).
+        self.response_ms: collections.deque[float] = collections.deque(maxlen=64)
+        self._responded_seq = -1
 
     # ---- gRPC reader side --------------------------------------------------------------
 
@@ -271,6 +291,10 @@ class Session:
                 self._stats_pending = False
                 msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION, stats=self._counters())
                 return msg.SerializeToString()
+            if item == "promise":
+                msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
+                fill_promise(msg.promise, self.promise, self.limits)
+                return msg.SerializeToString()
             if isinstance(item, ChunkReady):
                 self.predictions_sent += 1
         if isinstance(item, SessionEnded):
@@ -330,7 +354,23 @@ class Session:
 
     def push_chunk(self, out: ChunkOutput) -> None:
         """A finished chunk (engine thread): queued for the writer with its anchor."""
-        self._push(ChunkReady(out, self.anchors.get(out.anchor)))
+        cond = self.anchors.get(out.anchor)
+        if cond is not None and cond[0].newest.seq > self._responded_seq:
+            self._responded_seq = cond[0].newest.seq
+            left_ns = time.time_ns() - time.monotonic_ns() + int(out.left_s * 1e9)
+            self.response_ms.append((left_ns - cond[1]) / 1e6)
+        self._push(ChunkReady(out, cond))
+
+    def response_latency_ms(self) -> float:
+        """Median over recent observations (0 before the first)."""
+        values = list(self.response_ms)
+        return statistics.median(values) if values else 0.0
+
+    def revise(self, promise: StreamPromise) -> None:
+        """A revised promise (engine thread): kept, and sent to the client."""
+        with self._lock:
+            self.promise = promise
+        self._push("promise")
 
     def _serialize_prediction(self, item: ChunkReady, *, sent_ns: int) -> bytes:
         out, cond = item.out, item.conditioning
@@ -416,9 +456,12 @@ class EngineLoop:
 
     def add(self, session: Session) -> None:
         session.on_observed = self.wake
-        self._commands.put(
-            (lambda _e: self._sessions.__setitem__(session.stream_id, session), None)
-        )
+
+        def add(_engine) -> None:
+            self._sessions[session.stream_id] = session
+            self._send_revisions()  # others' promises, revised when this one was admitted
+
+        self._commands.put((add, None))
 
     def remove(self, session: Session) -> None:
         """Forget the stream and free its KV slots (engine.close_stream), on the engine thread."""
@@ -431,6 +474,24 @@ class EngineLoop:
             self.engine.close_stream(session.stream_id)
         except (StreamFailed, KeyError, ValueError) as exc:
             log.warning("closing stream %d: %s", session.stream_id, exc)
+        self._send_revisions()
+
+    def _send_revisions(self) -> None:
+        """Promises the engine revised (a stream joined or left) go to their streams."""
+        take = getattr(self.engine, "take_revisions", None)
+        if take is None:
+            return
+        for promise in take():
+            session = self._sessions.get(promise.stream_id)
+            if session is not None:
+                log.info(
+                    "stream %d promise revised (%d): interval %.1f ms, latency %.1f ms",
+                    promise.stream_id,
+                    promise.revision,
+                    promise.expected_interval_ms,
+                    promise.expected_response_latency_ms,
+                )
+                session.revise(promise)
 
     def _run(self) -> None:
         wait_s = 0.0
@@ -441,8 +502,8 @@ class EngineLoop:
             if not any(s.inflight for s in self._sessions.values()):
                 # Nothing to poll: sleep on the command queue until a session wakes it (an
                 # observed chunk completed) or idle_wait_s passed (never spin: the gRPC
-                # threads need the GIL to move bytes).
-                wait_s = self._idle_wait_s
+                # threads need the GIL to move bytes), or a paced generate is due.
+                wait_s = min([self._idle_wait_s, *self._due_s()])
                 continue
             wait_s = 0.0
             try:
@@ -551,18 +612,38 @@ class EngineLoop:
         """Generate the stream's slots up to newest observed + horizon, conditioned (world
         models with actions) on the newest command held: the server knows no later one, and
         training holds it the same way. While the engine holds a backlog of the stream's
-        chunks it waits (and slots observed meanwhile are never generated)."""
+        chunks it waits (and slots observed meanwhile are never generated); so it does while
+        the stream is ahead of its admitted pace (beyond a burst of ``horizon`` chunks)."""
         newest = session.newest_observed
         backlog = MAX_BACKLOG_FACTOR * (max(session.promise.pipeline_depth, 1) + session.horizon)
         actions = None
         if self._generate_with_actions and newest.actions is not None:
             actions = np.repeat(newest.actions[-1:], len(newest.actions), axis=0)
         while session.next_slot <= newest.slot + session.horizon and session.inflight < backlog:
+            if session.interval_s > 0:
+                if now_s < session.next_generate_s:
+                    return  # the loop comes back when it is due (``_due_s``)
+                burst_s = (session.horizon - 1) * session.interval_s  # h chunks at once
+                session.next_generate_s = (
+                    max(session.next_generate_s, now_s - burst_s) + session.interval_s
+                )
             self.engine.submit_generate(session.stream_id, actions)
             session.next_slot += 1
             if not session.inflight:
                 session.progress_s = now_s
             session.inflight += 1
+
+    def _due_s(self) -> list[float]:
+        """Seconds until each stream held back by its pace may generate again."""
+        now_s = time.monotonic()
+        return [
+            max(s.next_generate_s - now_s, 0.001)
+            for s in self._sessions.values()
+            if s.attached
+            and s.newest_observed is not None
+            and s.next_slot <= s.newest_observed.slot + s.horizon
+            and s.next_generate_s > now_s
+        ]
 
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())

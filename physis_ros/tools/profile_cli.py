@@ -1,15 +1,20 @@
 """``physis-profile``: measure per-block time vs batch composition on this device -> JSON.
 
-It builds the engine's model (random weights by seed) on ``--device`` and times one batched
-forward of a middle block through the worker's hot path (``stage.time_block_forward``:
+It builds only the block it times (a middle one) and the model's embeddings, with random
+weights, directly on ``--device`` in ``--dtype`` (seconds for any preset), and times one
+batched forward of that block through the worker's hot path (``stage.time_block_forward``:
 device synchronised, warm-up excluded) for batches of 1, 2, 4, ... tasks whose KV windows
-are full (W previous chunks). It also times one activation hop through the engine's in-process
-transport, and the worker loop's own cost per task (a one-worker run of the engine without
-batching, minus the block forward): ``task_overhead_ms``. With ``--runtime gloo`` (CPU) the
-loop, controller, message and hop costs are measured on the torch.distributed runtime instead
-(a two-rank job on this host), and the block times are scaled to the level the worker's own
-forwards ran at there (see ``physis_ros.tools.realcheck.calibrate_gloo``). The output is the
-``Profile`` JSON that ``ProfileCostModel`` and ``physis-sim --profile`` read.
+are full (W previous chunks), with the block implementation the engine would use
+(``--block-impl``, default ``PHYSIS_BLOCK_IMPL`` or eager). It also times one activation hop
+through the engine's in-process transport, and the worker loop's own cost per task (one-worker
+runs of the engine, on a copy of the model cut to at most 4 blocks, without batching, minus
+the block forward): ``task_overhead_ms`` (``--loop-chunks 0`` skips it: 0, not measured).
+With ``--runtime gloo`` (CPU) the loop, controller, message and hop costs are measured on the
+torch.distributed runtime instead (a two-rank job on this host), and the block times are
+scaled to the level the worker's own forwards ran at there (see
+``physis_ros.tools.realcheck.calibrate_gloo``). The output is the ``Profile`` JSON that
+``ProfileCostModel`` and ``physis-sim --profile`` read, with a ``provenance`` object beside
+its fields (device, driver, torch and CUDA versions, block implementation, build time).
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from physis_ros.engine.pool.costmodel import Profile, ProfileEntry
@@ -49,6 +56,19 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="measure every batch size this many times, round robin; ms_p50 is the smallest "
         "of the rounds' medians (other jobs on a shared host only ever add time)",
+    )
+    p.add_argument(
+        "--block-impl",
+        choices=("eager", "fused"),  # fused.BLOCK_IMPLS (that module imports torch)
+        default=None,
+        help="how blocks run: eager or fused (engine/fused.py); default: $PHYSIS_BLOCK_IMPL "
+        "or eager",
+    )
+    p.add_argument(
+        "--loop-chunks",
+        type=int,
+        default=40,
+        help="chunks of each worker-loop calibration run (0: skip, loop overheads 0)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument(
@@ -99,10 +119,19 @@ def block_entries(
 
 
 def measure(args: argparse.Namespace) -> Profile:
+    return measure_with_provenance(args)[0]
+
+
+def measure_with_provenance(args: argparse.Namespace) -> tuple[Profile, dict]:
+    """The profile, and where it was measured (device, driver, torch, CUDA, block
+    implementation, the block built, seconds to build it and to the first entry)."""
     import torch
 
+    from physis_ros.engine import fused
     from physis_ros.engine.checkpoints import resolve_model_config
     from physis_ros.engine.model import build_model
+
+    t_start = time.perf_counter()
 
     try:
         batches = sorted({int(b) for b in args.batches.split(",")})
@@ -116,19 +145,43 @@ def measure(args: argparse.Namespace) -> Profile:
         )
     if args.runtime == "gloo" and args.device != "cpu":
         raise ValueError("--runtime gloo calibrates CPU ranks: use --device cpu")
+    if args.loop_chunks < 0:
+        raise ValueError("--loop-chunks must be >= 0")
     torch.set_num_threads(args.threads)
     cfg = resolve_model_config(
         args.model, resolution=args.resolution, latent_frames=args.latent_frames
     )
-    model = build_model(cfg, device=args.device, dtype=getattr(torch, args.dtype))
+    impl = args.block_impl or fused.default_block_impl()
+    dtype = getattr(torch, args.dtype)
+    # The block timed is a middle one (``stage.BlockTimer``): build it alone, on the device.
+    timed = cfg.num_blocks // 2
+    model = build_model(
+        cfg, seed=None, device=args.device, dtype=dtype, block_ids={timed}, block_impl=impl
+    )
+    built_s = time.perf_counter() - t_start
+    print(
+        f"physis-profile: block {timed} of {cfg.name} built on {args.device} ({args.dtype}, "
+        f"{impl}) in {built_s:.1f} s",
+        file=sys.stderr,
+    )
     entries = block_entries(
         model,
-        batches,
+        batches[:1],
         window=args.window,
         repeats=args.repeats,
         warmup=args.warmup,
         rounds=args.rounds,
     )
+    first_s = time.perf_counter() - t_start
+    if len(batches) > 1:
+        entries += block_entries(
+            model,
+            batches[1:],
+            window=args.window,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            rounds=args.rounds,
+        )
     if args.runtime == "gloo":
         from physis_ros.tools.realcheck import calibrate_gloo
 
@@ -136,11 +189,24 @@ def measure(args: argparse.Namespace) -> Profile:
             cfg.name, args.steps, args.window, entries, repeats=args.gloo_repeats
         )
     else:
-        costs = {
-            "hop_ms": _inproc_hop_ms(cfg, args.device),
-            **_loop_overheads(model, args, entries),
-        }
-    return Profile(
+        costs = {"hop_ms": _inproc_hop_ms(cfg, args.device)}
+        if args.loop_chunks:
+            loop_cfg = replace(cfg, num_blocks=min(cfg.num_blocks, 4))
+            loop_model = build_model(
+                loop_cfg, seed=None, device=args.device, dtype=dtype, block_impl=impl
+            )
+            costs.update(_loop_overheads(loop_model, args, entries, chunks=args.loop_chunks))
+    runner = fused.fused_blocks(model)
+    provenance = {
+        **environment(args.device),
+        "block_impl": impl,
+        "kernels": runner.kernels.name if runner is not None else "eager",
+        "block_built": timed,
+        "build_s": built_s,
+        "first_entry_s": first_s,
+        "tokens_per_chunk": cfg.tokens_per_chunk,
+    }
+    profile = Profile(
         device=_device_name(args.device),
         model=cfg.name,
         steps=args.steps,
@@ -153,6 +219,27 @@ def measure(args: argparse.Namespace) -> Profile:
         host_cores=len(os.sched_getaffinity(0)) if args.device == "cpu" else 0,
         calibrated_on=args.runtime,
     )
+    return profile, provenance
+
+
+def environment(device: str) -> dict:
+    """Device, driver, torch and CUDA versions (what a profile was measured with)."""
+    import torch
+
+    env = {"device": _device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda}
+    if device.startswith("cuda"):
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            )
+            env["driver"] = smi.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError) as err:
+            env["driver"] = f"unknown ({err})"
+    return env
 
 
 def _loop_overheads(model, args: argparse.Namespace, entries, chunks: int = 40) -> dict:
@@ -167,7 +254,7 @@ def _loop_overheads(model, args: argparse.Namespace, entries, chunks: int = 40) 
 
     sampler = SamplerConfig(steps=args.steps, window=args.window)
     L = model.cfg.num_blocks
-    tasks = chunks * args.steps * L
+    tasks = chunks * args.steps * L  # a per-task cost: the model may be cut to a few blocks
     probe = Profile(
         device="-", model="-", steps=1, window=0, dtype="-", entries=tuple(entries), hop_ms=0.0
     )
@@ -181,8 +268,9 @@ def _loop_overheads(model, args: argparse.Namespace, entries, chunks: int = 40) 
             for _ in range(chunks):
                 rt.controller.submit_generate(run)
             t0 = time.perf_counter()
-            done = rt.run_inline()
-            wall_ms = (time.perf_counter() - t0) * 1e3
+            with rt:
+                done = rt.run_inline()
+                wall_ms = (time.perf_counter() - t0) * 1e3
             if len(done) != chunks:
                 raise RuntimeError(f"calibration run finished {len(done)} of {chunks} chunks")
             sizes = [b for _, b, _, _ in rt.workers[0].stats.block_times]
@@ -227,11 +315,12 @@ def _inproc_hop_ms(cfg, device: str, repeats: int = 200) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        profile = measure(args)
+        profile, provenance = measure_with_provenance(args)
     except ValueError as err:
         print(f"physis-profile: {err}", file=sys.stderr)
         return 2
-    text = json.dumps(profile.to_json(), indent=1)
+    # ``provenance``: beside the profile's fields (Profile.from_json reads only its own)
+    text = json.dumps({**profile.to_json(), "provenance": provenance}, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)

@@ -45,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-utilization", type=float, default=0.9)
     p.add_argument("--profile", help="physis-profile JSON (else the modelled H200)")
     p.add_argument(
+        "--calibration",
+        help="calibration JSON measured on an H200 (scripts/gpu_check.sh): the modelled H200 "
+        "of pool24, depth and the pool is fitted to it (engine/pool/calibrate.py)",
+    )
+    p.add_argument(
         "--memory-gib",
         type=float,
         default=0.0,
@@ -74,8 +79,9 @@ def run_pool(args: argparse.Namespace) -> dict:
             raise ValueError("--profile needs --memory-gib (usable memory per device)")
         usable, dtype_bytes = args.memory_gib * 1024**3, 4 if profile.dtype == "float32" else 2
     else:
-        cost = AnalyticCostModel(H200)
-        usable, dtype_bytes = H200.usable_bytes, H200.dtype_bytes
+        device = _device(args)
+        cost = AnalyticCostModel(device)
+        usable, dtype_bytes = device.usable_bytes, device.dtype_bytes
     pool = PoolConfig(
         num_devices=args.devices,
         usable_bytes=usable,
@@ -174,13 +180,23 @@ def _print_human(result: dict) -> None:
             )
 
 
+def _device(args: argparse.Namespace):
+    """The modelled H200, fitted to ``--calibration`` when given."""
+    if not args.calibration:
+        return H200
+    from physis_ros.engine.pool.calibrate import fit_device, load_calibration
+
+    return fit_device(H200, load_calibration(args.calibration))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.experiment == "pool24":
-            result = pool24(seed=args.seed)
+            result = pool24(seed=args.seed, device=_device(args))
         elif args.experiment == "depth":
-            result = depth(sampler=SamplerConfig(steps=args.steps, window=args.window))
+            sampler = SamplerConfig(steps=args.steps, window=args.window)
+            result = depth(sampler=sampler, device=_device(args))
         elif args.experiment == "realcheck":
             from physis_ros.tools.realcheck import realcheck
 
@@ -188,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             result = realcheck(profile=profile)
         else:
             result = run_pool(args)
+        if args.calibration:
+            from physis_ros.engine.pool.calibrate import fit_report, load_calibration
+
+            result["calibration"] = fit_report(_device(args), load_calibration(args.calibration))
     except ValueError as err:
         print(f"physis-sim: {err}", file=sys.stderr)
         return 2

@@ -20,8 +20,9 @@ DEFAULT_SHIFT = 3.0
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 
-def read_metadata(path: str | Path) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (empty if it has none)."""
+def read_header(path: str | Path) -> dict:
+    """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets},
+    plus ``__metadata__`` when present."""
     path = Path(path)
     with path.open("rb") as f:
         head = f.read(8)
@@ -34,8 +35,28 @@ def read_metadata(path: str | Path) -> dict[str, str]:
             header = json.loads(f.read(size))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path}: safetensors header is not JSON: {err}") from err
-    meta = header.get("__metadata__") or {}
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a mapping")
+    return header
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (empty if it has none)."""
+    meta = read_header(path).get("__metadata__") or {}
     return {str(k): str(v) for k, v in meta.items()}
+
+
+def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a safetensors file, from its header (no tensor is read)."""
+    header = read_header(path)
+    try:
+        return {
+            str(k): tuple(int(d) for d in v["shape"])
+            for k, v in header.items()
+            if k != "__metadata__"
+        }
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: safetensors header has a bad tensor entry: {err!r}") from None
 
 
 SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from engine_helpers import SAMPLER, TOL, plan_for
@@ -152,3 +154,16 @@ def test_bfloat16_pipeline_runs_and_tracks_its_oracle(tiny):
     for c, x in ref.items():
         assert out[0][c].x.dtype == torch.float32
         assert (out[0][c].x - x).abs().max().item() < 0.1  # bf16 round-off, not a bug
+
+
+def test_close_joins_every_thread_the_runtime_started(tiny):
+    """physis-serve's engine shutdown (LocalEngine.shutdown -> InProcRuntime.close): no worker
+    loop is left running when the process goes on to exit."""
+    layout = layout_even(SAMPLER.steps, tiny.cfg.num_blocks, 2)
+    before = set(threading.enumerate())
+    with InProcRuntime(tiny, SAMPLER, layout) as rt:
+        rt.start_threads()
+        started = set(threading.enumerate()) - before
+        assert {t.name for t in started} == {"worker-0", "worker-1"}
+    assert not any(t.is_alive() for t in started)
+    rt.close()  # idempotent

@@ -71,6 +71,7 @@ class FakeEngine:
             action_horizon=self.horizon,
             action_dim=self.action_dim,
             horizon=spec.horizon or 0,
+            target_interval_ms=spec.target_interval_ms,  # as a pool admits it
         )
 
     def close_stream(self, stream_id: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import random
 import threading
 import time
@@ -290,6 +291,49 @@ def test_observed_chunks_are_the_frames_of_their_time_slot():
             wait_for(lambda: not loop.sessions(), 10, what="the stream closed")
     assert engine.info()["free_slots"] == "2"
     assert session.closed and not session._observed  # a closed stream's queue is freed
+
+
+def test_generation_is_paced_at_the_admitted_interval():
+    """A client that sends its slots faster than the interval it was admitted at gets one
+    generated chunk per interval (after a burst of ``horizon``); the slots it observed
+    before their turn are counted ``server_behind``, never generated."""
+    engine = FakeEngine(slots=1, chunk_ms=1.0)
+    generated_s: list[float] = []
+    submit = engine.submit_generate
+
+    def timed_submit(stream_id, actions=None):
+        generated_s.append(time.monotonic())
+        return submit(stream_id, actions)
+
+    engine.submit_generate = timed_submit
+    interval_s = 0.2
+    with _served(engine) as (loop, handle):
+        client = LinkClient(
+            f"127.0.0.1:{handle.port}", connect_timeout_s=5, target_interval_ms=interval_s * 1e3
+        )
+        try:
+            client.start()
+            wait_for(lambda: client.stats().state == "streaming", 10, what="streaming")
+            (session,) = wait_for(loop.sessions, 10, what="a session")
+            frame = np.zeros((16, 16, 3), np.uint8)
+            for seq in range(12):  # 12 slots (1 frame each), as fast as they go through
+                client.send_observation(
+                    Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=rgb_image(frame))
+                )
+                wait_for(
+                    lambda n=seq + 1: session.observations_received == n, 10, what="a frame in"
+                )
+            wait_for(lambda: session.observations_used == 12, 10, what="12 observed slots")
+            wait_for(lambda: len(generated_s) >= 3, 10, what="3 generated chunks")
+            # load only delays a generate: the pace is a lower bound on the gaps
+            gaps = [b - a for a, b in itertools.pairwise(generated_s[:3])]
+            assert min(gaps) >= 0.9 * interval_s, gaps
+            # slots 2..11 were each generated before they were observed, or counted
+            behind = session.counters().drops["server_behind"]
+            assert behind >= 11 - len(generated_s), (behind, len(generated_s))
+        finally:
+            client.close()
+            wait_for(lambda: not loop.sessions(), 10, what="the stream closed")
 
 
 def test_action_conditioned_model_gets_the_newest_commanded_actions():

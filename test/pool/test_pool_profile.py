@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
 from physis_ros.tools.profile_cli import main
@@ -17,7 +18,10 @@ def test_profile_measures_every_batch_size_and_round_trips(tmp_path, capsys):
     assert main([*argv, "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     profile = Profile.load(str(out))
+    provenance = printed.pop("provenance")
     assert profile.to_json() == printed
+    assert provenance["torch"] == torch.__version__ and provenance["block_built"] == 1
+    assert provenance["block_impl"] == "eager" and provenance["first_entry_s"] > 0
     assert [e.tasks for e in profile.entries] == [1, 2, 4]
     assert all(e.ms_p99 >= e.ms_p50 > 0 for e in profile.entries)
     assert profile.calibrated_on == "inproc" and profile.hop_ms > 0
@@ -37,3 +41,13 @@ def test_bad_options_exit_2_with_the_reason(capsys):
     assert "use --device cpu" in capsys.readouterr().err
     assert main(["--gloo-repeats", "0"]) == 2
     assert "--gloo-repeats >= 1" in capsys.readouterr().err
+
+
+def test_fused_profile_builds_only_the_timed_block(capsys):
+    argv = ["--model", "tiny", "--batches", "1,2", "--repeats", "3", "--warmup", "1"]
+    assert main([*argv, "--block-impl", "fused", "--loop-chunks", "0"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["provenance"]["block_impl"] == "fused"
+    assert printed["provenance"]["kernels"] == "torch"  # on the CPU
+    assert printed["task_overhead_ms"] == 0.0  # not measured
+    assert main([*argv, "--loop-chunks", "-1"]) == 2

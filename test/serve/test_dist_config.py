@@ -1,14 +1,13 @@
-"""RuntimeConfig and the YAML `distributed` section: bad values are refused by name; the flags
-rank 0 hands to the other ranks rebuild the same config."""
+"""RuntimeConfig and the YAML `distributed` section: bad values are refused by name; the JSON
+rank 0 sends to the other ranks rebuilds the same config."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 
 import pytest
 
 from physis_ros.serve.dist.runtime import RuntimeConfig, blocks_for_rank, parse_placement
-from physis_ros.serve.dist.serve import runtime_config
 
 
 @pytest.mark.parametrize(
@@ -30,7 +29,7 @@ def test_bad_values_are_refused_by_name(kw, message):
         RuntimeConfig(**kw)
 
 
-def test_argv_round_trip_rebuilds_the_same_config():
+def test_json_round_trip_rebuilds_the_same_config():
     cfg = RuntimeConfig(
         model="small",
         steps=3,
@@ -41,9 +40,9 @@ def test_argv_round_trip_rebuilds_the_same_config():
         fault_timeout_s=2.5,
         heartbeat_interval_s=0.1,
     )
-    parser = argparse.ArgumentParser()
-    RuntimeConfig.add_arguments(parser)
-    assert RuntimeConfig.from_namespace(parser.parse_args(cfg.to_argv())) == cfg
+    again = RuntimeConfig.from_json(cfg.to_json())
+    assert again.model_config == cfg.model_config
+    assert again == dataclasses.replace(cfg, resolved_config=cfg.model_config)
 
 
 def test_placements_and_the_blocks_each_rank_loads():
@@ -54,16 +53,3 @@ def test_placements_and_the_blocks_each_rank_loads():
     assert blocks_for_rank(cfg, 0, 2) == {0, 1, 2, 3}  # steps 0-1, every block
     cfg = RuntimeConfig(model="small", placement="groups:2,14")
     assert blocks_for_rank(cfg, 0, 2) == {0, 1}
-
-
-def test_yaml_section_merges_engine_keys_and_refuses_unknown_ones():
-    cfg = runtime_config(
-        {"engine": {"model": "small", "steps": 3}, "distributed": {"placement": "single"}}
-    )
-    assert (cfg.model, cfg.steps, cfg.placement) == ("small", 3, "single")
-    assert (
-        runtime_config({"engine": {"model": "small"}}, argparse.Namespace(model="tiny")).model
-        == "tiny"
-    )
-    with pytest.raises(ValueError, match="unknown distributed keys \\['heartbeat_s'\\]"):
-        runtime_config({"distributed": {"heartbeat_s": 1}})

@@ -19,6 +19,7 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 FAULT_TIMEOUT_S = 2.0
 CONFIG = f"""
 engine: {{model: tiny}}
+placement: {{plan: even}}  # every stream over both ranks: a hung rank 1 is every stream's fault
 distributed:
   heartbeat_interval_s: 0.2
   fault_timeout_s: {FAULT_TIMEOUT_S}

@@ -15,8 +15,9 @@ Policies:
   placements this search can produce, so shared never admits fewer streams than static: it
   takes empty devices only in static-sized groups until fewer than a group remain.
 
-Compute per device is charged unbatched (one ``group_ms(1)`` per stage per interval): a
-conservative bound, since batching only makes work cheaper; the simulator then checks.
+Compute per device is charged unbatched by default (one ``group_ms(1)`` per stage per
+interval): a conservative bound, since batching only makes work cheaper; or per task of a
+batch of ``PoolConfig.charged_batch``; the simulator then checks.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class PoolConfig:
     max_utilization: float = 0.9
     """Most of each interval a device may be busy with admitted work (headroom for jitter)."""
     memory: MemoryModel = field(default_factory=MemoryModel)
+    charged_batch: int = 1
+    """Tasks per batched forward the compute charge counts on: a stage is charged
+    ``group_ms(b) / b`` per chunk. 1 charges every stage unbatched, a bound (batching only
+    makes work cheaper); more counts on the batching a pipelined stream gets (a block's
+    stages at different steps run together), which the simulator then has to confirm."""
     controller_device: int | None = None
     """Device whose worker shares its processor with the controller (rank 0 of a CPU job):
     every stream's entry and exit hops and its per-chunk controller work are charged there,
@@ -65,6 +71,8 @@ class PoolConfig:
             raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
         if not 0 < self.max_utilization <= 1:
             raise ValueError(f"max_utilization must be in (0, 1], got {self.max_utilization}")
+        if self.charged_batch < 1:
+            raise ValueError(f"charged_batch must be >= 1, got {self.charged_batch}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +80,13 @@ class StreamRequest:
     model: ModelConfig
     sampler: SamplerConfig
     target_interval_ms: float
+    chunks_per_interval: int = 1
+    """Chunks through every stage per interval (2: each generated chunk comes with a context
+    chunk, the observation it is conditioned on)."""
 
     def __post_init__(self) -> None:
+        if self.chunks_per_interval < 1:
+            raise ValueError(f"chunks_per_interval must be >= 1, got {self.chunks_per_interval}")
         if not self.target_interval_ms > 0:
             raise ValueError(
                 f"admission needs a target_interval_ms > 0, got {self.target_interval_ms}"
@@ -122,7 +135,8 @@ class AdmissionController:
     def stage_ms(self, cfg: ModelConfig, sampler: SamplerConfig) -> float:
         key = (cfg.name, sampler.steps, sampler.window)
         if key not in self._stage_ms_cache:
-            self._stage_ms_cache[key] = self.cost.group_ms(cfg, sampler, 1)
+            b = self.pool.charged_batch
+            self._stage_ms_cache[key] = self.cost.group_ms(cfg, sampler, b) / b
         return self._stage_ms_cache[key]
 
     def _comm_ms(self, cfg: ModelConfig) -> tuple[float, float]:
@@ -136,6 +150,11 @@ class AdmissionController:
         return self._mem_used[device]
 
     def device_load_ms(self, plan: StreamPlan) -> dict[int, float]:
+        """Work per target interval that ``plan`` puts on each of its devices (unbatched)."""
+        per_chunk = self._chunk_load_ms(plan)
+        return {d: ms * plan.chunks_per_interval for d, ms in per_chunk.items()}
+
+    def _chunk_load_ms(self, plan: StreamPlan) -> dict[int, float]:
         """Work per chunk that ``plan`` puts on each of its devices (unbatched)."""
         s_ms = self.stage_ms(plan.model, plan.sampler)
         load: dict[int, float] = {}
@@ -166,10 +185,19 @@ class AdmissionController:
         return plan.num_stages * s_ms + hops
 
     # ---- admission -----------------------------------------------------------------------
-    def admit(self, req: StreamRequest) -> Admission:
-        """Place the stream or raise ``AdmissionRefused``; admitted streams never move."""
+    def admit(self, req: StreamRequest, stage_devices: tuple[int, ...] | None = None) -> Admission:
+        """Place the stream or raise ``AdmissionRefused``; admitted streams never move.
+
+        ``stage_devices``: a placement given by hand (device of stage i = k * L + l); it is
+        checked against the spare compute and memory instead of searched for."""
         sid = self._next_id
-        if self.pool.policy == "static":
+        if stage_devices is not None:
+            plan = self._plan(sid, req, tuple(stage_devices))
+            failure = self._check_fits(plan)
+            candidate = "given"
+            if failure is not None:
+                plan = None
+        elif self.pool.policy == "static":
             plan, failure = self._fresh_group(sid, req)
             candidate = "static"
         else:
@@ -262,7 +290,8 @@ class AdmissionController:
         if g == 0:
             return math.inf
         S = req.sampler.steps * req.model.num_blocks
-        return math.ceil(S / g) * self.stage_ms(req.model, req.sampler)
+        per_chunk = math.ceil(S / g) * self.stage_ms(req.model, req.sampler)
+        return per_chunk * req.chunks_per_interval
 
     def static_group(self, req: StreamRequest):
         """(g, layout) of the smallest exclusive group meeting the target alone, or
@@ -310,7 +339,42 @@ class AdmissionController:
             sampler=req.sampler,
             target_interval_ms=req.target_interval_ms,
             stage_devices=stage_devices,
+            chunks_per_interval=req.chunks_per_interval,
         )
+
+    def _check_fits(self, plan: StreamPlan) -> _Failure | None:
+        """Why a given placement does not fit the spare compute and memory (None: it fits)."""
+        if max(plan.stage_devices) >= self.pool.num_devices:
+            raise ValueError(
+                f"placement names device {max(plan.stage_devices)}; the pool has "
+                f"{self.pool.num_devices}"
+            )
+        T = plan.target_interval_ms
+        for d, ms in sorted(self.device_load_ms(plan).items()):
+            spare = self._budget_ms(d, T)
+            if ms > spare + 1e-9:
+                return _Failure(
+                    resource="compute",
+                    reason=(
+                        f"compute: device {d} would be busy {ms:.1f} ms per interval with "
+                        f"{spare:.1f} ms spare (target {T:.1f} ms, at "
+                        f"{self.pool.max_utilization:.0%} utilization)"
+                    ),
+                    shortfall=f"{ms - spare:.1f} ms",
+                )
+        for d in plan.devices():
+            usage = self.pool.memory.device_usage([*self._on_device[d].values(), plan], d)
+            if usage.total > self.pool.usable_bytes:
+                short = (usage.total - self.pool.usable_bytes) / GIB
+                return _Failure(
+                    resource="memory",
+                    reason=(
+                        f"memory on device {d} short by {short:.3f} GiB: it would hold "
+                        f"{usage.total / GIB:.3f} GiB of {self.pool.usable_bytes / GIB:.3f} GiB"
+                    ),
+                    shortfall=f"{short:.3f} GiB",
+                )
+        return None
 
     def _pack(
         self, sid: int, req: StreamRequest, candidates: list[int]
@@ -322,10 +386,11 @@ class AdmissionController:
         """
         cfg, sampler, T = req.model, req.sampler, req.target_interval_ms
         L, S = cfg.num_blocks, sampler.steps * cfg.num_blocks
-        s_ms = self.stage_ms(cfg, sampler)
+        # A stage's work per interval: one forward per chunk that passes it.
+        s_ms = self.stage_ms(cfg, sampler) * req.chunks_per_interval
         mem = self.pool.memory
         # One hop in and one out are reserved on every device when messages cost compute.
-        reserve = sum(self._comm_ms(cfg)) if len(candidates) > 1 else 0.0
+        reserve = sum(self._comm_ms(cfg)) * req.chunks_per_interval if len(candidates) > 1 else 0.0
         budget = {d: self._budget_ms(d, T) - reserve for d in candidates}
         free = {d: self.pool.usable_bytes - self._mem_used[d] for d in candidates}
         charges: dict[int, StageCharge] = {}

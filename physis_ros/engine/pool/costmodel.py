@@ -91,20 +91,26 @@ class DeviceSpec:
         return self.memory_bytes - self.reserved_bytes
 
 
-# NVIDIA H200 SXM (HGX H200 8-GPU node). Public datasheet figures, plus efficiencies that
-# are our assumptions (not measured here: this machine has no GPU).
+# NVIDIA H200 SXM (HGX H200 8-GPU node). Peak, bandwidth, memory and links: datasheet
+# figures. Compute efficiencies, elementwise passes and the per-forward overhead: fitted
+# (``pool/calibrate.py``) to block-task times measured on one H200 by scripts/gpu_check.sh
+# (two runs, 2026-12-04; driver 580.159.04, torch 2.11.0+cu130, CUDA 13.0, the fused block
+# path with Triton kernels): docs/pool/h200_calibration.json, test_pool_calibrate checks that
+# refitting that file gives these numbers. Before that fit they were assumptions (GEMM 0.70,
+# attention 0.55, 24 passes, 0.05 ms): one block-task 1.31x (1.3B), 1.03x (14B) and 1.01x
+# (33B) faster than the fused block measured there (1.37x, 1.13x than the eager block).
 H200 = DeviceSpec(
-    name="H200-SXM (modelled)",
+    name="H200-SXM (calibrated: NVIDIA H200)",
     peak_flops=989e12,  # dense BF16 tensor-core peak (datasheet 1979 TFLOP/s is with sparsity)
-    gemm_efficiency=0.70,  # assumption: large bf16 GEMMs (thousands of tokens x D>=1536)
-    attn_efficiency=0.55,  # assumption: FlashAttention-3-class forward, head dim 128
+    gemm_efficiency=0.7269,  # fitted: the block's six weight GEMMs timed alone (cuBLAS)
+    attn_efficiency=0.5067,  # fitted: self + cross attention timed alone (SDPA, cuDNN)
     mem_bandwidth_Bps=4.8e12,  # HBM3e
-    bandwidth_efficiency=0.80,  # assumption
+    bandwidth_efficiency=0.80,  # assumption (a device copy measured 4.25 TB/s: 0.885)
     memory_bytes=141e9,  # 141 GB HBM3e
     reserved_bytes=6 * GIB,  # assumption: CUDA context, NCCL buffers, allocator slack
     dtype_bytes=2,  # bf16 weights, activations and KV
-    launch_overhead_ms=0.05,  # assumption: ~20 kernels per block, CUDA-graph captured
-    elementwise_passes=24.0,  # assumption: unfused norms/modulation/RoPE/residual traffic
+    launch_overhead_ms=0.2426,  # fitted: per block forward, whatever its batch
+    elementwise_passes=31.74,  # fitted: passes over [N, D] per task (norms, RoPE, copies...)
     devices_per_node=8,
     intra_node_Bps=450e9,  # NVLink 4: 900 GB/s bidirectional per GPU
     intra_node_latency_ms=0.015,  # assumption: NCCL p2p small-message latency in a node

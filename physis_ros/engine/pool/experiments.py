@@ -128,13 +128,15 @@ def _count(items: list[str]) -> dict[str, int]:
     return out
 
 
-def _h200_pool(policy: str, devices: int, max_utilization: float) -> PoolConfig:
+def _h200_pool(
+    policy: str, devices: int, max_utilization: float, device: DeviceSpec = H200
+) -> PoolConfig:
     return PoolConfig(
         num_devices=devices,
-        usable_bytes=H200.usable_bytes,
+        usable_bytes=device.usable_bytes,
         policy=policy,
         max_utilization=max_utilization,
-        memory=MemoryModel(dtype_bytes=H200.dtype_bytes, max_batch=8),
+        memory=MemoryModel(dtype_bytes=device.dtype_bytes, max_batch=8),
     )
 
 
@@ -165,9 +167,11 @@ def pool24(
     max_utilization: float = 0.9,
     chunks: int = 16,
     seed: int = 0,
+    device: DeviceSpec = H200,
 ) -> dict:
-    """Static vs shared max verified concurrency per backbone on modelled H200s."""
-    cost = AnalyticCostModel(H200)
+    """Static vs shared max verified concurrency per backbone on modelled H200s (``device``:
+    the modelled H200, or one calibrated on measured profiles, ``pool.calibrate``)."""
+    cost = AnalyticCostModel(device)
     sim = SimConfig(num_devices=devices, chunks=chunks, warmup_chunks=4, cooldown_chunks=2)
     rows, details = [], {}
     for name in backbones:
@@ -178,7 +182,7 @@ def pool24(
         for policy in ("static", "shared"):
             result[policy] = max_verified_concurrency(
                 request=request,
-                pool=_h200_pool(policy, devices, max_utilization),
+                pool=_h200_pool(policy, devices, max_utilization, device),
                 cost=cost,
                 sim=sim,
                 seed=seed,
@@ -194,7 +198,7 @@ def pool24(
         )
         stage_ms = cost.group_ms(request.model, sampler, 1)
         details[name] = {
-            **backbone_facts(name, sampler, H200),
+            **backbone_facts(name, sampler, device),
             "stage_ms": round(stage_ms, 3),
             "chunk_compute_ms_one_device": round(
                 stage_ms * sampler.steps * get_preset(name).num_blocks, 1
@@ -231,14 +235,14 @@ def pool24(
                 "else pack anywhere; admitted streams never move",
             },
             "memory": {
-                **asdict(_h200_pool("shared", devices, max_utilization).memory),
-                "usable_bytes_per_gpu": H200.usable_bytes,
+                **asdict(_h200_pool("shared", devices, max_utilization, device).memory),
+                "usable_bytes_per_gpu": device.usable_bytes,
                 "per_gpu": "weights of each block hosted (once for all steps and streams) + "
                 "embed/head where block 0 or L-1 is hosted + per (stream, stage) KV ring of W "
                 "chunks x tokens x 2 x D + per (stream, block) cross-attention K/V of text_len "
                 "tokens + 2 receive buffers per inbound hop + workspace of max_batch tasks",
             },
-            **AnalyticCostModel(H200).assumptions(),
+            **cost.assumptions(),
         },
     }
 
@@ -248,10 +252,11 @@ def depth(
     model: str = "dit-33b",
     sampler: SamplerConfig = POOL24_SAMPLER,
     chunks: int = 0,
+    device: DeviceSpec = H200,
 ) -> dict:
     """One stream, one stage per GPU (K*L GPUs), as fast as it goes."""
     cfg = get_preset(model)
-    cost = AnalyticCostModel(H200)
+    cost = AnalyticCostModel(device)
     S = sampler.steps * cfg.num_blocks
     plan = StreamPlan(
         stream_id=0,
@@ -265,12 +270,14 @@ def depth(
     report = simulate([SimStream(plan=plan, max_inflight=S)], cost, sim)
     stream = report.streams[0]
     stage_ms = cost.group_ms(cfg, sampler, 1)
-    work = block_work(cfg, sampler, H200.dtype_bytes)
+    work = block_work(cfg, sampler, device.dtype_bytes)
     flop = work.gemm_flops + work.attn_flops
     hops = plan.hops()
-    intra = sum(1 for _, a, b in hops if a // H200.devices_per_node == b // H200.devices_per_node)
+    intra = sum(
+        1 for _, a, b in hops if a // device.devices_per_node == b // device.devices_per_node
+    )
     hop_intra = cost.hop_ms(cfg, 0, 1)
-    hop_inter = cost.hop_ms(cfg, 0, H200.devices_per_node)
+    hop_inter = cost.hop_ms(cfg, 0, device.devices_per_node)
     # Response latency: an observation enters as a context chunk; the first chunk conditioned
     # on it follows one interval behind it and then crosses the whole pipeline.
     response = stream.interval_p50_ms + stream.latency_p50_ms
@@ -299,7 +306,7 @@ def depth(
         "hops_intra_node": intra,
         "hops_inter_node": len(hops) - intra,
         "assumptions": {
-            **backbone_facts(model, sampler, H200),
+            **backbone_facts(model, sampler, device),
             "K": sampler.steps,
             "W": sampler.window,
             "placement": "stage (k, l) on GPU k*L + l; 8 GPUs per node",
@@ -309,8 +316,8 @@ def depth(
             "why_not_4.083_ms": (
                 f"one stage of this preset is {flop / 1e12:.2f} TFLOP "
                 f"({cfg.tokens_per_chunk} tokens = {cfg.latent_frames} latent frames, window "
-                f"{sampler.window}): even at 100% of the {H200.peak_flops / 1e12:.0f} TFLOP/s "
-                f"bf16 peak that is {flop / H200.peak_flops * 1e3:.2f} ms per stage, so "
+                f"{sampler.window}): even at 100% of the {device.peak_flops / 1e12:.0f} TFLOP/s "
+                f"bf16 peak that is {flop / device.peak_flops * 1e3:.2f} ms per stage, so "
                 f"{PUBLISHED_DEPTH_INTERVAL_MS} ms is out of reach for this chunk size on any "
                 "assumption about efficiency. The gap is the chunk size, not the pipeline: with "
                 "a chunk of one latent frame (see interval_by_chunk_size) the same model and "

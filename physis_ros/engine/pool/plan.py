@@ -24,8 +24,13 @@ class StreamPlan:
     """Interval the stream needs between chunks; 0: as fast as its devices allow."""
     stage_devices: tuple[int, ...]
     """Device of stage i = k * L + l, length K * L."""
+    chunks_per_interval: int = 1
+    """Chunks that pass every stage per target interval: 1, or 2 when each generated chunk
+    comes with an observation (a context chunk) that passes them too."""
 
     def __post_init__(self) -> None:
+        if self.chunks_per_interval < 1:
+            raise ValueError(f"chunks_per_interval must be >= 1, got {self.chunks_per_interval}")
         want = self.sampler.steps * self.model.num_blocks
         if len(self.stage_devices) != want:
             raise ValueError(

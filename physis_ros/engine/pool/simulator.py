@@ -51,6 +51,11 @@ class SimStream:
     a latency-promise miss (reported; the target that admission guarantees is the interval)."""
     max_inflight: int = 0
     """Chunks kept in flight when the plan's target interval is 0."""
+    context_chunks: bool = False
+    """Every release also brings an observation: a context chunk that enters just ahead of the
+    generated chunk and passes every stage too (the server puts the newest observation in
+    right before a generate request). Reported are the generated chunks only; their latency
+    counts from the release, when the observation entered. Needs a target interval."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,8 +197,11 @@ def simulate(
             raise ValueError(f"stream {s.plan.stream_id} uses a device >= num_devices {G}")
         if s.plan.target_interval_ms == 0 and s.max_inflight < 1:
             raise ValueError(f"stream {s.plan.stream_id}: T = 0 needs max_inflight >= 1")
+        if s.context_chunks and s.plan.target_interval_ms == 0:
+            raise ValueError(f"stream {s.plan.stream_id}: context chunks need a target interval")
     n = len(streams)
     C = config.chunks
+    per_release = [2 if s.context_chunks else 1 for s in streams]
     plans = [s.plan for s in streams]
     keys = [(p.model.name, p.sampler.steps, p.sampler.window) for p in plans]
     group_cache: dict[tuple, float] = {}
@@ -268,9 +276,9 @@ def simulate(
                 arrive(t, si, nxt, chunk)
         serve(t, e)
 
-    release = [[math.nan] * C for _ in range(n)]
-    start = [[math.nan] * C for _ in range(n)]
-    done = [[math.nan] * C for _ in range(n)]
+    release = [[math.nan] * (C * per_release[si]) for si in range(n)]
+    start = [[math.nan] * (C * per_release[si]) for si in range(n)]
+    done = [[math.nan] * (C * per_release[si]) for si in range(n)]
     in_service: list[list[bool]] = [[False] * p.num_stages for p in plans]
     pending: list[list[deque]] = [[deque() for _ in range(p.num_stages)] for p in plans]
     # per device: block key -> deque of (seq, stream, stage, chunk); heap of (ready_ms, seq, key)
@@ -475,7 +483,8 @@ def simulate(
         while heap and heap[0][0] == t:
             _, _, kind, a, b, c = heapq.heappop(heap)
             if kind == _RELEASE:
-                do_release(t, a)
+                for _ in range(per_release[a]):  # the context chunk first, if any
+                    do_release(t, a)
             elif kind == _ARRIVE:  # a remote hop: the receiver pays its processor time
                 dst = config.sink_device if b == plans[a].num_stages else plans[a].stage_devices[b]
                 charge_worker(dst)
@@ -500,13 +509,16 @@ def simulate(
             dispatch(t, d)
         dirty.clear()
 
+    def generated(times: list[list[float]]) -> list[list[float]]:
+        return [row[per_release[si] - 1 :: per_release[si]] for si, row in enumerate(times)]
+
     return _report(
         streams,
         config,
         memory,
-        release=release,
-        start=start,
-        done=done,
+        release=generated(release),
+        start=generated(start),
+        done=generated(done),
         busy_spans=busy_spans,
         batches=batches,
         tasks_run=tasks_run,

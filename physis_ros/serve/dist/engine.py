@@ -43,6 +43,7 @@ from physis_ros.link.memtune import freeze_startup_objects
 from physis_ros.serve.dist.launch import (
     RankContext,
     as_rank,
+    broadcast_text,
     free_port,
     init_from_env,
     spawn_ranks,
@@ -175,13 +176,16 @@ class DistEngine(PlacementControl):
             ),
             "OMP_NUM_THREADS": str(cfg.threads),
         }
-        argv = ["-m", "physis_ros.serve.dist.runtime", *cfg.to_argv()]
+        # Only how to join travels as flags; the config itself follows as JSON (broadcast).
+        argv = ["-m", "physis_ros.serve.dist.runtime", "--device", cfg.device]
+        argv += ["--comm-timeout-s", str(cfg.comm_timeout_s)]
         procs = spawn_ranks(
             world_size=world_size, master_port=port, argv=argv, extra_env=env, log_dir=log_dir
         )
         try:
             with as_rank(rank=0, world_size=world_size, master_port=port):
                 ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
+            broadcast_text(ctx, cfg.to_json())
             engine = cls(cfg, ctx, procs=procs, prompts=prompts)
             engine.master_port = port
             return engine
@@ -373,6 +377,7 @@ class DistEngine(PlacementControl):
             chunk_frames=cfg.frames_per_chunk,
             image_height=h,
             image_width=w,
+            # a world model conditioned on actions takes them with its observations too
             action_horizon=cfg.action_horizon if cfg.action_mode != "none" else 0,
             action_dim=cfg.action_dim if cfg.action_mode != "none" else 0,
             horizon=horizon,
@@ -550,6 +555,7 @@ class DistEngine(PlacementControl):
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
+        self.host.worker.close()  # its host copier's thread (a CUDA sink)
         for ctl in self.transport.recv_control():  # goodbyes the monitor did not read
             if ctl.kind == "bye":
                 self.rank_stats[ctl.src] = ctl.body.get("stats", {})

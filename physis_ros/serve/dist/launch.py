@@ -121,6 +121,26 @@ def init_from_env(*, device: str = "auto", comm_timeout_s: float = 60.0) -> Rank
     )
 
 
+def broadcast_text(ctx: RankContext, text: str | None) -> str:
+    """Rank 0's ``text`` on every rank (others pass None): its UTF-8 length, then its bytes,
+    broadcast over the process group. A collective: every rank calls it once, right after
+    joining and before any point-to-point message. Used for the JSON every rank must run
+    with (never pickle)."""
+    dev = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    if ctx.rank == 0:
+        if text is None:
+            raise ValueError("rank 0 must give the text to broadcast")
+        data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(dev)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=0)
+    if ctx.rank != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(data, src=0)
+    return data.cpu().numpy().tobytes().decode()
+
+
 def tie_to_parent(parent_pid: int | None = None) -> None:
     """In a rank started by ``spawn_ranks`` (or by torchrun, with ``parent_pid`` = the
     launcher's pid): get SIGTERM when the parent dies (Linux).

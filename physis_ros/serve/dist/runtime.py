@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import faulthandler
 import functools
 import gc
@@ -75,7 +76,7 @@ ECHO_STREAM_ID = -1
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    """What every rank must agree on (rank 0 passes it to the others as flags)."""
+    """What every rank must agree on (rank 0 sends it to the others as JSON, ``to_json``)."""
 
     model: str = "tiny"
     """Model preset name (``physis_ros.engine.config.PRESETS``) or model directory (upstream
@@ -86,6 +87,9 @@ class RuntimeConfig:
     """Camera image ``HxW`` of a model directory ("": its default)."""
     vae: str = ""
     """diffusers AutoencoderKLWan directory: the real codec ("": the preset's or a stand-in)."""
+    resolved_config: ModelConfig | None = None
+    """The model's full config as rank 0 resolved it (a serving spec's); None: resolved here
+    from ``model``."""
     steps: int = 4
     """K: denoising steps."""
     window: int = 2
@@ -126,8 +130,9 @@ class RuntimeConfig:
     """Longest a worker waits for an activation before checking control and heartbeats."""
 
     def __post_init__(self) -> None:
-        # raises ValueError naming an unknown preset or what is wrong with a directory
-        _resolve(self.model, self.latent_frames, self.resolution, self.vae)
+        if self.resolved_config is None:
+            # raises ValueError naming an unknown preset or what is wrong with a directory
+            _resolve(self.model, self.latent_frames, self.resolution, self.vae)
         SamplerConfig(
             steps=self.steps,
             window=self.window,
@@ -168,6 +173,8 @@ class RuntimeConfig:
 
     @property
     def model_config(self) -> ModelConfig:
+        if self.resolved_config is not None:
+            return self.resolved_config
         return self.resolved.cfg
 
     @property
@@ -195,37 +202,24 @@ class RuntimeConfig:
             steps=self.steps,
         )
 
-    def to_argv(self) -> list[str]:
-        """Flags that rebuild this config in another rank (``from_argv``)."""
-        out = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            flag = "--" + f.name.replace("_", "-")
-            if isinstance(value, bool):
-                out.append(flag if value else "--no-" + f.name.replace("_", "-"))
-            else:
-                out += [flag, str(value)]
-        return out
+    def to_json(self) -> str:
+        """JSON text that ``from_json`` rebuilds this config from (the model's config in full)."""
+        out = dataclasses.asdict(self)
+        out["resolved_config"] = dataclasses.asdict(self.model_config)
+        return json.dumps(out, sort_keys=True)
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", bool):
-                parser.add_argument(
-                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None
-                )
-            else:
-                kind = {"int": int, "float": float}.get(str(f.type), str)
-                parser.add_argument(flag, dest=f.name, type=kind, default=None)
+    def from_json(cls, text: str | bytes) -> RuntimeConfig:
+        from physis_ros.serve.spec import model_config_from_json
 
-    @classmethod
-    def from_namespace(cls, ns: argparse.Namespace, **base) -> RuntimeConfig:
-        """Flags given on the command line override ``base`` (e.g. from YAML)."""
-        values = dict(base)
-        for f in dataclasses.fields(cls):
-            if getattr(ns, f.name, None) is not None:
-                values[f.name] = getattr(ns, f.name)
+        try:
+            values = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"runtime config is not JSON: {err}") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(values, dict) or set(values) != known:
+            raise ValueError("runtime config JSON does not have this runtime's fields")
+        values["resolved_config"] = model_config_from_json(values["resolved_config"])
         return cls(**values)
 
 
@@ -326,7 +320,7 @@ class StageHost:
                 raise ValueError(f"model {self.cfg.model} is a directory: drop weights_path")
             load_weights(self.model, weights)
         elif self.cfg.weights_path:
-            self.model.load_safetensors(self.cfg.weights_path, strict=False)
+            self.model.load_safetensors(self.cfg.weights_path)
 
     # Transport interface seen by the engine Worker --------------------------------------
     def send(self, dst: int, msg) -> None:
@@ -536,6 +530,7 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
     _exit_after(CLEANUP_FLUSH_S + cfg.fault_timeout_s + CLEANUP_SLACK_S, code)
     stats = {"cpu_s": time.process_time(), "transport": dict(transport.counters)}
     if host is not None:
+        host.worker.close()
         ws = host.worker.stats
         stats.update(
             tasks=ws.tasks,
@@ -558,19 +553,25 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry of a worker rank (torchrun or spawn_ranks): ``python -m physis_ros.serve.dist.runtime``."""
+    """Entry of a worker rank started by ``DistEngine.launch_local``: ``python -m
+    physis_ros.serve.dist.runtime --device D --comm-timeout-s S`` (how to join); the
+    ``RuntimeConfig`` comes from rank 0 as JSON (``launch.broadcast_text``)."""
+    from physis_ros.serve.dist.launch import broadcast_text
+
     tie_to_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    RuntimeConfig.add_arguments(parser)
-    cfg = RuntimeConfig.from_namespace(parser.parse_args(argv))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--comm-timeout-s", type=float, default=60.0)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
-    torch.set_num_threads(cfg.threads)
-    ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
-    stop = StopFlag()  # installed after init: until then SIGTERM ends the process at once
-    stop.install_signal_handlers()
+    ctx = init_from_env(device=args.device, comm_timeout_s=args.comm_timeout_s)
     if ctx.rank == 0:
         raise SystemExit("rank 0 is the controller: run physis-serve (or DistEngine), not this")
+    stop = StopFlag()  # installed after init: until then SIGTERM ends the process at once
+    stop.install_signal_handlers()
+    cfg = RuntimeConfig.from_json(broadcast_text(ctx, None))
+    torch.set_num_threads(cfg.threads)
     code = run_worker_rank(cfg, ctx, stop)
     exit_now(code)
     return code

@@ -1,5 +1,6 @@
-"""``physis-serve`` under torchrun: rank 0 serves the front end over a ``DistEngine``; every
-other rank runs a worker loop (``runtime.run_worker_rank``).
+"""``physis-serve`` under torchrun: rank 0 serves the front end over a ``DistEngine`` with the
+pool in front of it (admission, placement, promises); every other rank runs a worker loop
+(``runtime.run_worker_rank``).
 
 One node, 4 GPUs (or 4 CPU ranks with gloo)::
 
@@ -13,26 +14,33 @@ the gloo/NCCL interfaces; rank 0, and so the gRPC front end, lands on one of the
 
 (or statically: ``--nnodes 2 --node-rank {0,1} --master-addr HOST0 --master-port 29500``).
 Set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` when the hosts have several interfaces.
-The ``distributed`` section of the YAML file configures the runtime (``RuntimeConfig``);
-``engine.model/steps/window`` choose the model. Every rank reads the same file and flags.
+
+Start-up: every rank reads, from its own flags and config file, only how to join the job
+(``engine.device``, ``distributed.comm_timeout_s``). Rank 0 builds the ``ServingSpec`` from
+its config and flags, resolves and checks it (the weights against the model, key by key),
+and sends it as JSON to every rank (``launch.broadcast_text``); a rank whose own device
+setting differs stops. If rank 0 cannot resolve it, it sends the error instead and every
+rank stops with that one line. Each rank then loads its blocks strictly; rank 0 measures
+the job (``calibrate.startup_profile``), plans the default target and serves.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import logging
 import os
 import signal
-from typing import Any
 
 import torch
 
-from physis_ros.serve.dist.runtime import RuntimeConfig, StopFlag, exit_now, run_worker_rank
+from physis_ros.serve.dist.runtime import StopFlag, exit_now, run_worker_rank
 
 log = logging.getLogger("physis-serve")
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+EXIT_BAD_SPEC = 2
 
 
 def under_torchrun() -> bool:
@@ -40,97 +48,152 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-ENGINE_KEYS = (
-    "model",
-    "steps",
-    "window",
-    "dtype",
-    "vae",
-    "resolution",
-    "latent_frames",
-    "shift",
-    "horizon",
-    "context_noise",
-)
-"""Keys of the YAML ``engine`` section every rank takes (unless ``distributed`` sets them)."""
-
-
-def runtime_config(config: dict[str, Any], args: argparse.Namespace | None = None) -> RuntimeConfig:
-    """RuntimeConfig from the YAML ``engine`` (model, steps, window, ...) and ``distributed``
-    sections; the model flags (--model, --dtype, --vae, ...) override. A preset with shipped
-    weights (push-wm) runs them, as trained, unless told otherwise."""
-    from physis_ros.serve.main import model_section
-    from physis_ros.weights import shipped_engine_defaults
-
-    engine = config.get("engine", {}) or {}
-    section = dict(config.get("distributed", {}) or {})
-    for key in ENGINE_KEYS:
-        if key in engine and key not in section:
-            section[key] = engine[key]
-    flags = model_section({}, args) if args is not None else {}
-    section.update({k: v for k, v in flags.items() if k in ENGINE_KEYS})
-    shipped = shipped_engine_defaults(section.get("model", RuntimeConfig.model))
-    if shipped and "weights_path" not in section:
-        section["weights_path"] = shipped.pop("checkpoint")
-        shipped.pop("model")
-        for key, value in shipped.items():
-            section.setdefault(key, value)
-    known = {f for f in RuntimeConfig.__dataclass_fields__}
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"unknown distributed keys {unknown}; known: {sorted(known)}")
-    return RuntimeConfig(**section)
-
-
 def serve_torchrun(args: argparse.Namespace) -> int:
     """Entry of every rank of ``torchrun ... -m physis_ros.serve.main``."""
-    from physis_ros.serve.dist.launch import init_from_env, tie_to_parent
-    from physis_ros.serve.main import load_config, model_section, serve_single_process
+    from physis_ros.serve.main import serve_single_process
 
-    file_config = load_config(args.config)
-    cfg = runtime_config(file_config, args)
-    prompts = model_section(file_config["engine"], args).get("prompts", [])
-    torch.set_num_threads(args.threads if args.threads is not None else cfg.threads)
+    ctx, spec = join_serving(args)  # worker ranks serve inside and never return
+
+    def factory(resolved):
+        return build_dist(resolved, ctx)
+
+    code = serve_single_process(args, engine_factory=factory, spec=spec)
+    log.info("rank 0 done")
+    exit_now(code)
+    return code
+
+
+def join_serving(args: argparse.Namespace):
+    """Join the job and agree on the serving spec (module docstring). Rank 0 returns
+    ``(RankContext, resolved ServingSpec)``; every other rank runs its worker loop with that
+    spec and exits the process (as every rank does when the spec is refused)."""
+    from physis_ros.serve.dist.launch import broadcast_text, init_from_env, tie_to_parent
+    from physis_ros.serve.main import load_config, serving_spec
+    from physis_ros.serve.spec import ServingSpec
+
     rank = int(os.environ["RANK"])
     tie_to_parent(os.getppid())  # a killed torchrun takes its ranks with it
     if rank != 0:
         faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
         logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
-        ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
+    # How to join: from this rank's own config; everything else comes from rank 0.
+    error, spec = "", None
+    try:
+        spec = serving_spec(args, load_config(args.config))
+    except (ValueError, OSError) as exc:
+        error = str(exc)
+    device = spec.device if spec is not None else "auto"
+    timeout_s = spec.comm_timeout_s if spec is not None else 60.0
+    ctx = init_from_env(device=device, comm_timeout_s=timeout_s)
+    if rank != 0:
         stop = StopFlag()  # after init: until then SIGTERM ends the process at once
         stop.install_signal_handlers()
+        text = broadcast_text(ctx, None)
+        reply = json.loads(text)
+        if "error" in reply:
+            log.error("rank %d: rank 0 refused the serving spec: %s", rank, reply["error"])
+            exit_now(EXIT_BAD_SPEC)
+        spec = ServingSpec.from_json(text)
+        if spec.device != device:
+            log.error("rank %d: joined with device %r, rank 0 serves %r", rank, device, spec.device)
+            exit_now(EXIT_BAD_SPEC)
+        cfg = spec.runtime_config(ctx.world_size)
+        torch.set_num_threads(args.threads if args.threads is not None else cfg.threads)
         exit_now(run_worker_rank(cfg, ctx, stop))
+    if not error:
+        try:
+            spec = spec.resolve()
+            spec.runtime_config(ctx.world_size)  # its checks, before any rank goes on
+        except (ValueError, OSError) as exc:
+            error = str(exc)
+    if error:
+        broadcast_text(ctx, json.dumps({"error": error}))
+        log.error("%s", error)
+        exit_now(EXIT_BAD_SPEC)
+    broadcast_text(ctx, spec.to_json())
+    log.info("serving spec (sent to %d ranks): %s", ctx.world_size, spec.to_json())
+    torch.set_num_threads(args.threads if args.threads is not None else spec.threads)
+    return ctx, spec
 
-    def factory(_engine_section: dict[str, Any]):
-        from physis_ros.serve.dist.engine import DistEngine
-        from physis_ros.serve.frontend import ServerDescription
 
-        ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
-        engine = DistEngine(cfg, ctx, prompts=prompts)
+def build_dist(spec, ctx):
+    """Rank 0's engine: a ``DistEngine`` over every rank, measured, planned and pooled."""
+    from physis_ros.engine.placement import layout_even
+    from physis_ros.engine.pool.costmodel import ProfileCostModel
+    from physis_ros.engine.pool.service import PoolSimulation
+    from physis_ros.serve.build import (
+        burst_scaled,
+        check_default_target,
+        describe,
+        hand_layout,
+        load_profile,
+        plan_pool,
+        pooled,
+        usable_bytes,
+    )
+    from physis_ros.serve.dist.calibrate import host_cores, startup_profile
+    from physis_ros.serve.dist.engine import DistEngine
 
-        def engine_info() -> dict[str, Any]:
-            return {
-                "kind": "DistEngine",
-                "ranks": str(engine.world_size),
-                "backend": engine.ctx.backend,
-                "placement": cfg.placement,
-                "open_streams": str(len(engine.controller.streams)),
-                "failed_ranks": str(engine.failed_ranks),
-                "prompts": ",".join(engine.prompts.names()),
-            }
-
-        mc = cfg.model_config
-        return engine, ServerDescription(
-            model=mc.name,
-            steps=cfg.steps,
-            blocks=mc.num_blocks,
-            placement=f"{cfg.placement} over {engine.world_size} ranks ({ctx.backend})",
-            action_mode=mc.action_mode,
-            horizon=cfg.horizon,
-            engine_info=engine_info,
+    cfg = spec.runtime_config(ctx.world_size)
+    engine = DistEngine(cfg, ctx, prompts=spec.prompts)
+    try:
+        sampler = spec.sampler()
+        profile = load_profile(spec, spec.model_config, sampler)
+        if profile is None:
+            log.info("measuring the job: block, loop and message costs on %d ranks", engine.world_size)
+            profile = startup_profile(engine)
+        cpu = ctx.device.type == "cpu"
+        simulation = PoolSimulation(
+            host_cores=host_cores() if cpu else 0.0,
+            forward_scale=profile.rank_work_scale if engine.world_size > 1 else 1.0,
+            worker_message_ms=profile.worker_message_ms if engine.world_size > 1 else 0.0,
+            batching=spec.batching,
         )
-
-    code = serve_single_process(args, engine_factory=factory)
-    log.info("rank 0 done")
-    exit_now(code)
-    return code
+        block_ms = None
+        if spec.plan == "balanced":
+            costs = engine.measure_block_costs()
+            block_ms = [
+                min(c[b] for c in costs.values() if b in c) for b in range(cfg.model_config.num_blocks)
+            ]
+        given = hand_layout(spec, engine.world_size, block_ms) if spec.plan != "auto" else None
+        # CPU ranks of one host share its memory; a GPU rank has its own.
+        sharing = engine.world_size if cpu else 1
+        pool = plan_pool(
+            spec,
+            ProfileCostModel(profile),
+            simulation,
+            workers=engine.world_size,
+            usable=usable_bytes(spec, ctx.device, sharing),
+            stage_devices=given,
+        )
+        if not spec.profile:  # a given profile is taken as it is
+            # Scaled on a burst over every rank (what messages cost included), then planned.
+            probe = pool
+            if engine.world_size > 1 and given is None:
+                K, L = sampler.steps, cfg.model_config.num_blocks
+                even = tuple(r for row in layout_even(K, L, engine.world_size) for r in row)
+                probe = plan_pool(
+                    spec,
+                    pool.cost,
+                    simulation,
+                    workers=engine.world_size,
+                    usable=pool.config.usable_bytes,
+                    stage_devices=even,
+                )
+            scaled = burst_scaled(engine, probe, spec, profile)
+            pool = plan_pool(
+                spec,
+                scaled.cost,
+                simulation,
+                workers=engine.world_size,
+                usable=pool.config.usable_bytes,
+                stage_devices=given,
+            )
+        check_default_target(spec, pool)
+        log.info("planned %s", pool.default.describe())
+    except BaseException:
+        engine.shutdown()
+        raise
+    served = pooled(engine, pool, spec)
+    description = describe(spec, served, pool, kind=f"DistEngine ({ctx.backend})")
+    return served, description

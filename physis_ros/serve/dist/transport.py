@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from physis_ros.engine.devcopy import copy_to_device_sync
 from physis_ros.engine.transport import Activation
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,9 @@ class TorchDistTransport:
             # Collective at construction: every rank builds its transport at start-up.
             up, down = dist.new_group(backend="nccl"), dist.new_group(backend="nccl")
             self._groups_by_direction = (up, down)
+        staging = self.wire_device.type == "cpu" and self.device.type == "cuda"
+        self._h2d_stream = torch.cuda.Stream(self.device) if staging else None
+        """gloo with a CUDA device: host -> device copies of receives."""
         self._next_x, self._next_h = self._alloc_payload()
         self.capacity_bytes = HEADER_LEN * 8 + self._next_x.nbytes + self._next_h.nbytes
         """Largest message: header, x and h (control messages must fit too)."""
@@ -381,8 +385,11 @@ class TorchDistTransport:
     # ---------------------------------------------------------------- receiving
     def _alloc_payload(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shapes
-        x = torch.empty(s.x_numel, dtype=torch.float32, device=self.wire_device)
-        h = torch.empty(s.h_tokens, s.h_dim, dtype=s.h_dtype, device=self.wire_device)
+        pin = self.wire_device.type == "cpu" and self.device.type == "cuda"
+        x = torch.empty(s.x_numel, dtype=torch.float32, device=self.wire_device, pin_memory=pin)
+        h = torch.empty(
+            s.h_tokens, s.h_dim, dtype=s.h_dtype, device=self.wire_device, pin_memory=pin
+        )
         return x, h
 
     def _deliver(self, msg: Activation) -> None:
@@ -493,20 +500,29 @@ class TorchDistTransport:
             if h[_H_HAS_H]:
                 hidden.record_stream(compute)
         self.counters["received"] += 1
+        staged = self._h2d_stream is not None  # gloo with a CUDA device: pinned buffers
+        if staged:
+            parts = [x, hidden] if h[_H_HAS_H] else [x]
+            parts = copy_to_device_sync(parts, self.device, self._h2d_stream)
+            x_dev, h_dev = parts[0], (parts[1] if h[_H_HAS_H] else None)
+        else:
+            x_dev, h_dev = x, (hidden if h[_H_HAS_H] else None)
         msg = Activation(
             stream_id=h[_H_STREAM],
             chunk=h[_H_CHUNK],
             step=h[_H_STEP],
             block=h[_H_BLOCK],
             flags=h[_H_FLAGS],
-            x=x.to(self.device, non_blocking=True),
-            h=hidden.to(self.device, non_blocking=True) if h[_H_HAS_H] else None,
+            x=x_dev,
+            h=h_dev,
             created_s=_bits_float(h[_H_CREATED]),
             epoch=h[_H_EPOCH],
             ticket=h[_H_TICKET],
             anchor=h[_H_ANCHOR],
         )
         self._deliver(msg)
+        if staged:  # copied to the device: the pinned buffers take the next message
+            return
         # Buffers for the next message, allocated while we wait for its header.
         self._next_x = torch.empty_like(x)
         if h[_H_HAS_H]:

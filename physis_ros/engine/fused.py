@@ -1,0 +1,304 @@
+"""The fused block forward: the block-task of ``stage.run_block`` with everything that is not a
+GEMM or attention done in few passes over the activations.
+
+Same math as ``model.block_forward`` with the stage's per-task attention, arranged for a GPU:
+- q, k and v come from ONE GEMM against a [3D, D] weight. That weight (and the [2, D] q/k norm
+  weights) is built once per block when the path is enabled, and the model's q/k/v parameters
+  become views into it: upstream-named checkpoints still load strictly (the loaders copy into
+  the views), the eager path runs on the same memory, and no weight exists twice. A block
+  whose parameters were replaced or moved since (``model.to``, a rank loading more blocks) is
+  re-fused on its next forward.
+- RMSNorm + RoPE of q and k is one pass per tensor that writes q for attention and k (and v)
+  straight into the task's KV-ring slot (``KVRing.reserve``): no ring copy.
+- residual + gate + LayerNorm + modulation (or affine) is one pass, three times per block.
+- cross-attention runs once for all tasks of a batch that share a stream's text K/V (their
+  queries concatenated: every query row attends the same keys), not once per task.
+- on CUDA the FFN's GELU (tanh) is the first FFN GEMM's epilogue (``torch._addmm_activation``,
+  cuBLASLt): one pass over the [N, F] activation less.
+Self-attention stays one SDPA call per task: each task attends its own ring.
+
+Kernels: ``triton`` (CUDA; ``fused_triton``) or ``torch`` (any device: the same passes as torch
+ops; in float32 the fused path then equals the eager one to round-off, which is what CI tests
+on the CPU). Select the path per model with ``set_block_impl(model, "fused")``, or for every
+model a process builds with ``PHYSIS_BLOCK_IMPL=fused`` (``build_model`` reads it), or
+``--block-impl fused`` on physis-profile and physis-bench engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from physis_ros.engine import model as M
+
+if TYPE_CHECKING:
+    from physis_ros.engine.stage import StageTask
+
+log = logging.getLogger(__name__)
+
+BLOCK_IMPLS = ("eager", "fused")
+BLOCK_IMPL_ENV = "PHYSIS_BLOCK_IMPL"
+"""Environment variable: the block implementation every ``build_model`` call selects."""
+KERNELS = ("auto", "triton", "torch")
+
+
+def default_block_impl() -> str:
+    """``PHYSIS_BLOCK_IMPL`` (eager when unset)."""
+    impl = os.environ.get(BLOCK_IMPL_ENV, "") or "eager"
+    if impl not in BLOCK_IMPLS:
+        raise ValueError(f"{BLOCK_IMPL_ENV}={impl!r} is not one of {BLOCK_IMPLS}")
+    return impl
+
+
+def set_block_impl(model: M.WanDiT, impl: str, *, kernels: str = "auto") -> None:
+    """Select how ``stage.run_block`` runs ``model``'s blocks: ``eager`` or ``fused``."""
+    if impl not in BLOCK_IMPLS:
+        raise ValueError(f"block implementation {impl!r} is not one of {BLOCK_IMPLS}")
+    model.fused_blocks = FusedBlocks(model, kernels=kernels) if impl == "fused" else None
+
+
+def block_impl(model: M.WanDiT) -> str:
+    return "fused" if fused_blocks(model) is not None else "eager"
+
+
+def fused_blocks(model: M.WanDiT) -> FusedBlocks | None:
+    return getattr(model, "fused_blocks", None)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- the passes, as torch ops (any device) ---------------------------------------------------
+class TorchKernels:
+    """The fused passes written with torch ops; in float32 equal to the eager block."""
+
+    name = "torch"
+
+    @staticmethod
+    def norm(
+        x: torch.Tensor,
+        tokens: int,
+        *,
+        eps: float,
+        residual: torch.Tensor | None = None,
+        gate: torch.Tensor | None = None,
+        shift: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        normalize: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, dim = x.shape
+        b = rows // tokens
+        h = x.view(b, tokens, dim)
+        if residual is not None:
+            a = residual.view(b, tokens, dim)
+            h = h + (a * gate[:, None] if gate is not None else a)
+        if not normalize:
+            y = h
+        elif shift is not None:
+            y = F.layer_norm(h, (dim,), eps=eps) * (1 + scale[:, None]) + shift[:, None]
+        else:
+            y = F.layer_norm(h, (dim,), weight, bias, eps)
+        return h.reshape(rows, dim), y.reshape(rows, dim)
+
+    @staticmethod
+    def rms_rope(
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        *,
+        heads: int,
+        eps: float,
+        weight: torch.Tensor | None,
+        rope: torch.Tensor | None,
+    ) -> None:
+        x = src
+        if weight is not None:
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        x = x.unflatten(-1, (heads, -1))  # [T, H, d]
+        if rope is not None:
+            x = M.apply_rope(x, torch.view_as_complex(rope))
+        dst.copy_(x.transpose(0, 1))
+
+
+class TritonKernels:
+    """The hand-written Triton kernels (``fused_triton``): CUDA, or the Triton interpreter."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from physis_ros.engine import fused_triton
+
+        self.norm = fused_triton.norm
+        self.rms_rope = fused_triton.rms_rope
+
+
+def make_kernels(kernels: str, device: torch.device):
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels {kernels!r} is not one of {KERNELS}")
+    if kernels == "auto":
+        kernels = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if kernels == "triton":
+        if not triton_available():
+            raise ValueError("kernels 'triton' need the triton package")
+        return TritonKernels()
+    return TorchKernels()
+
+
+# ---- fused weights ---------------------------------------------------------------------------
+def _alias(params: list[nn.Parameter]) -> torch.Tensor:
+    """One contiguous buffer holding ``params`` back to back along dim 0; each parameter
+    becomes a view of its rows (values unchanged)."""
+    with torch.inference_mode(False), torch.no_grad():
+        buf = torch.cat([p.detach() for p in params])
+        row = 0
+        for p in params:
+            p.data = buf[row : row + p.shape[0]]
+            row += p.shape[0]
+    return buf
+
+
+@dataclass
+class _BlockWeights:
+    module: nn.Module
+    qkv_w: torch.Tensor
+    """[3D, D]: q, k, v weights stacked; the model's parameters are views of it."""
+    qkv_b: torch.Tensor
+    """[3D]."""
+    qk_norm: torch.Tensor | None
+    """[2D] RMSNorm weights of q then k (None without qk_norm)."""
+    views: tuple[tuple[nn.Parameter, int], ...]
+    """(parameter, its data_ptr when fused): a changed pointer means re-fuse."""
+
+    def current(self, module: nn.Module) -> bool:
+        return module is self.module and all(p.data_ptr() == ptr for p, ptr in self.views)
+
+
+def _fuse_block(blk: nn.Module) -> _BlockWeights:
+    sa = blk.self_attn
+    lins = [sa.q, sa.k, sa.v]
+    qkv_w = _alias([lin.weight for lin in lins])
+    qkv_b = _alias([lin.bias for lin in lins])
+    qk_norm = None
+    params = [lin.weight for lin in lins] + [lin.bias for lin in lins]
+    if isinstance(sa.norm_q, M.RMSNorm):
+        qk_norm = _alias([sa.norm_q.weight, sa.norm_k.weight])
+        params += [sa.norm_q.weight, sa.norm_k.weight]
+    views = tuple((p, p.data_ptr()) for p in params)
+    return _BlockWeights(blk, qkv_w, qkv_b, qk_norm, views)
+
+
+class FusedBlocks:
+    """The fused forward of ``model``'s blocks (see the module docstring)."""
+
+    def __init__(
+        self, model: M.WanDiT, *, kernels: str = "auto", gelu_epilogue: bool | None = None
+    ) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.kernels = make_kernels(kernels, model.device)
+        self.gelu_epilogue = model.device.type == "cuda" if gelu_epilogue is None else gelu_epilogue
+        """FFN GELU as the GEMM's cuBLASLt epilogue (CUDA; on the CPU it is two ops anyway)."""
+        self._weights: dict[int, _BlockWeights] = {}
+        for i in sorted(model.block_ids):
+            self._weights[i] = _fuse_block(model.blocks[i])
+
+    def weights(self, block: int) -> _BlockWeights:
+        blk = self.model.blocks[block]
+        w = self._weights.get(block)
+        if w is None or not w.current(blk):
+            if w is not None:
+                log.info("block %d: parameters replaced or moved, fusing its q/k/v again", block)
+            w = self._weights[block] = _fuse_block(blk)
+        return w
+
+    def forward(
+        self,
+        block: int,
+        h: torch.Tensor,
+        e0: torch.Tensor,
+        rope: torch.Tensor,
+        tasks: list[StageTask],
+    ) -> torch.Tensor:
+        """h [B, n, D], e0 [B, 6, D], rope [B, n, d/2] complex -> h [B, n, D] after ``block``;
+        each task's K/V go into its ring (``task.ring``, the entry of its slot)."""
+        cfg, kern = self.cfg, self.kernels
+        blk = self.model.blocks[block]
+        w = self.weights(block)
+        b, n, dim = h.shape
+        heads, hd, eps = cfg.num_heads, cfg.head_dim, cfg.eps
+        rows = b * n
+        mod = (blk.modulation + e0).contiguous()  # [B, 6, D]: shift, scale, gate (x2)
+        x = h.reshape(rows, dim)
+        _, y = kern.norm(x, n, eps=eps, shift=mod[:, 0], scale=mod[:, 1])
+        qkv = F.linear(y, w.qkv_w, w.qkv_b)  # [T, 3D]
+        rope_t = torch.view_as_real(rope.reshape(rows, hd // 2))  # [T, d/2, 2] cos, sin
+        qn = kn = None
+        if w.qk_norm is not None:
+            qn, kn = w.qk_norm[:dim], w.qk_norm[dim:]
+        q = torch.empty(rows, dim, dtype=h.dtype, device=h.device)
+        kern.rms_rope(
+            qkv[:, :dim], q.view(rows, heads, hd).transpose(0, 1), heads=heads, eps=eps,
+            weight=qn, rope=rope_t,
+        )  # fmt: skip
+        outs = []
+        for i, t in enumerate(tasks):
+            r = slice(i * n, (i + 1) * n)
+            k_slot, v_slot = t.ring.reserve(t.chunk, observed=t.observed)
+            kern.rms_rope(qkv[r, dim : 2 * dim], k_slot, heads=heads, eps=eps, weight=kn,
+                          rope=rope_t[r])  # fmt: skip
+            kern.rms_rope(qkv[r, 2 * dim :], v_slot, heads=heads, eps=eps, weight=None, rope=None)
+            k_all, v_all = t.ring.attended(t.chunk)
+            qi = q[r].view(n, heads, hd).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qi, k_all[None], v_all[None])  # [1, H, n, d]
+            outs.append(o[0].transpose(0, 1))  # [n, H, d]
+        o = outs[0].reshape(n, dim) if b == 1 else torch.stack(outs).reshape(rows, dim)
+        sa, ca = blk.self_attn, blk.cross_attn
+        a = F.linear(o, sa.o.weight, sa.o.bias)
+        if isinstance(blk.norm3, nn.LayerNorm):
+            h1, y = kern.norm(x, n, eps=blk.norm3.eps, residual=a, gate=mod[:, 2],
+                              weight=blk.norm3.weight, bias=blk.norm3.bias)  # fmt: skip
+        else:
+            h1, y = kern.norm(x, n, eps=eps, residual=a, gate=mod[:, 2], normalize=False)
+        cq = F.linear(y, ca.q.weight, ca.q.bias)
+        if isinstance(ca.norm_q, M.RMSNorm):
+            normed = torch.empty_like(cq)
+            kern.rms_rope(cq, normed.view(rows, heads, hd).transpose(0, 1), heads=heads,
+                          eps=ca.norm_q.eps, weight=ca.norm_q.weight, rope=None)  # fmt: skip
+            cq = normed
+        c = F.linear(self._cross_attention(cq, tasks, n), ca.o.weight, ca.o.bias)
+        h2, y = kern.norm(h1, n, eps=eps, residual=c, shift=mod[:, 3], scale=mod[:, 4])
+        up, down = blk.ffn[0], blk.ffn[2]
+        if self.gelu_epilogue:
+            f = torch._addmm_activation(up.bias, y, up.weight.t(), use_gelu=True)
+        else:
+            f = F.gelu(F.linear(y, up.weight, up.bias), approximate="tanh")
+        f = F.linear(f, down.weight, down.bias)
+        return torch.addcmul(h2.view(b, n, dim), f.view(b, n, dim), mod[:, 5:6])
+
+    def _cross_attention(self, cq: torch.Tensor, tasks: list[StageTask], n: int) -> torch.Tensor:
+        """cq [T, D] -> attention output [T, D] against each task's text K/V [H, Lt, d]."""
+        rows, dim = cq.shape
+        heads, hd = self.cfg.num_heads, self.cfg.head_dim
+        ck, cv = tasks[0].cross_k, tasks[0].cross_v
+        if all(t.cross_k is ck and t.cross_v is cv for t in tasks):  # one stream's tasks
+            q = cq.view(1, rows, heads, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, ck[None], cv[None])  # [1, H, T, d]
+            return o[0].transpose(0, 1).reshape(rows, dim)
+        outs = []
+        for i, t in enumerate(tasks):
+            q = cq[i * n : (i + 1) * n].view(1, n, heads, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, t.cross_k[None], t.cross_v[None])
+            outs.append(o[0].transpose(0, 1))
+        return torch.stack(outs).reshape(rows, dim)

@@ -1,0 +1,429 @@
+"""The pool in front of a running engine: admission, placement and promises for every stream.
+
+``PooledEngine`` wraps an engine whose ``open_stream(spec, layout=...)`` takes a K x L layout of
+workers (``LocalEngine``'s worker threads, ``DistEngine``'s ranks; device d = worker d):
+
+- a stream's target interval (a request of 0 gets the pool's default target) goes to the
+  ``AdmissionController``, which places it in the spare compute and memory without moving
+  admitted streams (or checks a placement given by hand);
+- the simulator then runs the pool *with* the new stream under the calibrated cost model, every
+  forward slowed by the admission's headroom (1 / ``max_utilization``); if any stream would
+  miss its target even so, the stream is refused with the predicted interval;
+- otherwise the stream opens with the admitted layout and is promised what the simulation
+  predicts for it (interval, response latency, the chunks in flight it needs);
+- whenever a stream joins or leaves, every other stream's promise is simulated again, and
+  changed ones are handed out by ``take_revisions`` for the server to tell its clients.
+
+``plan_default_target`` is the start-up planning: the fastest interval the pool can promise
+one stream, and the placement that gets it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+from physis_ros.engine.api import AdmissionRefused, StreamPromise, StreamSpec
+from physis_ros.engine.config import ModelConfig, SamplerConfig
+from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
+from physis_ros.engine.pool.costmodel import CostModel
+from physis_ros.engine.pool.gate import plan_layout
+from physis_ros.engine.pool.plan import StreamPlan, contiguous_split
+from physis_ros.engine.pool.simulator import SimConfig, SimReport, SimStream, simulate
+
+log = logging.getLogger(__name__)
+
+SIM_CHUNKS = 24
+"""Chunks per stream in a promise's simulation (warm-up and cool-down excluded below)."""
+FASTEST_STEP = 1.25
+FASTEST_STEPS = 16
+"""A stream that asks for interval 0 is offered the default target, then slower ones by
+``FASTEST_STEP`` up to ``FASTEST_STEPS`` times (about 35 times the default)."""
+REVISION_TOLERANCE = 0.05
+"""A stream is told of a new promise when its interval or latency moves by more than this."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolSimulation:
+    """How the simulator runs this pool (what ``SimConfig`` needs beyond the streams)."""
+
+    host_cores: float = 0.0
+    """Processors the workers share (CPU workers on one host); 0: each is its own device."""
+    forward_scale: float = 1.0
+    """Processor time of a worker's work beside the others relative to alone (gloo ranks)."""
+    worker_message_ms: float = 0.0
+    """Cost to a worker of each message it sends or receives (gloo ranks)."""
+    batching: bool = True
+    max_batch: int = 64
+
+    def config(self, num_devices: int) -> SimConfig:
+        return SimConfig(
+            num_devices=num_devices,
+            chunks=SIM_CHUNKS,
+            warmup_chunks=6,
+            cooldown_chunks=2,
+            max_batch=self.max_batch,
+            batching=self.batching,
+            sink_device=0,
+            host_cores=self.host_cores,
+            forward_scale=self.forward_scale,
+            worker_message_ms=self.worker_message_ms,
+            priority="engine",
+        )
+
+
+def simulate_plans(
+    plans: list[StreamPlan], cost: CostModel, settings: PoolSimulation, num_devices: int
+) -> SimReport:
+    """The pool running ``plans`` together with their context chunks, stream i releasing its
+    chunks from ``i / n`` of its interval on (streams open at unrelated times: spread evenly
+    is the typical case, not the worst)."""
+    n = len(plans)
+    streams = [
+        SimStream(
+            plan=p,
+            phase_ms=i * p.target_interval_ms / n,
+            context_chunks=p.chunks_per_interval > 1,
+        )
+        for i, p in enumerate(plans)
+    ]
+    return simulate(streams, cost, settings.config(num_devices))
+
+
+class SlowerCost:
+    """A cost model whose every batched forward takes ``factor`` times as long: the pool that
+    admission checks must keep every target even so (the headroom ``max_utilization`` leaves
+    for a host that slows down now and then)."""
+
+    def __init__(self, cost: CostModel, factor: float) -> None:
+        self.cost = cost
+        self.factor = factor
+        self.name = f"{cost.name} x{factor:.2f}"
+        self.comm_overlaps_compute = cost.comm_overlaps_compute
+        self.comm_threads = cost.comm_threads
+
+    def group_ms(self, cfg, sampler, tasks: int) -> float:
+        return self.cost.group_ms(cfg, sampler, tasks) * self.factor
+
+    def __getattr__(self, name: str):  # hops, messages, controller work: as they are
+        return getattr(self.cost, name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DefaultPlan:
+    """What start-up planning chose: the default target interval and the placement one
+    stream gets at it on an empty pool."""
+
+    target_interval_ms: float
+    plan: StreamPlan
+    report: SimReport
+
+    def describe(self) -> str:
+        s = self.report.streams[0]
+        return (
+            f"default target {self.target_interval_ms:.1f} ms over "
+            f"{len(self.plan.devices())} worker(s): {self.plan.describe()} (predicted interval "
+            f"{s.interval_p50_ms:.1f} ms, response latency {s.latency_p50_ms:.1f} ms)"
+        )
+
+
+def plan_default_target(
+    pool: PoolConfig,
+    cost: CostModel,
+    settings: PoolSimulation,
+    request: StreamRequest,
+    *,
+    stage_devices: tuple[int, ...] | None = None,
+    max_steps: int = 60,
+) -> DefaultPlan:
+    """The target interval one stream is promised on the empty pool (``request``'s own target
+    is ignored): the smallest that admission grants and the simulator confirms, searched
+    upwards in steps of 5% from the admission's own bound (``stage_devices``: the placement
+    given by hand), with the admission's headroom on top (divided by ``max_utilization``:
+    the simulator's smallest is the pool at full load, which jitter would break)."""
+    stage_ms = AdmissionController(pool, cost).stage_ms(request.model, request.sampler)
+    S = request.sampler.steps * request.model.num_blocks
+    # The admission's own bound: the busiest device's stages (spread over every device, or
+    # as given) at the highest utilization it allows.
+    if stage_devices is None:
+        busiest = math.ceil(S / min(S, pool.num_devices))
+    else:
+        busiest = max(stage_devices.count(d) for d in set(stage_devices))
+    target = stage_ms * request.chunks_per_interval * busiest / pool.max_utilization
+    why = ""
+    headroom = False
+    for _ in range(max_steps):
+        req = dataclasses.replace(request, target_interval_ms=round(target, 3))
+        controller = AdmissionController(pool, cost)
+        try:
+            plan = controller.admit(req, stage_devices).plan
+        except AdmissionRefused as exc:
+            why = exc.reason
+        else:
+            report = simulate_plans([plan], cost, settings, pool.num_devices)
+            if report.all_meet_target and headroom:
+                return DefaultPlan(
+                    target_interval_ms=req.target_interval_ms, plan=plan, report=report
+                )
+            if report.all_meet_target:  # the pool at full load: add the headroom, check again
+                headroom = True
+                target /= pool.max_utilization
+                continue
+            s = report.streams[0]
+            why = f"predicted interval {s.interval_p50_ms:.1f} ms, {s.deadline_misses} late chunks"
+        target *= 1.05
+    raise ValueError(
+        f"no target interval up to {target:.1f} ms can be promised for model "
+        f"{request.model.name} on {pool.num_devices} worker(s): {why}"
+    )
+
+
+@dataclass
+class _Stream:
+    pool_id: int
+    spec: StreamSpec
+    promise: StreamPromise
+
+
+class PooledEngine:
+    """A ``StreamEngine`` with admission, placement and revised promises (module docstring)."""
+
+    def __init__(
+        self,
+        engine,
+        pool: PoolConfig,
+        cost: CostModel,
+        settings: PoolSimulation,
+        *,
+        model: ModelConfig,
+        sampler: SamplerConfig,
+        default_target_ms: float,
+        chunks_per_interval: int = 2,
+        stage_devices: tuple[int, ...] | None = None,
+        max_streams: int = 1_000_000,
+    ) -> None:
+        """``engine``: opens streams with ``open_stream(spec, layout=...)``; may have
+        ``load_blocks(layout)`` (ranks load the weights a layout needs before it opens).
+        ``stage_devices``: every stream gets this placement (given by hand), checked."""
+        if not default_target_ms > 0:
+            raise ValueError(f"default_target_ms must be > 0, got {default_target_ms}")
+        self.engine = engine
+        self.pool = pool
+        self.cost = cost
+        self.settings = settings
+        self.model = model
+        self.sampler = sampler
+        self.default_target_ms = default_target_ms
+        self.chunks_per_interval = chunks_per_interval
+        self.stage_devices = stage_devices
+        self.max_streams = max_streams
+        self.controller = AdmissionController(pool, cost)
+        self._headroom = SlowerCost(cost, 1 / pool.max_utilization)
+        self._streams: dict[int, _Stream] = {}
+        self._revised: dict[int, StreamPromise] = {}
+        self._lock = threading.Lock()
+
+    # ---- admission -----------------------------------------------------------------------
+    def open_stream(self, spec: StreamSpec) -> StreamPromise:
+        """Admit, simulate the pool with the stream, open it; or raise ``AdmissionRefused``
+        naming the resource (and device) that ran out or the predicted interval. A request
+        for interval 0 ("as fast as the pool allows") gets the fastest target the pool can
+        promise it now: the default target on an empty pool, slower ones (x1.25 each) beside
+        other streams."""
+        with self._lock:
+            if len(self._streams) >= self.max_streams:
+                raise AdmissionRefused(
+                    f"{len(self._streams)} streams open, the engine takes {self.max_streams}",
+                    resource="streams",
+                    shortfall="1 stream",
+                )
+            if spec.target_interval_ms:
+                target = spec.target_interval_ms
+                admission, report = self._admit(self._request(target))
+            else:
+                target, admission, report = self._fastest()
+            plan = admission.plan
+            others = dict(self._streams)
+            try:
+                layout = plan_layout(plan)
+                load_blocks = getattr(self.engine, "load_blocks", None)
+                if load_blocks is not None:
+                    load_blocks(layout)
+                opened = self.engine.open_stream(spec, layout=layout)
+            except BaseException:
+                self.controller.close(plan.stream_id)
+                raise
+            promise = self._promise(opened, report.streams[-1], target)
+            self._streams[opened.stream_id] = _Stream(plan.stream_id, spec, promise)
+            self._revise(dict(zip(others, report.streams[:-1], strict=True)))
+        log.info(
+            "stream %d admitted (%s) at %.1f ms: %s; promised latency %.1f ms",
+            opened.stream_id,
+            admission.candidate,
+            target,
+            plan.describe(),
+            promise.expected_response_latency_ms,
+        )
+        return promise
+
+    def _request(self, target_ms: float) -> StreamRequest:
+        return StreamRequest(
+            model=self.model,
+            sampler=self.sampler,
+            target_interval_ms=round(target_ms, 3),
+            chunks_per_interval=self.chunks_per_interval,
+        )
+
+    def _fastest(self, steps: int = FASTEST_STEPS):
+        """(target, admission, report) of the fastest target admitted now (see open_stream)."""
+        target = self.default_target_ms
+        first: AdmissionRefused | None = None
+        for _ in range(steps):
+            try:
+                admission, report = self._admit(self._request(target))
+            except AdmissionRefused as exc:
+                first = first or exc
+                if exc.resource == "memory":
+                    raise  # no slower target needs less memory
+                target *= FASTEST_STEP
+                continue
+            return admission.plan.target_interval_ms, admission, report
+        raise AdmissionRefused(
+            f"{first.reason}; no slower target up to {target / FASTEST_STEP:.1f} ms fits "
+            "beside the admitted streams either",
+            resource=first.resource,
+            shortfall=first.shortfall,
+        )
+
+    def _admit(self, request: StreamRequest):
+        """The admission controller's placement, confirmed by simulating the pool with the
+        stream; if the simulation refuses it, contiguous placements over the least busy
+        workers (1, 2, ... of them) in turn. (Admission, report) or ``AdmissionRefused``
+        with the first candidate's reason."""
+        plans = [self.controller.plans[st.pool_id] for st in self._streams.values()]
+        candidates: list[tuple[int, ...] | None] = [self.stage_devices]
+        if self.stage_devices is None:
+            S = self.sampler.steps * self.model.num_blocks
+            quiet = sorted(range(self.pool.num_devices), key=self.controller.utilization)
+            for g in range(1, min(S, self.pool.num_devices) + 1):
+                candidates.append(contiguous_split(S, quiet[:g]))
+        first: AdmissionRefused | None = None
+        tried: set = set()
+        for stage_devices in candidates:
+            try:
+                admission = self.controller.admit(request, stage_devices)
+            except AdmissionRefused as exc:
+                first = first or exc
+                continue
+            plan = admission.plan
+            if plan.stage_devices in tried:
+                self.controller.close(plan.stream_id)
+                continue
+            tried.add(plan.stage_devices)
+            G = self.pool.num_devices
+            check = simulate_plans([*plans, plan], self._headroom, self.settings, G)
+            missing = self._missing(check, [*plans, plan])
+            if missing is None:  # promised: what the pool is predicted to do, no slower
+                return admission, simulate_plans([*plans, plan], self.cost, self.settings, G)
+            self.controller.close(plan.stream_id)
+            first = first or missing
+        raise first
+
+    def _missing(self, report: SimReport, plans: list[StreamPlan]) -> AdmissionRefused | None:
+        """Why a simulated pool does not keep every target (None: it does)."""
+        for s, plan in zip(report.streams, plans, strict=True):
+            if s.meets_target:
+                continue
+            T = plan.target_interval_ms
+            busiest = max(report.devices, key=lambda dev: dev.utilization)
+            who = "the new stream" if plan is plans[-1] else "an admitted stream"
+            return AdmissionRefused(
+                f"compute: predicted interval {s.interval_p50_ms:.1f} ms for {who} vs target "
+                f"{T:.1f} ms ({s.deadline_misses} chunks late), device {busiest.device} "
+                f"busy {busiest.utilization:.0%}",
+                resource="compute",
+                shortfall=f"{max(s.interval_p50_ms - T, 0.0):.1f} ms",
+            )
+        return None
+
+    def _promise(self, opened: StreamPromise, s, target: float) -> StreamPromise:
+        return dataclasses.replace(
+            opened,
+            expected_interval_ms=round(max(s.interval_p50_ms, target), 3),
+            expected_response_latency_ms=round(s.latency_p50_ms, 3),
+            pipeline_depth=max(1, math.ceil(s.latency_p99_ms / target)) + 1,
+            target_interval_ms=target,
+            revision=opened.revision,
+        )
+
+    def _revise(self, reports: dict) -> None:
+        """New promises for streams whose predicted interval or latency moved."""
+        for sid, s in reports.items():
+            st = self._streams[sid]
+            new = self._promise(st.promise, s, st.promise.target_interval_ms)
+            old = st.promise
+            moved = any(
+                abs(getattr(new, f) - getattr(old, f)) > REVISION_TOLERANCE * getattr(old, f)
+                for f in ("expected_interval_ms", "expected_response_latency_ms")
+            )
+            if moved or new.pipeline_depth != old.pipeline_depth:
+                st.promise = dataclasses.replace(new, revision=old.revision + 1)
+                self._revised[sid] = st.promise
+
+    def take_revisions(self) -> list[StreamPromise]:
+        """Promises revised since the last call (one per stream, the newest)."""
+        with self._lock:
+            out, self._revised = list(self._revised.values()), {}
+        return out
+
+    def promise(self, stream_id: int) -> StreamPromise:
+        with self._lock:
+            return self._streams[stream_id].promise
+
+    def close_stream(self, stream_id: int) -> None:
+        with self._lock:
+            st = self._streams.pop(stream_id, None)
+            self._revised.pop(stream_id, None)
+            self.engine.close_stream(stream_id)
+            if st is None:
+                return
+            self.controller.close(st.pool_id)
+            if self._streams:
+                plans = [self.controller.plans[s.pool_id] for s in self._streams.values()]
+                report = simulate_plans(plans, self.cost, self.settings, self.pool.num_devices)
+                self._revise(dict(zip(self._streams, report.streams, strict=True)))
+
+    # ---- the rest of StreamEngine -----------------------------------------------------------
+    def submit_context(self, stream_id: int, frames, actions=None, *, slot=None) -> int:
+        return self.engine.submit_context(stream_id, frames, actions, slot=slot)
+
+    def submit_generate(self, stream_id: int, actions=None) -> int:
+        return self.engine.submit_generate(stream_id, actions)
+
+    def poll(self, timeout_s: float):
+        return self.engine.poll(timeout_s)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def info(self) -> dict[str, str]:
+        """What GetServerInfo reports: per device the committed utilization and memory."""
+        c = self.controller
+        with self._lock:
+            open_now = len(self._streams)
+        out = {
+            "open_streams": str(open_now),
+            "workers": str(self.pool.num_devices),
+            "policy": self.pool.policy,
+            "default_target_ms": f"{self.default_target_ms:.1f}",
+            "cost_model": self.cost.name,
+        }
+        for d in range(self.pool.num_devices):
+            out[f"device{d}"] = (
+                f"utilization {c.utilization(d):.0%}, memory "
+                f"{c.memory_used(d) / 2**30:.3f} of {self.pool.usable_bytes / 2**30:.3f} GiB"
+            )
+        return out

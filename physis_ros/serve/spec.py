@@ -1,0 +1,361 @@
+"""The serving spec: everything physis-serve runs with, in one object, validated once.
+
+``ServingSpec`` holds the model (a name that ``physis_ros.engine.models.resolve_model``
+resolves: preset or checkpoint), its weights, the sampler, dtype and device, the placement
+policy (planned at start-up or given by hand), the pool (admission policy, default target,
+memory) and the torch.distributed runtime's settings. It is read from the YAML file's
+sections ``engine``, ``placement``, ``pool`` and ``distributed`` plus command-line overrides
+(``from_config``), resolved once (``resolve``: the model's full config, the weights' absolute
+path after checking they fit the model, the sampler the weights were trained for) and then
+never changes. Under torchrun rank 0 resolves it and sends ``to_json`` to every other rank,
+which rebuilds it with ``from_json``: all ranks run exactly rank 0's spec. JSON only, never
+pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from physis_ros.engine.config import ModelConfig, SamplerConfig
+from physis_ros.engine.pool.admission import POLICIES
+from physis_ros.engine.runtime import MODES
+
+SPEC_VERSION = 1
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+HAND_PLACEMENTS = "even | single | one-stage | groups:a,b,... | balanced"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingSpec:
+    """What physis-serve serves and how (module docstring). Sections as in the YAML file."""
+
+    # ---- engine: the model and how it runs ---------------------------------------------
+    model: str = "push-wm"
+    """A preset name, a physis-train .safetensors checkpoint or a model directory (upstream
+    Wan or diffusers; every rank must see it at the same path): ``engine.models``."""
+    weights: str = ""
+    """Safetensors file; empty: the model's own (a preset's shipped weights, a checkpoint
+    itself), or random weights where it has none; ``random``: random weights. Resolved: the
+    absolute path, or empty for random weights."""
+    steps: int | None = None
+    """K; None: what the weights were trained for, else 4."""
+    window: int | None = None
+    """W; None: what the weights were trained for, else 2."""
+    shift: float | None = None
+    """Schedule shift; None: what the weights were trained for, else 5.0."""
+    horizon: int | None = None
+    """Chunks ahead of its newest observation a stream predicts unless it asks otherwise
+    (DESIGN.md §3.1); None: what the weights were trained for, else 0 (the front end then
+    gives served streams ``engine.api.DEFAULT_HORIZON``)."""
+    context_noise: str | None = None
+    """How observations enter the history (``SamplerConfig.context_noise``); None: as the
+    weights were trained, else clean."""
+    seed: int = 0
+    """Seed of random weights."""
+    latent_frames: int = 0
+    """Latent frames per chunk of a model directory (0: its default)."""
+    resolution: str = ""
+    """Camera image ``HxW`` of a model directory ("": its default)."""
+    vae: str = ""
+    """diffusers AutoencoderKLWan directory: the real codec ("": the model's own)."""
+    prompts: tuple[str, ...] = ()
+    """Prompt-embedding files (physis-embed) whose prompts streams may ask for by name."""
+    dtype: str = "float32"
+    device: str = "auto"
+    """``auto``: cuda (cuda:LOCAL_RANK under torchrun) if CUDA exists, else cpu."""
+    mode: str = "pipelined"
+    """Executor: pipelined | sequential-noisy | sequential-clean (baselines)."""
+    batching: bool = True
+    """Batch ready tasks that share block weights."""
+    max_streams: int = 64
+    """Streams the engine holds at once, whatever the pool could admit."""
+    model_config: ModelConfig | None = None
+    """The model's full config; set by ``resolve`` (None before)."""
+
+    # ---- placement: which worker runs which stage ----------------------------------------
+    plan: str = "auto"
+    """``auto``: planned at start-up from per-block costs for the default target (workers and
+    stage groups); or by hand (``HAND_PLACEMENTS``), checked against the pool at every
+    admission."""
+    workers: int = 0
+    """One process: worker threads (0: planned, up to the CPU cores or one per GPU). Under
+    torchrun every rank is a worker: 0 or the number of ranks."""
+    profile: str = ""
+    """A physis-profile JSON for the cost model; empty: measured at start-up."""
+
+    # ---- pool: admission and promises ---------------------------------------------------
+    policy: str = "shared"
+    """``shared``: streams share workers; ``static``: each gets an exclusive group."""
+    default_target_ms: float = 0.0
+    """Interval of a stream that asks for 0; 0: the fastest the plan can promise one stream."""
+    max_utilization: float = 0.75
+    """Most of every interval a worker may be busy with admitted work; admission checks every
+    target with forwards 1 / max_utilization times slower (headroom for a host that slows
+    down now and then: a shared CPU host needs it; a dedicated GPU pool can take 0.9)."""
+    memory_gib: float = 0.0
+    """Memory per worker that streams may use (weights, KV slots, activations); 0: measured
+    (free device memory, or available host memory, shared out over the workers)."""
+    context_chunks: bool = True
+    """Charge every generated chunk with one context chunk (the observation put in before
+    it), as a stream fed at its interval does."""
+
+    # ---- distributed: the torch.distributed runtime (torchrun) -------------------------
+    threads: int = 1
+    """torch intra-op threads per rank."""
+    heartbeat_interval_s: float = 0.25
+    fault_timeout_s: float = 5.0
+    comm_timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
+    poll_interval_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        from physis_ros.serve.dist.runtime import check_placement_spec
+
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not one of {list(DEVICES)}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {list(MODES)}")
+        if self.plan != "auto":
+            check_placement_spec(self.plan)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {list(POLICIES)}")
+        for name in ("max_streams",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.prompts, list):  # from YAML or JSON
+            object.__setattr__(self, "prompts", tuple(self.prompts))
+        for name in ("workers", "default_target_ms", "memory_gib", "seed", "latent_frames"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.horizon is not None and self.horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: no limit), got {self.horizon}")
+        if not 0 < self.max_utilization <= 1:
+            raise ValueError(f"max_utilization must be in (0, 1], got {self.max_utilization}")
+        SamplerConfig(
+            steps=self.steps if self.steps is not None else 4,
+            window=self.window if self.window is not None else 2,
+            shift=self.shift if self.shift is not None else 5.0,
+            context_noise=self.context_noise or "clean",
+        )
+
+    # ---- building it ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: dict[str, Any], **overrides: Any) -> ServingSpec:
+        """From the YAML file's sections; non-None ``overrides`` (flags) win. Unknown keys are
+        refused by name."""
+        values: dict[str, Any] = {}
+        for section, body in config.items():
+            if section == "frontend":
+                continue
+            if section not in SECTIONS:
+                raise ValueError(
+                    f"unknown config section {section!r}; known: frontend, {', '.join(SECTIONS)}"
+                )
+            for key, value in (body or {}).items():
+                name = LEGACY_KEYS.get((section, key), key)
+                if name not in SECTIONS[section] and (section, key) not in LEGACY_KEYS:
+                    raise ValueError(
+                        f"unknown {section} key {key!r}; known: {', '.join(SECTIONS[section])}"
+                    )
+                if name == "model_config":
+                    raise ValueError("model_config is set by resolving the model, not by hand")
+                values[name] = value
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def resolve(self) -> ServingSpec:
+        """The model's config, its weights (absolute path, checked to fit the model key by
+        key) and the sampler the weights were trained for; raises ValueError naming the
+        problem."""
+        from physis_ros.engine.models import check_weights_fit, resolve_model
+
+        if self.model_config is not None:
+            return self
+        resolved = resolve_model(
+            self.model,
+            self.weights or None,
+            latent_frames=self.latent_frames,
+            resolution=self.resolution,
+            vae=self.vae,
+        )
+        check_weights_fit(resolved)
+        sampling = {
+            "steps": 4,
+            "window": 2,
+            "shift": 5.0,
+            "horizon": 0,
+            "context_noise": "clean",
+            **resolved.sampling,
+        }
+        return dataclasses.replace(
+            self,
+            model_config=resolved.config,
+            weights=str(resolved.weights.resolve()) if resolved.weights else "",
+            steps=self.steps if self.steps is not None else int(sampling["steps"]),
+            window=self.window if self.window is not None else int(sampling["window"]),
+            shift=self.shift if self.shift is not None else float(sampling["shift"]),
+            horizon=self.horizon if self.horizon is not None else int(sampling["horizon"]),
+            context_noise=self.context_noise or str(sampling["context_noise"]),
+        )
+
+    @property
+    def resolved(self) -> bool:
+        return self.model_config is not None
+
+    @property
+    def model_directory(self) -> bool:
+        """The model is a directory holding its own weights (not a preset or a file)."""
+        from physis_ros.engine.checkpoints import is_model_dir
+        from physis_ros.engine.config import PRESETS
+
+        return (
+            self.model not in PRESETS
+            and not self.model.endswith(".safetensors")
+            and is_model_dir(self.model)
+        )
+
+    def sampler(self) -> SamplerConfig:
+        self._need_resolved()
+        return SamplerConfig(
+            steps=self.steps, window=self.window, shift=self.shift, context_noise=self.context_noise
+        )
+
+    def _need_resolved(self) -> None:
+        if self.model_config is None:
+            raise ValueError("the serving spec is not resolved yet (ServingSpec.resolve)")
+
+    def runtime_config(self, world_size: int):
+        """The per-rank ``RuntimeConfig`` of the torch.distributed runtime."""
+        from physis_ros.serve.dist.runtime import RuntimeConfig
+
+        self._need_resolved()
+        if self.workers not in (0, world_size):
+            raise ValueError(
+                f"placement workers {self.workers}: under torchrun every one of the "
+                f"{world_size} ranks is a worker (0 or {world_size})"
+            )
+        return RuntimeConfig(
+            # a directory's weights are read on every rank from the same path
+            model=self.model if self.model_directory else self.model_config.name,
+            resolved_config=self.model_config,
+            latent_frames=self.latent_frames,
+            resolution=self.resolution,
+            vae=self.vae,
+            steps=self.steps,
+            window=self.window,
+            shift=self.shift,
+            context_noise=self.context_noise,
+            horizon=self.horizon,
+            weights_seed=self.seed,
+            weights_path=self.weights,
+            dtype=self.dtype,
+            device=self.device,
+            # A planned placement loads each rank's share of an even split at first; the
+            # blocks a stream's admitted placement needs are loaded before it opens.
+            placement="even" if self.plan == "auto" else self.plan,
+            batching=self.batching,
+            threads=self.threads,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            fault_timeout_s=self.fault_timeout_s,
+            comm_timeout_s=self.comm_timeout_s,
+            startup_timeout_s=self.startup_timeout_s,
+            poll_interval_s=self.poll_interval_s,
+        )
+
+    # ---- JSON ---------------------------------------------------------------------------
+    def to_json(self) -> str:
+        """The resolved spec as JSON text, in the YAML file's sections."""
+        self._need_resolved()
+        out: dict[str, Any] = {"version": SPEC_VERSION}
+        for section, names in SECTIONS.items():
+            out[section] = {
+                name: dataclasses.asdict(self.model_config)
+                if name == "model_config"
+                else getattr(self, name)
+                for name in names
+            }
+        return json.dumps(out, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ServingSpec:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"serving spec is not JSON: {err}") from None
+        if not isinstance(data, dict) or data.get("version") != SPEC_VERSION:
+            raise ValueError(
+                f"serving spec version {data.get('version') if isinstance(data, dict) else '?'}"
+                f", this server reads {SPEC_VERSION}"
+            )
+        values: dict[str, Any] = {}
+        for section, names in SECTIONS.items():
+            body = data.get(section)
+            if not isinstance(body, dict) or set(body) != set(names):
+                raise ValueError(f"serving spec section {section!r} is missing or malformed")
+            values.update(body)
+        values["model_config"] = model_config_from_json(values["model_config"])
+        values["prompts"] = tuple(values["prompts"])
+        return cls(**values)
+
+
+def model_config_from_json(data: dict[str, Any]) -> ModelConfig:
+    """A ``ModelConfig`` from ``dataclasses.asdict`` output (JSON lists back to tuples)."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"model config has unknown fields {unknown}")
+    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "engine": (
+        "model",
+        "weights",
+        "steps",
+        "window",
+        "shift",
+        "horizon",
+        "context_noise",
+        "seed",
+        "latent_frames",
+        "resolution",
+        "vae",
+        "prompts",
+        "dtype",
+        "device",
+        "mode",
+        "batching",
+        "max_streams",
+        "model_config",
+    ),
+    "placement": ("plan", "workers", "profile"),
+    "pool": ("policy", "default_target_ms", "max_utilization", "memory_gib", "context_chunks"),
+    "distributed": (
+        "threads",
+        "heartbeat_interval_s",
+        "fault_timeout_s",
+        "comm_timeout_s",
+        "startup_timeout_s",
+        "poll_interval_s",
+    ),
+}
+"""YAML section -> the spec's fields it holds."""
+
+LEGACY_KEYS: dict[tuple[str, str], str] = {
+    ("engine", "checkpoint"): "weights",
+    ("engine", "workers"): "workers",
+    ("distributed", "placement"): "plan",
+    ("distributed", "model"): "model",
+    ("distributed", "steps"): "steps",
+    ("distributed", "window"): "window",
+    ("distributed", "dtype"): "dtype",
+    ("distributed", "device"): "device",
+    ("distributed", "batching"): "batching",
+}
+"""Keys of earlier config files, and the field each now sets."""
