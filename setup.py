@@ -68,7 +68,7 @@ setup(
         "serve": ["torch", "safetensors", *WIRE, "grpcio-health-checking"],
         # robot side link client (no torch)
         "link": WIRE,
-        "eval": ["rosbags", "pillow", "tqdm"],
+        "eval": ["rosbags", "pillow", "tqdm", "scikit-image"],
         # workstation, optional: the real Wan VAE codec (diffusers) and physis-embed's text
         # encoder (transformers); never needed on the robot
         "models": ["diffusers", "transformers"],

@@ -4,6 +4,7 @@ comparing what came back with the oracle."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import torch
@@ -29,6 +30,64 @@ def tiny_cond(seed: int, cfg: ModelConfig | None = None):
     from physis_ros.engine.config import get_preset
 
     return make_cond(cfg or get_preset("tiny"), seed).numpy()
+
+
+def live_skeleton(seed: int, *, horizon: int, observations: int) -> list[tuple]:
+    """A served stream's timeline (DESIGN.md §3) as ("observe", slot) / ("generate",) items:
+    observe slot 0, then item by item either observe the next slot (replacing its prediction,
+    or a new slot when generation fell behind) or generate the next slot within the horizon;
+    ends with ``observations`` observed slots and generation up to the horizon. Seeded."""
+    rng = random.Random(1234 + seed)
+    items: list[tuple] = [("observe", 0)]
+    newest, next_slot = 0, 1
+    while newest < observations - 1 or next_slot - newest < horizon:
+        can_generate = next_slot - newest < horizon
+        if can_generate and (newest == observations - 1 or rng.random() < 0.6):
+            items.append(("generate",))
+            next_slot += 1
+        else:
+            newest += 1
+            items.append(("observe", newest))
+            next_slot = max(next_slot, newest + 1)
+    return items
+
+
+def live_random_plan(cfg: ModelConfig, seed: int, *, horizon: int, observations: int = 6):
+    """``live_skeleton`` with random observed chunks: an ``oracle.Plan``."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return [
+        ("observe", item[1], torch.randn(chunk_numel(cfg), generator=gen) * 0.5)
+        if item[0] == "observe"
+        else ("generate", None)
+        for item in live_skeleton(seed, horizon=horizon, observations=observations)
+    ]
+
+
+def run_live_plans(engine, plans: dict, timeout_s: float = 90.0, seed: int = 0) -> tuple:
+    """Submit the plans item by item, a random stream at a time, polling 0-3 ms between
+    items, so observations arrive while earlier chunks are in flight. Returns (sid -> slot ->
+    (x, anchor), items submitted while the engine still owed results)."""
+    rng = random.Random(seed)
+    todo = {sid: list(plan) for sid, plan in plans.items()}
+    expected = sum(1 for plan in plans.values() for item in plan if item[0] == "generate")
+    got: dict[int, dict[int, tuple[torch.Tensor, int]]] = {sid: {} for sid in plans}
+    mid_flight = submitted_gen = 0
+    deadline = time.monotonic() + timeout_s
+    while sum(map(len, got.values())) < expected:
+        assert time.monotonic() < deadline, f"{sum(map(len, got.values()))} of {expected} back"
+        live = [sid for sid, items in todo.items() if items]
+        if live:
+            sid = rng.choice(live)
+            item = todo[sid].pop(0)
+            mid_flight += submitted_gen > sum(map(len, got.values()))
+            if item[0] == "observe":
+                engine.submit_context_x(sid, item[2], slot=item[1])
+            else:
+                engine.submit_generate(sid)
+                submitted_gen += 1
+        for res in engine.poll_results(rng.random() * 0.003 if live else 0.1):
+            got[res.stream_id][res.chunk] = (res.x.cpu(), res.anchor)
+    return got, mid_flight
 
 
 def run_plans(engine, plans: dict, timeout_s: float = 90.0) -> dict[int, dict[int, torch.Tensor]]:

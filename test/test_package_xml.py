@@ -30,6 +30,7 @@ THIRD_PARTY = {
     "setuptools": ("python3-setuptools", "setuptools"),
     "transformers": ("python3-transformers-pip", "transformers"),
     "diffusers": ("python3-diffusers-pip", "diffusers"),
+    "skimage": ("python3-skimage", "scikit-image"),
 }
 # -pip keys rosdistro itself defines (rosdep/python.yaml); the others are in rosdep.yaml
 ROSDISTRO_PIP_KEYS = {"python3-transformers-pip"}

@@ -67,6 +67,8 @@ class EchoEngine:
         self.image_hw, self.action_ha = image_hw, action_ha
         self._next_id = 0
         self._chunks: dict[int, int] = {}
+        """stream -> the next slot no chunk was submitted for."""
+        self._anchors: dict[int, int] = {}
         self._done: queue.SimpleQueue = queue.SimpleQueue()
 
     def open_stream(self, spec):
@@ -92,10 +94,11 @@ class EchoEngine:
     def close_stream(self, stream_id: int) -> None:
         self._chunks.pop(stream_id, None)
 
-    def submit_context(self, stream_id: int, frames, actions=None) -> int:
-        chunk = self._chunks[stream_id]
-        self._chunks[stream_id] = chunk + 1
-        return chunk
+    def submit_context(self, stream_id: int, frames, actions=None, *, slot=None) -> int:
+        slot = self._chunks[stream_id] if slot is None else slot
+        self._anchors[stream_id] = slot
+        self._chunks[stream_id] = max(self._chunks[stream_id], slot + 1)
+        return slot
 
     def submit_generate(self, stream_id: int, actions=None) -> int:
         from physis_ros.engine.api import ChunkOutput
@@ -112,6 +115,7 @@ class EchoEngine:
                 entered_s=now_s,
                 left_s=now_s,
                 decoded_s=now_s,
+                anchor=self._anchors.get(stream_id, -1),
             )
         )
         return chunk

@@ -3,10 +3,11 @@
 Starts physis-serve as a user would (one process, or ``--ranks N`` gloo ranks under torchrun)
 with ``--config``, then opens robot streams one by one at ``--target-ms`` until the server
 refuses one (RESOURCE_EXHAUSTED) or ``--max-streams`` are open. Every admitted stream is a
-real ``LinkClient`` that sends an observation (camera frame and commanded action) once per
-interval and takes every prediction. After each admission the streams run ``--settle-s``
-seconds (every earlier stream is measured there: does it keep its target after a later one
-joined?); after the last, all run ``--measure-s`` seconds, measured.
+real ``LinkClient`` that sends a chunk's camera frames (each with a commanded action) per
+interval, one observed slot of the live timeline, and takes every prediction. After each
+admission the streams run ``--settle-s`` seconds (every earlier stream is measured there:
+does it keep its target after a later one joined?); after the last, all run ``--measure-s``
+seconds, measured.
 
 Measured per stream, from the server's stamps on its predictions: the interval between
 consecutive chunks leaving the pipeline (median, p99), the response latency (observation
@@ -56,11 +57,14 @@ class _Stream:
     _responded_seq: int = -1
 
     def run(self) -> None:
-        """Send an observation every interval, take every prediction (its own thread)."""
+        """Send a chunk of camera frames every interval, take every prediction (its own thread)."""
         promise = self.client.stats().promise
         rng = np.random.default_rng(self.index)
         h, w = promise.image_height, promise.image_width
+        # a camera: chunk_frames frames per interval, each observed slot one chunk (the live
+        # timeline, DESIGN.md §3.1)
         period_s = (promise.target_interval_ms or self.target_ms) / 1e3
+        period_s /= max(promise.chunk_frames, 1)
         seq, next_s = 0, time.monotonic()
         while not self.stop.is_set():
             now_s = time.monotonic()
@@ -221,8 +225,8 @@ def run(args: argparse.Namespace) -> dict:
         "method": (
             "intervals between consecutive chunks leaving the server's pipeline (its stamps), "
             f"over the last {args.measure_s} s with every admitted stream running; each "
-            "stream sends one observation per interval; promised: the newest promise the "
-            "server sent the stream"
+            "stream sends one chunk of camera frames per interval; promised: the newest promise "
+            "the server sent the stream"
         ),
     }
 

@@ -13,6 +13,10 @@ from typing import Protocol
 
 import numpy as np
 
+DEFAULT_HORIZON = 1
+"""Chunks ahead of its newest observation a served (live) stream predicts when neither the
+client nor the model's weights (metadata ``horizon``) say."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StreamSpec:
@@ -29,6 +33,10 @@ class StreamSpec:
     response_latency_budget_ms: float = 0.0
     """Most response latency the client accepts (an observation in to the first chunk
     conditioned on it out); 0: no budget. A pool that cannot meet it refuses the stream."""
+    horizon: int | None = None
+    """Chunks ahead of its newest observation the stream may generate (the live timeline,
+    DESIGN.md §3.1); None: the engine's default (the model's); 0: no limit, and observations
+    then only take new slots (offline generation)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +57,12 @@ class StreamPromise:
     image_width: int
     action_horizon: int
     action_dim: int
+    """Values per action the stream sends (condition models) or gets (predict models)."""
+    horizon: int = 0
+    """Chunks ahead of its newest observation the stream generates (0: no limit)."""
+    action_mode: str = "none"
+    """The model's: ``none``/``condition`` (a world model: frames only) or ``predict`` (a
+    world-action model: its chunks carry actions)."""
     target_interval_ms: float = 0.0
     """The interval the stream is paced at: what it asked for, or the pool's default target
     when it asked for 0; 0: not paced (an engine without admission, as fast as it goes)."""
@@ -76,6 +90,7 @@ class ChunkOutput:
 
     stream_id: int
     chunk: int
+    """Its time slot: it predicts camera frames [chunk*F, (chunk+1)*F) of the stream."""
     frames: np.ndarray | None
     """[F, H, W, 3] uint8 predicted camera frames (None for an action-only model)."""
     actions: np.ndarray | None
@@ -91,6 +106,8 @@ class ChunkOutput:
     frames and actions mean nothing, and the server never publishes it."""
     state: np.ndarray | None = None
     """[F, S] float32 predicted proprioception per frame (models with state values)."""
+    anchor: int = -1
+    """The newest observed slot when it entered (-1: none): it is chunk - anchor ahead."""
 
 
 class StreamEngine(Protocol):
@@ -108,16 +125,21 @@ class StreamEngine(Protocol):
         frames: np.ndarray,
         actions: np.ndarray | None = None,
         state: np.ndarray | None = None,
+        *,
+        slot: int | None = None,
     ) -> int:
-        """Append an observation chunk (frames [F, H, W, 3] uint8, F <= chunk_frames; the
-        newest frame is repeated to fill). ``actions`` [H, A]: commanded actions it carries
-        (a model with committed actions: NaN rows are unknown). ``state`` [F, S]: the
-        proprioception at each frame, for a model with state values. Returns the chunk index."""
+        """Queue the observation of ``slot`` (None: the next new one; with a horizon, one
+        already generated is replaced in the history of every chunk queued after it):
+        frames [F, H, W, 3] uint8, F <= chunk_frames (the newest frame is repeated to fill),
+        ``actions`` [H, A] the commanded actions it carries (a model with committed actions:
+        NaN rows are unknown), ``state`` [F, S] the proprioception at each frame, for a model
+        with state values. Returns its slot."""
 
     def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
-        """Append a chunk to generate: ``actions`` [H, A] conditions a world model; for a
-        world-action model with committed actions they are the rows the robot has committed
-        (NaN rows: to generate). Returns the chunk index."""
+        """Queue a chunk to generate for the next new slot, anchored at the newest observed
+        one: ``actions`` [H, A] conditions a world model; for a world-action model with
+        committed actions they are the rows the robot has committed (NaN rows: to generate).
+        Returns its slot; ValueError when it would lie beyond the stream's horizon."""
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
         """Generated chunks that finished, in per-stream chunk order; waits up to timeout_s."""

@@ -113,7 +113,7 @@ class BlockGraphs:
         tasks: list[StageTask],
     ) -> torch.Tensor:
         """``FusedBlocks.forward``'s result (its ring writes included), replayed where it can."""
-        if not all(t.ring.full for t in tasks):
+        if not all(t.ring.full(t.chunk) for t in tasks):
             self.stats.warmup += 1
             return self.fused.forward(block, h, e0, rope, tasks)
         w = self.fused.weights(block)
@@ -125,7 +125,7 @@ class BlockGraphs:
             self._order()
             entry = self._entry(key, held)
             bufs = self._buffers_for(h, e0, rope)
-            slots = [t.ring.take_slot(keep=t.keep_kv) for t in tasks]
+            slots = [t.ring.take_entry(t.chunk, observed=t.observed) for t in tasks]
             bufs.h.copy_(h)
             bufs.e0.copy_(e0)
             bufs.rope.copy_(rope)

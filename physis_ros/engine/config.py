@@ -14,6 +14,7 @@ from dataclasses import dataclass
 ACTION_MODES = ("none", "condition", "predict")
 CODECS = ("pixel", "vae_standin", "wan_vae")
 PREDICTIONS = ("velocity", "x0")
+CONTEXT_NOISE = ("clean", "noised")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,8 +212,14 @@ class SamplerConfig:
     """W: previous chunks each chunk attends to (same step, noisy history)."""
     shift: float = 5.0
     """Timestep shift of the flow-matching schedule (Wan2.1 uses 3.0-5.0)."""
+    context_noise: str = "clean"
+    """How an observed chunk enters the history at step k, as the model was trained (its
+    weights' metadata says): ``clean`` (sigma 0 at every step) or ``noised`` (to sigma_k,
+    with noise seeded by the stream seed and the slot, ``sampler.context_noise``)."""
 
     def __post_init__(self) -> None:
+        if self.context_noise not in CONTEXT_NOISE:
+            raise ValueError(f"context_noise {self.context_noise!r} is not one of {CONTEXT_NOISE}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.window < 0:

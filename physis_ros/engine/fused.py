@@ -276,12 +276,12 @@ class FusedBlocks:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h [B, n, D], e0 [B, 6, D], rope [B, n, d/2] complex -> h [B, n, D] after ``block``;
-        each task's K/V go into its ring (``task.ring``, ``task.keep_kv``).
+        each task's K/V go into its ring (``task.ring``, the entry of its slot).
 
-        ``slots`` [B] int64 on the device: every ring is full (``KVRing.full``) and the caller
-        has taken the slots (``KVRing.take_slot``); K/V are written at those slots and each
-        task attends its whole ring, so no host value of this chunk is read. ``out``: where
-        the result goes (else a new tensor)."""
+        ``slots`` [B] int64 on the device: every task's ring is full for its chunk
+        (``KVRing.full``) and the caller has taken the entries (``KVRing.take_entry``); K/V
+        are written at those entries and each task attends its whole ring, so no host value
+        of this chunk is read. ``out``: where the result goes (else a new tensor)."""
         cfg, kern = self.cfg, self.kernels
         blk = self.model.blocks[block]
         w = self.weights(block)
@@ -305,15 +305,16 @@ class FusedBlocks:
         for i, t in enumerate(tasks):
             r = slice(i * n, (i + 1) * n)
             if slots is None:
-                k_slot, v_slot, k_all, v_all = t.ring.reserve(keep=t.keep_kv)
+                k_slot, v_slot = t.ring.reserve(t.chunk, observed=t.observed)
                 slot = None
-            else:  # the whole ring: the slot index is read on the device
-                k_slot, v_slot, k_all, v_all = t.ring.k, t.ring.v, t.ring.k, t.ring.v
+            else:  # the whole ring: the entry index is read on the device
+                k_slot, v_slot = t.ring.k, t.ring.v
                 slot = slots[i : i + 1]
             kern.rms_rope(qkv[r, dim : 2 * dim], k_slot, heads=heads, eps=eps, weight=kn,
                           rope=rope_t[r], slot=slot)  # fmt: skip
             kern.rms_rope(qkv[r, 2 * dim :], v_slot, heads=heads, eps=eps, weight=None, rope=None,
                           slot=slot)  # fmt: skip
+            k_all, v_all = (t.ring.k, t.ring.v) if slot is not None else t.ring.attended(t.chunk)
             qi = q[r].view(n, heads, hd).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qi, k_all[None], v_all[None])  # [1, H, n, d]
             outs.append(o[0].transpose(0, 1))  # [n, H, d]

@@ -72,11 +72,16 @@ class LocalEngine:
         latent_frames: int = 0,
         resolution: str = "",
         vae: str = "",
+        horizon: int = 0,
+        context_noise: str = "clean",
     ) -> None:
         """``model``: a preset name, a model directory (``checkpoints.resolve_model``, with
         ``latent_frames``, ``resolution`` and ``vae``) or a ModelConfig; ``checkpoint``: a
         physis-train weights file for a preset; ``prompts``: prompt-embedding files whose
-        names streams may ask for (``engine.prompts``)."""
+        names streams may ask for (``engine.prompts``); ``horizon``: a stream's default
+        (StreamSpec.horizon None; 0: no limit, offline generation); ``context_noise``: how the
+        model was trained to take observations (both from the weights' metadata with shipped
+        weights, ``physis_ros.weights.engine_kwargs``)."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
         if max_streams < 1:
@@ -85,6 +90,9 @@ class LocalEngine:
             if dtype not in DTYPES:
                 raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
             dtype = DTYPES[dtype]
+        if horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: no limit), got {horizon}")
+        self.horizon = horizon
         resolved = (
             resolve_model(model, latent_frames=latent_frames, resolution=resolution, vae=vae)
             if isinstance(model, str)
@@ -93,7 +101,9 @@ class LocalEngine:
         if resolved.weights is not None and checkpoint is not None:
             raise ValueError(f"model {model} is a directory with its weights; drop checkpoint")
         self.cfg = resolved.cfg
-        self.sampler = SamplerConfig(steps=steps, window=window, shift=shift)
+        self.sampler = SamplerConfig(
+            steps=steps, window=window, shift=shift, context_noise=context_noise
+        )
         self.mode = mode
         self.max_in_flight = max_in_flight
         self.max_streams = max_streams
@@ -170,12 +180,14 @@ class LocalEngine:
                 )
             sid = self._next_stream
             self._next_stream += 1
+            horizon = self.horizon if spec.horizon is None else spec.horizon
             self.runtime.open_stream(
                 sid,
                 seed=spec.seed,
                 cond=cond,
                 mode=self.mode,
                 max_in_flight=self.max_in_flight,
+                horizon=horizon,
                 layout=layout,
             )
         return StreamPromise(
@@ -191,6 +203,8 @@ class LocalEngine:
             image_width=cfg.image_size[1],
             action_horizon=cfg.action_horizon if cfg.action_mode != "none" else 0,
             action_dim=cfg.action_dim if cfg.action_mode != "none" else 0,
+            horizon=horizon,
+            action_mode=cfg.action_mode,
         )
 
     def close_stream(self, stream_id: int) -> None:
@@ -207,6 +221,8 @@ class LocalEngine:
         frames: np.ndarray,
         actions: np.ndarray | None = None,
         state: np.ndarray | None = None,
+        *,
+        slot: int | None = None,
     ) -> int:
         self._check_alive()
         latent = self.codec.encode(frames, stream_id=stream_id)
@@ -217,7 +233,7 @@ class LocalEngine:
             request_state(self.cfg, state),
         )
         with self._lock:
-            c = self.runtime.controller.submit_context(stream_id, x)
+            c = self.runtime.controller.submit_context(stream_id, x, slot=slot)
             self.runtime.controller.pump()
         self.codec.observed(stream_id, c, latent)
         return c
@@ -296,4 +312,5 @@ class LocalEngine:
             left_s=res.left_s,
             decoded_s=time.monotonic(),
             finite=bool(torch.isfinite(x).all()),
+            anchor=res.anchor,
         )

@@ -559,11 +559,10 @@ def embed_cond(model: WanDiT, cond: torch.Tensor) -> torch.Tensor:
     return model.text_embedding(pad_text(model.cfg, cond).to(model.device, model.dtype))
 
 
-def window_mask(chunks: int, tokens: int, window: int, device: torch.device) -> torch.Tensor:
-    """[C*n, C*n] bool: token of chunk i may attend token of chunk j iff i-W <= j <= i."""
+def window_mask(chunks: int, window: int, device: torch.device) -> torch.Tensor:
+    """[C, C] bool: chunk i may attend chunk j iff i-W <= j <= i."""
     i = torch.arange(chunks, device=device)
-    ok = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window)
-    return ok.repeat_interleave(tokens, 0).repeat_interleave(tokens, 1)
+    return (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window)
 
 
 def forward_sequence(
@@ -575,6 +574,8 @@ def forward_sequence(
     *,
     window: int,
     chunk_offset: int = 0,
+    slots: torch.Tensor | None = None,
+    chunk_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Full-sequence block-causal forward (no KV cache); differentiable: the training forward.
 
@@ -582,6 +583,10 @@ def forward_sequence(
     [B, C] per-chunk noise level (0 for clean/context chunks); cond [Lt, text_dim] or
     [B, Lt, text_dim] raw conditioning tokens; actions [(B,) C, H, A] if given replaces the
     action values packed in x; chunk_offset: absolute index of the first chunk (RoPE).
+    ``slots`` [C] (instead of chunk_offset + 0..C-1) and ``chunk_mask`` [C, C] or [B, C, C]
+    bool (instead of the window's block-causal mask): the time slot of each element and which
+    elements each may attend, for sequences that hold two versions of a slot (the live
+    oracle) or rows with different layouts (training windows).
     Returns the velocity v with x_seq's shape (float32; zero on conditioning action values).
     """
     cfg = model.cfg
@@ -610,10 +615,14 @@ def forward_sequence(
     n = cfg.tokens_per_chunk
     e, e0 = time_embed(model, sigmas, x_seq)  # [B, C, D], [B, C, 6, D]
     h = embed_tokens(model, x_seq)  # [B, C, n, D]
-    chunk_ids = torch.arange(c, device=dev) + chunk_offset
+    chunk_ids = torch.arange(c, device=dev) + chunk_offset if slots is None else slots.to(dev)
     rope = rope_freqs(model, chunk_ids).expand(b, -1, -1, -1)  # [B, C, n, d/2]
     ctx = embed_cond(model, cond)
-    mask = window_mask(c, n, window, dev)
+    if chunk_mask is None:
+        chunk_mask = window_mask(c, window, dev)
+    mask = chunk_mask.to(dev).repeat_interleave(n, -2).repeat_interleave(n, -1)
+    if mask.dim() == 3:  # one mask per row: [B, 1, C*n, C*n] over the heads
+        mask = mask[:, None]
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (

@@ -128,7 +128,7 @@ def _with_weights(config: ModelConfig, path: Path) -> ResolvedModel:
     meta = _read_metadata(path)
     if meta.get("model", config.name) != config.name:
         raise ValueError(f"{path} holds weights of model {meta['model']}, not {config.name}")
-    sampling: dict[str, float | int] = {}
+    sampling: dict[str, float | int | str] = {}
     if "window" in meta:
         try:
             train_cfg = json.loads(meta.get("train_config", "{}"))
@@ -137,6 +137,11 @@ def _with_weights(config: ModelConfig, path: Path) -> ResolvedModel:
                 "steps": int(meta.get("steps", DEFAULT_STEPS)),
                 "shift": float(train_cfg.get("shift", DEFAULT_SHIFT)),
             }
+            # the live timeline the weights were trained for (DESIGN.md §3.1), when recorded
+            if "horizon" in meta:
+                sampling["horizon"] = int(meta["horizon"])
+            if "context_noise" in meta:
+                sampling["context_noise"] = meta["context_noise"]
         except (ValueError, TypeError, AttributeError) as err:
             raise ValueError(f"{path}: unreadable physis-train metadata: {err}") from None
     return ResolvedModel(config=config, weights=path, metadata=meta, sampling=sampling)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 class ChunkResult:
     stream_id: int
     chunk: int
+    """Its time slot."""
     x: torch.Tensor
     """[X] float32 final state x^(K): on the host from a GPU worker (pinned, copied on a side
     stream), else on the sink worker's device."""
@@ -49,6 +50,18 @@ class ChunkResult:
     """time.monotonic() when the chunk entered the pipeline."""
     left_s: float
     """time.monotonic() when it left the last stage."""
+    anchor: int = -1
+    """The newest observed slot when it was released (-1: none): it is chunk - anchor ahead."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A chunk queued for release."""
+
+    slot: int
+    flags: int
+    x: torch.Tensor
+    anchor: int
 
 
 @dataclass
@@ -57,17 +70,32 @@ class _Stream:
     mode: str
     entry_rank: int
     max_in_flight: int
-    next_chunk: int = 0
+    horizon: int
+    """Slots a generated chunk may lie ahead of the newest observation (0: no limit, and
+    observations never replace generated slots)."""
+    next_slot: int = 0
+    """The next slot no chunk was queued for."""
+    newest_observed: int = -1
+    """The anchor of a chunk queued now."""
+    next_ticket: int = 0
     pending: collections.deque = field(default_factory=collections.deque)
-    """(chunk, is_context, x) not yet released into the pipeline."""
+    """_Pending chunks not yet released into the pipeline, in queue order."""
     in_flight: int = 0
     context_entered_s: dict[int, float] = field(default_factory=dict)
+    """slot -> when its observation entered the pipeline."""
     epoch: int = 0
     """Placement epoch stamped on every chunk released (``relayout`` bumps it)."""
 
 
 class Controller:
-    """Numbers chunks, draws their noise, releases them per the mode, collects finished ones.
+    """Assigns chunks their slots and anchors, draws their noise, releases them per the mode,
+    collects finished ones (the live timeline of DESIGN.md §3).
+
+    A stream's chunks are released in the order they were queued, each with the next ticket.
+    An observation takes slot ``slot`` (default: the next new one), after the newest observed
+    slot and at most the next new one; with a horizon it may replace a slot already generated
+    (or queued). A generated chunk takes the next new slot, anchored at the newest observed
+    slot queued before it; with a horizon it lies at most ``horizon`` slots ahead of it.
 
     Not thread-safe: one thread (the driver) calls it."""
 
@@ -81,7 +109,14 @@ class Controller:
         self.streams: dict[int, _Stream] = {}
 
     def open_stream(
-        self, stream_id: int, *, seed: int, mode: str, entry_rank: int, max_in_flight: int = 0
+        self,
+        stream_id: int,
+        *,
+        seed: int,
+        mode: str,
+        entry_rank: int,
+        max_in_flight: int = 0,
+        horizon: int = 0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -89,23 +124,24 @@ class Controller:
             raise ValueError(f"stream {stream_id} is already open")
         if max_in_flight < 0:
             raise ValueError(f"max_in_flight must be >= 0 (0: no limit), got {max_in_flight}")
+        if horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: no limit), got {horizon}")
         limit = 1 if mode != "pipelined" else max_in_flight
-        self.streams[stream_id] = _Stream(seed, mode, entry_rank, limit)
+        self.streams[stream_id] = _Stream(seed, mode, entry_rank, limit, horizon)
 
     def close_stream(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
 
     def relayout(self, stream_id: int, *, entry_rank: int) -> tuple[int, int]:
         """Start a new placement epoch: chunks released from now on go to ``entry_rank`` and
-        carry the new epoch. Returns (epoch, first chunk of the epoch); the caller tells every
+        carry the new epoch. Returns (epoch, first ticket of the epoch); the caller tells every
         worker (``Worker.relayout``) before or after, no barrier needed."""
         st = self._stream(stream_id)
         if st.mode == "sequential-clean":
             raise ValueError("placement changes need noisy history (not sequential-clean)")
-        first = st.pending[0][0] if st.pending else st.next_chunk
         st.epoch += 1
         st.entry_rank = entry_rank
-        return st.epoch, first
+        return st.epoch, st.next_ticket
 
     def _stream(self, stream_id: int) -> _Stream:
         try:
@@ -113,24 +149,50 @@ class Controller:
         except KeyError:
             raise ValueError(f"stream {stream_id} is not open") from None
 
-    def submit_context(self, stream_id: int, x: torch.Tensor) -> int:
-        """Queue an encoded observation (packed [X] state, clamped at sigma 0)."""
+    def anchor(self, stream_id: int) -> int:
+        """The newest observed slot queued (-1: none): the anchor of a chunk queued now."""
+        return self._stream(stream_id).newest_observed
+
+    def next_slot(self, stream_id: int) -> int:
+        """The slot the next generated chunk (or new observation) takes."""
+        return self._stream(stream_id).next_slot
+
+    def submit_context(self, stream_id: int, x: torch.Tensor, *, slot: int | None = None) -> int:
+        """Queue an encoded observation (packed [X] state) of ``slot`` (None: the next new
+        slot). Returns its slot."""
         st = self._stream(stream_id)
         x = torch.as_tensor(x, dtype=torch.float32)
         if not torch.isfinite(x).all():
             raise ValueError("context chunk contains NaN or inf")
-        c = st.next_chunk
-        st.next_chunk += 1
-        st.pending.append((c, True, x))
-        return c
+        slot = st.next_slot if slot is None else int(slot)
+        if slot <= st.newest_observed or slot > st.next_slot:
+            raise ValueError(
+                f"observation of slot {slot}: slots after {st.newest_observed} up to "
+                f"{st.next_slot} can be observed"
+            )
+        if slot < st.next_slot and not st.horizon:
+            raise ValueError(
+                f"observation of slot {slot}, already generated: only a stream with a "
+                "horizon replaces generated slots"
+            )
+        st.pending.append(_Pending(slot, FLAG_CONTEXT, x, slot))
+        st.newest_observed = slot
+        st.next_slot = max(st.next_slot, slot + 1)
+        return slot
 
     def submit_generate(self, stream_id: int, actions: torch.Tensor | None = None) -> int:
-        """Queue a chunk to generate (``actions``: commanded actions of a condition model)."""
+        """Queue a chunk to generate for the next new slot (``actions``: commanded actions of
+        a condition model). Returns its slot; ValueError beyond the stream's horizon."""
         st = self._stream(stream_id)
-        c = st.next_chunk
+        c = st.next_slot
+        if st.horizon and c - st.newest_observed > st.horizon:
+            raise ValueError(
+                f"slot {c} is {c - st.newest_observed} ahead of the newest observed slot "
+                f"{st.newest_observed}; the stream's horizon is {st.horizon}"
+            )
         x = initial_noise(self.cfg, st.seed, c, actions)
-        st.next_chunk += 1
-        st.pending.append((c, False, x))
+        st.pending.append(_Pending(c, 0, x, st.newest_observed))
+        st.next_slot += 1
         return c
 
     def pump(self) -> int:
@@ -138,12 +200,22 @@ class Controller:
         released = 0
         for sid, st in self.streams.items():
             while st.pending and (st.max_in_flight == 0 or st.in_flight < st.max_in_flight):
-                c, is_ctx, x = st.pending.popleft()
-                x = to_device(x, self.device)  # asynchronous: the GPU's queue is not drained
-                act = Activation(sid, c, 0, 0, FLAG_CONTEXT if is_ctx else 0, x, None)
-                act.epoch = st.epoch
-                if is_ctx:
-                    st.context_entered_s[c] = act.created_s
+                p = st.pending.popleft()
+                act = Activation(
+                    sid,
+                    p.slot,
+                    0,
+                    0,
+                    p.flags,
+                    to_device(p.x, self.device),  # asynchronous: the GPU's queue is not drained
+                    None,
+                    epoch=st.epoch,
+                    ticket=st.next_ticket,
+                    anchor=p.anchor,
+                )
+                st.next_ticket += 1
+                if act.observed:
+                    st.context_entered_s[p.slot] = act.created_s
                 st.in_flight += 1
                 self._send(st.entry_rank, act)
                 released += 1
@@ -158,8 +230,8 @@ class Controller:
         if act.is_context:
             return None
         if st.mode == "sequential-clean":  # re-encode the clean output before anything else
-            st.pending.appendleft((act.chunk, True, act.x))
-        return ChunkResult(act.stream_id, act.chunk, act.x, act.created_s, left_s)
+            st.pending.appendleft(_Pending(act.chunk, FLAG_CONTEXT, act.x, act.anchor))
+        return ChunkResult(act.stream_id, act.chunk, act.x, act.created_s, left_s, act.anchor)
 
     def idle(self) -> bool:
         return all(not st.pending and st.in_flight == 0 for st in self.streams.values())
@@ -204,15 +276,23 @@ class InProcRuntime:
         mode: str = "pipelined",
         max_in_flight: int = 0,
         layout: Layout | None = None,
+        horizon: int = 0,
     ) -> None:
         """``cond`` [n <= text_len, text_dim]: the stream's prompt embedding (None: none)."""
         layout = layout or self.layout
         history = "clean" if mode == "sequential-clean" else "noisy"
         for w in self.workers:
-            w.open_stream(stream_id, layout=layout, cond=cond, history=history)
+            w.open_stream(
+                stream_id, layout=layout, cond=cond, history=history, seed=seed, horizon=horizon
+            )
         self.placement = self.placement.with_stream(stream_id, layout)
         self.controller.open_stream(
-            stream_id, seed=seed, mode=mode, entry_rank=layout[0][0], max_in_flight=max_in_flight
+            stream_id,
+            seed=seed,
+            mode=mode,
+            entry_rank=layout[0][0],
+            max_in_flight=max_in_flight,
+            horizon=horizon,
         )
 
     def close_stream(self, stream_id: int) -> None:
@@ -223,10 +303,11 @@ class InProcRuntime:
 
     def relayout(self, stream_id: int, layout: Layout) -> int:
         """Move the stream to ``layout`` from its next released chunk on (KV rings of moved
-        stages follow, see worker.py). Returns that chunk. The driver thread calls this."""
+        stages follow, see worker.py). Returns that chunk's ticket. The driver thread calls
+        this."""
         epoch, first = self.controller.relayout(stream_id, entry_rank=layout[0][0])
         for w in self.workers:
-            w.relayout(stream_id, epoch=epoch, first_chunk=first, layout=layout)
+            w.relayout(stream_id, epoch=epoch, first_ticket=first, layout=layout)
         self.placement = self.placement.without_stream(stream_id).with_stream(stream_id, layout)
         return first
 
@@ -329,21 +410,35 @@ class InProcRuntime:
         self.close()
 
 
+def submit_item(controller: Controller, stream_id: int, item: tuple) -> int:
+    """Queue one plan item (``oracle.Plan``: ("context", x), ("observe", slot, x) or
+    ("generate", actions or None)) on the stream; returns its slot."""
+    kind = item[0]
+    if kind == "context":
+        return controller.submit_context(stream_id, item[1])
+    if kind == "observe":
+        return controller.submit_context(stream_id, item[2], slot=item[1])
+    if kind == "generate":
+        return controller.submit_generate(stream_id, item[1])
+    raise ValueError(f"plan item kind {kind!r} is not context, observe or generate")
+
+
 def run_plan(
     runtime: InProcRuntime,
-    plans: dict[int, list[tuple[str, torch.Tensor | None]]],
+    plans: dict[int, list[tuple]],
     *,
     mode: str,
     seeds: dict[int, int] | None = None,
     conds: dict[int, torch.Tensor] | None = None,
     max_in_flight: int = 0,
+    horizon: int = 0,
     threads: bool = False,
     timeout_s: float = 600.0,
     on_output: Callable[[ChunkResult], None] | None = None,
 ) -> dict[int, dict[int, ChunkResult]]:
-    """Open one stream per plan, submit every item (``("context", x)`` or
-    ``("generate", actions_or_None)``), run to completion; results per stream per chunk.
-    ``conds``: prompt embeddings per stream (default: ``make_cond`` seeded 100 + stream)."""
+    """Open one stream per plan, submit every item (``oracle.Plan``), run to completion;
+    results per stream per slot. ``conds``: prompt embeddings per stream (default:
+    ``make_cond`` seeded 100 + stream)."""
     for sid in plans:
         runtime.open_stream(
             sid,
@@ -351,15 +446,11 @@ def run_plan(
             cond=(conds or {}).get(sid, make_cond(runtime.model.cfg, 100 + sid)),
             mode=mode,
             max_in_flight=max_in_flight,
+            horizon=horizon,
         )
     for sid, plan in plans.items():
-        for kind, val in plan:
-            if kind == "context":
-                runtime.controller.submit_context(sid, val)
-            elif kind == "generate":
-                runtime.controller.submit_generate(sid, val)
-            else:
-                raise ValueError(f"plan item kind {kind!r} is not 'context' or 'generate'")
+        for item in plan:
+            submit_item(runtime.controller, sid, item)
     runtime.controller.pump()
     if threads:
         runtime.start_threads()

@@ -33,6 +33,24 @@ def noise_seed(stream_seed: int, chunk: int) -> int:
     return (stream_seed * 1_000_003 + chunk * 7_919 + 12_345) % (2**63)
 
 
+def context_noise(cfg: ModelConfig, stream_seed: int, slot: int) -> torch.Tensor:
+    """[state_numel] float32 CPU noise of observed slot ``slot`` under ``noised`` context
+    (drawn from its own seed, never the generated chunk's noise of that slot)."""
+    seed = (noise_seed(stream_seed, slot) * 31 + 977) % (2**63)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(state_numel(cfg), generator=gen, dtype=torch.float32)
+
+
+def noise_context(
+    cfg: ModelConfig, x: torch.Tensor, eps: torch.Tensor, sigma: float
+) -> torch.Tensor:
+    """x [..., X] observed chunk -> (1 - sigma) x + sigma eps on its state values (the video
+    tokens, and predicted actions); commanded actions that condition the model stay as sent."""
+    n = eps.shape[-1]
+    state = (1.0 - sigma) * x[..., :n] + sigma * eps.to(x.device)
+    return torch.cat([state, x[..., n:]], dim=-1)
+
+
 def state_numel(cfg: ModelConfig) -> int:
     """Values of x that are denoised (video tokens, plus action and state values in predict
     mode)."""

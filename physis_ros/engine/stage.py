@@ -22,12 +22,16 @@ from physis_ros.engine.model import WanDiT
 
 
 class KVRing:
-    """Rotated K and V of one stream at one stage: W + 1 slots of n tokens each.
+    """Rotated K and V of one stream at one stage: R = W + h entries of n tokens each, entry
+    ``s % R`` holding time slot s (h: the stream's horizon, 1 when it has none).
 
-    Chunk number ``count`` writes slot ``count % (W+1)``, which holds the chunk that fell out
-    of the window, so the keys a chunk attends to (itself and the W before it) are always the
-    contiguous prefix ``[:, :m*n]``: no copy and no mask. ``keep=False`` (a generated chunk
-    under clean history) writes the slot without claiming it.
+    A chunk of slot c attends to slots c-W..c. Chunks run at a stage in the order they were
+    released, and an observed chunk overwrites the entry its slot's prediction left: every
+    chunk released later is anchored at or after it and reads the observed version, every
+    one released before it has already run here (DESIGN.md §3, live streams). R = W + h keeps
+    an entry until no chunk that can still come reads it. With R = W + 1 the window is the
+    whole ring (attention does not care about the order of keys), so no copy and no mask;
+    with R > W + 1 it is a contiguous view, or two pieces joined when it wraps around.
     """
 
     def __init__(  # noqa: PLR0917
@@ -38,47 +42,71 @@ class KVRing:
         head_dim: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        horizon: int = 1,
     ) -> None:
-        self.slots = window + 1
+        self.window = window
+        self.entries = window + max(horizon, 1)
         self.tokens = tokens
-        self.k = torch.zeros(heads, self.slots * tokens, head_dim, device=device, dtype=dtype)
+        self.k = torch.zeros(heads, self.entries * tokens, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        self.count = 0
-        """Chunks kept so far."""
+        self.slot = [-1] * self.entries
+        """The slot each entry holds (-1: none yet)."""
+        self.observed = [False] * self.entries
+        """Whether it holds that slot's observed version."""
 
     def write(
-        self, k: torch.Tensor, v: torch.Tensor, *, keep: bool
+        self, slot: int, k: torch.Tensor, v: torch.Tensor, *, observed: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [H, n, d] of the current chunk -> keys/values it attends to [H, m*n, d]."""
-        k_slot, v_slot, k_all, v_all = self.reserve(keep=keep)
-        k_slot.copy_(k)
-        v_slot.copy_(v)
-        return k_all, v_all
+        """k, v [H, n, d] of slot ``slot`` -> keys/values it attends to [H, m*n, d]."""
+        k_entry, v_entry = self.reserve(slot, observed=observed)
+        k_entry.copy_(k)
+        v_entry.copy_(v)
+        return self.attended(slot)
 
-    def reserve(
-        self, *, keep: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The current chunk's slot, k and v [H, n, d] views for the caller to fill, and the
-        keys/values it attends to [H, m*n, d] (the slot included): ``write`` without a copy."""
-        n = self.tokens
-        m = min(self.count + 1, self.slots)
-        slot = self.take_slot(keep=keep)
-        cur = slice(slot * n, (slot + 1) * n)
-        return self.k[:, cur], self.v[:, cur], self.k[:, : m * n], self.v[:, : m * n]
+    def reserve(self, slot: int, *, observed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entry of ``slot``, k and v [H, n, d] views for the caller to fill (``write``
+        without a copy; then ``attended``), marked as holding that slot's version."""
+        n, e = self.tokens, self.take_entry(slot, observed=observed)
+        return self.k[:, e * n : (e + 1) * n], self.v[:, e * n : (e + 1) * n]
 
-    @property
-    def full(self) -> bool:
-        """The next chunk attends every slot (its own and W earlier chunks): the steady
-        state, in which only the slot written depends on the chunk."""
-        return self.count + 1 >= self.slots
+    def take_entry(self, slot: int, *, observed: bool) -> int:
+        """The entry ``slot`` goes to, marked as holding that version: the host-side half of
+        ``reserve``, for a caller that writes the entry on the device (``block_graphs``)."""
+        e = slot % self.entries
+        self.slot[e], self.observed[e] = slot, observed
+        return e
 
-    def take_slot(self, *, keep: bool) -> int:
-        """The slot the current chunk writes (claimed when ``keep``): the host-side half of
-        ``reserve``, for a caller that writes the slot on the device (``block_graphs``)."""
-        slot = self.count % self.slots
-        if keep:
-            self.count += 1
-        return slot
+    def full(self, slot: int) -> bool:
+        """A chunk of ``slot`` attends every entry (its own and W earlier slots fill the ring:
+        a stream without a horizon beyond 1, past its first W chunks): the steady state, in
+        which only the entry written depends on the chunk (``block_graphs``)."""
+        return slot - max(0, slot - self.window) + 1 == self.entries
+
+    def attended(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [H, m*n, d] a chunk of ``slot`` attends to: slots slot-W..slot."""
+        n, r = self.tokens, self.entries
+        e = slot % r
+        first = max(0, slot - self.window)
+        if slot - first + 1 == r:  # the window is the whole ring
+            return self.k, self.v
+        lo = first % r
+        if lo <= e:
+            return self.k[:, lo * n : (e + 1) * n], self.v[:, lo * n : (e + 1) * n]
+        keys = (self.k[:, lo * n :], self.k[:, : (e + 1) * n])
+        values = (self.v[:, lo * n :], self.v[:, : (e + 1) * n])
+        return torch.cat(keys, 1), torch.cat(values, 1)
+
+    def check_history(self, slot: int, anchor: int) -> None:
+        """Raise unless every slot slot-W..slot-1 is here, observed only if <= ``anchor``:
+        the history a chunk anchored at ``anchor`` must read (catches an order or size bug)."""
+        for s in range(max(0, slot - self.window), slot):
+            e = s % self.entries
+            if self.slot[e] != s or (self.observed[e] and s > anchor):
+                held = "observed" if self.observed[e] else "predicted"
+                raise RuntimeError(
+                    f"slot {slot} (anchor {anchor}) needs slot {s}; the ring holds "
+                    f"{held} slot {self.slot[e]} there"
+                )
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
@@ -89,14 +117,17 @@ class StageTask:
     """One chunk of one stream at stage (step, block), with what the forward needs."""
 
     chunk: int
+    """The chunk's time slot (RoPE position, KV ring entry)."""
     step: int
-    is_context: bool
+    sigma: float
+    """Noise level it enters the block at (0 for a clean context chunk)."""
     x: torch.Tensor
-    """[X] float32 on the worker's device."""
+    """[X] float32 on the worker's device (a noised observation's noised state at block 0)."""
     h: torch.Tensor | None
     """[n, D] entering the block (None at block 0)."""
     ring: KVRing
-    keep_kv: bool
+    observed: bool
+    """Its K/V are its slot's observed version (else the predicted one)."""
     cross_k: torch.Tensor
     """[H, Lt, d] cached cross-attention keys of the stream at this block."""
     cross_v: torch.Tensor
@@ -130,12 +161,9 @@ class StageCaches:
             return self._rope[chunks[0]][None]
         return torch.stack([self._rope[c] for c in chunks])
 
-    def noise_levels(self, tasks: list[StageTask]) -> list[float]:
-        return [0.0 if t.is_context else self.sigmas[t.step] for t in tasks]
-
     def time(self, tasks: list[StageTask], xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """e [B, D], e0 [B, 6, D] of each task (sigma = 0 for context chunks)."""
-        sig = self.noise_levels(tasks)
+        """e [B, D], e0 [B, 6, D] of each task at its noise level."""
+        sig = [t.sigma for t in tasks]
         if self.model.cfg.action_mode == "condition":  # depends on each chunk's actions
             return M.time_embed(self.model, to_device(torch.tensor(sig), xs.device), xs)
         for s in set(sig):
@@ -180,7 +208,9 @@ def run_block(
         # q, k, v: [B, 1, n, H, d] -> per task [H, n, d] against its ring [H, m*n, d]
         outs = []
         for i, t in enumerate(tasks):
-            kk, vv = t.ring.write(k[i, 0].transpose(0, 1), v[i, 0].transpose(0, 1), keep=t.keep_kv)
+            kk, vv = t.ring.write(
+                t.chunk, k[i, 0].transpose(0, 1), v[i, 0].transpose(0, 1), observed=t.observed
+            )
             # 4-D inputs: 3-D ones fall back to the slow math kernel on the CPU
             qi = q[i, 0].transpose(0, 1)[None]
             outs.append(F.scaled_dot_product_attention(qi, kk[None], vv[None])[0])
@@ -204,7 +234,7 @@ def _head(  # noqa: PLR0917
         return None
     if model.cfg.prediction != "x0":  # the velocity head needs neither (no host-to-device copy)
         return M.head_velocity(model, h, e)
-    sig = to_device(torch.tensor(caches.noise_levels(tasks)), xs.device)
+    sig = to_device(torch.tensor([t.sigma for t in tasks]), xs.device)
     return M.head_velocity(model, h, e, xs, sig)
 
 
@@ -262,22 +292,21 @@ def _timing_tasks(
     gen = torch.Generator().manual_seed(0)
     ring_gen = torch.Generator(device=dev).manual_seed(1)
     tasks = []
-    for i, hist in enumerate(history_chunks):
+    for hist in history_chunks:
         ring = KVRing(win, cfg.num_heads, cfg.tokens_per_chunk, cfg.head_dim, dev, dt)
         ring.k.normal_(generator=ring_gen)  # never time on zeros: GPUs run faster on them
         ring.v.normal_(generator=ring_gen)
-        ring.count = hist
         h = torch.randn(cfg.tokens_per_chunk, cfg.dim, generator=gen).to(dev, dt)
         x = torch.randn(M.chunk_numel(cfg), generator=gen).to(dev)
         tasks.append(
             StageTask(
-                chunk=hist + i,
+                chunk=hist,
                 step=0,
-                is_context=False,
+                sigma=1.0,
                 x=x,
                 h=None if block == 0 else h,
                 ring=ring,
-                keep_kv=False,
+                observed=False,
                 cross_k=ck,
                 cross_v=cv,
             )

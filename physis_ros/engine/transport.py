@@ -20,7 +20,10 @@ FLAG_CONTEXT = 1
 """Set on a context chunk: an encoded observation clamped at sigma = 0, never updated."""
 FLAG_KV = 2
 """Not a chunk: one piece of a stage's KV ring moving to the stage's new owner (``h`` is the
-piece; piece index in bits 8.., ``chunk`` is the ring's chunk count)."""
+piece of one entry; piece index in bits 8.., ``chunk`` the slot that entry holds, ``ticket``
+the last one that ran at the stage)."""
+FLAG_OBSERVED = 4
+"""On a KV ring piece: the entry holds its slot's observed version."""
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Activation:
 
     stream_id: int
     chunk: int
+    """The chunk's time slot: it covers camera frames [chunk*F, (chunk+1)*F) of the stream."""
     step: int
     """k of the destination stage (K: done, goes to the sink)."""
     block: int
@@ -49,10 +53,23 @@ class Activation:
     epoch: int = 0
     """Placement epoch of the stream when the chunk entered: a worker that does not know this
     epoch yet holds the activation until the controller's placement change reaches it."""
+    ticket: int = 0
+    """Release order within the stream (0, 1, 2, ...): every stage runs a stream's chunks in
+    this order, which decides the version of each slot a chunk reads."""
+    anchor: int = -1
+    """The newest observed slot when the chunk was released (-1: none): it reads slots up to
+    its anchor as observed, later ones as predicted. An observation's anchor is its own slot;
+    a clean-history re-encoded output keeps its generated chunk's anchor."""
 
     @property
     def is_context(self) -> bool:
+        """Enters every step clamped (not denoised): an observation or a re-encoded output."""
         return bool(self.flags & FLAG_CONTEXT)
+
+    @property
+    def observed(self) -> bool:
+        """Its K/V are the slot's observed version (an observation, not a prediction)."""
+        return self.is_context and self.anchor >= self.chunk
 
 
 class Transport(Protocol):

@@ -12,19 +12,25 @@ Controllers feed a chunk by sending ``Activation(step=0, block=0, h=None)`` to
 the last stage). Context chunks reach the sink too (flag set, x unchanged) so that a
 controller can count what is in flight.
 
+Order. Every chunk a stream releases carries a ticket (0, 1, 2, ... in release order) and
+runs at each stage strictly in ticket order: that order, not the slot, decides which version
+of a slot (observed or predicted) a chunk reads (stage.KVRing; DESIGN.md §3, live streams),
+and every chunk checks before its forward that the ring holds the history its anchor implies.
+
 Placement changes of a running stream (``relayout``), without a barrier: the controller picks
-the first chunk ``c*`` not yet released, bumps the stream's epoch and tells every worker
-(``relayout(stream, epoch, c*, layout)``); chunks from ``c*`` on carry the new epoch and are
+the first ticket ``t*`` not yet released, bumps the stream's epoch and tells every worker
+(``relayout(stream, epoch, t*, layout)``); chunks from ``t*`` on carry the new epoch and are
 routed by the new layout, earlier ones by the old. A worker holds activations of an epoch it
 has not heard of yet. The old owner of a moved stage sends that stage's KV ring to the new
-owner right after running chunk ``c* - 1`` there (``FLAG_KV`` pieces); the new owner runs
+owner right after running ticket ``t* - 1`` there (``FLAG_KV`` pieces); the new owner runs
 nothing at that stage before the ring is installed, and runs chunks at a stage strictly in
-chunk order (around a change they may arrive from two senders out of order).
+ticket order (around a change they may arrive from two senders out of order).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import time
 import weakref
@@ -37,9 +43,10 @@ from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.devcopy import HostCopier
 from physis_ros.engine.model import WanDiT
 from physis_ros.engine.placement import Layout, Placement, blocks_share_worker, validate_layout
+from physis_ros.engine.sampler import context_noise, noise_context
 from physis_ros.engine.sampler import sigmas as make_sigmas
 from physis_ros.engine.stage import KVRing, StageCaches, StageTask, run_block
-from physis_ros.engine.transport import FLAG_KV, Activation, Transport
+from physis_ros.engine.transport import FLAG_KV, FLAG_OBSERVED, Activation, Transport
 
 HISTORIES = ("noisy", "clean")
 
@@ -51,21 +58,26 @@ class _StreamState:
     history: str
     cond: torch.Tensor | None = None
     """The stream's raw conditioning tokens [n, text_dim] (padded when embedded)."""
+    seed: int = 0
+    """The stream seed (noise of observations under ``noised`` context)."""
+    horizon: int = 1
+    """Slots ahead of the newest observation the stream generates (sizes the KV rings)."""
     rings: dict[tuple[int, int], KVRing] = field(default_factory=dict)
     cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    last_chunk: dict[tuple[int, int], int] = field(default_factory=dict)
+    last_ticket: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Per stage, the ticket of the last chunk that ran there."""
     epoch: int = 0
     epochs: list[tuple[int, Layout]] = field(default_factory=list)
-    """(first chunk, layout) of every epoch, ascending."""
+    """(first ticket, layout) of every epoch, ascending."""
     held: list[Activation] = field(default_factory=list)
     """Activations of a later epoch than this worker knows."""
-    pieces: dict[tuple[int, int], dict[int, torch.Tensor]] = field(default_factory=dict)
+    pieces: dict[tuple[int, int], dict[int, Activation]] = field(default_factory=dict)
     ship: list[tuple[int, int, int, int]] = field(default_factory=list)
-    """(k, l, after_chunk, dst): send the stage's ring to dst once after_chunk has run here."""
+    """(k, l, after_ticket, dst): send the stage's ring to dst once after_ticket ran here."""
 
-    def layout_for(self, chunk: int) -> Layout:
+    def layout_for(self, ticket: int) -> Layout:
         for first, layout in reversed(self.epochs):
-            if chunk >= first:
+            if ticket >= first:
                 return layout
         return self.epochs[0][1]
 
@@ -147,10 +159,14 @@ class Worker:
         layout: Layout | None = None,
         cond: torch.Tensor | None = None,
         history: str = "noisy",
+        seed: int = 0,
+        horizon: int = 0,
     ) -> None:
         """Allocate the stream's KV rings and cross-attention K/V for the stages on this rank;
         ``cond`` [n <= text_len, text_dim]: its prompt embedding (None: no tokens, all
-        padding). Must be called (on every rank) before the stream's first chunk is sent."""
+        padding); ``horizon``: the stream's (0: none, its observations never replace a
+        generated slot). Must be called (on every rank) before the stream's first chunk is
+        sent."""
         if cond is None:
             cond = torch.zeros(0, self.cfg.text_dim)
         layout = layout if layout is not None else self.placement.layouts[stream_id]
@@ -162,25 +178,29 @@ class Worker:
                 "clean history shares each block's cache over all steps: every "
                 "block's stages must be on one worker (use layout_by_block)"
             )
+        if history == "clean" and self.sampler.context_noise != "clean":
+            raise ValueError("clean history takes observations clean (context_noise 'clean')")
+        if horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: none), got {horizon}")
         M.pad_text(self.cfg, cond)  # a bad conditioning fails here, not in the worker loop
-        self._control.put(("open", stream_id, layout, cond, history))
+        self._control.put(("open", stream_id, layout, cond, history, seed, horizon))
 
     def close_stream(self, stream_id: int) -> None:
         """Free the stream's rings; its activations still in flight are dropped and counted."""
         self._control.put(("close", stream_id))
 
-    def relayout(self, stream_id: int, *, epoch: int, first_chunk: int, layout: Layout) -> None:
-        """From chunk ``first_chunk`` on, the stream's stages run where ``layout`` says (see
+    def relayout(self, stream_id: int, *, epoch: int, first_ticket: int, layout: Layout) -> None:
+        """From ticket ``first_ticket`` on, the stream's stages run where ``layout`` says (see
         the module docstring). Every worker gets the same call; the model must already hold
         the blocks of the stages it gains. Noisy history only."""
         validate_layout(layout, self.steps, self.blocks, self.placement.num_workers)
-        if first_chunk < 0 or epoch < 1:
-            raise ValueError(f"need first_chunk >= 0 and epoch >= 1, got {first_chunk}, {epoch}")
+        if first_ticket < 0 or epoch < 1:
+            raise ValueError(f"need first_ticket >= 0 and epoch >= 1, got {first_ticket}, {epoch}")
         gained = {blk for row in layout for blk, r in enumerate(row) if r == self.rank}
         missing = gained - self.model.block_ids
         if missing:
             raise ValueError(f"rank {self.rank} lacks blocks {sorted(missing)} of the new layout")
-        self._control.put(("relayout", stream_id, epoch, first_chunk, layout))
+        self._control.put(("relayout", stream_id, epoch, first_ticket, layout))
 
     def _apply_control(self) -> None:
         while True:
@@ -197,34 +217,34 @@ class Worker:
             if cmd[0] == "relayout":
                 self._apply_relayout(*cmd[1:])
                 continue
-            _, sid, layout, cond, history = cmd
+            _, sid, layout, cond, history, seed, horizon = cmd
             if sid in self._streams:
                 raise ValueError(f"stream {sid} is already open on rank {self.rank}")
-            self._streams[sid] = self._allocate(layout, cond, history)
+            self._streams[sid] = self._allocate(layout, cond, history, seed, horizon)
 
-    def _apply_relayout(self, sid: int, epoch: int, first_chunk: int, layout: Layout) -> None:
+    def _apply_relayout(self, sid: int, epoch: int, first_ticket: int, layout: Layout) -> None:
         st = self._streams.get(sid)
         if st is None:
             self.stats.drops["relayout of an unknown or closed stream"] += 1
             return
         if st.history != "noisy":
             raise ValueError(f"stream {sid}: placement changes need noisy history")
-        if epoch != st.epoch + 1 or first_chunk < st.epochs[-1][0]:
+        if epoch != st.epoch + 1 or first_ticket < st.epochs[-1][0]:
             raise ValueError(
-                f"stream {sid}: relayout epoch {epoch} from chunk {first_chunk} does not follow "
-                f"epoch {st.epoch} from chunk {st.epochs[-1][0]}"
+                f"stream {sid}: relayout epoch {epoch} from ticket {first_ticket} does not "
+                f"follow epoch {st.epoch} from ticket {st.epochs[-1][0]}"
             )
         old = st.layout
-        st.epochs.append((first_chunk, layout))
+        st.epochs.append((first_ticket, layout))
         st.layout, st.epoch = layout, epoch
         # A stage runs here while this worker holds its ring (st.rings); a gained stage's
-        # ring arrives from the old owner, a lost one leaves after chunk first_chunk - 1.
+        # ring arrives from the old owner, a lost one leaves after ticket first_ticket - 1.
         ctx = None  # the stream's embedded conditioning, made once if a new block needs it
         for k in range(self.steps):
             for blk in range(self.blocks):
                 was, now = old[k][blk] == self.rank, layout[k][blk] == self.rank
                 if was and not now:
-                    st.ship.append((k, blk, first_chunk - 1, layout[k][blk]))
+                    st.ship.append((k, blk, first_ticket - 1, layout[k][blk]))
                 elif now and not was and blk not in st.cross:
                     if ctx is None:
                         ctx = M.embed_cond(self.model, st.cond)
@@ -239,7 +259,7 @@ class Worker:
         keep = []
         for k, blk, after, dst in st.ship:
             held_here = (k, blk) in st.rings and not any(o[:2] == (k, blk) for o in keep)
-            if not held_here or st.last_chunk.get((k, blk), -1) < after:
+            if not held_here or st.last_ticket.get((k, blk), -1) < after:
                 keep.append((k, blk, after, dst))
                 continue
             self._send_ring(sid, st, (k, blk), dst)
@@ -248,14 +268,17 @@ class Worker:
     def _send_ring(self, sid: int, st: _StreamState, stage: tuple[int, int], dst: int) -> None:
         k, blk = stage
         ring = st.rings.pop(stage)
-        # One [N, D]-shaped piece per slot of K, then of V: what a transport already carries.
-        n, dim = self.cfg.tokens_per_chunk, self.cfg.dim
+        # One [N, D]-shaped piece per entry of K, then of V (what a transport already carries),
+        # each naming the slot the entry holds and whether that is the observed version.
+        n, dim, r = self.cfg.tokens_per_chunk, self.cfg.dim, ring.entries
         x = torch.zeros(M.chunk_numel(self.cfg), device=self.device)
-        pieces = [ring.k[:, i * n : (i + 1) * n] for i in range(ring.slots)]
-        pieces += [ring.v[:, i * n : (i + 1) * n] for i in range(ring.slots)]
-        last = st.last_chunk.get((k, blk), -1)  # noisy history keeps every chunk: count = last+1
-        for i, piece in enumerate(pieces):
-            msg = Activation(sid, last, k, blk, FLAG_KV | (i << 8), x, piece.reshape(n, dim))
+        last = st.last_ticket.get(stage, -1)
+        for i in range(2 * r):
+            e = i % r
+            buf = ring.k if i < r else ring.v
+            flags = FLAG_KV | (FLAG_OBSERVED if ring.observed[e] else 0) | (i << 8)
+            piece = buf[:, e * n : (e + 1) * n].reshape(n, dim)
+            msg = Activation(sid, ring.slot[e], k, blk, flags, x, piece, ticket=last)
             msg.epoch = st.epoch
             self.transport.send(dst, msg)
         self.stats.rings_sent += 1
@@ -266,27 +289,27 @@ class Worker:
             self.stats.drops["KV ring piece for a stage whose ring is here"] += 1
             return
         got = st.pieces.setdefault(key, {})
-        got[msg.flags >> 8] = msg.h.to(self.device, self.dtype)
-        slots = self.sampler.window + 1
-        if len(got) < 2 * slots:
+        got[msg.flags >> 8] = msg
+        ring = self._new_ring(st.horizon)
+        r = ring.entries
+        if len(got) < 2 * r:
             return
-        cfg = self.cfg
-        ring = self._new_ring()
-        n = cfg.tokens_per_chunk
-        shape = (cfg.num_heads, n, cfg.head_dim)
-        for i in range(slots):
-            ring.k[:, i * n : (i + 1) * n] = got[i].reshape(shape)
-            ring.v[:, i * n : (i + 1) * n] = got[slots + i].reshape(shape)
-        ring.count = msg.chunk + 1
+        n = self.cfg.tokens_per_chunk
+        shape = (self.cfg.num_heads, n, self.cfg.head_dim)
+        for e in range(r):
+            ring.k[:, e * n : (e + 1) * n] = got[e].h.to(self.device, self.dtype).reshape(shape)
+            ring.v[:, e * n : (e + 1) * n] = got[r + e].h.to(self.device, self.dtype).reshape(shape)
+            ring.slot[e] = got[e].chunk
+            ring.observed[e] = bool(got[e].flags & FLAG_OBSERVED)
         del st.pieces[key]
         st.rings[key] = ring
-        st.last_chunk[key] = msg.chunk
+        st.last_ticket[key] = msg.ticket
         self.stats.rings_installed += 1
         self._stalled = False
         if st.ship:  # it may move on at once (two changes before a chunk ran here)
             self._ship_ready(msg.stream_id, st)
 
-    def _new_ring(self) -> KVRing:
+    def _new_ring(self, horizon: int) -> KVRing:
         cfg = self.cfg
         return KVRing(
             self.sampler.window,
@@ -295,11 +318,14 @@ class Worker:
             cfg.head_dim,
             self.device,
             self.dtype,
+            horizon,
         )
 
     @torch.inference_mode()
-    def _allocate(self, layout: Layout, cond: torch.Tensor, history: str) -> _StreamState:
-        st = _StreamState(layout=layout, history=history)
+    def _allocate(
+        self, layout: Layout, cond: torch.Tensor, history: str, seed: int, horizon: int
+    ) -> _StreamState:
+        st = _StreamState(layout=layout, history=history, seed=seed, horizon=horizon)
         mine = [
             (k, blk)
             for k in range(self.steps)
@@ -315,7 +341,7 @@ class Worker:
         for k, blk in mine:
             key = (0, blk) if history == "clean" else (k, blk)
             if key not in st.rings:
-                st.rings[key] = self._new_ring()
+                st.rings[key] = self._new_ring(horizon)
             if blk not in st.cross:
                 st.cross[blk] = M.cross_kv(self.model, blk, ctx)
         return st
@@ -374,7 +400,7 @@ class Worker:
         if msg.flags & FLAG_KV:
             self._install_piece(st, msg)
             return
-        if st.layout_for(msg.chunk)[msg.step][msg.block] != self.rank:
+        if st.layout_for(msg.ticket)[msg.step][msg.block] != self.rank:
             self.stats.drops["stage placed on another rank"] += 1
             return
         if msg.x.device != self.device:
@@ -388,9 +414,9 @@ class Worker:
         q = self._queues.get(key)
         if q is None:
             q = self._queues[key] = collections.deque()
-        if q and msg.chunk < q[-1].chunk:  # from two senders around a placement change
+        if q and msg.ticket < q[-1].ticket:  # from two senders around a placement change
             i = len(q)
-            while i > 0 and q[i - 1].chunk > msg.chunk:
+            while i > 0 and q[i - 1].ticket > msg.ticket:
                 i -= 1
             q.insert(i, msg)
         else:
@@ -400,16 +426,17 @@ class Worker:
 
     def _ready(self, key: tuple[int, int, int]) -> bool:
         """The head of the stage's FIFO can run: (noisy history) the stage's ring is here and
-        the head is the chunk after the last one it has seen."""
+        the head is the ticket after the last one that ran here."""
         st = self._streams[key[0]]
         if st.history == "clean":
             return True
         stage = (key[1], key[2])
-        return stage in st.rings and self._queues[key][0].chunk == st.last_chunk.get(stage, -1) + 1
+        head = self._queues[key][0].ticket
+        return stage in st.rings and head == st.last_ticket.get(stage, -1) + 1
 
     def _pick(self) -> list[tuple[int, int, int]]:
         """Ready tasks to run now: the heads of the (stream, stage) FIFOs (arrival order is
-        chunk order, so the head's predecessor is done). Without batching: the most
+        release order, so the head's predecessor is done). Without batching: the most
         downstream one. With batching: the block with most ready tasks (ties: downstream),
         its most downstream ``max_batch`` tasks."""
         L = self.blocks
@@ -430,6 +457,37 @@ class Worker:
             best = sorted(best, key=depth, reverse=True)[: self.max_batch]
         return best
 
+    def _task(self, st: _StreamState, msg: Activation) -> StageTask:
+        """What ``run_block`` needs for ``msg`` at its stage, after checking its history."""
+        k, blk = msg.step, msg.block
+        clean = st.history == "clean"
+        last = st.last_ticket.get((k, blk), -1)
+        # FIFO per stage keeps release order; a gap would mean attending to the wrong KV.
+        if not (msg.ticket > last if clean else msg.ticket == last + 1):
+            raise RuntimeError(
+                f"stream stage ({k},{blk}): ticket {msg.ticket} (slot {msg.chunk}) after {last}"
+            )
+        st.last_ticket[(k, blk)] = msg.ticket
+        ring = st.rings[(0, blk) if clean else (k, blk)]
+        ring.check_history(msg.chunk, msg.anchor)
+        x, sigma = msg.x, self.sigmas[k]
+        if msg.is_context and (clean or self.sampler.context_noise == "clean"):
+            sigma = 0.0
+        elif msg.is_context and blk == 0:  # a noised observation: only block 0 embeds x
+            x = noise_context(self.cfg, x, context_noise(self.cfg, st.seed, msg.chunk), sigma)
+        cross_k, cross_v = st.cross[blk]
+        return StageTask(
+            chunk=msg.chunk,
+            step=k,
+            sigma=sigma,
+            x=x,
+            h=msg.h,
+            ring=ring,
+            observed=msg.observed,
+            cross_k=cross_k,
+            cross_v=cross_v,
+        )
+
     def _run(self, keys: list[tuple[int, int, int]]) -> None:
         block = keys[0][2]
         tasks, msgs = [], []
@@ -438,32 +496,7 @@ class Worker:
             msg = q.popleft()
             if not q:
                 self._nonempty.discard(key)
-            sid, k, blk = key
-            st = self._streams[sid]
-            clean = st.history == "clean"
-            last = st.last_chunk.get((k, blk), -1)
-            # FIFO per stage keeps chunk order; a gap would mean attending to the wrong KV.
-            ok = msg.chunk >= last if clean else msg.chunk == last + 1
-            if not ok:
-                raise RuntimeError(
-                    f"stream {sid} stage ({k},{blk}): chunk {msg.chunk} after {last}"
-                )
-            st.last_chunk[(k, blk)] = msg.chunk
-            ring = st.rings[(0, blk) if clean else (k, blk)]
-            cross_k, cross_v = st.cross[blk]
-            tasks.append(
-                StageTask(
-                    chunk=msg.chunk,
-                    step=k,
-                    is_context=msg.is_context,
-                    x=msg.x,
-                    h=msg.h,
-                    ring=ring,
-                    keep_kv=msg.is_context or not clean,
-                    cross_k=cross_k,
-                    cross_v=cross_v,
-                )
-            )
+            tasks.append(self._task(self._streams[key[0]], msg))
             msgs.append(msg)
         if self.stats.block_times is None:
             h, v = run_block(self.model, block, tasks, self.caches)
@@ -505,30 +538,18 @@ class Worker:
         k, blk = msg.step, msg.block
         st = self._streams[msg.stream_id]
         if v is None:
-            nxt = Activation(
-                msg.stream_id, msg.chunk, k, blk + 1, msg.flags, msg.x, h, msg.created_s, msg.epoch
-            )
+            nxt = dataclasses.replace(msg, block=blk + 1, h=h)
         else:
             x = msg.x
-            if not msg.is_context:  # Euler step; the context chunk stays clamped at sigma 0
+            if not msg.is_context:  # Euler step; an observed chunk is never updated
                 x = x + (self.sigmas[k + 1] - self.sigmas[k]) * v
             # A clean-history context chunk only fills the (step-shared) caches at step 0.
             done = k + 1 == self.steps or (msg.is_context and st.history == "clean")
-            nxt = Activation(
-                msg.stream_id,
-                msg.chunk,
-                self.steps if done else k + 1,
-                0,
-                msg.flags,
-                x,
-                None,
-                msg.created_s,
-                msg.epoch,
-            )
+            nxt = dataclasses.replace(msg, step=self.steps if done else k + 1, block=0, x=x, h=None)
         if nxt.step == self.steps:
             dst = self.placement.sink_rank
         else:
-            dst = st.layout_for(nxt.chunk)[nxt.step][nxt.block]
+            dst = st.layout_for(nxt.ticket)[nxt.step][nxt.block]
         if dst == self.rank:
             if nxt.step == self.steps:
                 self._to_sink(nxt)

@@ -68,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w = p.add_argument_group("windows")
     defaults = EvalConfig()
-    w.add_argument("--context-chunks", type=int, default=defaults.context_chunks)
+    w.add_argument(
+        "--context-chunks",
+        type=int,
+        default=None,
+        help="observed chunks per window (default: the model's window W, what a served "
+        "stream's chunk reads)",
+    )
     w.add_argument("--horizon-chunks", type=int, default=defaults.horizon_chunks)
     w.add_argument("--stride-chunks", type=int, default=defaults.window_stride_chunks)
     w.add_argument(
@@ -81,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--frame-hz", type=finite_float, default=None, help="model frame rate (default: as trained)"
     )
     w.add_argument("--realtime", action="store_true", help="feed context at the recorded timing")
+    w.add_argument(
+        "--future-commands",
+        action="store_true",
+        help="in process: condition predicted chunks on the recorded commands that followed "
+        "(no server knows them; default: the last observed command held, as served)",
+    )
     w.add_argument("--seed", type=int, default=0, help="stream seed of the first window")
     t = p.add_argument_group("topics (default: the first topic of the right type)")
     t.add_argument("--image-topic", default=None)
@@ -138,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=finite_float,
         default=None,
         help="simulated seconds an episode may take to reach the goal (default: the task's 15)",
+    )
+    k.add_argument(
+        "--horizons",
+        default="",
+        help="comma-separated horizons (chunks ahead of the newest observation): each bag is "
+        "streamed once per horizon, the stream asking for it (default: the model's)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -224,15 +242,18 @@ def main(argv: list[str] | None = None) -> int:
             engine, settings = engine_from_args(args)
         else:
             settings = {"frame_hz": 10.0}  # the server's weights are not ours to read
+        window = settings.get("window", EvalConfig().context_chunks)
         cfg = EvalConfig(
-            context_chunks=args.context_chunks,
+            context_chunks=args.context_chunks or window,
             horizon_chunks=args.horizon_chunks,
             window_stride_chunks=args.stride_chunks,
             max_windows_per_bag=args.max_windows,
             frame_hz=args.frame_hz or settings["frame_hz"],
             realtime=args.realtime,
             seed=args.seed,
+            future_commands=args.future_commands,
         )
+        horizons = tuple(int(h) for h in args.horizons.split(",") if h.strip())
     except (ValueError, FileNotFoundError) as err:
         if engine is not None:
             engine.shutdown()
@@ -244,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         from physis_ros.eval.local_server import LocalServerError
 
         try:
-            result, report_engine = _evaluate_link(args, cfg, topics, settings)
+            result, report_engine = _evaluate_link(args, cfg, topics, settings, horizons)
         except (ValueError, OSError) as err:  # bad options, an unreadable token or key file
             parser.error(str(err))
         except (LinkUnavailable, LocalServerError) as err:
@@ -273,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     return _write(result, report_engine, args.out)
 
 
-def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict):
+def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, horizons):
     """EvalResult over the link, and the report's ``engine`` entry (what served it)."""
     from physis_ros.eval.link_replay import LinkOptions, evaluate_link
     from physis_ros.eval.local_server import LocalServer
@@ -288,6 +309,7 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict):
         connect_timeout_s=args.connect_timeout,
         interval_ms=args.interval_ms,
         max_seconds=args.max_seconds,
+        horizons=horizons,
     )
     if args.link:
         opts = LinkOptions(target=args.link, **options)

@@ -1,11 +1,14 @@
 """Replay recorded episodes through an engine and score what it predicted against what followed.
 
 What belongs here: cutting an episode into evaluation windows (``context_chunks`` observed
-chunks, then ``horizon_chunks`` predicted ones), feeding them to any ``StreamEngine`` (the
+chunks, then ``horizon_chunks`` predicted ones, all anchored on the last observed chunk, as a
+served stream's chunks are: DESIGN.md §3), feeding them to any ``StreamEngine`` (the
 in-process engine, or a client of the server) as fast as possible or at the recorded timing,
 collecting the outputs with their timing, and the per-horizon-step metrics against the
-copy-last-frame / hold baselines measured on the same windows. Reports and plots live in
-``report.py``; the command line in ``cli.py``. No torch, no rclpy: the engine is a protocol.
+copy-last-frame / hold baselines measured on the same windows. A world model conditioned on
+commands gets, for its predicted chunks, the last observed command held (what a server knows;
+``future_commands``: the recorded ones instead). Reports and plots live in ``report.py``; the
+command line in ``cli.py``. No torch, no rclpy: the engine is a protocol.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from physis_ros.eval.metrics import mse, psnr, ssim
 class EvalConfig:
     """How episodes are cut into windows and replayed."""
 
-    context_chunks: int = 2
-    """Observed chunks fed as context before predicting."""
+    context_chunks: int = 5
+    """Observed chunks fed as context before predicting (as many as the model's window W
+    reads: a served stream's steady state)."""
     horizon_chunks: int = 4
     """Chunks predicted after the context; horizon steps are their frames/actions."""
     window_stride_chunks: int = 4
@@ -42,6 +46,9 @@ class EvalConfig:
     """Stream seed of window i is seed + i (initial noise)."""
     poll_timeout_s: float = 60.0
     """Longest wait for a window's predictions before it is counted as timed out."""
+    future_commands: bool = False
+    """Condition predicted chunks on the recorded commands that followed (known to no server:
+    an upper bound); default: the last observed command held, as served."""
 
     def __post_init__(self) -> None:
         if self.context_chunks < 1:
@@ -262,7 +269,7 @@ def _run_window(
             return None
         return ep.actions_for_chunk(start + c * f, f, h_act).astype(np.float32)
 
-    promise = engine.open_stream(StreamSpec(seed=seed))
+    promise = engine.open_stream(StreamSpec(seed=seed, horizon=n_hor))
     sid = promise.stream_id
     outputs = []
     try:
@@ -278,9 +285,13 @@ def _run_window(
             engine.submit_context(sid, ep.frames[first : first + f], ctx_actions)
         t_submit = time.monotonic()
         for c in range(n_ctx, n_ctx + n_hor):
-            engine.submit_generate(
-                sid, chunk_actions(c) if model.action_mode == "condition" else None
-            )
+            act = None
+            if model.action_mode == "condition" and cfg.future_commands:
+                act = chunk_actions(c)
+            elif model.action_mode == "condition" and ep.has_commands:
+                held = chunk_actions(n_ctx - 1)[-1]  # the newest command a server knows
+                act = np.repeat(held[None], h_act, axis=0)
+            engine.submit_generate(sid, act)
         deadline = t_submit + cfg.poll_timeout_s
         while len(outputs) < n_hor:
             remaining = deadline - time.monotonic()

@@ -1,27 +1,23 @@
 """physis-eval over the link: replay bags into a running physis-serve and score what comes back.
 
-Live semantics, not windows. Each bag frame i goes out through ``LinkClient`` as one
-``Observation`` (seq i, capture stamp = the frame's bag stamp, action = the command in force
-when it was captured), at the recorded timing (``realtime``) or as fast as the server takes
-them (the next one once a prediction conditioned on the previous one came back, so none is
-superseded). The server's EngineLoop paces generation: before a generate request it puts the
-newest observation in as a context chunk (its stream's newest ``chunk_frames`` frames), and
-each prediction names the observation it is conditioned on (``observation_seq``).
+The live timeline (DESIGN.md §3), not windows. Each bag frame i goes out through
+``LinkClient`` as one ``Observation`` (seq i, capture stamp = the frame's bag stamp, action =
+the command in force when it was captured), at the recorded timing (``realtime``) or as fast
+as the server takes them (each slot's frames, then a wait for the prediction anchored on that
+slot, so every slot is observed before the next and the schedule is the one a real-time
+stream gets). The server puts frame i in slot i // F, enters each completed slot as its
+observation and generates up to ``horizon`` slots ahead of it; the stream asks for the
+horizon ``LinkOptions.horizons`` names (one stream per horizon per bag; none named: the
+model's). Each prediction says its anchor (the observed slot it reads last, and that slot's
+newest frame ``observation_seq``), its horizon j (chunks ahead of the anchor) and the frame
+its first predicted frame stands for (``first_frame_seq``).
 
-Horizon of a prediction. A stream's context chunks and generate requests share one chunk
-counter (``submit_context`` and ``submit_generate`` each take the next index), and the server
-puts a context chunk in right before the generate request conditioned on it; later generate
-requests keep that conditioning until the next context chunk. So the chunks conditioned on
-observation s are a run ctx+1, ctx+2, ... right after s's context chunk ctx, and the chunk at
-index c is h = c - ctx chunks ahead: it predicts bag frames s + (h-1)F + 1 .. s + hF (F frames
-per chunk). ctx is the run's first index minus 1, known exactly when the previous prediction
-received (conditioned on an earlier observation, or on none) sits two indices before the run's
-first: the one index between is the context chunk. A wider gap means predictions were lost
-(``client_slow``, ``prediction_queue_full``): that run's horizon is unknown and not scored.
-
-Each scored prediction is compared with the frames that followed its observation in the bag,
-and with the copy-last-frame / hold-last-command baselines of that observation, per horizon
-step; a report "window" is one conditioning observation. No torch, no rclpy.
+A report "window" is one anchor: its predictions are scored at their horizon against the
+frames that followed, next to the copy-last-frame (frame ``observation_seq``) and
+hold-last-command baselines of that anchor. Also measured: the anchoring lag (frames sent
+after the anchor's newest frame by the time its prediction came back, and milliseconds from
+sending that frame to the prediction) and the rate achieved (predictions and observed slots
+per second of replay). No torch, no rclpy.
 """
 
 from __future__ import annotations
@@ -69,9 +65,11 @@ class LinkOptions:
     connect_timeout_s: float = 5.0
     """Longest wait for a stream to open (and for a lost one to come back)."""
     interval_ms: float = 0.0
-    """Target interval the stream asks for; 0: as fast as the server can generate."""
+    """Target interval the stream asks for (admission); 0: as fast as the server can."""
     max_seconds: float = 0.0
     """Bag seconds replayed per bag; 0: all of it."""
+    horizons: tuple[int, ...] = ()
+    """Replay each bag once per horizon, the stream asking for it; empty: the model's."""
 
     def __post_init__(self) -> None:
         if not self.connect_timeout_s > 0:
@@ -80,12 +78,15 @@ class LinkOptions:
             raise ValueError(
                 f"interval_ms {self.interval_ms} and max_seconds {self.max_seconds} must be >= 0"
             )
+        if any(h < 1 for h in self.horizons):
+            raise ValueError(f"horizons must be >= 1, got {list(self.horizons)}")
 
 
-def make_client(opts: LinkOptions, *, seed: int) -> LinkClient:
+def make_client(opts: LinkOptions, *, seed: int, horizon: int = 0) -> LinkClient:
     return LinkClient(
         opts.target,
         seed=seed,
+        horizon=horizon,
         target_interval_ms=opts.interval_ms,
         token=opts.token,
         root_cert_path=opts.root_cert_path,
@@ -143,14 +144,21 @@ def model_info(promise: LinkPromise, action_mode: str) -> ModelInfo:
 
 @dataclass
 class BagReplay:
-    """What one bag's replay brought back."""
+    """What one bag's replay on one stream brought back."""
 
+    horizon: int = 0
+    """The horizon the stream asked for (0: the model's)."""
     frames_sent: int = 0
     sent_ns: dict[int, int] = field(default_factory=dict)
     """seq -> wall clock (ns, the client's clock) when it was handed to the client."""
     predictions: list[Prediction] = field(default_factory=list)
+    newest_sent: list[int] = field(default_factory=list)
+    """Per prediction (same order): the newest seq handed to the client when it came."""
     drops: dict[str, int] = field(default_factory=dict)
     """The client's counts at the end: ``client:<reason>`` and ``server:<reason>``."""
+    observed_chunks: int = 0
+    """Slots the server observed (its counters at the end)."""
+    wall_s: float = 0.0
     connections: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -160,66 +168,79 @@ def command_at(ep: Episode, frame: int) -> np.ndarray | None:
     return ep.actions_for_chunk(frame, 1, 1)[0] if ep.has_commands else None
 
 
+class _Stream:
+    """One bag's stream: sends frames, takes predictions, watches the link."""
+
+    def __init__(self, client: LinkClient, opts: LinkOptions, out: BagReplay) -> None:
+        self.client, self.opts, self.out = client, opts, out
+        self.newest_anchor = -1
+        self.lost_since: float | None = None
+
+    def take(self, timeout_s: float) -> None:
+        p = self.client.get_prediction(timeout_s)
+        while p is not None:
+            self.out.predictions.append(p)
+            self.out.newest_sent.append(self.out.frames_sent - 1)
+            self.newest_anchor = max(self.newest_anchor, p.anchor_slot)
+            p = self.client.get_prediction(0.0)
+
+    def check_link(self) -> None:
+        st = self.client.stats()
+        if st.state == "streaming":
+            self.lost_since = None
+        elif self.lost_since is None:
+            self.lost_since = time.monotonic()
+        elif time.monotonic() - self.lost_since > self.opts.connect_timeout_s + 1.0:
+            raise LinkUnavailable(f"lost physis-serve at {self.opts.target}: {st.last_error}")
+
+    def wait(self, done, what: str, timeout_s: float) -> None:
+        """Take predictions until ``done()`` or the server counts a drop; TimeoutError after
+        ``timeout_s``."""
+        drops_before = self.server_drops()
+        deadline = time.monotonic() + timeout_s
+        while not done() and self.server_drops() == drops_before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} in {timeout_s:g} s")
+            self.check_link()
+            self.take(0.02)
+
+    def server_drops(self) -> int:
+        return sum(v for k, v in self.client.stats().drops.items() if k.startswith("server:"))
+
+
 def replay_bag(
-    ep: Episode, opts: LinkOptions, cfg: EvalConfig, *, seed: int, send_actions: bool
+    ep: Episode, opts: LinkOptions, cfg: EvalConfig, *, seed: int, send_actions: bool, horizon=0
 ) -> BagReplay:
-    """Streams ``ep``'s frames to the server on a stream of its own and collects every
-    prediction. Capture stamps are the bag stamps moved onto this host's clock by one offset
-    per bag (frame 0 is "captured" when the replay starts), so that in realtime the server's
-    capture-to-receive latency means what it means for a robot."""
+    """Streams ``ep``'s frames to the server on a stream of its own (asking for ``horizon``
+    chunks ahead; 0: the model's) and collects every prediction. Capture stamps are the bag
+    stamps moved onto this host's clock by one offset per bag (frame 0 is "captured" when the
+    replay starts), so that in realtime the capture-to-receive latency means what it means
+    for a robot."""
     stamps = ep.frame_stamps_ns
     n = len(stamps)
     if opts.max_seconds:
         n = int(np.searchsorted(stamps, stamps[0] + int(opts.max_seconds * 1e9), side="right"))
-    out = BagReplay()
-    client = make_client(opts, seed=seed)
-    wait_streaming(client, opts)
+    out = BagReplay(horizon=horizon)
+    client = make_client(opts, seed=seed, horizon=horizon)
+    promise = wait_streaming(client, opts)
+    frames_per_slot = max(promise.chunk_frames, 1)
+    stream = _Stream(client, opts, out)
     play_offset_ns = time.time_ns() - int(stamps[0])
     t_play_s = time.monotonic()
-    newest_seq = [-1]
-    lost_since = [None]
-
-    def take(timeout_s: float) -> None:
-        p = client.get_prediction(timeout_s)
-        while p is not None:
-            out.predictions.append(p)
-            newest_seq[0] = max(newest_seq[0], p.observation_seq)
-            p = client.get_prediction(0.0)
-
-    def check_link() -> None:
-        st = client.stats()
-        if st.state == "streaming":
-            lost_since[0] = None
-        elif lost_since[0] is None:
-            lost_since[0] = time.monotonic()
-        elif time.monotonic() - lost_since[0] > opts.connect_timeout_s + 1.0:
-            raise LinkUnavailable(f"lost physis-serve at {opts.target}: {st.last_error}")
-
-    def server_drops() -> int:
-        return sum(v for k, v in client.stats().drops.items() if k.startswith("server:"))
-
-    def wait_used(seq: int) -> None:
-        """Until a prediction conditioned on ``seq`` came back (in chunk order, so every
-        chunk conditioned on an earlier one is in too) or the server counted a drop."""
-        drops_before = server_drops()
-        deadline = time.monotonic() + cfg.poll_timeout_s
-        while newest_seq[0] < seq and server_drops() == drops_before:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"no prediction conditioned on observation {seq} in {cfg.poll_timeout_s:g} s"
-                )
-            check_link()
-            take(0.05)
-
     try:
         for i in range(n):
-            check_link()
+            stream.check_link()
             if cfg.realtime:
                 due_s = t_play_s + (int(stamps[i]) - int(stamps[0])) / 1e9
                 while (wait_s := due_s - time.monotonic()) > 0:
-                    take(min(wait_s, 0.05))
-            elif i > 0:
-                wait_used(i - 1)  # as fast as the server takes them: none superseded
+                    stream.take(min(wait_s, 0.05))
+            else:  # never two waiting in the client (it would keep the newest only)
+                sent = out.frames_sent
+                stream.wait(
+                    lambda sent=sent: client.stats().observations_sent >= sent,
+                    "send of the previous frame",
+                    cfg.poll_timeout_s,
+                )
             client.send_observation(
                 Observation(
                     seq=i,
@@ -230,14 +251,23 @@ def replay_bag(
             )
             out.sent_ns[i] = time.time_ns()
             out.frames_sent = i + 1
-        # the chunks still in flight, up to the first conditioned on the last observation
-        wait_used(n - 1)
+            slot, last_of_slot = divmod(i + 1, frames_per_slot)
+            if not cfg.realtime and last_of_slot == 0:  # its slot is observed: wait for it
+                stream.wait(
+                    lambda s=slot - 1: stream.newest_anchor >= s,
+                    f"prediction anchored on slot {slot - 1}",
+                    cfg.poll_timeout_s,
+                )
+        # the chunks still in flight, up to those anchored on the last full slot
+        last = n // frames_per_slot - 1
+        stream.wait(lambda: stream.newest_anchor >= last, "last prediction", cfg.poll_timeout_s)
     except TimeoutError as err:
         out.notes.append(f"replay stopped after {out.frames_sent} frames: {err}")
     finally:
+        out.wall_s = time.monotonic() - t_play_s
         st = client.stats()
         client.close(timeout_s=2.0)
-        take(0.0)
+        stream.take(0.0)
     out.drops, out.connections = dict(st.drops), st.connections
     if st.connections > 1:
         out.notes.append(f"the stream was reopened {st.connections - 1} time(s): {st.last_error}")
@@ -246,51 +276,26 @@ def replay_bag(
     return out
 
 
-def horizons(predictions: list[Prediction]) -> tuple[list[tuple[Prediction, int]], Counter]:
-    """(prediction, chunks ahead of its observation) where that is known (module docstring),
-    and the count of the others by reason."""
-    known: list[tuple[Prediction, int]] = []
-    unscored: Counter = Counter()
-    streams: dict[int, list[Prediction]] = defaultdict(list)
-    for p in predictions:
-        streams[p.stream_id].append(p)
-    for preds in streams.values():
-        prev_chunk, prev_seq, ctx = -1, -1, None  # a stream's chunk indices start at 0
-        for p in sorted(preds, key=lambda p: p.chunk_index):
-            if p.observation_seq != prev_seq:
-                ctx = p.chunk_index - 1 if p.chunk_index - prev_chunk == 2 else None
-            prev_chunk, prev_seq = p.chunk_index, p.observation_seq
-            if p.observation_seq < 0:
-                unscored["unconditioned (no observation yet)"] += 1
-            elif ctx is None:
-                unscored["horizon unknown (predictions before it were lost)"] += 1
-            else:
-                known.append((p, p.chunk_index - ctx))
-    return known, unscored
-
-
 def score_bag(
     ep: Episode, replay: BagReplay, model: ModelInfo, cfg: EvalConfig
 ) -> tuple[list[WindowResult], Counter, list[dict]]:
-    """One WindowResult per conditioning observation with a scored prediction, the unscored
-    predictions by reason, and strip-plot rows (observations predicted from h = 1 on)."""
+    """One WindowResult per anchor with a scored prediction, the unscored predictions by
+    reason, and strip-plot rows (anchors with predictions from horizon 1 on)."""
     f, h_act = model.frames_per_chunk, model.action_horizon
     n_steps, n_act_steps = cfg.horizon_chunks * f, cfg.horizon_chunks * h_act
-    known, unscored = horizons(replay.predictions)
-    by_seq: dict[int, list[tuple[Prediction, int]]] = defaultdict(list)
-    first_received: dict[int, int] = {}
+    by_seq: dict[int, list[Prediction]] = defaultdict(list)
+    unscored: Counter = Counter()
     for p in replay.predictions:
-        if p.observation_seq >= 0:
-            s = p.observation_seq
-            first_received[s] = min(first_received.get(s, p.received_ns), p.received_ns)
-    for p, h in known:
-        if h > cfg.horizon_chunks:
+        if p.observation_seq < 0 or p.horizon < 1:
+            unscored["no anchor (no observation yet)"] += 1
+        elif p.horizon > cfg.horizon_chunks:
             unscored[f"beyond the evaluated horizon ({cfg.horizon_chunks} chunks)"] += 1
-        elif p.observation_seq + h * f >= len(ep.frames):
+        elif p.first_frame_seq < 0 or p.first_frame_seq + f > len(ep.frames):
             unscored["predicts past the end of the bag"] += 1
         else:
-            by_seq[p.observation_seq].append((p, h))
+            by_seq[p.observation_seq].append(p)
     actions = model.action_mode != "none" and ep.has_commands
+    has_frames = any(p.frames is not None for p in replay.predictions)
     windows, strips = [], []
     for s, items in sorted(by_seq.items()):
         last_seen = ep.frames[s]
@@ -298,23 +303,22 @@ def score_bag(
         win = WindowResult(
             bag=ep.path,
             start_frame=s,
-            psnr=nones(n_steps) if items[0][0].frames is not None else [],
-            ssim=nones(n_steps) if items[0][0].frames is not None else [],
+            psnr=nones(n_steps) if has_frames else [],
+            ssim=nones(n_steps) if has_frames else [],
             baseline_psnr=nones(n_steps),
             baseline_ssim=nones(n_steps),
-            frame_mse=nones(n_steps) if items[0][0].frames is not None else [],
+            frame_mse=nones(n_steps) if has_frames else [],
             baseline_frame_mse=nones(n_steps),
             action_mse=nones(n_act_steps) if model.action_mode == "predict" else None,
             baseline_action_mse=nones(n_act_steps) if actions else None,
-            response_latency_ms=(first_received[s] - replay.sent_ns[s]) / 1e6,
-            output_times_s=[p.received_ns / 1e9 for p, _ in items],
+            response_latency_ms=(min(p.received_ns for p in items) - replay.sent_ns[s]) / 1e6,
+            output_times_s=[p.received_ns / 1e9 for p in items],
             chunk_latency_ms=[
-                (p.server_times_ns["decoded"] - p.server_times_ns["entered"]) / 1e6
-                for p, _ in items
+                (p.server_times_ns["decoded"] - p.server_times_ns["entered"]) / 1e6 for p in items
             ],
         )
-        for p, h in items:
-            first = s + (h - 1) * f + 1
+        for p in items:
+            h, first = p.horizon, p.first_frame_seq
             for i in range(f):
                 j, obs = (h - 1) * f + i, ep.frames[first + i]
                 win.baseline_psnr[j] = psnr(last_seen, obs)
@@ -333,10 +337,10 @@ def score_bag(
                     if win.action_mse is not None and p.actions is not None:
                         win.action_mse[j] = mse(p.actions[i], recorded[i])
         windows.append(win)
-        ahead = sorted(h for _, h in items)
+        ahead = sorted(p.horizon for p in items)
         run = next((k for k in range(len(ahead)) if ahead[k] != k + 1), len(ahead))
-        if run and s + 1 >= f and items[0][0].frames is not None:
-            pred = {h: p for p, h in items}
+        if run and s + 1 >= f and has_frames:
+            pred = {p.horizon: p for p in items}
             strips.append(
                 {
                     "bag": ep.path,
@@ -348,16 +352,21 @@ def score_bag(
     return windows, unscored, strips
 
 
+def anchoring(replay: BagReplay) -> dict[str, list[float]]:
+    """Per anchored prediction: frames sent after its anchor's newest frame by the time it
+    came back, and ms from sending that frame to receiving the prediction."""
+    lag_frames, lag_ms = [], []
+    for p, newest in zip(replay.predictions, replay.newest_sent, strict=True):
+        if p.observation_seq >= 0 and p.observation_seq in replay.sent_ns:
+            lag_frames.append(float(newest - p.observation_seq))
+            lag_ms.append((p.received_ns - replay.sent_ns[p.observation_seq]) / 1e6)
+    return {"frames": lag_frames, "ms": lag_ms}
+
+
 def stream_output_times(replay: BagReplay) -> list[list[float]]:
-    """Per stream, the receive times (s) of its conditioned predictions in chunk order."""
-    streams: dict[int, list[Prediction]] = defaultdict(list)
-    for p in replay.predictions:
-        if p.observation_seq >= 0:
-            streams[p.stream_id].append(p)
-    return [
-        [p.received_ns / 1e9 for p in sorted(ps, key=lambda p: p.chunk_index)]
-        for ps in streams.values()
-    ]
+    """The receive times (s) of the stream's anchored predictions in chunk order."""
+    preds = [p for p in replay.predictions if p.observation_seq >= 0]
+    return [[p.received_ns / 1e9 for p in sorted(preds, key=lambda p: p.chunk_index)]]
 
 
 def evaluate_link(
@@ -369,27 +378,35 @@ def evaluate_link(
     progress: bool = True,
     strip_windows: int = 3,
 ) -> EvalResult:
-    """Replay every readable bag over the link (one stream each) and score it; bags that
-    cannot be read are skipped with the reason; LinkUnavailable when the server is not there."""
+    """Replay every readable bag over the link (one stream per bag and horizon) and score it;
+    bags that cannot be read are skipped with the reason; LinkUnavailable when the server is
+    not there."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     promise = probe(opts)
-    # The promise does not say whether the model predicts actions or is conditioned on
-    # them: assume conditioned (commands are sent) until a prediction carries actions.
-    action_mode = "none" if promise.action_dim == 0 else "condition"
+    action_mode = promise.action_mode or ("none" if promise.action_dim == 0 else "condition")
     model = model_info(promise, action_mode)
     result = EvalResult(model=model, config=cfg, mode="link", output_sequences_s=[])
     episodes = load_episodes(
         bag_paths, model, cfg, result, topics=topics, require_commands=promise.action_dim > 0
     )
+    horizons = opts.horizons or (0,)
     hops: dict[str, list[float]] = defaultdict(list)
     drops: Counter = Counter()
     unscored_all: Counter = Counter()
-    received = connections = 0
-    for index, ep in enumerate(tqdm(episodes, desc="bags", unit="bag", disable=not progress)):
+    lag: dict[str, list[float]] = {"frames": [], "ms": []}
+    received = connections = observed = 0
+    replay_s = 0.0
+    runs = [(ep, h) for ep in episodes for h in horizons]
+    for index, (ep, horizon) in enumerate(tqdm(runs, desc="streams", disable=not progress)):
         replay = replay_bag(
-            ep, opts, cfg, seed=cfg.seed + index, send_actions=promise.action_dim > 0
+            ep,
+            opts,
+            cfg,
+            seed=cfg.seed + index,
+            send_actions=promise.action_dim > 0,
+            horizon=horizon,
         )
         if any(p.actions is not None for p in replay.predictions) and action_mode != "predict":
             action_mode = "predict"
@@ -405,23 +422,35 @@ def evaluate_link(
                 # capture stamps only mean capture times when frames go out at their timing
                 if cfg.realtime or name != "capture_to_received":
                     hops[name].append(ms)
+        for key, values in anchoring(replay).items():
+            lag[key] += values
         drops.update(replay.drops)
         unscored_all.update(unscored)
         received += len(replay.predictions)
+        observed += replay.frames_sent // max(model.frames_per_chunk, 1)
+        replay_s += replay.wall_s
         connections += replay.connections
         ep.notes.extend(replay.notes)
         result.bags.append(bag_entry(ep, len(windows)))
     result.link = {
         "target": opts.target,
         "requested_interval_ms": opts.interval_ms,
+        "horizons": list(opts.horizons) or [promise.horizon],
         "promise": dataclasses.asdict(promise),
         "streams_opened": connections,
         "predictions_received": received,
         "predictions_scored": sum(len(w.output_times_s) for w in result.windows),
         "unscored_predictions": dict(unscored_all),
         "hop_ms": {name: summarize(v) for name, v in sorted(hops.items())},
+        "anchoring_lag_frames": summarize(lag["frames"]),
+        "anchoring_lag_ms": summarize(lag["ms"]),
+        "rate": {
+            "replay_s": round(replay_s, 3),
+            "predictions_per_s": received / replay_s if replay_s else None,
+            "observed_slots_per_s": observed / replay_s if replay_s else None,
+        },
         "drops": dict(sorted(drops.items())),
-        "window": "one conditioning observation: its predictions h = 1.. chunks ahead",
+        "window": "one anchor (observed slot): its predictions 1.. chunks ahead of it",
     }
     result.wall_s = time.perf_counter() - t0
     return result

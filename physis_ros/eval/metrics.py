@@ -1,9 +1,7 @@
 """Image and action metrics: MSE, PSNR, SSIM, per frame; and their summaries.
 
 What belongs here: pure numpy functions on uint8 images ([H, W, 3] or [N, H, W, 3]) and
-float actions. SSIM follows Wang et al. 2004 (11x11 Gaussian window, sigma 1.5, K1 0.01,
-K2 0.03, data range 255, unbiased window covariances), computed per channel on the valid
-region (no padding) and averaged over channels and positions.
+float actions. SSIM is scikit-image's (Wang et al. 2004 settings, see ``ssim``).
 """
 
 from __future__ import annotations
@@ -14,6 +12,8 @@ import numpy as np
 
 PSNR_CAP_DB = 100.0
 """PSNR of identical images (infinite) is reported as this cap, so means stay finite."""
+SSIM_WINDOW = 11
+"""Side of SSIM's Gaussian window (sigma 1.5, truncated at 3.5 sigma): the smallest image."""
 
 
 def mse(a: np.ndarray, b: np.ndarray) -> float:
@@ -32,44 +32,29 @@ def psnr(a: np.ndarray, b: np.ndarray, data_range: float = 255.0) -> float:
     return min(PSNR_CAP_DB, 10.0 * math.log10(data_range * data_range / err))
 
 
-def _gaussian_kernel(size: int = 11, sigma: float = 1.5) -> np.ndarray:
-    x = np.arange(size) - (size - 1) / 2
-    k = np.exp(-(x * x) / (2 * sigma * sigma))
-    return k / k.sum()
-
-
-def _filter_valid(img: np.ndarray, kernel: np.ndarray) -> np.ndarray:
-    """Separable 'valid' correlation over the first two axes of [H, W, C]."""
-    n = len(kernel)
-    h, w = img.shape[:2]
-    rows = sum(kernel[i] * img[i : h - n + 1 + i] for i in range(n))
-    return sum(kernel[i] * rows[:, i : w - n + 1 + i] for i in range(n))
-
-
 def ssim(a: np.ndarray, b: np.ndarray, data_range: float = 255.0) -> float:
-    """Structural similarity of two [H, W, C] (or [H, W]) images, mean over channels."""
+    """Structural similarity of two [H, W, C] (or [H, W]) images, mean over channels and
+    positions: scikit-image's, with Wang et al. 2004's settings (11x11 Gaussian window, sigma
+    1.5, K1 0.01, K2 0.03, population covariances), over the valid region."""
+    from skimage.metrics import structural_similarity
+
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
-    x = a.astype(np.float64)
-    y = b.astype(np.float64)
-    if x.ndim == 2:
-        x, y = x[..., None], y[..., None]
-    win = 11 if min(x.shape[:2]) >= 11 else (min(x.shape[:2]) // 2) * 2 - 1
-    if win < 3:
-        raise ValueError(f"image {a.shape} is too small for SSIM (needs at least 3x3)")
-    kernel = _gaussian_kernel(win, 1.5)
-    c1 = (0.01 * data_range) ** 2
-    c2 = (0.03 * data_range) ** 2
-    mu_x, mu_y = _filter_valid(x, kernel), _filter_valid(y, kernel)
-    # unbiased (co)variances, as scikit-image's use_sample_covariance=True
-    n_eff = win * win
-    cov_norm = n_eff / (n_eff - 1)
-    var_x = cov_norm * (_filter_valid(x * x, kernel) - mu_x * mu_x)
-    var_y = cov_norm * (_filter_valid(y * y, kernel) - mu_y * mu_y)
-    cov = cov_norm * (_filter_valid(x * y, kernel) - mu_x * mu_y)
-    num = (2 * mu_x * mu_y + c1) * (2 * cov + c2)
-    den = (mu_x * mu_x + mu_y * mu_y + c1) * (var_x + var_y + c2)
-    return float(np.mean(num / den))
+    if min(a.shape[:2]) < SSIM_WINDOW:
+        raise ValueError(
+            f"image {a.shape} is too small for SSIM (needs {SSIM_WINDOW}x{SSIM_WINDOW})"
+        )
+    return float(
+        structural_similarity(
+            a.astype(np.float64),
+            b.astype(np.float64),
+            data_range=data_range,
+            channel_axis=-1 if a.ndim == 3 else None,
+            gaussian_weights=True,
+            sigma=1.5,
+            use_sample_covariance=False,
+        )
+    )
 
 
 def summarize(values: list[float] | np.ndarray) -> dict[str, float | int | None]:

@@ -41,11 +41,23 @@ def _fmt(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 or float(v).is_integer() else f"{v:.3g}"
 
 
+LEGEND_ROW = 18
+LEGEND_COLUMNS = 2
+
+
 class _Axes:
-    def __init__(self, title: str, xlabel: str, ylabel: str, xr, yr) -> None:
+    """A plot area with ticks, labels and, below the x label (never over the data), a legend
+    of ``names`` in two columns."""
+
+    def __init__(  # noqa: PLR0917 - a chart's texts, ranges and legend
+        self, title: str, xlabel: str, ylabel: str, xr, yr, names: list[str]
+    ) -> None:
         from PIL import Image, ImageDraw
 
-        self.img = Image.new("RGB", (WIDTH, HEIGHT), "white")
+        self.names = names
+        rows = math.ceil(len(names) / LEGEND_COLUMNS)
+        self.height = HEIGHT + LEGEND_ROW * rows + (6 if rows else 0)
+        self.img = Image.new("RGB", (WIDTH, self.height), "white")
         self.draw = ImageDraw.Draw(self.img)
         pad_y = 0.05 * (yr[1] - yr[0] or 1.0)
         self.x0, self.x1 = xr
@@ -79,14 +91,15 @@ class _Axes:
             self.bottom - fy * (self.bottom - self.top),
         )
 
-    def legend(self, names: list[str]) -> None:
+    def legend(self) -> None:
         f = _font()
-        for i, name in enumerate(names):
-            y = self.top + 10 + 18 * i
-            self.draw.line(
-                [self.right - 190, y, self.right - 165, y], fill=COLORS[i % len(COLORS)], width=3
-            )
-            self.draw.text((self.right - 200, y), name, fill="black", font=f, anchor="lm")
+        column_w = (self.right - self.left) / LEGEND_COLUMNS
+        for i, name in enumerate(self.names):
+            row, col = divmod(i, LEGEND_COLUMNS)
+            x = self.left + col * column_w
+            y = HEIGHT + 4 + LEGEND_ROW * row
+            self.draw.line([x, y, x + 24, y], fill=COLORS[i % len(COLORS)], width=3)
+            self.draw.text((x + 30, y), name, fill="black", font=f, anchor="lm")
 
     def save(self, path: Path | str) -> None:
         self.img.save(str(path))
@@ -108,7 +121,9 @@ def line_chart(
     }
     all_x = [x for p in pts.values() for x, _ in p] or [0.0, 1.0]
     all_y = [y for p in pts.values() for _, y in p] or [0.0, 1.0]
-    ax = _Axes(title, xlabel, ylabel, (min(all_x), max(all_x)), (min(all_y), max(all_y)))
+    ax = _Axes(
+        title, xlabel, ylabel, (min(all_x), max(all_x)), (min(all_y), max(all_y)), list(series)
+    )
     for i, p in enumerate(pts.values()):
         color = COLORS[i % len(COLORS)]
         xy = [ax.px(x, y) for x, y in p]
@@ -117,7 +132,7 @@ def line_chart(
         if markers:
             for x, y in xy:
                 ax.draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=color)
-    ax.legend(list(series))
+    ax.legend()
     ax.save(path)
 
 
@@ -132,7 +147,7 @@ def histogram(
     edges = np.linspace(lo, hi, bins + 1)
     counts = {k: np.histogram(np.asarray(vs, float), bins=edges)[0] for k, vs in values.items()}
     top = max((int(c.max()) for c in counts.values() if c.size), default=1) or 1
-    ax = _Axes(title, xlabel, "count", (lo, hi), (0, top))
+    ax = _Axes(title, xlabel, "count", (lo, hi), (0, top), list(values))
     for i, c in enumerate(counts.values()):
         color = COLORS[i % len(COLORS)]
         for j, n in enumerate(c):
@@ -140,7 +155,7 @@ def histogram(
                 x_a, y_a = ax.px(edges[j], n)
                 x_b, y_b = ax.px(edges[j + 1], 0)
                 ax.draw.rectangle([x_a + 1, y_a, x_b - 1, y_b], outline=color, width=2)
-    ax.legend(list(values))
+    ax.legend()
     ax.save(path)
 
 

@@ -93,6 +93,7 @@ def build_report(result: EvalResult) -> dict:
             else None
         )
         entry = {"chunk": c + 1, "psnr": mean("psnr"), "baseline_psnr": mean("baseline_psnr")}
+        entry["windows"] = min((e["windows"] for e in rows), default=0)
         entry["psnr_of_mean_mse"] = mean("psnr_of_mean_mse")
         entry["baseline_psnr_of_mean_mse"] = mean("baseline_psnr_of_mean_mse")
         entry["ssim"], entry["baseline_ssim"] = mean("ssim"), mean("baseline_ssim")
@@ -148,20 +149,29 @@ def render_markdown(report: dict) -> str:
         what = (
             f"{report['windows']} windows from {len(report['bags'])} bags "
             f"({len(report['skipped_bags'])} bags skipped), in process; each window: "
-            f"{cfg['context_chunks']} context chunks, then {cfg['horizon_chunks']} predicted "
-            f"chunks of {m['frames_per_chunk']} frames at {cfg['frame_hz']} Hz; replay "
-            f"{'at recorded timing' if cfg['realtime'] else 'as fast as possible'}."
+            f"{cfg['context_chunks']} observed chunks, then {cfg['horizon_chunks']} predicted "
+            f"chunks of {m['frames_per_chunk']} frames at {cfg['frame_hz']} Hz, all anchored on "
+            "the last observed one"
+            + (
+                ", conditioned on the recorded commands that followed (no server knows them)"
+                if cfg.get("future_commands")
+                else ", conditioned on its last command held (as served)"
+                if m["action_mode"] == "condition"
+                else ""
+            )
+            + f"; replay {'at recorded timing' if cfg['realtime'] else 'as fast as possible'}."
         )
     else:
         what = (
             f"Over the link to physis-serve at `{link['target']}`: {len(report['bags'])} bags "
             f"({len(report['skipped_bags'])} skipped) streamed frame by frame "
             f"{'at recorded timing' if cfg['realtime'] else 'as fast as the server took them'}"
-            f"; {link['predictions_scored']} of {link['predictions_received']} predictions "
-            f"scored, from {report['windows']} conditioning observations (a window here), up to "
-            f"{cfg['horizon_chunks']} chunks of {m['frames_per_chunk']} frames ahead of the "
-            f"observation they are conditioned on, at {cfg['frame_hz']} Hz. Response latency: "
-            "observation handed to the client -> first prediction conditioned on it received; "
+            f", one stream per bag and horizon {link['horizons']}; "
+            f"{link['predictions_scored']} of {link['predictions_received']} predictions "
+            f"scored, from {report['windows']} anchors (a window here: an observed slot), up to "
+            f"{cfg['horizon_chunks']} chunks of {m['frames_per_chunk']} frames ahead of their "
+            f"anchor, at {cfg['frame_hz']} Hz. Response latency: the anchor's newest frame "
+            "handed to the client -> first prediction anchored on it received; "
             "chunk latency: entered the pipeline -> decoded, on the server."
         )
     lines = [
@@ -172,13 +182,16 @@ def render_markdown(report: dict) -> str:
         "",
         "## Per predicted chunk",
         "",
-        "| chunk | PSNR dB | copy-last PSNR dB | gain dB | PSNR(mean MSE) "
+        "PSNR is the mean over windows of per-frame PSNR (what a user feels; identical frames "
+        f"count as {PSNR_CAP_DB:.0f} dB); PSNR(mean MSE) pools the pixel error over windows.",
+        "",
+        "| chunk | windows | PSNR dB | copy-last PSNR dB | gain dB | PSNR(mean MSE) "
         "| copy-last PSNR(mean MSE) | SSIM | copy-last SSIM |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in report["by_chunk"]:
         lines.append(
-            f"| {e['chunk']} | {_f(e['psnr'])} | {_f(e['baseline_psnr'])} "
+            f"| {e['chunk']} | {e['windows']} | {_f(e['psnr'])} | {_f(e['baseline_psnr'])} "
             f"| {_f(e['psnr_gain_db'])} | {_f(e['psnr_of_mean_mse'])} "
             f"| {_f(e['baseline_psnr_of_mean_mse'])} | {_f(e['ssim'], 3)} "
             f"| {_f(e['baseline_ssim'], 3)} |"
@@ -213,7 +226,19 @@ def render_markdown(report: dict) -> str:
         for name, st in link["hop_ms"].items():
             lines.append(f"| {name} | {_f(st['median'])} | {_f(st['p99'])} | {st['count']} |")
         lines.append("")
-        lines.append(f"- streams opened: {link['streams_opened']}")
+        lines.append(f"- streams opened: {link['streams_opened']}, horizons {link['horizons']}")
+        lag_f, lag_ms = link["anchoring_lag_frames"], link["anchoring_lag_ms"]
+        lines.append(
+            f"- anchoring lag (frames sent after the anchor's newest frame when its prediction "
+            f"came back): median {_f(lag_f['median'], 1)}, p99 {_f(lag_f['p99'], 1)}; "
+            f"anchor frame sent -> prediction received: median {_f(lag_ms['median'])} ms, "
+            f"p99 {_f(lag_ms['p99'])} ms"
+        )
+        rate = link["rate"]
+        lines.append(
+            f"- rate achieved: {_f(rate['predictions_per_s'])} predictions/s, "
+            f"{_f(rate['observed_slots_per_s'])} observed slots/s over {_f(rate['replay_s'], 1)} s"
+        )
         for name, n in link["drops"].items():
             lines.append(f"- dropped {n}: {name}")
         for reason, n in link["unscored_predictions"].items():
@@ -272,7 +297,7 @@ def write_report(result: EvalResult, out_dir: Path | str, *, engine: dict | None
         xlabel="horizon step (frames ahead)",
         ylabel="PSNR dB",
     )
-    if any(e["baseline_action_mse"] is not None for e in report["horizon"]):
+    if any(e["action_mse"] is not None for e in report["horizon"]):  # a world-action model
         line_chart(
             out / "action_error_vs_horizon.png",
             {

@@ -75,6 +75,11 @@ class LinkPromise:
     """The interval the server paces the stream at (0: unpaced)."""
     revision: int = 0
     """0: the promise made at OpenStream; n: its n-th revision."""
+    horizon: int = 0
+    """Chunks ahead of its newest observation the stream predicts."""
+    action_mode: str = ""
+    """none / condition: a world model (frames only); predict: a world-action model (its
+    chunks carry actions); empty: the server did not say."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,8 +131,12 @@ class LinkClient:
         tune_process: bool = True,
         response_latency_budget_ms: float = 0.0,
         on_prediction: Callable[[Prediction], None] | None = None,
+        horizon: int = 0,
     ) -> None:
-        """``clock_ns`` is the robot clock: it must be the clock of the capture stamps
+        """``horizon``: chunks ahead of its newest observation the stream asks for (0: the
+        model's default).
+
+        ``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
 
         ``tune_process``: on start, (1) let this process reuse freed large buffers instead
@@ -160,6 +169,8 @@ class LinkClient:
                 f"response_latency_budget_ms must be >= 0 (0: none), got "
                 f"{response_latency_budget_ms}"
             )
+        if horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: the model's), got {horizon}")
         if prediction_queue_size < 1:
             raise ValueError(f"prediction_queue_size must be >= 1, got {prediction_queue_size}")
         if (client_cert_path is None) != (client_key_path is None):
@@ -174,6 +185,7 @@ class LinkClient:
             client_name=client_name,
             prompt=prompt,
             response_latency_budget_ms=response_latency_budget_ms,
+            horizon=horizon,
         )
         if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
             array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
@@ -565,6 +577,9 @@ class LinkClient:
             action_start_ns=p.action_start_ns,
             action_dt_ns=p.action_dt_ns,
             known_action_rows=p.known_action_rows,
+            anchor_slot=p.anchor_slot,
+            horizon=p.horizon,
+            first_frame_seq=p.first_frame_seq,
         )
 
     def _take_counters(self, counters: pb.StreamCounters) -> dict[str, int]:

@@ -31,6 +31,8 @@ PROMISE_FIELDS = (
     "action_dim",
     "target_interval_ms",
     "revision",
+    "horizon",
+    "action_mode",
 )
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
@@ -115,7 +117,7 @@ class Prediction:
     actions: np.ndarray | None
     """[H, A] float32."""
     observation_seq: int
-    """Seq of the observation it is conditioned on (-1 if none yet)."""
+    """Seq of the newest observation of its anchor slot (-1: no anchor yet)."""
     observation_stamp_ns: int
     """Capture stamp of that observation, robot clock (0 if none)."""
     server_times_ns: dict[str, int]
@@ -132,6 +134,13 @@ class Prediction:
     """Robot clock ns between rows (with action_start_ns)."""
     known_action_rows: int = 0
     """Leading rows that are the robot's own committed ones."""
+    anchor_slot: int = -1
+    """The newest observed slot when it entered (-1: none): it reads the stream's
+    observations up to that slot."""
+    horizon: int = 0
+    """chunk_index - anchor_slot: how many chunks ahead of its anchor it predicts."""
+    first_frame_seq: int = -1
+    """The observation seq its first predicted frame corresponds to (-1: unknown)."""
 
 
 HOP_NAMES = ("received", "queued", "entered", "left", "decoded", "sent")

@@ -13,9 +13,13 @@ Out, at the rate the server delivers (published from the link's receive thread):
 (for a joint_trajectory_controller), ``predicted/ee_path`` (MarkerArray, planar forward
 kinematics), once a second ``pipeline_stats`` and ``/diagnostics``.
 
-Safety (``safety.ActionGate``): stale rows are never published; when chunks stop arriving
-for the deadline, model actions stop, the ``hold``/``zeros`` fallback goes out once, and
-/diagnostics says ERROR until chunks arrive again; the link client reconnects by itself.
+Safety (``safety.ActionGate``), for a world-action model (its chunks carry actions; the
+promise's ``action_mode`` is ``predict``): stale rows are never published; when chunks stop
+arriving for the deadline, model actions stop, the ``hold``/``zeros`` fallback goes out once
+with the reason logged, and /diagnostics says ERROR (published at once, then every stats
+period) until a model chunk is published again: never OK while the robot holds. A world model
+(frames only) commands nothing: late predictions make /diagnostics WARN, never a fallback.
+The link client reconnects by itself.
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ class Bridge(Node):
         self._observed: OrderedDict[int, object] = OrderedDict()
         self._lock = threading.Lock()
         self._last_chunk_s: float | None = None
+        self.holding = ""
+        """Why the robot holds (a fallback went out, no model chunk published since); "": not."""
         self._stream_id: int | None = None
         self._promise = None  # the link's promise, refreshed by the receive thread and timers
         self._link_error_logged = ""
@@ -448,16 +454,7 @@ class Bridge(Node):
         if pred.frames is not None and len(pred.frames):
             self._publish_frames(pred, start_ns, interval_s / len(pred.frames))
         if pred.actions is None:
-            # a world model without actions: only the deadline's bookkeeping
-            self.gate.on_chunk(
-                now_ns=self.now_ns(),
-                chunk_index=pred.chunk_index,
-                actions=np.zeros((1, 0)),
-                start_ns=start_ns,
-                dt_s=interval_s,
-                observation_stamp_ns=0,
-            )
-            return
+            return  # a world model: frames only, nothing for the action gate
         actions = np.asarray(pred.actions, dtype=np.float32).reshape(len(pred.actions), -1)
         if pred.action_start_ns > 0 and pred.action_dt_ns > 0:
             self._publish_timed_chunk(pred, actions)
@@ -486,6 +483,9 @@ class Bridge(Node):
             observation_stamp_ns=pred.observation_stamp_ns,
         )
         self.counts["chunks_published"] += 1
+        if self.holding:
+            self.get_logger().info("model actions resumed")
+            self.holding = ""
 
     def _publish_timed_chunk(self, pred: Prediction, actions: np.ndarray) -> None:
         """A chunk whose rows say the time they are for (a world-action model's): the gate
@@ -630,12 +630,25 @@ class Bridge(Node):
     def now_ns(self) -> int:
         return self.get_clock().now().nanoseconds
 
+    def seconds_since_chunk(self) -> float:
+        """Since the last prediction came (0 before the first)."""
+        last = self._last_chunk_s
+        return time.monotonic() - last if last is not None else 0.0
+
+    def predicts_actions(self) -> bool:
+        """A world-action model (its chunks carry actions), by the stream's promise or, from
+        a server that does not say, by the chunks themselves."""
+        promise = self._promise
+        if promise is not None and promise.action_mode:
+            return promise.action_mode == "predict"
+        return self.gate.armed()
+
     @quiet_at_shutdown
     def _on_watchdog(self) -> None:
         self._flush_awaiting_command(deadline_only=True)
         now_ns = self.now_ns()
-        if not self.gate.check_deadline(now_ns):
-            return
+        if not self.predicts_actions() or not self.gate.check_deadline(now_ns):
+            return  # a world model commands nothing: there is nothing to stop or hold
         promise = self._promise
         horizon = promise.action_horizon if promise and promise.action_horizon else 1
         latest = self.pairer.latest("joints")
@@ -645,11 +658,17 @@ class Bridge(Node):
             if promise and promise.action_dim
             else (len(held) if held is not None else 0)
         )
+        link = self.client.stats()
+        self.holding = (
+            f"no chunk for {self.gate.deadline_s * 1e3:.0f} ms (link {link.state}"
+            + (f": {link.last_error}" if link.last_error else "")
+            + ")"
+        )
         self.get_logger().error(
-            f"no chunk for {self.gate.deadline_s * 1e3:.0f} ms: model actions stopped, "
-            f"publishing the {self.p.fallback} fallback"
+            f"model actions stopped, publishing the {self.p.fallback} fallback: {self.holding}"
         )
         if dim == 0:
+            self._publish_diagnostics(now_ns, link)
             return
         source = (
             ActionChunk.SOURCE_FALLBACK_HOLD
@@ -659,10 +678,11 @@ class Bridge(Node):
         rows = self.gate.fallback_actions(horizon=horizon, dim=dim, held=held)
         self._publish_actions(rows, now_ns, self.gate.deadline_s / horizon, source)
         self.counts["fallbacks"] += 1
+        self._publish_diagnostics(now_ns, link)  # ERROR now, not at the next stats period
 
     @quiet_at_shutdown
     def _on_stats_timer(self) -> None:
-        from physis_ros.nodes.bridge_report import diagnostics_report, pipeline_stats_msg
+        from physis_ros.nodes.bridge_report import pipeline_stats_msg
 
         link = self.client.stats()
         self._promise = link.promise
@@ -672,6 +692,11 @@ class Bridge(Node):
             self._link_error_logged = link.last_error
         now_ns = self.now_ns()
         self.stats_pub.publish(pipeline_stats_msg(self, link, now_ns))
+        self._publish_diagnostics(now_ns, link)
+
+    def _publish_diagnostics(self, now_ns: int, link) -> None:
+        from physis_ros.nodes.bridge_report import diagnostics_report
+
         self.diag_pub.publish(
             outputs.diagnostic_array(
                 stamp_ns=now_ns,

@@ -11,7 +11,7 @@ def pipeline_stats_msg(node, link, now_ns: int) -> PipelineStats:
     msg = PipelineStats()
     msg.header.stamp = outputs.time_msg(now_ns)
     msg.connection_state = outputs.CONNECTION_STATES.get(link.state, PipelineStats.DISCONNECTED)
-    msg.actions_stale = bool(node.gate.stale)
+    msg.actions_stale = bool(node.holding)
     promise = link.promise
     if promise is not None:
         msg.stream_id = int(promise.stream_id)
@@ -121,11 +121,16 @@ def diagnostics_report(node, link) -> dict:
         "fallbacks_published": node.counts["fallbacks"],
         "deadline_ms": node.gate.deadline_s * 1e3,
     }
-    if node.gate.stale:
+    world_model = not node.predicts_actions()
+    late_s = node.seconds_since_chunk()
+    output_values["model_kind"] = "world model" if world_model else "world-action model"
+    output_values["holding"] = node.holding
+    if node.holding:  # never OK while the robot holds
         output_level = outputs.LEVEL_ERROR
-        output_message = (
-            f"no chunk within {node.gate.deadline_s * 1e3:.0f} ms: {node.p.fallback} fallback out"
-        )
+        output_message = f"{node.p.fallback} fallback out: {node.holding}"
+    elif world_model and node.counts["chunks_received"] and late_s > node.gate.deadline_s:
+        output_level = outputs.LEVEL_WARN
+        output_message = f"no predicted frames for {late_s * 1e3:.0f} ms"
     elif node.counts["chunks_received"] == 0:
         output_level, output_message = outputs.LEVEL_WARN, "no chunk yet"
     elif target_ms > 0 and interval["median"] > 1.1 * target_ms:
@@ -148,7 +153,7 @@ def diagnostics_report(node, link) -> dict:
         link_values.update(
             model=promise.model, stream_id=promise.stream_id, pipeline_depth=promise.pipeline_depth
         )
-    if node.gate.stale or (link.state == "disconnected" and link.connections > 0):
+    if node.holding or (link.state == "disconnected" and link.connections > 0):
         link_level, link_message = (
             outputs.LEVEL_ERROR,
             f"link {link.state}: {link.last_error or 'chunks stopped'}",

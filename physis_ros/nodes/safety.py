@@ -103,6 +103,11 @@ class ActionGate:
                 publish=True, start_ns=start_ns + first * dt_ns, actions=actions[first:]
             )
 
+    def armed(self) -> bool:
+        """A chunk with actions came: the deadline runs from now on."""
+        with self._lock:
+            return self._last_arrival_ns is not None
+
     def check_deadline(self, now_ns: int) -> bool:
         """True exactly once when chunks have been missing for the deadline (go stale)."""
         with self._lock:

@@ -211,6 +211,8 @@ def build_local(spec: ServingSpec) -> tuple[PooledEngine, ServerDescription]:
         steps=sampler.steps,
         window=sampler.window,
         shift=sampler.shift,
+        context_noise=sampler.context_noise,
+        horizon=spec.horizon,
         mode=spec.mode,
         workers=max(candidates),
         batching=spec.batching,
@@ -283,6 +285,7 @@ def describe(spec: ServingSpec, served: PooledEngine, pool: Pool, *, kind: str):
             + f": {plan.describe()}; policy {spec.policy}"
         ),
         action_mode=cfg.action_mode,
+        horizon=spec.horizon or 0,
         engine_info=engine_info,
     )
 

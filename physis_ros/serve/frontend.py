@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from physis_ros.engine.api import AdmissionRefused, StreamFailed, StreamSpec
+from physis_ros.engine.api import DEFAULT_HORIZON, AdmissionRefused, StreamFailed, StreamSpec
 from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
@@ -108,6 +108,9 @@ class ServerDescription:
     placement: str = ""
     action_mode: str = "none"
     """The model's action_mode; "condition": generate requests carry commanded actions."""
+    horizon: int = 0
+    """The model's default horizon (weights' metadata; 0: none, streams then get
+    ``DEFAULT_HORIZON``)."""
     engine_info: Callable[[], dict[str, Any]] | None = None
     """What the engine reports about itself (workers, open streams / slots), on demand."""
 
@@ -207,12 +210,15 @@ class Frontend:
                 self._opening -= 1
 
     def _admit(self, spec: pb.StreamSpec, embedding, context) -> pb.OpenStreamReply:
+        # A served stream always has a horizon: observations replace predicted slots.
+        horizon = spec.horizon or self._description.horizon or DEFAULT_HORIZON
         engine_spec = StreamSpec(
             seed=spec.seed,
             target_interval_ms=spec.target_interval_ms,
             prompt=spec.prompt,
             prompt_embedding=embedding,
             response_latency_budget_ms=spec.response_latency_budget_ms,
+            horizon=horizon,
         )
         try:
             promise = self._loop.call(

@@ -1,25 +1,27 @@
 """Per-stream pacing between the gRPC front end and the engine.
 
 ``Session`` is one admitted stream: the gRPC reader thread offers it client messages (checked
-here; bad ones dropped and counted by reason), it keeps the newest checked observation in a
-one-slot buffer (newest wins), as a context chunk of the stream's newest frames (every
-checked frame enters the stream's frame history), and it queues outgoing messages for the
-gRPC writer.
+here; bad ones dropped and counted by reason), assigns every checked camera frame to its time
+slot (``slots.SlotAssembler``: frame n of the stream is in slot n // F; gaps filled and
+counted) and queues each completed slot's observed chunk for the engine thread; it also
+queues outgoing messages for the gRPC writer.
 
-``EngineLoop`` is the one thread that calls the engine (the gRPC threads never block on it):
-per stream it keeps ``pipeline_depth`` generate requests in flight (paced by the interval the
-stream was admitted at), puts the newest observation in as a context chunk right before a
-generate request (at most one context chunk per generated chunk, so observations cannot starve
-generation), polls the engine, and maps each finished chunk to a prediction that names the
-observation it is conditioned on. Promises the engine revises (another stream joined or
-left) replace the stream's own and go to its client.
+``EngineLoop`` is the one thread that calls the engine (the gRPC threads never block on it),
+on the live timeline (DESIGN.md §3): every observed chunk enters as its slot's observation
+(replacing the prediction of that slot in the history of every chunk released after it),
+then the stream's not yet generated slots up to newest observed + horizon are generated
+(at stream start ``horizon`` chunks, then one per observed chunk), conditioned on the newest
+commanded actions held. It polls the engine and maps each finished chunk to a prediction
+that names its anchor (the observation it reads last) and how many chunks ahead it is.
+Generation is paced at the interval the stream was admitted at (a burst of up to ``horizon``
+chunks allowed: the slots a new observation releases at once). Promises the engine revises
+(another stream joined or left) replace the stream's own and go to its client.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import math
@@ -47,8 +49,9 @@ from physis_ros.link.wire import (
     serialize_with_payload,
     tensor_header,
 )
-from physis_ros.serve.observations import ContextInput, check_header, context_input
+from physis_ros.serve.observations import check_header, context_input
 from physis_ros.serve.ratelog import RateLimit, held_note
+from physis_ros.serve.slots import ObservedChunk, SlotAssembler
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,11 @@ class SessionLimits:
 
 
 FRAMES_DATA_PATH = ("prediction", "frames", "data")
+MAX_BACKLOG_FACTOR = 4
+"""A stream generates no more while this many times (pipeline depth + horizon) of its chunks
+are still in the engine (the engine cannot keep up with its frames)."""
+ANCHORS_KEPT = 1024
+"""Observed slots a stream remembers for the replies of chunks anchored on them."""
 
 
 def fill_promise(out: pb.StreamPromise, promise: StreamPromise, limits: SessionLimits) -> None:
@@ -109,8 +117,8 @@ class ChunkReady:
     Prediction (so the engine thread does no per-stream serialisation)."""
 
     out: ChunkOutput
-    conditioning: tuple[ContextInput, int] | None
-    """The observation it is conditioned on and when that was queued (server wall ns)."""
+    conditioning: tuple[ObservedChunk, int] | None
+    """Its anchor's observed chunk and when that was queued (server wall ns)."""
 
 
 @dataclass(frozen=True)
@@ -140,16 +148,14 @@ class Session:
         # request of 0); an engine without admission paces at the request.
         paced_ms = promise.target_interval_ms or target_interval_ms
         self.interval_s = max(paced_ms, 0.0) / 1000.0
+        self.next_generate_s = 0.0
+        """Monotonic: when the pace allows the next generated chunk."""
         self.opened_s = time.monotonic()
         self._lock = threading.Lock()
-        self._newest: ContextInput | None = None
-        # The newest chunk_frames camera frames, in arrival order: every checked observation's
-        # frame enters it (also one superseded before it was used), and a context chunk is
-        # built from it, as training and the eval build an observed chunk from consecutive
-        # real frames. Cleared when the stream ends.
-        self._frames: collections.deque[np.ndarray] = collections.deque(
-            maxlen=max(promise.chunk_frames, 1)
-        )
+        self.slots = SlotAssembler(max(promise.chunk_frames, 1), promise.action_horizon)
+        """Frames -> observed chunks (the reader thread adds, under the lock)."""
+        self._observed: collections.deque[ObservedChunk] = collections.deque()
+        """Completed observed chunks the engine thread has not taken yet."""
         self._last_seq: int | None = None
         self._outbound: collections.deque[Any] = collections.deque()
         # One token per item pushed: the writer takes a token, then an item (if one is still
@@ -160,6 +166,8 @@ class Session:
         self.closed = False
         self.on_end: Callable[[str], None] | None = None
         """Called once when the stream ends (the front end forgets it)."""
+        self.on_observed: Callable[[], None] | None = None
+        """Called when an observed chunk completed (wakes the engine thread)."""
         self.observations_received = 0
         self.observations_used = 0
         self.predictions_sent = 0
@@ -170,9 +178,12 @@ class Session:
         # engine-thread state
         self.inflight = 0
         self.progress_s = 0.0  # monotonic: last chunk out, or first submit after none in flight
-        self.next_generate_s = 0.0
-        self.conditioning: tuple[ContextInput, int] | None = None  # (input, queued_ns)
-        self.chunk_conditioning: dict[int, tuple[ContextInput, int] | None] = {}
+        self.horizon = max(promise.horizon, 1)
+        self.next_slot = 0
+        """The next slot the engine has no chunk for."""
+        self.anchors: dict[int, tuple[ObservedChunk, int]] = {}
+        """Observed slot -> (its chunk, when it was queued, wall ns), for the replies."""
+        self.newest_observed: ObservedChunk | None = None
         self.left_s: collections.deque[float] = collections.deque(maxlen=33)
         self.chunks_out = 0
         # Response latency as the promise means it: observation handed to the engine -> the
@@ -257,22 +268,18 @@ class Session:
         with self._lock:
             if self.closed:
                 return
-            self._frames.extend(ctx.frames)
-            frames = list(self._frames)
-        # A stream's first observations, before chunk_frames frames exist: the oldest frame
-        # is repeated in front (the newest stays last). Stacked outside the lock: one reader
-        # thread offers a stream's messages, in order.
-        frames[:0] = frames[:1] * (self._frames.maxlen - len(frames))
-        ctx = dataclasses.replace(ctx, frames=np.stack(frames))
-        with self._lock:
-            superseded = self._newest
-            self._newest = ctx
-        if superseded is not None:
+            skipped = self.slots.skipped_frames
+            completed = self.slots.add(ctx)
+            skipped = self.slots.skipped_frames - skipped
+            self._observed.extend(completed)
+        if skipped:
             self.drop(
-                "superseded",
-                f"observation {superseded.seq} replaced by {ctx.seq} before "
-                "it entered the pipeline (client sends faster than the interval)",
+                "seq_gap",
+                f"observation {ctx.seq} came {skipped} frames after the previous one: too long "
+                "a gap to fill, the stream's timeline goes on at the next slot",
             )
+        if completed and self.on_observed is not None:
+            self.on_observed()
 
     def drop(self, reason: str, detail: str, *, exc_info: BaseException | None = None) -> None:
         """Count a dropped message, tell the client (one stats message at a time) and log
@@ -363,8 +370,7 @@ class Session:
                 return
             self._outbound.append(SessionEnded(code, details))
             self.closed = True
-            self._frames.clear()
-            self._newest = None
+            self._observed.clear()
         self._outbound_tokens.put(None)
         if self.on_end is not None:
             self.on_end(details)
@@ -382,16 +388,21 @@ class Session:
         out.observations_received = self.observations_received
         out.observations_used = self.observations_used
         out.predictions_sent = self.predictions_sent
+        out.observed_chunks = self.slots.observed_chunks
+        out.filled_frames = self.slots.filled_frames
+        out.incomplete_chunks = self.slots.incomplete_chunks
         out.last_drop_detail = self.last_drop_detail
         if self.drops:
             out.drops.update(self.drops)
 
     # ---- engine thread side ------------------------------------------------------------
 
-    def take_newest(self) -> ContextInput | None:
+    def take_observed(self) -> list[ObservedChunk]:
+        """The observed chunks completed since the last call, in slot order."""
         with self._lock:
-            ctx, self._newest = self._newest, None
-            return ctx
+            chunks = list(self._observed)
+            self._observed.clear()
+            return chunks
 
     def achieved_interval_ms(self) -> float:
         left = list(self.left_s)
@@ -400,10 +411,10 @@ class Session:
         return statistics.median(b - a for a, b in itertools.pairwise(left)) * 1000.0
 
     def push_chunk(self, out: ChunkOutput) -> None:
-        """A finished chunk (engine thread): queued for the writer with its conditioning."""
-        cond = self.chunk_conditioning.pop(out.chunk, None)
-        if cond is not None and cond[0].seq > self._responded_seq:
-            self._responded_seq = cond[0].seq
+        """A finished chunk (engine thread): queued for the writer with its anchor."""
+        cond = self.anchors.get(out.anchor)
+        if cond is not None and cond[0].newest.seq > self._responded_seq:
+            self._responded_seq = cond[0].newest.seq
             left_ns = time.time_ns() - time.monotonic_ns() + int(out.left_s * 1e9)
             self.response_ms.append((left_ns - cond[1]) / 1e6)
         self._push(ChunkReady(out, cond))
@@ -431,9 +442,14 @@ class Session:
         if out.actions is not None:
             array_to_tensor(out.actions, p.actions)
         p.observation_seq = -1
+        p.anchor_slot = out.anchor
+        p.horizon = out.chunk - out.anchor if out.anchor >= 0 else 0
+        first_seq = self.slots.first_seq
+        p.first_frame_seq = -1 if first_seq is None else first_seq + out.chunk * self.slots.frames
         t = p.server_times
         if cond is not None:
-            ctx, queued_ns = cond
+            observed, queued_ns = cond
+            ctx = observed.newest
             p.observation_seq = ctx.seq
             p.observation_stamp_ns = ctx.capture_stamp_ns
             p.observation_send_stamp_ns = ctx.send_stamp_ns
@@ -501,6 +517,8 @@ class EngineLoop:
         self._commands.put((lambda _e: None, None))
 
     def add(self, session: Session) -> None:
+        session.on_observed = self.wake
+
         def add(_engine) -> None:
             self._sessions[session.stream_id] = session
             self._send_revisions()  # others' promises, revised when this one was admitted
@@ -575,11 +593,10 @@ class EngineLoop:
             for session in list(self._sessions.values()):
                 self._pump_guarded(session)
             if not any(s.inflight for s in self._sessions.values()):
-                # Nothing to poll: sleep on the command queue until the next paced generate
-                # is due (never spin: the gRPC threads need the GIL to move bytes).
-                now_s = time.monotonic()
-                due_s = [s.next_generate_s - now_s for s in self._sessions.values() if s.attached]
-                wait_s = min([self._idle_wait_s, *due_s])
+                # Nothing to poll: sleep on the command queue until a session wakes it (an
+                # observed chunk completed) or idle_wait_s passed (never spin: the gRPC
+                # threads need the GIL to move bytes), or a paced generate is due.
+                wait_s = min([self._idle_wait_s, *self._due_s()])
                 continue
             wait_s = 0.0
             try:
@@ -657,13 +674,12 @@ class EngineLoop:
                 return
 
     def _pump(self, session: Session) -> None:
-        """Keep the stream's pipeline full; newest observation goes in before a generate."""
+        """Feed the stream's observed chunks, then generate up to newest observed + horizon."""
         if not session.attached:
             if time.monotonic() - session.opened_s > session.limits.unattached_timeout_s:
                 session.end(grpc.StatusCode.DEADLINE_EXCEEDED, "stream was never attached")
                 self._close(session)
             return
-        depth = max(session.promise.pipeline_depth, 1)
         now_s = time.monotonic()
         if session.inflight and now_s - session.progress_s > session.limits.stall_timeout_s:
             session.end(
@@ -672,32 +688,69 @@ class EngineLoop:
             )
             self._close(session)
             return
-        while session.inflight < depth and now_s >= session.next_generate_s:
-            try:
-                ctx = session.take_newest()
-                if ctx is not None:
-                    queued_ns = time.time_ns()
-                    self.engine.submit_context(session.stream_id, ctx.frames, ctx.actions)
-                    session.conditioning = (ctx, queued_ns)
-                    with session._lock:
-                        session.observations_used += 1
-                # A world model conditioned on actions gets the newest commanded actions
-                # (held until an observation brings new ones).
-                actions = None
-                if self._generate_with_actions and session.conditioning is not None:
-                    actions = session.conditioning[0].actions
-                chunk = self.engine.submit_generate(session.stream_id, actions)
-            except (StreamFailed, KeyError, ValueError) as exc:
-                session.end(grpc.StatusCode.UNAVAILABLE, f"stream failed in the engine: {exc}")
-                self._close(session)
-                return
-            session.chunk_conditioning[chunk] = session.conditioning
+        try:
+            for observed in session.take_observed():
+                owed = session.newest_observed is not None and observed.slot >= session.next_slot
+                if owed:  # a slot the stream should have predicted: the engine is behind
+                    session.drop(
+                        "server_behind",
+                        f"slot {observed.slot} was observed before it was generated (the "
+                        "engine is slower than the stream's frames)",
+                    )
+                self.engine.submit_context(
+                    session.stream_id, observed.frames, observed.actions, slot=observed.slot
+                )
+                session.anchors[observed.slot] = (observed, time.time_ns())
+                session.anchors.pop(observed.slot - ANCHORS_KEPT, None)
+                session.newest_observed = observed
+                session.next_slot = max(session.next_slot, observed.slot + 1)
+                with session._lock:
+                    session.observations_used += 1
+                # Each observed slot releases the slots up to it + horizon before the next
+                # observation enters: anchors follow from the slots, not from their timing.
+                self._generate(session, now_s)
+            if session.newest_observed is not None:
+                self._generate(session, now_s)  # what a busy engine held back
+        except (StreamFailed, KeyError, ValueError) as exc:
+            session.end(grpc.StatusCode.UNAVAILABLE, f"stream failed in the engine: {exc}")
+            self._close(session)
+
+    def _generate(self, session: Session, now_s: float) -> None:
+        """Generate the stream's slots up to newest observed + horizon, conditioned (world
+        models with actions) on the newest command held: the server knows no later one, and
+        training holds it the same way. While the engine holds a backlog of the stream's
+        chunks it waits (and slots observed meanwhile are never generated); so it does while
+        the stream is ahead of its admitted pace (beyond a burst of ``horizon`` chunks)."""
+        newest = session.newest_observed
+        backlog = MAX_BACKLOG_FACTOR * (max(session.promise.pipeline_depth, 1) + session.horizon)
+        actions = None
+        if self._generate_with_actions and newest.actions is not None:
+            actions = np.repeat(newest.actions[-1:], len(newest.actions), axis=0)
+        while session.next_slot <= newest.slot + session.horizon and session.inflight < backlog:
+            if session.interval_s > 0:
+                if now_s < session.next_generate_s:
+                    return  # the loop comes back when it is due (``_due_s``)
+                burst_s = (session.horizon - 1) * session.interval_s  # h chunks at once
+                session.next_generate_s = (
+                    max(session.next_generate_s, now_s - burst_s) + session.interval_s
+                )
+            self.engine.submit_generate(session.stream_id, actions)
+            session.next_slot += 1
             if not session.inflight:
                 session.progress_s = now_s
             session.inflight += 1
-            if session.interval_s > 0:
-                session.next_generate_s = max(session.next_generate_s, now_s - session.interval_s)
-                session.next_generate_s += session.interval_s
+
+    def _due_s(self) -> list[float]:
+        """Seconds until each stream held back by its pace may generate again."""
+        now_s = time.monotonic()
+        return [
+            max(s.next_generate_s - now_s, 0.001)
+            for s in self._sessions.values()
+            if s.attached
+            and s.newest_observed is not None
+            and s.next_slot <= s.newest_observed.slot + s.horizon
+            and s.next_generate_s > now_s
+        ]
 
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())

@@ -48,6 +48,13 @@ class ServingSpec:
     """W; None: what the weights were trained for, else 2."""
     shift: float | None = None
     """Schedule shift; None: what the weights were trained for, else 5.0."""
+    horizon: int | None = None
+    """Chunks ahead of its newest observation a stream predicts unless it asks otherwise
+    (DESIGN.md §3.1); None: what the weights were trained for, else 0 (the front end then
+    gives served streams ``engine.api.DEFAULT_HORIZON``)."""
+    context_noise: str | None = None
+    """How observations enter the history (``SamplerConfig.context_noise``); None: as the
+    weights were trained, else clean."""
     seed: int = 0
     """Seed of random weights."""
     latent_frames: int = 0
@@ -127,12 +134,15 @@ class ServingSpec:
         for name in ("workers", "default_target_ms", "memory_gib", "seed", "latent_frames"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.horizon is not None and self.horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: no limit), got {self.horizon}")
         if not 0 < self.max_utilization <= 1:
             raise ValueError(f"max_utilization must be in (0, 1], got {self.max_utilization}")
         SamplerConfig(
             steps=self.steps if self.steps is not None else 4,
             window=self.window if self.window is not None else 2,
             shift=self.shift if self.shift is not None else 5.0,
+            context_noise=self.context_noise or "clean",
         )
 
     # ---- building it ----------------------------------------------------------------------
@@ -188,7 +198,14 @@ class ServingSpec:
                 "run it in the closed loop with physis-eval --closed-loop --weights FILE",
             )
         check_weights_fit(resolved)
-        sampling = {"steps": 4, "window": 2, "shift": 5.0, **resolved.sampling}
+        sampling = {
+            "steps": 4,
+            "window": 2,
+            "shift": 5.0,
+            "horizon": 0,
+            "context_noise": "clean",
+            **resolved.sampling,
+        }
         return dataclasses.replace(
             self,
             model_config=resolved.config,
@@ -196,6 +213,8 @@ class ServingSpec:
             steps=self.steps if self.steps is not None else int(sampling["steps"]),
             window=self.window if self.window is not None else int(sampling["window"]),
             shift=self.shift if self.shift is not None else float(sampling["shift"]),
+            horizon=self.horizon if self.horizon is not None else int(sampling["horizon"]),
+            context_noise=self.context_noise or str(sampling["context_noise"]),
         )
 
     @property
@@ -216,7 +235,9 @@ class ServingSpec:
 
     def sampler(self) -> SamplerConfig:
         self._need_resolved()
-        return SamplerConfig(steps=self.steps, window=self.window, shift=self.shift)
+        return SamplerConfig(
+            steps=self.steps, window=self.window, shift=self.shift, context_noise=self.context_noise
+        )
 
     def _need_resolved(self) -> None:
         if self.model_config is None:
@@ -242,6 +263,8 @@ class ServingSpec:
             steps=self.steps,
             window=self.window,
             shift=self.shift,
+            context_noise=self.context_noise,
+            horizon=self.horizon,
             weights_seed=self.seed,
             weights_path=self.weights,
             dtype=self.dtype,
@@ -310,6 +333,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "steps",
         "window",
         "shift",
+        "horizon",
+        "context_noise",
         "seed",
         "latent_frames",
         "resolution",

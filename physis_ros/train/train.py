@@ -1,13 +1,16 @@
-"""``physis-train``: noisy-history training of the engine's model on recorded episodes.
+"""``physis-train``: world-model training on the live timeline the server runs (DESIGN.md §3).
 
-The recipe is the one the sampling contract implies (DESIGN.md §3). A training example is a
-sequence of C chunks from an episode. Its first 1..``max_context`` chunks are clean context
-(sigma 0: observations); every later chunk is noised with ONE noise level sigma shared by all
-of them (noisy history: at sampling step k, chunk c attends to chunks < c at the same sigma_k),
-x_sigma = (1 - sigma) x0 + sigma eps. The model, with block-causal attention over window W and
-the commanded actions of each chunk as conditioning, predicts the flow-matching velocity
-eps - x0; the loss is its mean squared error over the noised chunks' video values. The forward
-is ``engine.model.forward_sequence``, the same function the oracle samples with.
+A training window is what a served stream's chunk sees: ``n_obs`` observed chunks (n_obs drawn
+1..``max_context``; clean at sigma 0, or noised with the window's sigma when ``context_noise``
+is ``noised``), then ``horizon`` predicted chunks, all at ONE noise level sigma drawn from the
+served sampler's levels (at step k a chunk reads its predecessors' noisy states at sigma_k),
+x_sigma = (1 - sigma) x0 + sigma eps; block-causal attention over window W. Predicted chunks
+are conditioned on the command of the newest observation held over them, as the server does
+(it knows no later command). The model predicts the flow-matching velocity eps - x0 (an x0
+head through (x - x0) / sigma); the loss is its mean squared error over the predicted chunks'
+video values. The forward is ``engine.model.forward_sequence``, the one the oracle samples
+with; windows are laid out with their observations ending at a fixed position (unused
+leading positions are masked out of attention), so one batch mixes every n_obs.
 
 Reproducible: the same seed, data and step count give the same weights (one CPU thread).
 """
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 
 from physis_ros.cli_errors import cli_main, finite_float
-from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.config import CONTEXT_NOISE, ModelConfig, SamplerConfig, get_preset
 from physis_ros.engine.model import (
     build_model,
     forward_sequence,
@@ -36,8 +39,9 @@ from physis_ros.engine.model import (
     make_cond,
     to_upstream_state_dict,
 )
-from physis_ros.engine.sampler import sigmas
+from physis_ros.engine.sampler import sigmas, state_numel
 from physis_ros.train.data import SequenceSampler, load_dataset
+from physis_ros.train.warmstart import load_init
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,18 +50,21 @@ class TrainConfig:
 
     model: str = "push-wm"
     """Model preset; its action_mode must be ``condition`` or ``none``."""
+    model_overrides: str = ""
+    """JSON object of ModelConfig fields that replace the preset's (trials of other shapes;
+    the weights then load into that preset with the same overrides)."""
     steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 16
-    chunks: int = 6
-    """Chunks per training sequence (context + noised): physis-eval's default window is 2
-    context chunks + 4 predicted ones."""
-    max_context: int = 2
-    """Each sequence starts with 1..max_context clean context chunks."""
+    max_context: int = 5
+    """A window has 1..max_context observed chunks (W: what a served chunk can read)."""
+    horizon: int = 4
+    """Predicted chunks per window: the horizon the weights are served with (metadata)."""
     window: int = 5
-    """W: previous chunks each chunk attends to; sampling must use the same W. With W >=
-    chunks - 1 every predicted chunk of a training sequence sees the clean context itself,
-    not only its predecessors' noisy states."""
+    """W: previous chunks each chunk attends to; sampling must use the same W."""
+    context_noise: str = "clean"
+    """Observed chunks at sigma 0 (``clean``) or noised with the window's sigma (``noised``);
+    the server presents them the same way (metadata ``context_noise``)."""
     shift: float = 3.0
     """The schedule's shift. Training sigmas are shift*u / (1 + (shift-1)*u) with u ~ U(0, 1),
     or u on the sampler's grid when ``sample_steps`` is set."""
@@ -84,8 +91,8 @@ class TrainConfig:
     frame_hz: float = 10.0
     """Camera rate the model learns (bags are subsampled to it)."""
     init: str = ""
-    """Start from these weights (a physis-train checkpoint of the same preset) instead of the
-    seeded initialisation: continues a finished run with a new learning-rate schedule."""
+    """Start from these weights (a physis-train checkpoint of the same model, or of one with
+    another patch size: ``warmstart.load_init``) instead of the seeded initialisation."""
     seed: int = 0
     threads: int = 1
     """torch CPU threads (1: bit-reproducible, and fastest on a shared 2-core machine)."""
@@ -100,9 +107,10 @@ class TrainConfig:
         checks = {
             "steps": self.steps >= 1,
             "batch_size": self.batch_size >= 1,
-            "chunks": self.chunks >= 2,
-            "max_context": 1 <= self.max_context < self.chunks,
+            "max_context": self.max_context >= 1,
+            "horizon": self.horizon >= 1,
             "window": self.window >= 1,
+            "context_noise": self.context_noise in CONTEXT_NOISE,
             "shift": self.shift > 0,
             "sample_steps": self.sample_steps >= 0,
             "lr": self.lr > 0,
@@ -122,11 +130,24 @@ class TrainConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name} has an invalid value: {getattr(self, name)!r}")
-        cfg = get_preset(self.model)
+        cfg = self.model_config
         if cfg.action_mode == "predict":
             raise ValueError(
                 f"model {self.model!r} predicts actions; physis-train trains world models"
             )
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The preset with ``model_overrides`` applied (JSON lists become tuples)."""
+        try:
+            extra = json.loads(self.model_overrides) if self.model_overrides else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"model_overrides is not JSON: {err}") from err
+        if not isinstance(extra, dict):
+            raise ValueError(f"model_overrides must be a JSON object, got {self.model_overrides}")
+        return get_preset(
+            self.model, **{k: tuple(v) if isinstance(v, list) else v for k, v in extra.items()}
+        )
 
 
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -136,29 +157,59 @@ def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
-def noisy_history_loss(
-    model,
-    *,
-    x0: torch.Tensor,
-    n_context: torch.Tensor,
-    sigma: torch.Tensor,
-    eps: torch.Tensor,
-    cond,
-    window: int,
-) -> torch.Tensor:
-    """x0 [B, C, X] packed clean chunks; n_context [B]; sigma [B] shared by each row's noised
-    chunks; eps [B, C, Xv] noise. Mean squared velocity error over the noised video values."""
-    cfg = model.cfg
-    c = x0.shape[1]
+@dataclass(frozen=True)
+class Windows:
+    """A batch of training windows: ``x0`` [B, C, X] packed clean chunks, the first C - h of
+    them observed positions (row b's observations are its last ``n_obs[b]`` of those, the
+    earlier ones unused), the last h predicted; ``sigma`` [B] each row's noise level; ``eps``
+    [B, C, S] noise over the state values (S = sampler.state_numel)."""
+
+    x0: torch.Tensor
+    n_obs: torch.Tensor
+    sigma: torch.Tensor
+    eps: torch.Tensor
+    horizon: int
+
+
+def hold_commands(cfg, x0: torch.Tensor, first_predicted: int) -> torch.Tensor:
+    """x0 [B, C, X] with every predicted chunk's commanded actions replaced by the newest
+    observed command (the last action row of chunk first_predicted - 1), as served."""
+    if cfg.action_mode != "condition":
+        return x0
     nvp = cfg.video_tokens * cfg.patch_dim
-    noised = torch.arange(c)[None, :] >= n_context[:, None]  # [B, C]
-    sig = torch.where(noised, sigma[:, None], torch.zeros(()))  # [B, C]
+    a = cfg.action_dim
+    held = x0[:, first_predicted - 1, -a:]  # [B, A]
+    out = x0.clone()
+    out[:, first_predicted:, nvp:] = held[:, None, :].repeat(1, 1, cfg.action_horizon)
+    return out
+
+
+def window_mask(n_obs: torch.Tensor, chunks: int, horizon: int, window: int) -> torch.Tensor:
+    """[B, C, C] bool: block-causal with window W, unused leading positions attended by none
+    (each attends only itself, so its row stays finite)."""
+    i = torch.arange(chunks)
+    causal = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window)
+    used = i[None, :] >= (chunks - horizon - n_obs)[:, None]  # [B, C]
+    mask = causal[None] & used[:, None, :] & used[:, :, None]
+    return mask | torch.eye(chunks, dtype=torch.bool)[None]
+
+
+def noisy_history_loss(model, w: Windows, *, cond, window: int, context_noise: str = "clean"):
+    """Mean squared velocity error over the predicted chunks' video values of windows ``w``."""
+    cfg = model.cfg
+    b, c, _ = w.x0.shape
+    nvp = cfg.video_tokens * cfg.patch_dim
+    predicted = torch.arange(c)[None, :].expand(b, -1) >= c - w.horizon  # [B, C]
+    noised = predicted | torch.full_like(predicted, context_noise == "noised")
+    sig = torch.where(noised, w.sigma[:, None], torch.zeros(()))  # [B, C]
+    x0 = hold_commands(cfg, w.x0, c - w.horizon)
     video = x0[..., :nvp]
     x_in = x0.clone()
-    x_in[..., :nvp] = (1 - sig[..., None]) * video + sig[..., None] * eps
-    v = forward_sequence(model, x_in, sig, cond, window=window)[..., :nvp]
-    err = (v - (eps - video)).pow(2).mean(-1)  # [B, C]
-    return (err * noised).sum() / noised.sum()
+    x_in[..., :nvp] = (1 - sig[..., None]) * video + sig[..., None] * w.eps[..., :nvp]
+    mask = window_mask(w.n_obs, c, w.horizon, window)
+    v = forward_sequence(model, x_in, sig, cond, window=window, chunk_mask=mask)[..., :nvp]
+    err = (v - (w.eps[..., :nvp] - video)).pow(2).mean(-1)  # [B, C]
+    return (err * predicted).sum() / predicted.sum()
 
 
 @torch.no_grad()
@@ -168,12 +219,11 @@ def _ema_update(avg: torch.nn.Module, model: torch.nn.Module, decay: float) -> N
 
 
 @torch.no_grad()
-def _val_loss(model, val, cfg: TrainConfig) -> float:
+def _val_loss(model, val: Windows, cfg: TrainConfig) -> float:
     model.eval()
-    vx0, vctx, vsig, veps = val
-    vcond = make_cond(model.cfg, 0).expand(len(vx0), -1, -1)
+    cond = make_cond(model.cfg, 0).expand(len(val.x0), -1, -1)
     return noisy_history_loss(
-        model, x0=vx0, n_context=vctx, sigma=vsig, eps=veps, cond=vcond, window=cfg.window
+        model, val, cond=cond, window=cfg.window, context_noise=cfg.context_noise
     ).item()
 
 
@@ -194,15 +244,30 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _val_batch(sampler: SequenceSampler, cfg: TrainConfig, size: int):
-    """A fixed validation batch: 2 context chunks, sigmas spread over (0, 1], fixed noise."""
+def _val_batch(sampler: SequenceSampler, cfg: TrainConfig, size: int) -> Windows:
+    """A fixed validation batch: every observed position used (a served stream's steady
+    state), sigmas spread over (0.2, 1], fixed noise."""
     gen = torch.Generator().manual_seed(cfg.seed + 99)
     x0 = sampler.batch(size)
-    n_ctx = torch.full((size,), min(2, cfg.max_context))
-    sigma = torch.linspace(0.2, 1.0, size)
-    nvp = sampler.cfg.video_tokens * sampler.cfg.patch_dim
-    eps = torch.randn(size, cfg.chunks, nvp, generator=gen)
-    return x0, n_ctx, sigma, eps
+    eps = torch.randn(size, x0.shape[1], state_numel(sampler.cfg), generator=gen)
+    n_obs = torch.full((size,), cfg.max_context)
+    return Windows(x0, n_obs, torch.linspace(0.2, 1.0, size), eps, cfg.horizon)
+
+
+def _windows(sampler: SequenceSampler, cfg: TrainConfig, gen: torch.Generator) -> Windows:
+    """A training batch: windows with n_obs observations (drawn 1..max_context, one draw per
+    batch: the batch is only as long as that needs), commands dropped from a fraction of them
+    (the model also predicts without commands)."""
+    mcfg = sampler.cfg
+    n = int(torch.randint(1, cfg.max_context + 1, (1,), generator=gen))
+    x0 = sampler.batch(cfg.batch_size)[:, cfg.max_context - n :]
+    n_obs = torch.full((cfg.batch_size,), n)
+    sigma = _train_sigmas(cfg, gen)
+    eps = torch.randn(cfg.batch_size, x0.shape[1], state_numel(mcfg), generator=gen)
+    if cfg.action_dropout and mcfg.action_mode == "condition":
+        drop = torch.rand(cfg.batch_size, generator=gen) < cfg.action_dropout
+        x0[drop, :, mcfg.video_tokens * mcfg.patch_dim :] = 0.0
+    return Windows(x0, n_obs, sigma, eps, cfg.horizon)
 
 
 def train(
@@ -223,41 +288,34 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    mcfg = get_preset(cfg.model)
+    mcfg = cfg.model_config
     data = load_dataset(data_paths, mcfg, frame_hz=cfg.frame_hz, progress=progress)
-    sampler = SequenceSampler(data, mcfg, chunks=cfg.chunks, seed=cfg.seed)
+    chunks = cfg.max_context + cfg.horizon
+    sampler = SequenceSampler(data, mcfg, chunks=chunks, seed=cfg.seed)
     val_sampler = None
     if val_paths:
         val_data = load_dataset(val_paths, mcfg, frame_hz=cfg.frame_hz, progress=progress)
-        val_sampler = SequenceSampler(val_data, mcfg, chunks=cfg.chunks, seed=cfg.seed + 1)
+        val_sampler = SequenceSampler(val_data, mcfg, chunks=chunks, seed=cfg.seed + 1)
     val = _val_batch(val_sampler, cfg, 32) if val_sampler else None
     model = build_model(mcfg, seed=cfg.seed).train()
-    if cfg.init:
-        model.load_safetensors(cfg.init)
+    init_how = load_init(model, cfg.init) if cfg.init else ""
     # the weights that are validated and saved: an EMA of the trained ones (or those)
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
     )
     noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    nvp = mcfg.video_tokens * mcfg.patch_dim
     log: dict = {"train_loss": [], "val_loss": [], "config": asdict(cfg)}
     t0 = time.perf_counter()
     stopped_early = False
     bar = tqdm(range(cfg.steps), desc="train", unit="step", disable=not progress)
     for step in bar:
-        x0 = sampler.batch(cfg.batch_size)
-        n_ctx = torch.randint(1, cfg.max_context + 1, (cfg.batch_size,), generator=noise_gen)
-        sigma = _train_sigmas(cfg, noise_gen)
-        eps = torch.randn(cfg.batch_size, cfg.chunks, nvp, generator=noise_gen)
-        if cfg.action_dropout and mcfg.action_mode == "condition":
-            drop = torch.rand(cfg.batch_size, generator=noise_gen) < cfg.action_dropout
-            x0[drop, :, nvp:] = 0.0
+        windows = _windows(sampler, cfg, noise_gen)
         cond = make_cond(mcfg, 0).expand(cfg.batch_size, -1, -1)
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
         loss = noisy_history_loss(
-            model, x0=x0, n_context=n_ctx, sigma=sigma, eps=eps, cond=cond, window=cfg.window
+            model, windows, cond=cond, window=cfg.window, context_noise=cfg.context_noise
         )
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower --lr")
@@ -292,6 +350,8 @@ def train(
         "format": "physis_ros world model",
         "model": cfg.model,
         "window": str(cfg.window),
+        "horizon": str(cfg.horizon),
+        "context_noise": cfg.context_noise,
         "frame_hz": str(cfg.frame_hz),
         "image_size": f"{mcfg.image_size[0]}x{mcfg.image_size[1]}",
         "frames_per_chunk": str(mcfg.frames_per_chunk),
@@ -304,7 +364,7 @@ def train(
         "train_frames": str(data.frames),
         "train_episodes": str(len(data.episodes)),
         "torch": torch.__version__,
-        **({"init_sha256": _sha256(cfg.init)} if cfg.init else {}),
+        **({"init_sha256": _sha256(cfg.init), "init": init_how} if cfg.init else {}),
     }
     from safetensors.torch import save_file
 

@@ -98,16 +98,22 @@ def shipped_engine_defaults(model: str | None) -> dict:
 
 def engine_kwargs(path: str | Path = DEFAULT_WEIGHTS) -> dict:
     """``LocalEngine`` arguments for a checkpoint written by physis-train: model preset,
-    checkpoint, attention window, schedule shift, and the steps it was trained for (metadata
-    ``steps``; DEFAULT_STEPS when it names none)."""
+    checkpoint, attention window, schedule shift, the steps it was trained for (metadata
+    ``steps``; DEFAULT_STEPS when it names none), and, when the metadata names them, the
+    horizon its streams predict and how it takes observations (``context_noise``)."""
     meta = read_metadata(path)
     if "model" not in meta or "window" not in meta:
         raise ValueError(f"{path}: no physis-train metadata (model, window); pass them explicitly")
     train_cfg = json.loads(meta.get("train_config", "{}"))
-    return {
+    out = {
         "model": meta["model"],
         "checkpoint": str(path),
         "window": int(meta["window"]),
         "steps": int(meta.get("steps", DEFAULT_STEPS)),
         "shift": float(train_cfg.get("shift", DEFAULT_SHIFT)),
     }
+    if "horizon" in meta:
+        out["horizon"] = int(meta["horizon"])
+    if "context_noise" in meta:
+        out["context_noise"] = meta["context_noise"]
+    return out

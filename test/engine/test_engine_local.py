@@ -67,6 +67,47 @@ def test_local_engine_end_to_end_equals_oracle(mode):
         assert o.entered_s <= o.left_s <= o.decoded_s
 
 
+def test_local_engine_live_stream_replaces_predictions_and_names_anchors():
+    """Through the StreamEngine calls a server makes: observations of slots already
+    predicted (submit_context(slot=...)) while chunks are in flight; every output equals the
+    live oracle and names its anchor."""
+    from physis_ros.engine.sampler import unpack_chunk
+
+    horizon = 3
+    with LocalEngine("tiny", steps=3, window=2, workers=2) as eng:
+        sid = eng.open_stream(
+            StreamSpec(seed=6, prompt_embedding=tiny_cond(8), horizon=horizon)
+        ).stream_id
+        rng = np.random.default_rng(1)
+        codec = Codec(eng.cfg)
+        plan, outs = [], []
+        for slot in range(6):
+            frames = rng.integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
+            assert eng.submit_context(sid, frames, slot=slot) == slot
+            plan.append(("observe", slot, pack_chunk(eng.cfg, codec.encode(frames))))
+            while eng.runtime.controller.next_slot(sid) <= slot + horizon:
+                eng.submit_generate(sid)
+                plan.append(("generate", None))
+            outs += eng.poll(0.01)  # the next observation arrives while these are in flight
+        outs += _poll_until(eng, 6 + horizon - 1 - len(outs))
+        with pytest.raises(ValueError, match="horizon"):
+            eng.submit_generate(sid)
+    ref = oracle.sample(
+        eng.model,
+        SamplerConfig(steps=3, window=2),
+        plan,
+        mode="pipelined",
+        seed=6,
+        cond=torch.from_numpy(tiny_cond(8)),
+    )
+    anchors = {v.slot: v.anchor for v in oracle.versions(plan, 2) if not v.observed}
+    assert sorted(o.chunk for o in outs) == sorted(ref) == list(range(1, 6 + horizon))
+    for o in outs:
+        assert o.anchor == anchors[o.chunk] and 1 <= o.chunk - o.anchor <= horizon
+        expect = codec.decode(unpack_chunk(eng.cfg, ref[o.chunk])[0])
+        assert np.abs(o.frames.astype(int) - expect.astype(int)).max() <= 1
+
+
 def test_bad_input_is_refused_and_the_stream_goes_on():
     with LocalEngine("tiny", steps=2, window=1) as eng:
         sid = eng.open_stream(StreamSpec()).stream_id

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 from engine_helpers import SAMPLER, TOL, plan_for
+from live_helpers import live_plan
 
 from physis_ros.engine import oracle
 from physis_ros.engine.model import make_cond
 from physis_ros.engine.placement import layout_groups, layout_one_stage_per_worker
-from physis_ros.engine.runtime import InProcRuntime
+from physis_ros.engine.runtime import InProcRuntime, submit_item
 
 K, L = SAMPLER.steps, 2
 
@@ -22,20 +23,23 @@ def _round(rt: InProcRuntime, out: dict) -> None:
         out[(res.stream_id, res.chunk)] = res
 
 
-def _run_with_changes(model, start, changes, *, streams=2, stagger=False, batching=True):
+def _run_with_changes(model, start, changes, *, streams=2, stagger=False, batching=True, horizon=0):
     """Open ``streams`` streams on ``start``, queue every chunk (3 in flight at most), and
     after 2, 4, ... finished outputs move stream 0 to the next layout of ``changes``.
-    ``stagger``: workers learn of each change one at a time, a round of work apart."""
+    ``stagger``: workers learn of each change one at a time, a round of work apart.
+    ``horizon``: live plans (observations replacing predicted slots) instead of offline ones."""
     workers = 1 + max(r for lay in [start, *changes] for row in lay for r in row)
     rt = InProcRuntime(model, SAMPLER, start, num_workers=workers, batching=batching)
-    plans = {s: plan_for(model, s) for s in range(streams)}
+    if horizon:
+        plans = {s: live_plan(model, s, horizon=horizon) for s in range(streams)}
+    else:
+        plans = {s: plan_for(model, s) for s in range(streams)}
     for s, plan in plans.items():
-        rt.open_stream(s, seed=7 + s, cond=make_cond(model.cfg, 70 + s), max_in_flight=3)
-        for kind, val in plan:
-            if kind == "context":
-                rt.controller.submit_context(s, val)
-            else:
-                rt.controller.submit_generate(s, val)
+        rt.open_stream(
+            s, seed=7 + s, cond=make_cond(model.cfg, 70 + s), max_in_flight=3, horizon=horizon
+        )
+        for item in plan:
+            submit_item(rt.controller, s, item)
     rt.controller.pump()
     out: dict = {}
     firsts = []
@@ -48,7 +52,7 @@ def _run_with_changes(model, start, changes, *, streams=2, stagger=False, batchi
                 rt.controller.pump()
                 for w in reversed(rt.workers):
                     _round(rt, out)
-                    w.relayout(0, epoch=epoch, first_chunk=first, layout=layout)
+                    w.relayout(0, epoch=epoch, first_ticket=first, layout=layout)
             else:
                 first = rt.relayout(0, layout)
             firsts.append(first)
@@ -65,6 +69,18 @@ def _run_with_changes(model, start, changes, *, streams=2, stagger=False, batchi
         worst = max(worst, *((got[s][c].x - x).abs().max().item() for c, x in ref.items()))
     assert all(not w.stats.drops for w in rt.workers), [w.stats.drops for w in rt.workers]
     return worst, firsts, rt
+
+
+@pytest.mark.parametrize("stagger", [False, True], ids=["together", "staggered"])
+def test_live_streams_moving_between_workers_equal_the_live_oracle(tiny, stagger):
+    """Observations replacing predicted slots (tickets, not slots, order the stages) across
+    placement changes."""
+    start = layout_groups(K, L, [3, 3])
+    changes = [layout_groups(K, L, [1, 5]), layout_groups(K, L, [5, 1])]
+    worst, firsts, rt = _run_with_changes(tiny, start, changes, stagger=stagger, horizon=3)
+    assert worst <= TOL
+    assert 0 < firsts[0] <= firsts[1]
+    assert sum(w.stats.rings_installed for w in rt.workers) == 6
 
 
 @pytest.mark.parametrize("stagger", [False, True], ids=["together", "staggered"])
@@ -97,4 +113,4 @@ def test_relayout_is_refused_for_clean_history_and_missing_blocks(tiny):
     with pytest.raises(ValueError, match="noisy history"):
         rt.relayout(0, layout_groups(K, L, [3, 3]))
     with pytest.raises(ValueError, match="outside"):
-        rt.workers[0].relayout(0, epoch=1, first_chunk=0, layout=layout_one_stage_per_worker(K, L))
+        rt.workers[0].relayout(0, epoch=1, first_ticket=0, layout=layout_one_stage_per_worker(K, L))

@@ -32,9 +32,10 @@ def _fused_copy(model, kernels: str = "torch"):
     return twin
 
 
-def _tasks(model, block: int, histories: list[int], streams: list[int], *, keep: bool, seed: int):
-    """Tasks with random rings already holding ``histories[i]`` chunks, the cross-attention
-    K/V of stream ``streams[i]`` (the same tensors for one stream, as the worker has)."""
+def _tasks(model, block: int, histories: list[int], streams: list[int], *, horizon: int, seed: int):
+    """Tasks of slot ``histories[i] + 3 i`` with random rings of W + ``horizon`` entries, the
+    cross-attention K/V of stream ``streams[i]`` (the same tensors for one stream, as the
+    worker has); task 1 is an observed chunk (noise level 0)."""
     cfg = model.cfg
     gen = torch.Generator().manual_seed(seed)
     cross = {}
@@ -44,19 +45,18 @@ def _tasks(model, block: int, histories: list[int], streams: list[int], *, keep:
     tasks = []
     for i, (hist, s) in enumerate(zip(histories, streams, strict=True)):
         ring = KVRing(SAMPLER.window, cfg.num_heads, cfg.tokens_per_chunk, cfg.head_dim, "cpu",
-                      model.dtype)  # fmt: skip
+                      model.dtype, horizon)  # fmt: skip
         ring.k.normal_(generator=gen)
         ring.v.normal_(generator=gen)
-        ring.count = hist
         tasks.append(
             StageTask(
                 chunk=hist + 3 * i,
                 step=i % K,
-                is_context=i == 1,
+                sigma=0.0 if i == 1 else 1.0 - (i % K) / K,
                 x=torch.randn(M.chunk_numel(cfg), generator=gen),
                 h=torch.randn(cfg.tokens_per_chunk, cfg.dim, generator=gen).to(model.dtype),
                 ring=ring,
-                keep_kv=keep,
+                observed=i == 1,
                 cross_k=cross[s][0],
                 cross_v=cross[s][1],
             )
@@ -70,6 +70,7 @@ def _twin_tasks(tasks):
     for t in tasks:
         ring = copy.copy(t.ring)
         ring.k, ring.v = t.ring.k.clone(), t.ring.v.clone()
+        ring.slot, ring.observed = list(t.ring.slot), list(t.ring.observed)
         out.append(dataclasses.replace(t, ring=ring))
     return out
 
@@ -78,8 +79,8 @@ def _compare_blocks(eager, fast, compositions, seed=0) -> float:
     """Largest relative difference of h (and v at the last block) and of the rings."""
     worst = 0.0
     for block in sorted(eager.block_ids):
-        for j, (histories, streams, keep) in enumerate(compositions):
-            tasks = _tasks(eager, block, histories, streams, keep=keep, seed=seed + j)
+        for j, (histories, streams, horizon) in enumerate(compositions):
+            tasks = _tasks(eager, block, histories, streams, horizon=horizon, seed=seed + j)
             twins = _twin_tasks(tasks)
             h_ref, v_ref = run_block(eager, block, tasks, StageCaches(eager, [1.0, 0.5, 0.0]))
             h, v = run_block(fast, block, twins, StageCaches(fast, [1.0, 0.5, 0.0]))
@@ -88,17 +89,17 @@ def _compare_blocks(eager, fast, compositions, seed=0) -> float:
             if v_ref is not None:
                 worst = max(worst, (v - v_ref).abs().max().item() / v_ref.abs().max().item())
             for a, b in zip(tasks, twins, strict=True):
-                assert a.ring.count == b.ring.count
+                assert (a.ring.slot, a.ring.observed) == (b.ring.slot, b.ring.observed)
                 worst = max(worst, (a.ring.k - b.ring.k).abs().max().item() / scale)
                 worst = max(worst, (a.ring.v - b.ring.v).abs().max().item() / scale)
     return worst
 
 
-COMPOSITIONS = [
-    ([2], [0], True),  # one task, full window
-    ([0], [0], False),  # first chunk, not kept (clean history's generated chunk)
-    ([2, 1, 0], [0, 0, 0], True),  # one stream: cross-attention over all rows at once
-    ([2, 2, 5], [0, 1, 0], True),  # two streams: cross-attention per task; a wrapped ring
+COMPOSITIONS = [  # (slots before each task's, its stream, horizon: ring of W + horizon entries)
+    ([2], [0], 1),  # one task, the window is the whole ring
+    ([0], [0], 1),  # first chunk: it attends to itself only
+    ([2, 1, 0], [0, 0, 0], 1),  # one stream: cross-attention over all rows at once
+    ([2, 2, 5], [0, 1, 0], 3),  # two streams: cross-attention per task; a window that wraps
 ]
 FULL_RINGS = [  # every ring full: the CUDA-graph path's steady state (block_graphs)
     ([2], [0], True),

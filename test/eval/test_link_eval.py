@@ -18,7 +18,7 @@ import pytest
 
 from physis_ros.eval.bag import Episode
 from physis_ros.eval.evaluate import EvalConfig
-from physis_ros.eval.link_replay import LinkOptions, horizons, replay_bag
+from physis_ros.eval.link_replay import LinkOptions, replay_bag
 from physis_ros.eval.local_server import LocalServer
 from physis_ros.link.client import Prediction
 
@@ -29,41 +29,82 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "link"))
 from link_fake_engine import FakeEngine
 
 
-def _pred(chunk: int, seq: int, stream: int = 1) -> Prediction:
-    return Prediction(
-        stream_id=stream,
-        chunk_index=chunk,
-        frames=None,
-        actions=None,
-        observation_seq=seq,
-        observation_stamp_ns=0,
-        server_times_ns={},
-        received_ns=0,
-        hop_ms={},
+def _episode(n: int, frames_hz: float = 25.0) -> Episode:
+    """Frame i is all i: a prediction's or context chunk's pixels name their frame."""
+    frames = np.stack([np.full((16, 16, 3), i, np.uint8) for i in range(n)])
+    return Episode(
+        path="synthetic",
+        storage="none",
+        image_topic="/camera",
+        frames=frames,
+        frame_stamps_ns=np.arange(n, dtype=np.int64) * int(1e9 / frames_hz),
+        source_size=(16, 16),
     )
 
 
-def test_horizon_is_chunks_after_the_context_chunk_and_unknown_after_a_loss():
-    # stream 1: 0 unconditioned | ctx 1 | 2 3 4 (seq 5) | ctx 5 | 6 7 (seq 6) | ctx 8 | 9 (seq 7,
-    # lost) | ctx 10 | 11 12 (seq 8) | ctx 13 | 14 15(lost) 16 (seq 9); stream 2: ctx 0 | 1 (seq 0)
-    received = [(0, -1), (2, 5), (3, 5), (4, 5), (6, 6), (7, 6), (11, 8), (12, 8), (14, 9), (16, 9)]
-    preds = [_pred(c, s) for c, s in received] + [_pred(1, 0, stream=2)]
-    known, unscored = horizons(preds[::-1])  # arrival order does not matter
-    got = sorted((p.stream_id, p.chunk_index, h) for p, h in known)
-    assert got == [
-        (1, 2, 1),
-        (1, 3, 2),
-        (1, 4, 3),
-        (1, 6, 1),
-        (1, 7, 2),
-        (1, 14, 1),
-        (1, 16, 3),
-        (2, 1, 1),
-    ]
+def _pred(chunk: int, anchor: int, frames_per_chunk: int = 2) -> Prediction:
+    first = chunk * frames_per_chunk
+    return Prediction(
+        stream_id=1,
+        chunk_index=chunk,
+        frames=np.stack([np.full((16, 16, 3), first + i, np.uint8) for i in range(2)]),
+        actions=None,
+        observation_seq=-1 if anchor < 0 else (anchor + 1) * frames_per_chunk - 1,
+        observation_stamp_ns=0,
+        server_times_ns={"entered": 0, "decoded": 1_000_000},
+        received_ns=10**9,
+        hop_ms={},
+        anchor_slot=anchor,
+        horizon=chunk - anchor if anchor >= 0 else 0,
+        first_frame_seq=first,
+    )
+
+
+def test_predictions_are_scored_at_their_horizon_against_the_frames_they_stand_for():
+    """Each prediction goes to its anchor's window at horizon step (j-1)F + i, compared with
+    frame first_frame_seq + i; copy-last is the anchor's newest frame."""
+    from physis_ros.eval.evaluate import ModelInfo
+    from physis_ros.eval.link_replay import BagReplay, anchoring, score_bag
+
+    ep = _episode(20)
+    model = ModelInfo(
+        name="m",
+        frames_per_chunk=2,
+        image_height=16,
+        image_width=16,
+        action_horizon=0,
+        action_dim=0,
+        action_mode="none",
+    )
+    # horizon 2: anchor 0 -> chunks 1, 2; anchor 1 -> 3; anchor 2 -> 4; one unanchored; one
+    # beyond the evaluated horizon; one past the end of the bag
+    preds = [_pred(3, -1), _pred(1, 0), _pred(2, 0), _pred(3, 1), _pred(4, 2)]
+    preds += [_pred(6, 2), _pred(10, 8)]
+    replay = BagReplay(
+        horizon=2,
+        frames_sent=20,
+        sent_ns={i: 10**9 - 5_000_000 for i in range(20)},
+        predictions=preds,
+        newest_sent=[5, 3, 3, 5, 7, 9, 19],
+    )
+    windows, unscored, _ = score_bag(ep, replay, model, EvalConfig(horizon_chunks=2))
+    assert [w.start_frame for w in windows] == [1, 3, 5]  # anchors' newest frames
+    first = windows[0]
+    # the frames are what they stand for: exact predictions (capped PSNR) at every step
+    assert first.psnr == [100.0] * 4
+    assert first.baseline_psnr[0] == pytest.approx(psnr_of(1, 2))
+    assert windows[1].psnr == [None, None, 100.0, 100.0]  # anchor 1: chunk 3 only, j = 2
     assert unscored == {
-        "unconditioned (no observation yet)": 1,
-        "horizon unknown (predictions before it were lost)": 2,
+        "no anchor (no observation yet)": 1,
+        "beyond the evaluated horizon (2 chunks)": 1,
+        "predicts past the end of the bag": 1,
     }
+    lag = anchoring(replay)
+    assert lag["frames"][:2] == [2.0, 2.0] and lag["ms"][0] == pytest.approx(5.0)
+
+
+def psnr_of(a: int, b: int) -> float:
+    return 10 * math.log10(255**2 / (a - b) ** 2)
 
 
 @contextlib.contextmanager
@@ -76,7 +117,7 @@ def _fake_server(engine):
     handle = start_server(
         loop,
         config=FrontendConfig(port=0),
-        description=ServerDescription(model="fake", steps=2, blocks=2),
+        description=ServerDescription(model="fake", steps=2, blocks=2, horizon=3),
     )
     try:
         yield handle
@@ -85,39 +126,35 @@ def _fake_server(engine):
         loop.stop()
 
 
-def test_horizons_match_the_context_chunks_the_server_put_in():
-    """Against the real front end: the chunk index the engine gave each observation's
-    context chunk is the prediction's index minus its horizon, for every prediction."""
-    n, period_ns = 16, 40_000_000  # the engine makes ~8 chunks per observation: h up to ~8
-    frames = np.stack([np.full((16, 16, 3), i, np.uint8) for i in range(n)])
-    ep = Episode(
-        path="synthetic",
-        storage="none",
-        image_topic="/camera",
-        frames=frames,
-        frame_stamps_ns=np.arange(n, dtype=np.int64) * period_ns,
-        source_size=(16, 16),
-    )
-    engine = FakeEngine(slots=1, chunk_ms=5.0)
+@pytest.mark.parametrize("realtime", [False, True], ids=["as-fast-as-taken", "realtime"])
+def test_anchors_are_the_slots_the_server_observed(realtime):
+    """Against the real front end: each prediction's anchor is the slot whose observation
+    the engine got last before it, its frames stand for first_frame_seq on, and every slot
+    up to the horizon is predicted (3 chunks at the start, then one per observed slot)."""
+    ep = _episode(16)
+    engine = FakeEngine(slots=1, chunk_ms=2.0, chunk_frames=2)
     with _fake_server(engine) as handle:
         replay = replay_bag(
             ep,
             LinkOptions(target=f"127.0.0.1:{handle.port}", connect_timeout_s=5.0),
-            EvalConfig(realtime=True, poll_timeout_s=10.0),
+            EvalConfig(realtime=realtime, poll_timeout_s=20.0),
             seed=0,
             send_actions=False,
         )
-    known, unscored = horizons(replay.predictions)
-    # frame i is all i, so a context chunk's mean pixel names its observation
-    ctx_chunk = {round(mean * 255): chunk for _s, chunk, mean in engine.contexts}
-    assert known and max(h for _, h in known) >= 3
-    for p, h in known:
-        assert h >= 1 and ctx_chunk[p.observation_seq] == p.chunk_index - h
-    lost = {k: v for k, v in replay.drops.items() if "slow" in k or "queue_full" in k}
-    if not lost:  # nothing lost (as on loopback, normally): every horizon is known
-        conditioned = sum(p.observation_seq >= 0 for p in replay.predictions)
-        assert len(known) == conditioned
-        assert set(unscored) <= {"unconditioned (no observation yet)"}
+    assert not replay.notes, replay.notes
+    observed = [slot for _s, slot, _mean in engine.contexts]
+    assert observed == list(range(8))  # 16 frames, 2 per slot, each slot once, in order
+    # the context chunk of slot t is frames 2t and 2t + 1
+    got = [[int(f[0, 0, 0]) for f in frames] for _s, frames in engine.context_frames]
+    assert got == [[2 * t, 2 * t + 1] for t in range(8)]
+    chunks = sorted(p.chunk_index for p in replay.predictions)
+    assert chunks == list(range(1, 8 + 3))  # slots 1..10: up to the last observed + 3
+    for p in replay.predictions:
+        assert 1 <= p.horizon <= 3 and p.horizon == p.chunk_index - p.anchor_slot
+        assert p.observation_seq == 2 * p.anchor_slot + 1 and p.first_frame_seq == 2 * p.chunk_index
+    # after the start, each observed slot released exactly the slot 3 ahead of it
+    assert sorted(p.horizon for p in replay.predictions).count(3) == 8
+    assert not replay.drops
 
 
 def _env() -> dict:
@@ -161,6 +198,8 @@ def test_eval_over_the_link_scores_every_horizon_step(push_wm_server, tmp_path):
         "--realtime",
         "--horizon-chunks",
         "2",
+        "--horizons",
+        "1,2",
         "--out",
         out,
     )
@@ -184,7 +223,10 @@ def test_eval_over_the_link_scores_every_horizon_step(push_wm_server, tmp_path):
         assert entry["ssim"] is not None and entry["baseline_action_mse"] is not None
         assert entry["action_mse"] is None  # push-wm is conditioned on the commands
     link = report["link"]
-    assert link["predictions_scored"] > 0 and link["streams_opened"] == 1
+    # one stream per horizon: every step is scored whatever the machine's load
+    assert link["predictions_scored"] > 0 and link["streams_opened"] == 2
+    assert link["horizons"] == [1, 2]
+    assert link["anchoring_lag_frames"]["count"] > 0 and link["rate"]["predictions_per_s"] > 0
     assert link["promise"]["model"] == "push-wm"
     hops = report["latency"]["hop_ms"]
     for hop in ("uplink", "server_queue", "pipeline", "downlink", "capture_to_received"):

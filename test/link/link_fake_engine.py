@@ -1,8 +1,9 @@
 """A StreamEngine that needs no model, for in-process tests of the front end's pacing.
 
-It keeps the engine contract (admission, chunk order, close frees the slot) and computes
-each generated chunk from the newest context chunk before it (actions = that frame's mean
-pixel value / 255), so a test can tell which observation a prediction is conditioned on.
+It keeps the engine contract (admission, slots and anchors of the live timeline, close frees
+the stream) and computes each generated chunk from the newest context chunk before it
+(actions = that chunk's mean pixel value / 255), so a test can tell which observation a
+prediction is conditioned on.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class FakeEngine:
                 raise AdmissionRefused("no free KV slot", resource="kv_slots", shortfall="1 slot")
             sid = self._next_id
             self._next_id += 1
-            self._streams[sid] = {"chunk": 0, "context": 0.0, "busy_until": 0.0}
+            self._streams[sid] = {"chunk": 0, "anchor": -1, "context": 0.0, "busy_until": 0.0}
         return StreamPromise(
             stream_id=sid,
             model="fake",
@@ -77,6 +78,8 @@ class FakeEngine:
             image_width=self.width,
             action_horizon=self.horizon,
             action_dim=self.action_dim,
+            horizon=spec.horizon or 0,
+            target_interval_ms=spec.target_interval_ms,  # as a pool admits it
         )
 
     def close_stream(self, stream_id: int) -> None:
@@ -84,17 +87,19 @@ class FakeEngine:
             self._streams.pop(stream_id, None)
             self._ready = [r for r in self._ready if r[1].stream_id != stream_id]
 
-    def submit_context(self, stream_id, frames, actions=None) -> int:
+    def submit_context(self, stream_id, frames, actions=None, *, slot=None) -> int:
         assert frames.dtype == np.uint8 and frames.shape[1:] == (self.height, self.width, 3)
         assert 1 <= frames.shape[0] <= self.chunk_frames
         with self._lock:
             self.context_frames.append((stream_id, frames.copy()))
             s = self._streams[stream_id]
-            chunk = s["chunk"]
-            s["chunk"] += 1
+            slot = s["chunk"] if slot is None else slot
+            assert s["anchor"] < slot <= s["chunk"], (s, slot)
+            s["chunk"] = max(s["chunk"], slot + 1)
+            s["anchor"] = slot
             s["context"] = float(frames.mean()) / 255.0
-            self.contexts.append((stream_id, chunk, s["context"]))
-        return chunk
+            self.contexts.append((stream_id, slot, s["context"]))
+        return slot
 
     def submit_generate(self, stream_id, actions=None) -> int:
         now = time.monotonic()
@@ -118,6 +123,7 @@ class FakeEngine:
                 left_s=done,
                 decoded_s=done,
                 finite=stream_id not in self.non_finite_streams,
+                anchor=s["anchor"],
             )
             self._ready.append((done, out))
         return chunk

@@ -3,8 +3,11 @@ and the session's mapping of chunks to the observations they are conditioned on.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import itertools
 import random
+import threading
 import time
 
 import numpy as np
@@ -213,15 +216,16 @@ def test_predictions_name_the_observation_they_are_conditioned_on():
     assert engine.info()["free_slots"] == "2"
 
 
-def test_context_chunk_is_the_streams_newest_frames_in_arrival_order():
-    """A model with 2 frames per chunk gets, as each context chunk, the stream's newest 2
-    frames (not one frame twice): after A then B the chunk is [A, B], also when A was
-    superseded before it was used; a stream's first frame fills its first chunk."""
+def test_observed_chunks_are_the_frames_of_their_time_slot():
+    """A model with 2 frames per chunk: frame n of the stream is in slot n // 2; each slot's
+    observation enters the engine as that slot's context chunk, once its last frame came or
+    a later slot's frame did (the missing frame filled from its nearest neighbour, counted);
+    predictions follow each observed slot up to the horizon."""
     engine = FakeEngine(slots=2, chunk_ms=3.0, chunk_frames=2)
     with served(engine) as (loop, handle):
-        clients = [LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5) for _ in range(2)]
+        client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
 
-        def send(client: LinkClient, seq: int, value: int) -> None:
+        def send(seq: int, value: int) -> None:
             frame = np.full((16, 16, 3), value, np.uint8)
             client.send_observation(
                 Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=rgb_image(frame))
@@ -233,37 +237,85 @@ def test_context_chunk_is_the_streams_newest_frames_in_arrival_order():
             ]
 
         try:
-            engine.hold.set()  # the pipeline fills and no chunk finishes: nothing takes A alone
-            clients[0].start()
-            wait_for(lambda: clients[0].stats().state == "streaming", 10, what="streaming")
+            client.start()
+            wait_for(lambda: client.stats().state == "streaming", 10, what="streaming")
             (session,) = wait_for(loop.sessions, 10, what="a session")
-            wait_for(lambda: session.inflight == 2, 10, what="a full pipeline")
-            send(clients[0], 1, 10)  # A
-            wait_for(lambda: session.observations_received == 1, 10, what="A at the server")
-            send(clients[0], 2, 20)  # B
-            wait_for(lambda: session.drops["superseded"] == 1, 10, what="A superseded by B")
-            assert engine.context_frames == []
-            engine.hold.clear()
-            wait_for(lambda: contexts(session.stream_id), 10, what="a context chunk")
+            send(101, 10)  # frame 0 of the stream: slot 0 waits for its second frame
+            wait_for(lambda: session.observations_received == 1, 10, what="frame 0 received")
+            assert contexts(session.stream_id) == [] and session.inflight == 0
+            send(102, 20)
+            wait_for(lambda: contexts(session.stream_id), 10, what="slot 0's context chunk")
             assert contexts(session.stream_id) == [[10, 20]]
-            send(clients[0], 3, 30)  # C
-            wait_for(lambda: len(contexts(session.stream_id)) == 2, 10, what="C's context chunk")
-            assert contexts(session.stream_id) == [[10, 20], [20, 30]]
-
-            # A new stream's first observation: its one frame, repeated.
-            clients[1].start()
-            wait_for(lambda: len(loop.sessions()) == 2, 10, what="a second session")
-            (other,) = [s for s in loop.sessions() if s is not session]
-            wait_for(lambda: clients[1].stats().state == "streaming", 10, what="streaming")
-            send(clients[1], 1, 40)
-            wait_for(lambda: contexts(other.stream_id), 10, what="the second stream's context")
-            assert contexts(other.stream_id) == [[40, 40]]
+            send(103, 30)  # slot 1, position 0; frame 104 is lost
+            wait_for(lambda: session.observations_received == 3, 10, what="frame 2 received")
+            send(105, 50)  # slot 2 starts: slot 1 is completed with what it has
+            wait_for(lambda: len(contexts(session.stream_id)) == 2, 10, what="slot 1")
+            assert contexts(session.stream_id)[1] == [30, 30]  # frame 104: nearest is 103
+            assert [slot for s, slot, _ in engine.contexts if s == session.stream_id] == [0, 1]
+            counters = session.counters()
+            assert (counters.filled_frames, counters.incomplete_chunks) == (1, 1)
+            assert counters.observed_chunks == 2
+            preds = []
+            wait_for(
+                lambda: (
+                    preds.extend(iter(lambda: client.get_prediction(0.0), None))
+                    or any(p.anchor_slot == 1 for p in preds)
+                ),
+                10,
+                what="a prediction anchored on slot 1",
+            )
+            for p in preds:  # horizon 1: each observed slot releases the next one
+                assert p.chunk_index == p.anchor_slot + 1 and p.horizon == 1
+                assert p.observation_seq == 102 + 2 * p.anchor_slot - (p.anchor_slot == 1)
+                assert p.first_frame_seq == 101 + 2 * p.chunk_index
         finally:
-            for client in clients:
-                client.close()
-            wait_for(lambda: not loop.sessions(), 10, what="both streams closed")
+            client.close()
+            wait_for(lambda: not loop.sessions(), 10, what="the stream closed")
     assert engine.info()["free_slots"] == "2"
-    assert session.closed and not session._frames  # a closed stream's history is freed
+    assert session.closed and not session._observed  # a closed stream's queue is freed
+
+
+def test_generation_is_paced_at_the_admitted_interval():
+    """A client that sends its slots faster than the interval it was admitted at gets one
+    generated chunk per interval (after a burst of ``horizon``); the slots it observed
+    before their turn are counted ``server_behind``, never generated."""
+    engine = FakeEngine(slots=1, chunk_ms=1.0)
+    generated_s: list[float] = []
+    submit = engine.submit_generate
+
+    def timed_submit(stream_id, actions=None):
+        generated_s.append(time.monotonic())
+        return submit(stream_id, actions)
+
+    engine.submit_generate = timed_submit
+    interval_s = 0.2
+    with served(engine) as (loop, handle):
+        client = LinkClient(
+            f"127.0.0.1:{handle.port}", connect_timeout_s=5, target_interval_ms=interval_s * 1e3
+        )
+        try:
+            client.start()
+            wait_for(lambda: client.stats().state == "streaming", 10, what="streaming")
+            (session,) = wait_for(loop.sessions, 10, what="a session")
+            frame = np.zeros((16, 16, 3), np.uint8)
+            for seq in range(12):  # 12 slots (1 frame each), as fast as they go through
+                client.send_observation(
+                    Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=rgb_image(frame))
+                )
+                wait_for(
+                    lambda n=seq + 1: session.observations_received == n, 10, what="a frame in"
+                )
+            wait_for(lambda: session.observations_used == 12, 10, what="12 observed slots")
+            wait_for(lambda: len(generated_s) >= 3, 10, what="3 generated chunks")
+            # load only delays a generate: the pace is a lower bound on the gaps
+            gaps = [b - a for a, b in itertools.pairwise(generated_s[:3])]
+            assert min(gaps) >= 0.9 * interval_s, gaps
+            # slots 2..11 were each generated before they were observed, or counted
+            behind = session.counters().drops["server_behind"]
+            assert behind >= 11 - len(generated_s), (behind, len(generated_s))
+        finally:
+            client.close()
+            wait_for(lambda: not loop.sessions(), 10, what="the stream closed")
 
 
 def test_action_conditioned_model_gets_the_newest_commanded_actions():
@@ -371,6 +423,31 @@ def test_tensor_header_is_the_array_without_a_copy():
         tensor_header(np.zeros(2, np.complex64), pb.Tensor())
 
 
+@contextlib.contextmanager
+def _camera(*clients: LinkClient, period_s: float = 0.02):
+    """Sends each client a frame every ``period_s`` (seq +1 each), as a robot's camera does:
+    predictions come for observed slots."""
+    stop = threading.Event()
+
+    def run() -> None:
+        seq = 0
+        frame = rgb_image(np.zeros((16, 16, 3), np.uint8))
+        while not stop.wait(period_s):
+            seq += 1
+            for c in clients:
+                c.send_observation(
+                    Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=frame)
+                )
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+
+
 def test_stuck_engine_ends_the_stream_and_the_client_reconnects():
     engine = FakeEngine(slots=4, chunk_ms=1e7)  # never finishes a chunk
     config = FrontendConfig(port=0, limits=SessionLimits(stall_timeout_s=0.3))
@@ -380,11 +457,12 @@ def test_stuck_engine_ends_the_stream_and_the_client_reconnects():
         )
         client.start()
         try:
-            wait_for(
-                lambda: client.stats().connections >= 2, 10, what="a reconnect after the stall"
-            )
-            assert "UNAVAILABLE" in client.stats().last_error
-            assert "finished no chunk" in client.stats().last_error
+            with _camera(client):
+                wait_for(
+                    lambda: client.stats().connections >= 2, 10, what="a reconnect after the stall"
+                )
+                assert "UNAVAILABLE" in client.stats().last_error
+                assert "finished no chunk" in client.stats().last_error
         finally:
             client.close()
 
@@ -406,30 +484,33 @@ def test_a_failed_stream_ends_alone_an_engine_failure_ends_all():
         for c in clients:
             c.start()
         try:
-            for c in clients:
-                wait_for(lambda c=c: c.get_prediction(0.1), 10, what="a first prediction")
-            victim_id = victim.stats().promise.stream_id
-            engine.fail(victim_id)
-            wait_for(lambda: victim.stats().connections >= 2, 10, what="the victim reconnecting")
-            assert "stream failed in the engine" in victim.stats().last_error
-            # The bystander's call went on: same connection, predictions still coming.
-            while bystander.get_prediction(0) is not None:
-                pass
-            wait_for(lambda: bystander.get_prediction(0.1), 5, what="bystander predictions")
-            assert bystander.stats().connections == 1
-            assert bystander.stats().state == "streaming"
-            assert loop.error == ""
-            assert victim.stats().promise.stream_id != victim_id
-            wait_for(lambda: victim.get_prediction(0.1), 10, what="the victim's new stream")
-
-            engine.fail(None)
-            for c in clients:
+            with _camera(*clients):
+                for c in clients:
+                    wait_for(lambda c=c: c.get_prediction(0.1), 10, what="a first prediction")
+                victim_id = victim.stats().promise.stream_id
+                engine.fail(victim_id)
                 wait_for(
-                    lambda c=c: c.stats().connections >= (3 if c is victim else 2),
-                    10,
-                    what="every client reconnecting after the engine failure",
+                    lambda: victim.stats().connections >= 2, 10, what="the victim reconnecting"
                 )
-            assert "engine failed" in loop.error
+                assert "stream failed in the engine" in victim.stats().last_error
+                # The bystander's call went on: same connection, predictions still coming.
+                while bystander.get_prediction(0) is not None:
+                    pass
+                wait_for(lambda: bystander.get_prediction(0.1), 5, what="bystander predictions")
+                assert bystander.stats().connections == 1
+                assert bystander.stats().state == "streaming"
+                assert loop.error == ""
+                assert victim.stats().promise.stream_id != victim_id
+                wait_for(lambda: victim.get_prediction(0.1), 10, what="the victim's new stream")
+
+                engine.fail(None)
+                for c in clients:
+                    wait_for(
+                        lambda c=c: c.stats().connections >= (3 if c is victim else 2),
+                        10,
+                        what="every client reconnecting after the engine failure",
+                    )
+                assert "engine failed" in loop.error
         finally:
             for c in clients:
                 c.close()
@@ -456,11 +537,12 @@ def test_prediction_queue_keeps_the_newest_when_the_caller_falls_behind():
         )
         client.start()
         try:
-            wait_for(
-                lambda: client.stats().drops.get("client:prediction_queue_full", 0) >= 5,
-                10,
-                what="predictions dropped from the full queue",
-            )
+            with _camera(client, period_s=0.005):
+                wait_for(
+                    lambda: client.stats().drops.get("client:prediction_queue_full", 0) >= 5,
+                    10,
+                    what="predictions dropped from the full queue",
+                )
             received = client.stats().predictions_received
             taken = []
             while (p := client.get_prediction(0)) is not None and len(taken) < 10:
@@ -559,7 +641,13 @@ def test_large_frames_cross_the_link_intact():
         try:
             got = []
             deadline_s = time.monotonic() + 15
+            seq = 0
             while len(got) < 5 and time.monotonic() < deadline_s:
+                seq += 1  # predictions follow observed slots: the camera goes on
+                frame = rgb_image(np.zeros((160, 160, 3), np.uint8))
+                client.send_observation(
+                    Observation(seq=seq, capture_stamp_ns=time.time_ns(), image=frame)
+                )
                 if (p := client.get_prediction(0.1)) is not None:
                     got.append(p)
             assert len(got) == 5, client.stats()

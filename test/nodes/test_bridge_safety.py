@@ -86,6 +86,16 @@ def test_chunks_stop_fall_back_report_error_and_resume(ros_env, monkeypatch):
     after = [lvl for t, lvl, _ in levels if t > first_after[0] + 0.2]
     assert during and all(lvl == 2 for lvl in during), levels
     assert after and after[-1] == 0, levels
+    # ERROR goes out with the fallback, in the same watchdog call (same node stamp), not a
+    # stats period later: /diagnostics is never OK while the robot holds
+    stamp = (fallback.header.stamp.sec, fallback.header.stamp.nanosec)
+    with_fallback = [
+        diagnostics_by_name(a)["bridge: output"]
+        for _, a in monitor.messages("/diagnostics")
+        if (a.header.stamp.sec, a.header.stamp.nanosec) == stamp
+    ]
+    assert [lvl for lvl, _, _ in with_fallback] == [2], with_fallback
+    assert "no chunk for" in with_fallback[0][1] and "link streaming" in with_fallback[0][1]
     values = levels[-1][2]
     # no pacing asked: the deadline is two measured intervals
     interval_ms = float(values["interval_median_ms"])
@@ -99,3 +109,45 @@ def test_chunks_stop_fall_back_report_error_and_resume(ros_env, monkeypatch):
     assert report["counts"]["fallbacks"] >= len(fallbacks)
     # the monitor may miss the first chunks while discovery completes, never later ones
     assert report["counts"]["chunks_published"] >= len(model)
+
+
+@pytest.mark.ros
+@pytest.mark.slow
+def test_world_model_never_falls_back_and_warns_when_frames_are_late(ros_env, monkeypatch):
+    """A world model (frames only, promise action_mode ``condition``) commands nothing: the
+    same silence publishes no fallback and no ERROR, /diagnostics says WARN, then OK."""
+    from physis_ros.nodes.monitor import Monitor, diagnostics_by_name
+
+    for key in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE"):
+        monkeypatch.setenv(key, ros_env[key])
+    monitor = Monitor(
+        domain_id=int(ros_env["ROS_DOMAIN_ID"]), keep=("action_chunk", "/diagnostics")
+    )
+    args = [str(v) for v in (INTERVAL_MS, RUN_S, STOP_AT_S, RESUME_AT_S)]
+    child = subprocess.Popen(
+        [sys.executable, HELPER, *args, "world-model"],
+        env=ros_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = child.communicate(timeout=60)
+        time.sleep(0.3)
+    finally:
+        child.kill()
+        monitor.close()
+    assert child.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["counts"]["fallbacks"] == 0 and report["holding"] == ""
+    assert report["counts"]["chunks_received"] > 25
+    assert not monitor.messages("action_chunk")
+    assert "ERROR" not in err, err
+    levels = [
+        (t, *diagnostics_by_name(a)["bridge: output"][:2])
+        for t, a in monitor.messages("/diagnostics")
+        if "bridge: output" in diagnostics_by_name(a)
+    ]
+    assert all(lvl != 2 for _, lvl, _ in levels), levels
+    assert any(lvl == 1 and "no predicted frames" in msg for _, lvl, msg in levels), levels
+    assert levels[-1][1] == 0, levels

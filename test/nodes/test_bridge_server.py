@@ -224,6 +224,22 @@ def test_killing_the_server_stops_actions_within_the_deadline_and_restart_resume
     assert fallback.source == ActionChunk.SOURCE_FALLBACK_HOLD
     held = np.array(fallback.data).reshape(fallback.horizon, fallback.dim)
     assert np.all(held == held[0]) and np.any(held[0, :2] != 0)  # the measured joint positions
+    # /diagnostics says ERROR with the fallback itself (same node stamp): within the deadline
+    # of two intervals, not a stats period later
+    stamp = (fallback.header.stamp.sec, fallback.header.stamp.nanosec)
+    assert monitor.wait_for(
+        lambda: any(
+            (a.header.stamp.sec, a.header.stamp.nanosec) == stamp
+            for _, a in monitor.messages("/diagnostics", since_s=t_kill)
+        ),
+        timeout_s=5,
+    ), "no /diagnostics with the fallback"
+    (with_fallback,) = [
+        diagnostics_by_name(a)["bridge: output"]
+        for _, a in monitor.messages("/diagnostics", since_s=t_kill)
+        if (a.header.stamp.sec, a.header.stamp.nanosec) == stamp
+    ]
+    assert with_fallback[0] == 2 and "hold fallback out" in with_fallback[1], with_fallback
     time.sleep(1.2)
     status = diagnostics_by_name(monitor.get("/diagnostics"))
     assert status["bridge: output"][0] == 2 and status["bridge: link"][0] == 2, status

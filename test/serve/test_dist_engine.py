@@ -14,8 +14,16 @@ import time
 
 import pytest
 import torch
-from stream_plans import random_plan, run_plans, tiny_cond, worst_oracle_error
+from stream_plans import (
+    live_random_plan,
+    random_plan,
+    run_live_plans,
+    run_plans,
+    tiny_cond,
+    worst_oracle_error,
+)
 
+from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamFailed, StreamSpec
 from physis_ros.serve.dist.engine import DistEngine
 from physis_ros.serve.dist.launch import RANK_VARS
@@ -90,6 +98,33 @@ def test_dist_output_equals_oracle(case):
         got = run_plans(engine, plans)
     _assert_clean_exit(engine)
     assert worst_oracle_error(cfg, plans, specs, got, device=ORACLE_DEVICE) <= TOL
+
+
+@pytest.mark.parametrize(
+    ("world", "placement", "horizon"), [(2, "even", 3), (4, "groups:1,3,2,2", 2)]
+)
+def test_live_streams_with_observations_in_flight_equal_the_live_oracle(world, placement, horizon):
+    """Observations replace predicted slots while chunks are in flight on the ranks; every
+    chunk equals the live oracle and carries its anchor (DESIGN.md §3)."""
+    cfg = _cfg(placement=placement)
+    specs, plans = {}, {}
+    with DistEngine.launch_local(cfg, world) as engine:
+        for i in range(2):
+            spec = StreamSpec(seed=41 + i, prompt_embedding=tiny_cond(500 + i), horizon=horizon)
+            promise = engine.open_stream(spec)
+            assert promise.horizon == horizon
+            specs[promise.stream_id] = spec
+            plans[promise.stream_id] = live_random_plan(
+                cfg.model_config, i, horizon=horizon, observations=7
+            )
+        got, mid_flight = run_live_plans(engine, plans)
+    _assert_clean_exit(engine)
+    assert mid_flight > 5
+    for sid, plan in plans.items():
+        anchors = {v.slot: v.anchor for v in oracle.versions(plan, cfg.window) if not v.observed}
+        assert {c: a for c, (_, a) in got[sid].items()} == anchors
+    xs = {sid: {c: x for c, (x, _) in out.items()} for sid, out in got.items()}
+    assert worst_oracle_error(cfg, plans, specs, xs, device=ORACLE_DEVICE) <= TOL
 
 
 def test_placement_computed_from_costs_loads_missing_blocks_and_equals_oracle():

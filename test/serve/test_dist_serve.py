@@ -129,25 +129,29 @@ def server(tmp_path):
         assert stop_s < 15.0, f"SIGTERM to exit took {stop_s:.1f} s"
 
 
+def _send_frame(client, seq: int) -> None:
+    from physis_ros.link.client import CameraImage, Observation
+
+    image = np.full((16, 16, 3), 80, np.uint8)
+    client.send_observation(
+        Observation(
+            seq=seq,
+            capture_stamp_ns=time.time_ns(),
+            image=CameraImage(encoding="rgb8", height=16, width=16, step=48, data=image.tobytes()),
+        )
+    )
+
+
 def _stream(port: int, count: int, timeout_s: float):
-    from physis_ros.link.client import CameraImage, LinkClient, Observation
+    from physis_ros.link.client import LinkClient
 
     client = LinkClient(f"127.0.0.1:{port}", seed=3)
     client.start()
-    image = np.full((16, 16, 3), 80, np.uint8)
     got, seq = [], 0
     deadline = time.monotonic() + timeout_s
     while len(got) < count and time.monotonic() < deadline:
         seq += 1
-        client.send_observation(
-            Observation(
-                seq=seq,
-                capture_stamp_ns=time.time_ns(),
-                image=CameraImage(
-                    encoding="rgb8", height=16, width=16, step=48, data=image.tobytes()
-                ),
-            )
-        )
+        _send_frame(client, seq)
         pred = client.get_prediction(0.2)
         if pred is not None:
             got.append(pred)
@@ -172,7 +176,10 @@ def test_hung_rank_is_reported_to_the_client_within_the_timeout(server):
     os.kill(ranks[1], signal.SIGSTOP)
     try:
         hung_s = time.monotonic()
+        seq = 1000
         while "rank 1" not in client.stats().last_error and time.monotonic() - hung_s < 60:
+            seq += 1
+            _send_frame(client, seq)  # the robot's camera goes on: chunks go in, none out
             client.get_prediction(0.1)
         reported_s = time.monotonic() - hung_s
         error = client.stats().last_error

@@ -106,19 +106,19 @@ def _predictions(port: int, model: str) -> dict[int, np.ndarray]:
 
 
 def _reference(root: Path, got: dict[int, np.ndarray], prompt: str) -> dict[int, np.ndarray]:
-    """The same chunks through an in-process engine: indices the server did not predict were
-    observations (every observation is the same image)."""
+    """The same chunks through an in-process engine on the live timeline the server ran
+    (DESIGN.md §3.1, horizon 1): slot c - 1's observation (its frames, all the same image),
+    then slot c generated, for every slot up to the last one predicted."""
     engine = LocalEngine(
         str(root), steps=3, window=2, vae=str(root / "vae"), resolution="32x32", latent_frames=2,
         prompts=[str(root / "prompts.safetensors")],
     )  # fmt: skip
     try:
-        sid = engine.open_stream(StreamSpec(seed=3, prompt=prompt)).stream_id
-        for c in range(max(got) + 1):
-            if c in got:
-                engine.submit_generate(sid)
-            else:
-                engine.submit_context(sid, _image()[None])
+        sid = engine.open_stream(StreamSpec(seed=3, prompt=prompt, horizon=1)).stream_id
+        frames = np.repeat(_image()[None], engine.cfg.frames_per_chunk, axis=0)
+        for c in range(1, max(got) + 1):
+            engine.submit_context(sid, frames, slot=c - 1)
+            engine.submit_generate(sid)
         out: dict[int, np.ndarray] = {}
         deadline = time.monotonic() + 120
         while len(out) < len(got) and time.monotonic() < deadline:
@@ -157,7 +157,7 @@ def test_served_model_dir_equals_in_process_engine(model_dir, tmp_path, ranks):
     assert any(not np.array_equal(unprompted[c], ref[c]) for c in got)
     worst = 0
     for c, frames in got.items():
-        assert frames.shape == ref[c].shape == ((5 if c == 0 else 8), SIZE, SIZE, 3)
+        assert frames.shape == ref[c].shape == (8, SIZE, SIZE, 3)
         worst = max(worst, int(np.abs(frames.astype(int) - ref[c].astype(int)).max()))
     print(f"{ranks} rank(s): chunks {sorted(got)}, max |served - in-process| = {worst} levels")
     assert worst <= 1  # float rounding across batch shapes may move a pixel by one level

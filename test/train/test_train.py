@@ -15,7 +15,7 @@ import torch
 from physis_ros.engine.config import get_preset
 from physis_ros.engine.model import build_model, forward_sequence, make_cond
 from physis_ros.sim.record import RecordConfig, record_episode
-from physis_ros.train.train import TrainConfig, noisy_history_loss
+from physis_ros.train.train import TrainConfig, Windows, noisy_history_loss
 from physis_ros.weights import engine_kwargs, read_metadata
 
 
@@ -42,8 +42,10 @@ def _train(bag, out, seed: int) -> dict:
             "3",
             "--batch-size",
             "2",
-            "--chunks",
-            "3",
+            "--max-context",
+            "2",
+            "--horizon",
+            "2",
             "--window",
             "2",
             "--val-every",
@@ -79,7 +81,9 @@ def test_training_is_reproducible_and_loadable(bag, tmp_path):
     assert (tmp_path / "a" / "loss_curve.png").stat().st_size > 1000
     meta = read_metadata(tmp_path / "a" / "weights.safetensors")
     assert meta["model"] == "push-wm" and meta["window"] == "2" and meta["frame_hz"] == "10.0"
+    assert meta["horizon"] == "2" and meta["context_noise"] == "clean"
     kwargs = engine_kwargs(tmp_path / "a" / "weights.safetensors")
+    assert kwargs["horizon"] == 2 and kwargs["context_noise"] == "clean"  # served as trained
     model = build_model(get_preset(kwargs["model"]))
     model.load_safetensors(kwargs["checkpoint"])  # upstream key names, strict
     # loaded into float32, exactly the stored values
@@ -89,28 +93,38 @@ def test_training_is_reproducible_and_loadable(bag, tmp_path):
     del b, c
 
 
-def test_noisy_history_loss_ignores_context_chunks_and_scores_only_noised_ones():
+def test_window_loss_is_the_live_timeline_with_teacher_forced_predictions():
+    """A window: n_obs observed chunks (clean, ending at the last observed position; unused
+    leading positions attended by none), then h predicted chunks at the row's sigma,
+    conditioned on the last observed command held; the loss scores only the predicted."""
     torch.manual_seed(0)
     cfg = get_preset("push-wm")
     model = build_model(cfg)
     nvp = cfg.video_tokens * cfg.patch_dim
-    x0 = torch.randn(2, 4, nvp + cfg.action_horizon * cfg.action_dim)
-    eps = torch.randn(2, 4, nvp)
+    x0 = torch.randn(2, 5, nvp + cfg.action_horizon * cfg.action_dim)
+    eps = torch.randn(2, 5, nvp)
     cond = make_cond(cfg, 0).expand(2, -1, -1)
-    n_ctx = torch.tensor([1, 2])
-    sigma = torch.tensor([0.5, 0.9])
-    loss = noisy_history_loss(
-        model, x0=x0, n_context=n_ctx, sigma=sigma, eps=eps, cond=cond, window=2
-    )
-    # the same number by hand: context chunks at sigma 0, noised chunks at the row's sigma
-    sig = torch.tensor([[0, 0.5, 0.5, 0.5], [0, 0, 0.9, 0.9]])
-    x_in = x0.clone()
-    x_in[..., :nvp] = (1 - sig[..., None]) * x0[..., :nvp] + sig[..., None] * eps
-    with torch.no_grad():
-        v = forward_sequence(model, x_in, sig, cond, window=2)[..., :nvp]
-    err = (v - (eps - x0[..., :nvp])).pow(2).mean(-1)
-    expected = (err[0, 1:].sum() + err[1, 2:].sum()) / 5
-    assert np.isclose(loss.item(), expected.item(), rtol=1e-5)
+    windows = Windows(x0, torch.tensor([1, 3]), torch.tensor([0.5, 0.9]), eps, horizon=2)
+    loss = noisy_history_loss(model, windows, cond=cond, window=2)
+    # the same number by hand: row 0 is [obs 2 | pred 3, 4], row 1 [obs 0, 1, 2 | pred 3, 4]
+    expected, count = 0.0, 0
+    for row, first in ((0, 2), (1, 0)):
+        x = x0[row, first:].clone()
+        held = x[2 - first, nvp:].reshape(cfg.action_horizon, cfg.action_dim)[-1]
+        x[3 - first :, nvp:] = held.repeat(cfg.action_horizon)
+        sig = torch.zeros(len(x))
+        sig[3 - first :] = windows.sigma[row]
+        x_in = x.clone()
+        x_in[:, :nvp] = (1 - sig[:, None]) * x[:, :nvp] + sig[:, None] * eps[row, first:]
+        with torch.no_grad():
+            v = forward_sequence(model, x_in, sig, cond[row], window=2)[:, :nvp]
+        err = (v - (eps[row, first:] - x[:, :nvp])).pow(2).mean(-1)
+        expected += err[3 - first :].sum().item()
+        count += 2
+    assert np.isclose(loss.item(), expected / count, rtol=1e-5)
+    # noised context: the observed chunks at the row's sigma too, and a different loss
+    noised = noisy_history_loss(model, windows, cond=cond, window=2, context_noise="noised")
+    assert abs(noised.item() - loss.item()) > 1e-5
 
 
 def test_training_noise_levels_are_the_served_samplers_levels():
@@ -140,6 +154,8 @@ def test_shipped_weights_are_served_by_default_and_small():
 
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="max_context"):
-        TrainConfig(chunks=3, max_context=3)
+        TrainConfig(max_context=0)
+    with pytest.raises(ValueError, match="context_noise"):
+        TrainConfig(context_noise="sometimes")
     with pytest.raises(ValueError, match="predicts actions"):
         TrainConfig(model="tiny")

@@ -312,7 +312,8 @@ class DistEngine(PlacementControl):
         max_in_flight: int = 0,
     ) -> StreamPromise:
         """Admit a stream with ``layout`` (default: the configured placement); ``mode`` and
-        ``max_in_flight`` (0: no limit) as in the engine's ``Controller``."""
+        ``max_in_flight`` (0: no limit) as in the engine's ``Controller``; its horizon is
+        ``spec.horizon`` (None: the configured one)."""
         K, L = self.cfg.steps, self.model_cfg.num_blocks
         if layout is None:
             layout = self.default_layout
@@ -338,26 +339,35 @@ class DistEngine(PlacementControl):
                     )
             sid = self._next_stream_id
             self._next_stream_id += 1
+            horizon = self.cfg.horizon if spec.horizon is None else spec.horizon
+            if horizon < 0:
+                raise ValueError(f"horizon must be >= 0 (0: no limit), got {horizon}")
             body = {
                 "stream_id": sid,
                 "seed": spec.seed,
                 "cond": cond,
                 "layout": [list(row) for row in layout],
                 "history": "clean" if mode == "sequential-clean" else "noisy",
+                "horizon": horizon,
             }
             for r in range(1, self.world_size):
                 if r not in self.failed_ranks:
                     self.transport.send_control(r, "open", body)
             self._host_control.put(("open", body))
             self.controller.open_stream(
-                sid, seed=spec.seed, mode=mode, entry_rank=layout[0][0], max_in_flight=max_in_flight
+                sid,
+                seed=spec.seed,
+                mode=mode,
+                entry_rank=layout[0][0],
+                max_in_flight=max_in_flight,
+                horizon=horizon,
             )
             self._streams[sid] = _StreamInfo(
                 spec=spec, layout=layout, ranks=ranks, history=body["history"]
             )
-        return self._promise(sid, layout)
+        return self._promise(sid, layout, horizon)
 
-    def _promise(self, sid: int, layout: Layout) -> StreamPromise:
+    def _promise(self, sid: int, layout: Layout, horizon: int) -> StreamPromise:
         from physis_ros.engine.stage import measure_block_ms
 
         cfg, K, L = self.model_cfg, self.cfg.steps, self.model_cfg.num_blocks
@@ -383,6 +393,8 @@ class DistEngine(PlacementControl):
             # a world model conditioned on actions takes them with its observations too
             action_horizon=cfg.action_horizon if cfg.action_mode != "none" else 0,
             action_dim=cfg.action_dim if cfg.action_mode != "none" else 0,
+            horizon=horizon,
+            action_mode=cfg.action_mode,
         )
 
     def _check_stream(self, stream_id: int) -> None:
@@ -406,11 +418,12 @@ class DistEngine(PlacementControl):
                 self._close_everywhere(stream_id)
             self._failed_streams.pop(stream_id, None)
 
-    def submit_context_x(self, stream_id: int, x: torch.Tensor) -> int:
-        """Append an already encoded observation (packed state [X]); returns its chunk."""
+    def submit_context_x(self, stream_id: int, x: torch.Tensor, *, slot: int | None = None) -> int:
+        """Queue an already encoded observation (packed state [X]) of ``slot`` (None: the
+        next new one); returns its slot."""
         with self._lock:
             self._check_stream(stream_id)
-            c = self.controller.submit_context(stream_id, x)
+            c = self.controller.submit_context(stream_id, x, slot=slot)
             self.controller.pump()
             return c
 
@@ -420,8 +433,10 @@ class DistEngine(PlacementControl):
         frames: np.ndarray,
         actions: np.ndarray | None = None,
         state: np.ndarray | None = None,
+        *,
+        slot: int | None = None,
     ) -> int:
-        """Encode an observation with the codec and append it as a context chunk."""
+        """Encode an observation with the codec and queue it as slot ``slot``'s context."""
         cfg = self.model_cfg
         latent = self.codec.encode(frames, stream_id=stream_id)
         x = pack_chunk(
@@ -430,7 +445,7 @@ class DistEngine(PlacementControl):
             request_actions(cfg, actions, context=True),
             request_state(cfg, state),
         )
-        chunk = self.submit_context_x(stream_id, x)
+        chunk = self.submit_context_x(stream_id, x, slot=slot)
         self.codec.observed(stream_id, chunk, latent)
         return chunk
 
@@ -476,6 +491,7 @@ class DistEngine(PlacementControl):
                     left_s=res.left_s,
                     decoded_s=time.monotonic(),
                     finite=bool(torch.isfinite(x).all()),
+                    anchor=res.anchor,
                 )
             )
         return outputs

@@ -175,7 +175,7 @@ class PlacementControl:
             body = {
                 "stream_id": stream_id,
                 "epoch": epoch,
-                "first_chunk": first,
+                "first_ticket": first,
                 "layout": [list(row) for row in layout],
             }
             for r in range(1, self.world_size):

@@ -8,10 +8,10 @@ it places streams and sends control messages; the other ranks run ``run_worker_r
 
 Control messages (JSON on the p2p channel, kind -> body):
   rank 0 -> worker: ``open`` {stream_id, seed, cond (prompt embedding, prompts.cond_to_json),
-                    layout}, ``close`` {stream_id},
+                    layout, history, horizon}, ``close`` {stream_id},
                     ``measure`` {repeats} (time each held block), ``load`` {blocks} (build or
                     load the weights of more blocks), ``relayout`` {stream_id, epoch,
-                    first_chunk, layout} (see engine/worker.py), ``usage`` {},
+                    first_ticket, layout} (see engine/worker.py), ``usage`` {},
                     ``shutdown`` {}
   worker -> rank 0: ``ready`` {rank, blocks}, ``costs`` {rank, block_ms}, ``loaded`` {rank,
                     blocks}, ``usage_report`` {rank, cpu_s, busy_s, tasks, batches},
@@ -96,6 +96,11 @@ class RuntimeConfig:
     """W: history window in chunks."""
     shift: float = 5.0
     """Schedule shift."""
+    context_noise: str = "clean"
+    """How observations enter the history (``SamplerConfig.context_noise``), as trained."""
+    horizon: int = 0
+    """Chunks ahead of its newest observation a stream generates unless it asks otherwise
+    (0: no limit, offline generation: observations only take new slots)."""
     weights_seed: int = 0
     """Random-init seed of the weights (when ``weights_path`` is empty)."""
     weights_path: str = ""
@@ -128,11 +133,18 @@ class RuntimeConfig:
         if self.resolved_config is None:
             # raises ValueError naming an unknown preset or what is wrong with a directory
             _resolve(self.model, self.latent_frames, self.resolution, self.vae)
-        SamplerConfig(steps=self.steps, window=self.window, shift=self.shift)
+        SamplerConfig(
+            steps=self.steps,
+            window=self.window,
+            shift=self.shift,
+            context_noise=self.context_noise,
+        )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device {self.device!r} is not auto, cpu or cuda")
+        if self.horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: no limit), got {self.horizon}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         for name in (
@@ -167,7 +179,12 @@ class RuntimeConfig:
 
     @property
     def sampler_config(self) -> SamplerConfig:
-        return SamplerConfig(steps=self.steps, window=self.window, shift=self.shift)
+        return SamplerConfig(
+            steps=self.steps,
+            window=self.window,
+            shift=self.shift,
+            context_noise=self.context_noise,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -337,6 +354,8 @@ class StageHost:
             layout=layout,
             cond=cond_from_json(body["cond"]),
             history=str(body.get("history", "noisy")),
+            seed=int(body.get("seed", 0)),
+            horizon=int(body.get("horizon", 0)),
         )
         self.closed_streams.discard(stream_id)
         self.open_streams.add(stream_id)
@@ -349,7 +368,7 @@ class StageHost:
         self.worker.relayout(
             stream_id,
             epoch=int(body["epoch"]),
-            first_chunk=int(body["first_chunk"]),
+            first_ticket=int(body["first_ticket"]),
             layout=layout,
         )
 

@@ -3,7 +3,7 @@
 ``TorchDistTransport`` implements the engine's ``Transport`` (``physis_ros.engine.transport``)
 between ranks, and carries the runtime's control messages and heartbeats on the same channel.
 
-Wire protocol: a header int64[16] (see ``_H_*``) followed, for data, by x (float32 [X]) and,
+Wire protocol: a header int64[18] (see ``_H_*``) followed, for data, by x (float32 [X]) and,
 if ``has_h``, h ([N, D], model dtype); for control, by a UTF-8 JSON payload. With gloo the
 three travel as ONE uint8 message (tag ``TAG_HEADER``), received into a buffer of the largest
 size (gloo accepts a shorter message), so a hop costs one rendezvous, not three; with NCCL
@@ -59,12 +59,13 @@ from physis_ros.engine.transport import Activation
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3
-"""3: header slot 15 carries the placement epoch; 2: gloo carries header ++ payload as one
+PROTOCOL_VERSION = 4
+"""4: header slots 16-17 carry the release ticket and the anchor slot (live timeline);
+3: header slot 15 carries the placement epoch; 2: gloo carries header ++ payload as one
 message (1: header and payload apart)."""
 TAG_HEADER = 0
 TAG_PAYLOAD = 1
-HEADER_LEN = 16
+HEADER_LEN = 18
 
 KIND_DATA = 1
 KIND_CONTROL = 2
@@ -73,7 +74,7 @@ KIND_HEARTBEAT = 3
 # header slots
 _H_VERSION, _H_KIND, _H_STREAM, _H_CHUNK, _H_STEP, _H_BLOCK, _H_FLAGS, _H_HAS_H = range(8)
 _H_X_NUMEL, _H_H_ROWS, _H_H_COLS, _H_PAYLOAD_BYTES, _H_CREATED, _H_SEQ, _H_DTYPE = range(8, 15)
-_H_EPOCH = 15
+_H_EPOCH, _H_TICKET, _H_ANCHOR = 15, 16, 17
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -318,6 +319,8 @@ class TorchDistTransport:
             values[_H_CREATED] = _float_bits(msg.created_s)
             values[_H_DTYPE] = _DTYPE_CODES[self.shapes.h_dtype]
             values[_H_EPOCH] = msg.epoch
+            values[_H_TICKET] = msg.ticket
+            values[_H_ANCHOR] = msg.anchor
         return torch.tensor(values, dtype=torch.int64, device=self.wire_device)
 
     def _enqueue(self, dst: int, header: torch.Tensor, payload: list[torch.Tensor]) -> None:
@@ -514,6 +517,8 @@ class TorchDistTransport:
             h=h_dev,
             created_s=_bits_float(h[_H_CREATED]),
             epoch=h[_H_EPOCH],
+            ticket=h[_H_TICKET],
+            anchor=h[_H_ANCHOR],
         )
         self._deliver(msg)
         if staged:  # copied to the device: the pinned buffers take the next message

@@ -1,8 +1,9 @@
 """Child process for the safety test: the real bridge node, fed by a scripted link client.
 
-    scripted_bridge.py INTERVAL_MS RUN_S STOP_AT_S RESUME_AT_S
+    scripted_bridge.py INTERVAL_MS RUN_S STOP_AT_S RESUME_AT_S [world-model]
 
-The client delivers a chunk (4 x 2 actions, 2 frames of 16x16) every INTERVAL_MS, stops at
+The client delivers a chunk (4 x 2 actions, 2 frames of 16x16; a world model's: the frames
+only) every INTERVAL_MS, stops at
 STOP_AT_S (the "server" goes silent), resumes at RESUME_AT_S with a new stream (chunk indices
 restart), and the node runs RUN_S in all. Prints one JSON line of what it did at the end.
 This drives the bridge's publishing and safety side exactly as the link client would,
@@ -23,7 +24,10 @@ from physis_ros.nodes.bridge import Bridge
 
 
 class ScriptedClient:
-    def __init__(self, interval_ms: float, stop_at_s: float, resume_at_s: float) -> None:
+    def __init__(
+        self, interval_ms: float, stop_at_s: float, resume_at_s: float, world_model: bool
+    ) -> None:
+        self.world_model = world_model
         self.interval_s = interval_ms / 1e3
         self.stop_at_s, self.resume_at_s = stop_at_s, resume_at_s
         self.queue: queue.Queue[Prediction] = queue.Queue()
@@ -38,6 +42,7 @@ class ScriptedClient:
             expected_interval_ms=self.interval_s * 1e3, pipeline_depth=1,
             expected_response_latency_ms=self.interval_s * 1e3, chunk_frames=2, image_height=16,
             image_width=16, action_horizon=4, action_dim=2, max_observation_bytes=1 << 20,
+            horizon=1, action_mode="condition" if self.world_model else "predict",
         )  # fmt: skip
 
     def start(self) -> None:
@@ -59,7 +64,7 @@ class ScriptedClient:
                     stream_id=self.stream_id,
                     chunk_index=chunk,
                     frames=np.full((2, 16, 16, 3), chunk % 255, np.uint8),
-                    actions=np.full((4, 2), 0.1 * chunk, np.float32),
+                    actions=None if self.world_model else np.full((4, 2), 0.1 * chunk, np.float32),
                     observation_seq=-1,
                     observation_stamp_ns=0,
                     server_times_ns={},
@@ -92,15 +97,21 @@ class ScriptedClient:
 
 def main() -> int:
     interval_ms, run_s, stop_at_s, resume_at_s = (float(a) for a in sys.argv[1:5])
+    world_model = len(sys.argv) > 5 and sys.argv[5] == "world-model"
     rclpy.init()
-    client = ScriptedClient(interval_ms, stop_at_s, resume_at_s)
+    client = ScriptedClient(interval_ms, stop_at_s, resume_at_s, world_model)
     node = Bridge(client=client)
     client.clock_ns = lambda: node.get_clock().now().nanoseconds
     deadline = time.monotonic() + run_s
     while time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.05)
     node.shutdown()
-    print(json.dumps({"counts": node.counts, "drops": node.drops.snapshot()}), flush=True)
+    print(
+        json.dumps(
+            {"counts": node.counts, "drops": node.drops.snapshot(), "holding": node.holding}
+        ),
+        flush=True,
+    )
     node.destroy_node()
     rclpy.shutdown()
     return 0

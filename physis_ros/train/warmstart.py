@@ -1,0 +1,80 @@
+"""Starting a training run from a physis-train checkpoint, also one with another patch size.
+
+A checkpoint of the same model configuration loads as it is. One that differs only in the
+patch size (a finer token grid over the same latent) loads with its patch embedding and
+output head resized the FlexiViT way: the new embedding of a patch is the old embedding of a
+uniform patch (a sum over the old sub-positions), the new head the mean of the old head's
+sub-positions, so a flat region maps as before; every other tensor (blocks, time and text
+embeddings, action conditioning) is the trained one. The checkpoint's model comes from its
+metadata (``model`` and ``train_config.model_overrides``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.model import WanDiT, load_upstream_state_dict
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The model configuration a physis-train checkpoint was trained with."""
+    from physis_ros.train.train import TrainConfig
+    from physis_ros.weights import read_metadata
+
+    meta = read_metadata(path)
+    if "model" not in meta:
+        raise ValueError(f"{path}: no physis-train metadata (model)")
+    overrides = json.loads(meta.get("train_config", "{}")).get("model_overrides", "")
+    return TrainConfig(model=meta["model"], model_overrides=overrides).model_config
+
+
+def load_init(model: WanDiT, path: str | Path) -> str:
+    """Load checkpoint ``path`` into ``model`` (see the module docstring); returns how."""
+    from safetensors.torch import load_file
+
+    old = checkpoint_config(path)
+    new = model.cfg
+    state = load_file(str(path), device="cpu")
+    if dataclasses.replace(old, name=new.name) == new:
+        load_upstream_state_dict(model, state)
+        return "as trained"
+    if dataclasses.replace(old, name=new.name, patch=new.patch) != new:
+        raise ValueError(
+            f"{path} was trained as {old}; it starts {new.name} only if they differ in the "
+            "patch size alone"
+        )
+    state = {k: v.float() for k, v in state.items()}
+    state["patch_embedding.weight"] = _resize_embedding(state["patch_embedding.weight"], new)
+    for key in ("head.head.weight", "head.head.bias"):
+        state[key] = _resize_head(state[key], old, new)
+    load_upstream_state_dict(model, state)
+    return f"patch {old.patch} resized to {new.patch}"
+
+
+def _ratio(old: tuple[int, int, int], new: tuple[int, int, int]) -> tuple[int, int, int]:
+    if any(o % n for o, n in zip(old, new, strict=True)):
+        raise ValueError(f"patch {new} does not divide the checkpoint's patch {old}")
+    return tuple(o // n for o, n in zip(old, new, strict=True))
+
+
+def _resize_embedding(weight: torch.Tensor, new: ModelConfig) -> torch.Tensor:
+    """[D, C, pt, ph, pw] (Conv3d layout) -> [D, C, *new.patch]: sums of sub-patches."""
+    d, c = weight.shape[:2]
+    rt, rh, rw = _ratio(tuple(weight.shape[2:]), new.patch)
+    nt, nh, nw = new.patch
+    w = weight.reshape(d, c, nt, rt, nh, rh, nw, rw)
+    return w.sum(dim=(3, 5, 7))
+
+
+def _resize_head(tensor: torch.Tensor, old: ModelConfig, new: ModelConfig) -> torch.Tensor:
+    """Head rows laid out (pt, ph, pw, c) upstream -> the new patch's: means of sub-patches."""
+    rt, rh, rw = _ratio(old.patch, new.patch)
+    nt, nh, nw = new.patch
+    rest = tensor.shape[1:]
+    w = tensor.reshape(nt, rt, nh, rh, nw, rw, old.in_channels, *rest)
+    return w.mean(dim=(1, 3, 5)).reshape(nt * nh * nw * old.in_channels, *rest)
