@@ -92,11 +92,11 @@ def test_a_failed_capture_leaves_the_composition_eager(tiny):
     graphs = fast.fused_blocks.graphs
     graphs.capture = True
     block = 1
-    tasks = _tasks(fast, block, [2], [0], keep=True, seed=3)
+    tasks = _tasks(fast, block, [2], [0], horizon=1, seed=3)
     caches = StageCaches(fast, [1.0, 0.5, 0.0])
     ref_model = copy.deepcopy(tiny)
     fused.set_block_impl(ref_model, "fused", kernels="torch")
-    ref_tasks = _tasks(ref_model, block, [2], [0], keep=True, seed=3)
+    ref_tasks = _tasks(ref_model, block, [2], [0], horizon=1, seed=3)
     ref_caches = StageCaches(ref_model, [1.0, 0.5, 0.0])
     for _ in range(4):  # the same rings: one composition
         h, _ = run_block(fast, block, tasks, caches)
@@ -109,7 +109,7 @@ def test_a_failed_capture_leaves_the_composition_eager(tiny):
     assert graphs.stats.capture_failed == 1 and graphs.stats.replays == 0
     assert graphs.stats.eager == 4 and graphs.stats.failures
     assert torch.equal(tasks[0].ring.k, ref_tasks[0].ring.k)
-    assert tasks[0].ring.count == ref_tasks[0].ring.count == 6
+    assert tasks[0].ring.slot == ref_tasks[0].ring.slot and 2 in tasks[0].ring.slot
 
 
 def test_a_key_whose_tensors_are_gone_is_dropped(tiny):
@@ -118,14 +118,14 @@ def test_a_key_whose_tensors_are_gone_is_dropped(tiny):
     fast = _graph_copy(tiny)
     graphs = fast.fused_blocks.graphs
     caches = StageCaches(fast, [1.0, 0.5, 0.0])
-    tasks = _tasks(fast, 1, [2], [0], keep=True, seed=5)
+    tasks = _tasks(fast, 1, [2], [0], horizon=1, seed=5)
     for _ in range(3):
         run_block(fast, 1, tasks, caches)
     (entry,) = graphs._entries.values()
     assert entry.seen == 3 and entry.alive()
     del tasks
     assert not entry.alive()
-    tasks = _tasks(fast, 1, [2], [0], keep=True, seed=6)
+    tasks = _tasks(fast, 1, [2], [0], horizon=1, seed=6)
     run_block(fast, 1, tasks, caches)
     (fresh,) = graphs._entries.values()
     assert fresh is not entry and fresh.seen == 1

@@ -101,11 +101,10 @@ COMPOSITIONS = [  # (slots before each task's, its stream, horizon: ring of W + 
     ([2, 1, 0], [0, 0, 0], 1),  # one stream: cross-attention over all rows at once
     ([2, 2, 5], [0, 1, 0], 3),  # two streams: cross-attention per task; a window that wraps
 ]
-FULL_RINGS = [  # every ring full: the CUDA-graph path's steady state (block_graphs)
-    ([2], [0], True),
-    ([2], [0], False),  # clean history's generated chunk: written, not kept
-    ([4, 2, 3], [0, 0, 0], True),  # wrapped rings, one stream
-    ([2, 5, 7], [0, 1, 0], True),  # two streams: cross-attention per task
+FULL_RINGS = [  # every ring full (horizon 1, slot >= W): the CUDA-graph path's steady state
+    ([2], [0], 1),
+    ([4, 2, 3], [0, 0, 0], 1),  # wrapped rings, one stream; task 1 observed
+    ([2, 5, 7], [0, 1, 0], 1),  # two streams: cross-attention per task
 ]
 
 
