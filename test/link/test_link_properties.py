@@ -55,13 +55,14 @@ def _session() -> Session:
 
 
 def _outcome(session: Session, raw: bytes) -> str:
-    """What became of one message: a drop reason, "kept" (newest observation) or "pong"."""
+    """What became of one message: a drop reason, "kept" (an observed slot's frame) or
+    "pong"."""
     before = sum(session.drops.values())
     outbound = len(session._outbound)
     session.offer(raw, 0)
     if sum(session.drops.values()) > before:
         return session.last_drop_detail.split(":")[0]
-    if session.take_newest() is not None:
+    if session.slots.first_seq is not None:  # the assembler took it as a frame of a slot
         return "kept"
     assert len(session._outbound) > outbound, "a message vanished without a trace"
     return "pong"
