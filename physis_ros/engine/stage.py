@@ -138,7 +138,8 @@ class StageCaches:
         missing = sorted({c for c in chunks if c not in self._rope})
         if missing:
             if len(self._rope) + len(missing) > self.max_chunks:
-                self._rope.clear()
+                self._rope.clear()  # then every chunk of this batch is computed again
+                missing = sorted(set(chunks))
             # on the CPU, then one asynchronous copy: no host synchronisation per chunk
             freqs = to_device(M.rope_freqs(self.model, torch.tensor(missing)), self.model.device)
             for i, c in enumerate(missing):
