@@ -90,10 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--target-interval-ms",
         type=finite_float,
-        default=0.0,
-        help="interval asked of the server (default 0: the interval physis-serve planned for "
-        "at start-up, the fastest it can promise a stream; the video one chunk covers, 200 ms "
-        "for push-wm, asks for real time)",
+        default=None,
+        help="interval asked of the server (default: the video one chunk covers, 200 ms for "
+        "push-wm: on the live timeline a stream gets one chunk per observed chunk, so its "
+        "camera sets the interval; a model without a shipped camera: 0, the interval "
+        "physis-serve planned, the fastest it can promise a stream)",
     )
     parser.add_argument(
         "--out", default="out/demo", help="directory for summary.json and strip.png"
@@ -128,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.ranks < 0:
         parser.error(f"--ranks must be >= 0, got {args.ranks}")
-    if args.target_interval_ms < 0:
+    if args.target_interval_ms is not None and args.target_interval_ms < 0:
         parser.error(f"--target-interval-ms must be >= 0, got {args.target_interval_ms}")
     return args
 
@@ -223,7 +224,10 @@ def main(argv=None) -> int:
         port = loop.start_server(timeout_s=300.0, ranks=args.ranks)
         print(f"physis-demo: physis-serve ({args.model}) on 127.0.0.1:{port}", flush=True)
         monitor = Monitor(domain_id=domain_id, keep=("/diagnostics",))
-        loop.start_bridge(target_interval_ms=args.target_interval_ms, **bridge_params)
+        target_ms = args.target_interval_ms
+        if target_ms is None:  # what the camera fills: one observed chunk per chunk_ms
+            target_ms = camera["chunk_ms"] if camera is not None else 0.0
+        loop.start_bridge(target_interval_ms=target_ms, **bridge_params)
         started_s = time.monotonic()
         live_s = None  # when the first chunk was predicted: the duration counts from there
         while live_s is None or time.monotonic() - live_s < args.duration_s:

@@ -14,7 +14,8 @@ then the stream's not yet generated slots up to newest observed + horizon are ge
 commanded actions held. It polls the engine and maps each finished chunk to a prediction
 that names its anchor (the observation it reads last) and how many chunks ahead it is.
 Generation is paced at the interval the stream was admitted at (a burst of up to ``horizon``
-chunks allowed: the slots a new observation releases at once). Promises the engine revises
+chunks allowed, the slots a new observation releases at once, and half an interval of
+jitter). Promises the engine revises
 (another stream joined or left) replace the stream's own and go to its client.
 """
 
@@ -730,7 +731,9 @@ class EngineLoop:
             if session.interval_s > 0:
                 if now_s < session.next_generate_s:
                     return  # the loop comes back when it is due (``_due_s``)
-                burst_s = (session.horizon - 1) * session.interval_s  # h chunks at once
+                # h chunks at once, and half an interval of slack: a camera whose slot
+                # comes a little early (jitter) is not held back (long run: 1 per interval)
+                burst_s = (session.horizon - 0.5) * session.interval_s
                 session.next_generate_s = (
                     max(session.next_generate_s, now_s - burst_s) + session.interval_s
                 )

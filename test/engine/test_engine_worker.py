@@ -167,3 +167,17 @@ def test_close_joins_every_thread_the_runtime_started(tiny):
         assert {t.name for t in started} == {"worker-0", "worker-1"}
     assert not any(t.is_alive() for t in started)
     rt.close()  # idempotent
+
+
+def test_rope_cache_stays_exact_when_it_is_full(tiny):
+    """A long stream fills the RoPE cache: when a batch clears it, every chunk of the batch is
+    computed again (a chunk cached before the clear was once left out: KeyError after 256
+    slots, 51 s into a 5-chunk/s demo)."""
+    from physis_ros.engine import model as M
+    from physis_ros.engine.stage import StageCaches
+
+    caches = StageCaches(tiny, [1.0, 0.5, 0.0], max_chunks=4)
+    caches.rope([0, 1, 2])
+    got = caches.rope([2, 3, 4])  # 2 is cached, 3 and 4 overflow the cache
+    want = M.rope_freqs(tiny, torch.tensor([2, 3, 4]))
+    torch.testing.assert_close(got, want.to(got.device), rtol=0, atol=0)
