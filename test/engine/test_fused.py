@@ -214,14 +214,3 @@ def test_triton_kernels_equal_eager_in_the_interpreter():
         check=False,
     )
     assert res.returncode == 0, res.stdout + res.stderr
-
-
-def test_rope_cache_overflow_keeps_the_chunks_a_batch_needs():
-    """A batch mixing a cached chunk with a new one when the cache is full: the clear must not
-    drop the cached one (a long-running stream hit this at chunk 255: KeyError)."""
-    model = build_model(get_preset("tiny"), seed=0)
-    caches = StageCaches(model, [1.0, 0.0], max_chunks=4)
-    caches.rope([0, 1, 2, 3])
-    got = caches.rope([3, 4])  # 3 cached, 4 new: over the limit
-    fresh = StageCaches(model, [1.0, 0.0]).rope([3, 4])
-    assert torch.equal(got, fresh)
