@@ -642,6 +642,11 @@ class EngineLoop:
         else:
             self._fail_all(f"engine failed: {exc}", grpc.StatusCode.UNAVAILABLE)
             return
+        self._check_impaired()
+
+    def _check_impaired(self) -> None:
+        """After a stream failed in the engine: the engine may say it is impaired (a rank is
+        gone), which turns health NOT_SERVING while the other streams go on."""
         impairment = getattr(self.engine, "impairment", None)
         why = impairment() if callable(impairment) else ""
         if why:
@@ -715,6 +720,8 @@ class EngineLoop:
         except (StreamFailed, KeyError, ValueError) as exc:
             session.end(grpc.StatusCode.UNAVAILABLE, f"stream failed in the engine: {exc}")
             self._close(session)
+            if isinstance(exc, StreamFailed):
+                self._check_impaired()
 
     def _generate(self, session: Session, now_s: float) -> None:
         """Generate the stream's slots up to newest observed + horizon, conditioned (world

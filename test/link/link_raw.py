@@ -104,6 +104,19 @@ class RawStream:
     def send(self, raw: bytes) -> None:
         self._q.put(raw)
 
+    def start_camera(self, promise: pb.StreamPromise, period_s: float = 0.05) -> None:
+        """Send a good observation every ``period_s`` (seq 1, 2, ...) until the stream ends
+        or is closed, as a robot's camera does: on the live timeline chunks follow observed
+        slots, so a stream that should keep generating must keep observing."""
+
+        def run() -> None:
+            seq = 0
+            while not self._done.wait(period_s):
+                seq += 1
+                self.send(observation_bytes(seq, promise))
+
+        threading.Thread(target=run, daemon=True).start()
+
     def drops(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counters.drops)

@@ -98,7 +98,7 @@ def test_non_finite_model_output_is_never_published_and_ends_that_stream():
         victim_promise = open_stream(channel, client_name="victim")
         engine.non_finite_streams.add(victim_promise.stream_id)
         victim = RawStream(channel, stream_id=victim_promise.stream_id)
-        victim.send(observation_bytes(1, victim_promise))  # chunks follow observed slots
+        victim.start_camera(victim_promise)  # chunks follow observed slots
         try:
             assert victim.wait_ended(30), "the stream of NaN chunks never ended"
             assert victim.error.code() == grpc.StatusCode.INTERNAL
@@ -119,7 +119,7 @@ def test_a_fault_in_one_streams_engine_calls_ends_that_stream_alone():
         victim_promise = open_stream(channel, client_name="victim")
         engine.raise_in_generate[victim_promise.stream_id] = RuntimeError("CUDA error: boom")
         victim = RawStream(channel, stream_id=victim_promise.stream_id)
-        victim.send(observation_bytes(1, victim_promise))  # its first generate raises
+        victim.start_camera(victim_promise)  # its first generate raises
         try:
             assert victim.wait_ended(30)
             assert victim.error.code() == grpc.StatusCode.INTERNAL
@@ -138,7 +138,7 @@ def test_engine_thread_fault_ends_every_stream_and_health_turns_not_serving():
         streams = [RawStream(channel, client_name=f"s{i}") for i in range(2)]
         try:
             for s in streams:
-                s.send(observation_bytes(1, s.promise))  # chunks follow observed slots
+                s.start_camera(s.promise)  # chunks follow observed slots
                 wait_for(s.n_predictions, 30, what="a first prediction")
             assert _health(channel) == SERVING
             engine.raise_in_poll = RuntimeError("device lost")
@@ -168,7 +168,7 @@ def test_impaired_engine_turns_health_not_serving_while_other_streams_run():
         bystander = RawStream(channel, client_name="bystander")
         victim = RawStream(channel, client_name="victim")
         try:
-            victim.send(observation_bytes(1, victim.promise))
+            victim.start_camera(victim.promise)
             wait_for(victim.n_predictions, 30, what="a first prediction")
             engine.impaired = "rank 1 failed: silent for 5.0 s"
             engine.fail(victim.stream_id)
