@@ -41,7 +41,9 @@ def system(tmp_path_factory):
         )
         try:
             loop.start_server()
-            loop.start_sim_robot()
+            # the camera fills one of tiny's 2-frame chunks per target interval: on the live
+            # timeline chunks follow observed slots, so a faster camera outruns the pace
+            loop.start_sim_robot(camera_rate_hz=2 * 1000.0 / TARGET_INTERVAL_MS)
             loop.start_bridge(target_interval_ms=TARGET_INTERVAL_MS)
             assert monitor.wait_for(lambda: monitor.count("action_chunk") >= 5, timeout_s=60), (
                 f"no action chunks; logs in {loop.log_dir}"

@@ -44,8 +44,8 @@ class RecordingEngine(FakeEngine):
         super().__init__(**kwargs)
         self.events: list[tuple] = []  # ("context", pixel, [H, A] | None) | ("generate", ...)
 
-    def submit_context(self, stream_id, frames, actions=None) -> int:
-        chunk = super().submit_context(stream_id, frames, actions)
+    def submit_context(self, stream_id, frames, actions=None, *, slot=None) -> int:
+        chunk = super().submit_context(stream_id, frames, actions, slot=slot)
         with self._lock:
             self.events.append(("context", float(frames[-1].mean()), _listed(actions)))
         return chunk
