@@ -306,7 +306,12 @@ def test_a_replayed_bag_conditions_the_engine_as_the_model_was_trained(ros_env, 
         )  # fmt: skip
         assert replay.returncode == 0, replay.stderr
         sent = json.loads(replay.stdout.strip().splitlines()[-1])["published"][IMAGE_TOPIC]
-        bridge.wait(lambda s: s["counts"]["sent"] >= sent - 1, "the replayed images sent")
+        # every replayed image sent, or dropped and counted (a busy host delays the bag's
+        # state messages past the pairing window: "unpaired")
+        bridge.wait(
+            lambda s: s["counts"]["sent"] + s["drops"].get("unpaired", 0) >= sent - 1,
+            "the replayed images sent or counted",
+        )
         report = bridge.finish()
 
     # frames are told apart by their mean pixel value (those sharing one are left out)
