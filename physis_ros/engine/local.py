@@ -24,7 +24,7 @@ from physis_ros.engine.api import (
     StreamSpec,
 )
 from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model, summary
-from physis_ros.engine.codec import make_codec
+from physis_ros.engine.codec import check_previews, make_codec
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.model import build_model
 from physis_ros.engine.placement import Layout, layout_by_block_even, layout_even
@@ -133,6 +133,7 @@ class LocalEngine:
     # ---- StreamEngine ------------------------------------------------------------------------
     def open_stream(self, spec: StreamSpec) -> StreamPromise:
         self._check_alive()
+        check_previews(spec, self.codec)
         cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding)
         cfg, k, L = self.cfg, self.sampler.steps, self.cfg.num_blocks
         per_chunk_ms = k * L * self.block_ms
@@ -169,6 +170,7 @@ class LocalEngine:
                 mode=self.mode,
                 max_in_flight=self.max_in_flight,
                 horizon=horizon,
+                previews=spec.previews,
             )
         return StreamPromise(
             stream_id=sid,
@@ -307,4 +309,5 @@ class LocalEngine:
             left_s=res.left_s,
             decoded_s=time.monotonic(),
             anchor=res.anchor,
+            preview_steps=res.preview_steps,
         )
