@@ -125,9 +125,11 @@ class LinkClient:
         tls_server_name: str | None = None,
         tune_process: bool = True,
         horizon: int = 0,
+        previews: bool = False,
     ) -> None:
         """``horizon``: chunks ahead of its newest observation the stream asks for (0: the
-        model's default).
+        model's default). ``previews``: also receive each chunk's x0 estimate after every
+        denoising step but the last (``Prediction.preview_steps`` > 0), before the chunk.
 
         ``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
@@ -164,6 +166,7 @@ class LinkClient:
             client_name=client_name,
             prompt=prompt,
             horizon=horizon,
+            previews=previews,
         )
         if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
             array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
@@ -491,6 +494,7 @@ class LinkClient:
             anchor_slot=p.anchor_slot,
             horizon=p.horizon,
             first_frame_seq=p.first_frame_seq,
+            preview_steps=p.preview_steps,
         )
 
     def _take_counters(self, counters: pb.StreamCounters) -> None:

@@ -218,6 +218,7 @@ class Frontend:
             prompt=spec.prompt,
             prompt_embedding=embedding,
             horizon=horizon,
+            previews=spec.previews,
         )
         try:
             promise = self._loop.call(

@@ -338,6 +338,7 @@ class Session:
         p = msg.prediction
         p.stream_id = self.stream_id
         p.chunk_index = out.chunk
+        p.preview_steps = out.preview_steps
         frames = None
         if out.frames is not None:
             frames = tensor_header(out.frames, p.frames)
@@ -454,6 +455,9 @@ class EngineLoop:
                 session = self._sessions.get(out.stream_id)
                 if session is None:
                     continue  # closed while its chunks were in flight
+                if out.preview_steps:  # a look at a chunk still in flight
+                    session.push_chunk(out)
+                    continue
                 session.inflight -= 1
                 session.progress_s = time.monotonic()
                 session.chunks_out += 1
