@@ -82,6 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "deadline is two intervals, so an unpaced CPU server with jitter trips it often)",
     )
     parser.add_argument(
+        "--previews",
+        action="store_true",
+        help="the bridge asks for previews (each chunk's x0 estimate after every denoising step "
+        "but the last, on predicted/preview/step_<k>); the summary says how much sooner they came",
+    )
+    parser.add_argument(
         "--out", default="out/demo", help="directory for summary.json and strip.png"
     )
     parser.add_argument(
@@ -122,6 +128,21 @@ def shipped_camera(model: str) -> dict | None:
     }
 
 
+def preview_sooner_ms(diagnostics) -> dict[str, float]:
+    """step k -> median ms its previews came before their chunks (the bridge's /diagnostics)."""
+    from physis_ros.nodes.monitor import diagnostics_by_name
+
+    if diagnostics is None:
+        return {}
+    values = diagnostics_by_name(diagnostics).get("bridge: output", (0, "", {}))[2]
+    prefix, suffix = "preview_step_", "_sooner_median_ms"
+    return {
+        key[len(prefix) : -len(suffix)]: round(float(v), 2)
+        for key, v in values.items()
+        if key.startswith(prefix) and key.endswith(suffix)
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from physis_ros.nodes.monitor import Monitor
@@ -151,7 +172,7 @@ def main(argv=None) -> int:
             loop.start_sim_robot(**{k: v for k, v in camera.items() if k != "chunk_ms"})
         else:
             loop.start_sim_robot()
-        loop.start_bridge(target_interval_ms=args.target_interval_ms)
+        loop.start_bridge(target_interval_ms=args.target_interval_ms, previews=args.previews)
         started_s = time.monotonic()
         while time.monotonic() - started_s < args.duration_s:
             time.sleep(1.0)
@@ -182,11 +203,13 @@ def main(argv=None) -> int:
         print("physis-demo: interrupted, stopping", flush=True)
     finally:
         elapsed_s = time.monotonic() - started_s
-        counts = {}
+        counts, sooner = {}, {}
         if monitor is not None:
             counts = {
                 t: monitor.count(t) for t in ("camera/image", "action_chunk", "predicted/image")
             }
+            if args.previews:
+                sooner = preview_sooner_ms(monitor.get("/diagnostics"))
             monitor.close()
         exit_codes = loop.stop()
     summary = {
@@ -216,6 +239,8 @@ def main(argv=None) -> int:
             chunks_expired=stats.chunks_expired,
             fallbacks_published=stats.fallbacks_published,
         )
+    if args.previews:  # the response latency a robot looking at previews gains, per step
+        summary["preview_sooner_median_ms"] = sooner
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     # before the first observation is paired the view has no observed half (and fewer rows)
     rows = [r for r in rows if rows and r.shape[0] == max(x.shape[0] for x in rows)]

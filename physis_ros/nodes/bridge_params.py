@@ -64,6 +64,9 @@ class BridgeParams:
     empty prompt."""
     target_interval_ms: float = 0.0
     """Interval the robot needs between chunks (0: as fast as the server can)."""
+    previews: bool = False
+    """Ask the server for previews (each chunk's x0 estimate after every denoising step but
+    the last) and publish them on predicted/preview/step_<k>, before the chunk."""
     # actions
     action_dt_s: float = 0.0
     """Seconds between action rows (0: the stream's interval / horizon, chunks tile time)."""
