@@ -97,6 +97,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "physis-serve planned, the fastest it can promise a stream)",
     )
     parser.add_argument(
+        "--previews",
+        action="store_true",
+        help="the bridge asks for previews (each chunk's x0 estimate after every denoising step "
+        "but the last, on predicted/preview/step_<k>); the summary says how much sooner they came",
+    )
+    parser.add_argument(
         "--out", default="out/demo", help="directory for summary.json and strip.png"
     )
     parser.add_argument(
@@ -168,6 +174,21 @@ def goal_push_progress(monitor) -> dict | None:
     return None
 
 
+def preview_sooner_ms(diagnostics) -> dict[str, float]:
+    """step k -> median ms its previews came before their chunks (the bridge's /diagnostics)."""
+    from physis_ros.nodes.monitor import diagnostics_by_name
+
+    if diagnostics is None:
+        return {}
+    values = diagnostics_by_name(diagnostics).get("bridge: output", (0, "", {}))[2]
+    prefix, suffix = "preview_step_", "_sooner_median_ms"
+    return {
+        key[len(prefix) : -len(suffix)]: round(float(v), 2)
+        for key, v in values.items()
+        if key.startswith(prefix) and key.endswith(suffix)
+    }
+
+
 @cli_main("physis-demo")
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -227,7 +248,7 @@ def main(argv=None) -> int:
         target_ms = args.target_interval_ms
         if target_ms is None:  # what the camera fills: one observed chunk per chunk_ms
             target_ms = camera["chunk_ms"] if camera is not None else 0.0
-        loop.start_bridge(target_interval_ms=target_ms, **bridge_params)
+        loop.start_bridge(target_interval_ms=target_ms, previews=args.previews, **bridge_params)
         started_s = time.monotonic()
         live_s = None  # when the first chunk was predicted: the duration counts from there
         while live_s is None or time.monotonic() - live_s < args.duration_s:
@@ -277,13 +298,15 @@ def main(argv=None) -> int:
         print("physis-demo: interrupted, stopping", flush=True)
     finally:
         elapsed_s = time.monotonic() - started_s
-        counts = {}
+        counts, sooner = {}, {}
         episodes = None
         if monitor is not None:
             episodes = goal_push_progress(monitor)
             counts = {
                 t: monitor.count(t) for t in ("camera/image", "action_chunk", "predicted/image")
             }
+            if args.previews:
+                sooner = preview_sooner_ms(monitor.get("/diagnostics"))
             monitor.close()
         exit_codes = loop.stop()
     summary = {
@@ -319,6 +342,8 @@ def main(argv=None) -> int:
             chunks_expired=stats.chunks_expired,
             fallbacks_published=stats.fallbacks_published,
         )
+    if args.previews:  # the response latency a robot looking at previews gains, per step
+        summary["preview_sooner_median_ms"] = sooner
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     # before the first observation is paired the view has no observed half (and fewer rows)
     rows = [r for r in rows if rows and r.shape[0] == max(x.shape[0] for x in rows)]

@@ -37,6 +37,9 @@ class StreamSpec:
     """Chunks ahead of its newest observation the stream may generate (the live timeline,
     DESIGN.md §3.1); None: the engine's default (the model's); 0: no limit, and observations
     then only take new slots (offline generation)."""
+    previews: bool = False
+    """After each denoising step k < K, also deliver the chunk's x0 estimate, decoded
+    (``ChunkOutput.preview_steps`` = k): a look at the chunk one step-time sooner."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +111,9 @@ class ChunkOutput:
     """[F, S] float32 predicted proprioception per frame (models with state values)."""
     anchor: int = -1
     """The newest observed slot when it entered (-1: none): it is chunk - anchor ahead."""
+    preview_steps: int = 0
+    """0: the chunk; k (1..K-1): a preview, its x0 estimate after k of K denoising steps
+    (streams opened with ``previews``), delivered before the chunk."""
 
 
 class StreamEngine(Protocol):

@@ -21,6 +21,9 @@ from physis_ros.engine.config import ModelConfig
 class Codec:
     """Image <-> latent for one model config."""
 
+    causal = False
+    """Decoding a chunk depends on the chunks the stream decoded before (the Wan VAE)."""
+
     def __init__(
         self, cfg: ModelConfig, *, device: str | torch.device = "cpu", seed: int = 0
     ) -> None:
@@ -111,3 +114,13 @@ def make_codec(cfg: ModelConfig, *, device: str | torch.device = "cpu"):
 
         return WanVAECodec(cfg, device=device)
     return Codec(cfg, device=device)
+
+
+def check_previews(spec, codec) -> None:
+    """A stream asking for previews needs a codec that decodes each chunk on its own: a
+    preview decoded through a causal codec would enter the stream's decoder history."""
+    if spec.previews and codec.causal:
+        raise ValueError(
+            f"previews need a codec that decodes each chunk on its own; {type(codec).__name__} "
+            "is causal per stream"
+        )

@@ -24,7 +24,7 @@ from physis_ros.engine.api import (
     StreamSpec,
 )
 from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model, summary
-from physis_ros.engine.codec import make_codec
+from physis_ros.engine.codec import check_previews, make_codec
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.model import build_model
 from physis_ros.engine.placement import (
@@ -150,6 +150,7 @@ class LocalEngine:
         interval here; or on ``layout`` (placed and checked by the pool in front of it,
         ``physis_ros.engine.pool.service``), which only has to name this engine's workers."""
         self._check_alive()
+        check_previews(spec, self.codec)
         cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding)
         cfg, k, L = self.cfg, self.sampler.steps, self.cfg.num_blocks
         if layout is not None:
@@ -189,6 +190,7 @@ class LocalEngine:
                 max_in_flight=self.max_in_flight,
                 horizon=horizon,
                 layout=layout,
+                previews=spec.previews,
             )
         return StreamPromise(
             stream_id=sid,
@@ -313,4 +315,5 @@ class LocalEngine:
             decoded_s=time.monotonic(),
             finite=bool(torch.isfinite(x).all()),
             anchor=res.anchor,
+            preview_steps=res.preview_steps,
         )

@@ -99,10 +99,17 @@ def _initial(model: WanDiT, vs: list[Version], seed: int) -> torch.Tensor:
 
 @torch.inference_mode()
 def sample_noisy(
-    model: WanDiT, sampler: SamplerConfig, plan: Plan, *, seed: int, cond: torch.Tensor
+    model: WanDiT,
+    sampler: SamplerConfig,
+    plan: Plan,
+    *,
+    seed: int,
+    cond: torch.Tensor,
+    previews: dict[tuple[int, int], torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Full-sequence noisy-history sampling on prompt embedding ``cond`` [n, text_dim].
-    Returns slot -> x^(K) [X] of generated chunks."""
+    Returns slot -> x^(K) [X] of generated chunks. ``previews``: filled with (slot, k) ->
+    the x0 estimate x^(k-1) - sigma_(k-1) v after step k < K of every generated chunk."""
     cfg = model.cfg
     vs = versions(plan, sampler.window)
     x = _initial(model, vs, seed)
@@ -126,6 +133,10 @@ def sample_noisy(
         v = forward_sequence(
             model, x_in, s, cond, window=sampler.window, slots=slots, chunk_mask=mask
         )
+        if previews is not None and k + 1 < sampler.steps:
+            for i, ver in enumerate(vs):
+                if not ver.observed:
+                    previews[ver.slot, k + 1] = x[i] - sig[k] * v[i]
         x = torch.where(gen[:, None], x + (sig[k + 1] - sig[k]) * v, x)
     return {v.slot: x[i] for i, v in enumerate(vs) if not v.observed}
 

@@ -30,7 +30,13 @@ from physis_ros.engine.devcopy import to_device
 from physis_ros.engine.model import WanDiT, make_cond
 from physis_ros.engine.placement import Layout, Placement
 from physis_ros.engine.sampler import initial_noise
-from physis_ros.engine.transport import FLAG_CONTEXT, Activation, InProcTransport
+from physis_ros.engine.transport import (
+    FLAG_CONTEXT,
+    FLAG_PREVIEWS,
+    Activation,
+    InProcTransport,
+    preview_steps,
+)
 from physis_ros.engine.worker import Worker
 
 MODES = ("pipelined", "sequential-noisy", "sequential-clean")
@@ -52,6 +58,8 @@ class ChunkResult:
     """time.monotonic() when it left the last stage."""
     anchor: int = -1
     """The newest observed slot when it was released (-1: none): it is chunk - anchor ahead."""
+    preview_steps: int = 0
+    """0: the chunk, fully denoised; k < K: a preview, its x0 estimate after k steps."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class _Stream:
     horizon: int
     """Slots a generated chunk may lie ahead of the newest observation (0: no limit, and
     observations never replace generated slots)."""
+    previews: bool = False
+    """Its generated chunks send an x0 estimate to the sink after every step but the last."""
     next_slot: int = 0
     """The next slot no chunk was queued for."""
     newest_observed: int = -1
@@ -117,6 +127,7 @@ class Controller:
         entry_rank: int,
         max_in_flight: int = 0,
         horizon: int = 0,
+        previews: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -127,7 +138,7 @@ class Controller:
         if horizon < 0:
             raise ValueError(f"horizon must be >= 0 (0: no limit), got {horizon}")
         limit = 1 if mode != "pipelined" else max_in_flight
-        self.streams[stream_id] = _Stream(seed, mode, entry_rank, limit, horizon)
+        self.streams[stream_id] = _Stream(seed, mode, entry_rank, limit, horizon, previews)
 
     def close_stream(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
@@ -191,7 +202,7 @@ class Controller:
                 f"{st.newest_observed}; the stream's horizon is {st.horizon}"
             )
         x = initial_noise(self.cfg, st.seed, c, actions)
-        st.pending.append(_Pending(c, 0, x, st.newest_observed))
+        st.pending.append(_Pending(c, FLAG_PREVIEWS if st.previews else 0, x, st.newest_observed))
         st.next_slot += 1
         return c
 
@@ -226,6 +237,11 @@ class Controller:
         st = self.streams.get(act.stream_id)
         if st is None:
             return None  # closed meanwhile
+        steps = preview_steps(act.flags)
+        if steps:  # a preview: the chunk itself is still in flight
+            return ChunkResult(
+                act.stream_id, act.chunk, act.x, act.created_s, left_s, act.anchor, steps
+            )
         st.in_flight -= 1
         if act.is_context:
             return None
@@ -277,8 +293,10 @@ class InProcRuntime:
         max_in_flight: int = 0,
         layout: Layout | None = None,
         horizon: int = 0,
+        previews: bool = False,
     ) -> None:
-        """``cond`` [n <= text_len, text_dim]: the stream's prompt embedding (None: none)."""
+        """``cond`` [n <= text_len, text_dim]: the stream's prompt embedding (None: none);
+        ``previews``: its chunks' x0 estimates reach the sink after each step but the last."""
         layout = layout or self.layout
         history = "clean" if mode == "sequential-clean" else "noisy"
         for w in self.workers:
@@ -293,6 +311,7 @@ class InProcRuntime:
             entry_rank=layout[0][0],
             max_in_flight=max_in_flight,
             horizon=horizon,
+            previews=previews,
         )
 
     def close_stream(self, stream_id: int) -> None:

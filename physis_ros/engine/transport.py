@@ -24,6 +24,18 @@ piece of one entry; piece index in bits 8.., ``chunk`` the slot that entry holds
 the last one that ran at the stage)."""
 FLAG_OBSERVED = 4
 """On a KV ring piece: the entry holds its slot's observed version."""
+FLAG_PREVIEWS = 8
+"""On a generated chunk whose stream asked for previews: after every step but the last, the
+worker of the step's last block sends the chunk's x0 estimate to the sink."""
+FLAG_PREVIEW = 16
+"""Not a chunk: the x0 estimate of chunk ``chunk`` after the steps in bits 24.. of ``flags``
+(``preview_steps``), on its way to the sink like a finished chunk."""
+PREVIEW_STEPS_SHIFT = 24
+
+
+def preview_steps(flags: int) -> int:
+    """Denoising steps done when a preview (``FLAG_PREVIEW``) was taken; 0: not a preview."""
+    return (flags >> PREVIEW_STEPS_SHIFT) & 0xFF if flags & FLAG_PREVIEW else 0
 
 
 @dataclass

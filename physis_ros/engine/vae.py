@@ -83,6 +83,8 @@ class _StreamCaches:
 class WanVAECodec:
     """Image <-> latent through a Wan VAE, one causal cache per stream (see the module)."""
 
+    causal = True
+
     def __init__(self, cfg: ModelConfig, *, device: str | torch.device = "cpu") -> None:
         try:
             from diffusers import AutoencoderKLWan

@@ -46,7 +46,15 @@ from physis_ros.engine.placement import Layout, Placement, blocks_share_worker, 
 from physis_ros.engine.sampler import context_noise, noise_context
 from physis_ros.engine.sampler import sigmas as make_sigmas
 from physis_ros.engine.stage import KVRing, StageCaches, StageTask, run_block
-from physis_ros.engine.transport import FLAG_KV, FLAG_OBSERVED, Activation, Transport
+from physis_ros.engine.transport import (
+    FLAG_KV,
+    FLAG_OBSERVED,
+    FLAG_PREVIEW,
+    FLAG_PREVIEWS,
+    PREVIEW_STEPS_SHIFT,
+    Activation,
+    Transport,
+)
 
 HISTORIES = ("noisy", "clean")
 
@@ -534,6 +542,16 @@ class Worker:
 
         self._host_copier.copy([msg.x], deliver)
 
+    def _preview(self, msg: Activation, x0: torch.Tensor, steps_done: int) -> None:
+        """The chunk's x0 estimate after ``steps_done`` steps (x - sigma_k v: flow matching's
+        clean state; an x0 head's own output) to the sink, as a finished chunk goes."""
+        flags = msg.flags & ~FLAG_PREVIEWS | FLAG_PREVIEW | steps_done << PREVIEW_STEPS_SHIFT
+        preview = dataclasses.replace(msg, step=self.steps, block=0, flags=flags, x=x0, h=None)
+        if self.placement.sink_rank == self.rank:
+            self.sink.put((time.monotonic(), preview))
+        else:
+            self.transport.send(self.placement.sink_rank, preview)
+
     def _forward(self, msg: Activation, h: torch.Tensor, v: torch.Tensor | None) -> None:
         k, blk = msg.step, msg.block
         st = self._streams[msg.stream_id]
@@ -542,6 +560,8 @@ class Worker:
         else:
             x = msg.x
             if not msg.is_context:  # Euler step; an observed chunk is never updated
+                if msg.flags & FLAG_PREVIEWS and k + 1 < self.steps:
+                    self._preview(msg, x - self.sigmas[k] * v, k + 1)
                 x = x + (self.sigmas[k + 1] - self.sigmas[k]) * v
             # A clean-history context chunk only fills the (step-shared) caches at step 0.
             done = k + 1 == self.steps or (msg.is_context and st.history == "clean")

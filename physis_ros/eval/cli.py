@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated horizons (chunks ahead of the newest observation): each bag is "
         "streamed once per horizon, the stream asking for it (default: the model's)",
     )
+    k.add_argument(
+        "--previews",
+        action="store_true",
+        help="streams ask for previews (x0 estimates after each denoising step): PSNR by step "
+        "against the chunk and the recorded frames, and how much sooner they arrive",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -233,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.bags:
         parser.error("give bags to replay, or --closed-loop")
     over_link = bool(args.link or args.serve_local)
+    if args.previews and not over_link:
+        parser.error("--previews scores what a physis-serve streams: use --link or --serve-local")
     engine = None
     try:
         # in process: the engine now; --serve-local: its settings, for the child
@@ -310,6 +318,7 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
         interval_ms=args.interval_ms,
         max_seconds=args.max_seconds,
         horizons=horizons,
+        previews=args.previews,
     )
     if args.link:
         opts = LinkOptions(target=args.link, **options)

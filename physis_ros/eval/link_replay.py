@@ -39,6 +39,7 @@ from physis_ros.eval.evaluate import (
     load_episodes,
 )
 from physis_ros.eval.metrics import mse, psnr, ssim, summarize
+from physis_ros.eval.previews import score_previews, summarize_previews
 from physis_ros.link.client import LinkClient, LinkPromise, Observation, Prediction
 from physis_ros.link.wire import rgb_image
 
@@ -70,6 +71,9 @@ class LinkOptions:
     """Bag seconds replayed per bag; 0: all of it."""
     horizons: tuple[int, ...] = ()
     """Replay each bag once per horizon, the stream asking for it; empty: the model's."""
+    previews: bool = False
+    """Streams ask for previews (each chunk's x0 estimate after every step but the last),
+    scored apart (``previews.py``); the chunks are scored as without them."""
 
     def __post_init__(self) -> None:
         if not self.connect_timeout_s > 0:
@@ -87,6 +91,7 @@ def make_client(opts: LinkOptions, *, seed: int, horizon: int = 0) -> LinkClient
         opts.target,
         seed=seed,
         horizon=horizon,
+        previews=opts.previews,
         target_interval_ms=opts.interval_ms,
         token=opts.token,
         root_cert_path=opts.root_cert_path,
@@ -152,6 +157,8 @@ class BagReplay:
     sent_ns: dict[int, int] = field(default_factory=dict)
     """seq -> wall clock (ns, the client's clock) when it was handed to the client."""
     predictions: list[Prediction] = field(default_factory=list)
+    previews: list[Prediction] = field(default_factory=list)
+    """Previews of its chunks (``LinkOptions.previews``), kept apart from the predictions."""
     newest_sent: list[int] = field(default_factory=list)
     """Per prediction (same order): the newest seq handed to the client when it came."""
     drops: dict[str, int] = field(default_factory=dict)
@@ -179,6 +186,10 @@ class _Stream:
     def take(self, timeout_s: float) -> None:
         p = self.client.get_prediction(timeout_s)
         while p is not None:
+            if p.preview_steps:
+                self.out.previews.append(p)
+                p = self.client.get_prediction(0.0)
+                continue
             self.out.predictions.append(p)
             self.out.newest_sent.append(self.out.frames_sent - 1)
             self.newest_anchor = max(self.newest_anchor, p.anchor_slot)
@@ -397,6 +408,7 @@ def evaluate_link(
     unscored_all: Counter = Counter()
     lag: dict[str, list[float]] = {"frames": [], "ms": []}
     received = connections = observed = 0
+    previews: list[dict] = []
     replay_s = 0.0
     runs = [(ep, h) for ep in episodes for h in horizons]
     for index, (ep, horizon) in enumerate(tqdm(runs, desc="streams", disable=not progress)):
@@ -412,6 +424,8 @@ def evaluate_link(
             action_mode = "predict"
             result.model = model = model_info(promise, action_mode)
         windows, unscored, strips = score_bag(ep, replay, model, cfg)
+        if opts.previews:
+            previews.append(score_previews(ep, replay.previews, replay.predictions))
         result.windows.extend(windows)
         result.strips.extend(strips[: max(0, strip_windows - len(result.strips))])
         result.output_sequences_s.extend(stream_output_times(replay))
@@ -452,5 +466,7 @@ def evaluate_link(
         "drops": dict(sorted(drops.items())),
         "window": "one anchor (observed slot): its predictions 1.. chunks ahead of it",
     }
+    if opts.previews:
+        result.link["previews"] = summarize_previews(previews, promise.steps)
     result.wall_s = time.perf_counter() - t0
     return result

@@ -138,6 +138,29 @@ def build_report(result: EvalResult) -> dict:
     }
 
 
+def _preview_lines(pv: dict) -> list[str]:
+    """The previews table (``physis-eval --previews``): per step, means over chunks (and of
+    per-bag means)."""
+    lines = [
+        "",
+        f"## Previews (x0 estimate after k of {pv['steps']} steps)",
+        "",
+        "| k | chunks | PSNR vs the chunk dB | PSNR vs recorded dB | the chunk vs recorded dB "
+        "| sooner than the chunk, median ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k, e in pv["by_step"].items():
+        vc, vr, cr, ms = (
+            e[n] for n in ("vs_chunk_db", "vs_recorded_db", "chunk_vs_recorded_db", "earlier_ms")
+        )
+        lines.append(
+            f"| {k} | {vc['count']} | {_f(vc['mean'])} (bags {_f(vc['bag_mean'])}) | "
+            f"{_f(vr['mean'])} (bags {_f(vr['bag_mean'])}) | {_f(cr['mean'])} | "
+            f"{_f(ms['median'])} |"
+        )
+    return lines
+
+
 def _f(v, digits: int = 2) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
@@ -243,6 +266,8 @@ def render_markdown(report: dict) -> str:
             lines.append(f"- dropped {n}: {name}")
         for reason, n in link["unscored_predictions"].items():
             lines.append(f"- not scored, {n} prediction(s): {reason}")
+        if "previews" in link:
+            lines += _preview_lines(link["previews"])
     if report["not_measured"]:
         lines += ["", "## Not measured", ""]
         lines += [f"- `{k}`: {v}" for k, v in report["not_measured"].items()]

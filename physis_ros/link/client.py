@@ -132,9 +132,11 @@ class LinkClient:
         response_latency_budget_ms: float = 0.0,
         on_prediction: Callable[[Prediction], None] | None = None,
         horizon: int = 0,
+        previews: bool = False,
     ) -> None:
         """``horizon``: chunks ahead of its newest observation the stream asks for (0: the
-        model's default).
+        model's default). ``previews``: also receive each chunk's x0 estimate after every
+        denoising step but the last (``Prediction.preview_steps`` > 0), before the chunk.
 
         ``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
@@ -186,6 +188,7 @@ class LinkClient:
             prompt=prompt,
             response_latency_budget_ms=response_latency_budget_ms,
             horizon=horizon,
+            previews=previews,
         )
         if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
             array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
@@ -580,6 +583,7 @@ class LinkClient:
             anchor_slot=p.anchor_slot,
             horizon=p.horizon,
             first_frame_seq=p.first_frame_seq,
+            preview_steps=p.preview_steps,
         )
 
     def _take_counters(self, counters: pb.StreamCounters) -> dict[str, int]:

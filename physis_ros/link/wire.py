@@ -141,6 +141,9 @@ class Prediction:
     """chunk_index - anchor_slot: how many chunks ahead of its anchor it predicts."""
     first_frame_seq: int = -1
     """The observation seq its first predicted frame corresponds to (-1: unknown)."""
+    preview_steps: int = 0
+    """0: the chunk; k > 0: a preview of it, its x0 estimate after k of K denoising steps
+    (``LinkClient(previews=True)``), sent before the chunk."""
 
 
 HOP_NAMES = ("received", "queued", "entered", "left", "decoded", "sent")

@@ -60,6 +60,7 @@ from physis_ros.nodes.pairing import (
     PairedObservation,
     Sample,
 )
+from physis_ros.nodes.preview_out import PreviewOutput
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import ChunkOverlap, DropCounter, RateMeter, RollingWindow
@@ -163,6 +164,7 @@ class Bridge(Node):
             prompt=p.prompt,
             target_interval_ms=p.target_interval_ms,
             response_latency_budget_ms=p.response_latency_budget_ms,
+            previews=p.previews,
             token=token,
             root_cert_path=p.root_cert_path or None,
             client_cert_path=p.client_cert_path or None,
@@ -198,6 +200,7 @@ class Bridge(Node):
         self.marker_pub = self.create_publisher(MarkerArray, "predicted/ee_path", latest)
         self.stats_pub = self.create_publisher(PipelineStats, "pipeline_stats", reliable)
         self.diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", reliable)
+        self.previews = PreviewOutput(self, latest, self.p.camera_frame)
         self.create_timer(p.watchdog_period_s, self._on_watchdog)
         self.create_timer(p.stats_period_s, self._on_stats_timer)
 
@@ -430,6 +433,12 @@ class Bridge(Node):
         return 0.1
 
     def _publish_prediction(self, pred: Prediction) -> None:
+        if pred.preview_steps:  # a look at a chunk still in flight: not a chunk
+            start_ns = pred.received_ns + int(self.p.action_lead_s * 1e9)
+            frames = len(pred.frames) if pred.frames is not None else 1
+            self.previews.publish(pred, start_ns, self.interval_s() / max(frames, 1))
+            return
+        self.previews.on_chunk(pred)
         now_s = time.monotonic()
         if pred.stream_id != self._stream_id or self._promise is None:
             self._promise = self.client.stats().promise

@@ -75,6 +75,9 @@ class BridgeParams:
     """Interval the robot needs between chunks (0: as fast as the server can)."""
     response_latency_budget_ms: float = 0.0
     """Most response latency the robot accepts, observation to chunk (0: none); else refused."""
+    previews: bool = False
+    """Ask the server for previews (each chunk's x0 estimate after every denoising step but
+    the last) and publish them on predicted/preview/step_<k>, before the chunk."""
     # actions
     action_dt_s: float = 0.0
     """Seconds between action rows (0: the stream's interval / horizon, chunks tile time)."""

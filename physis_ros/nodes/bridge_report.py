@@ -121,6 +121,8 @@ def diagnostics_report(node, link) -> dict:
         "fallbacks_published": node.counts["fallbacks"],
         "deadline_ms": node.gate.deadline_s * 1e3,
     }
+    if node.p.previews:
+        output_values.update(node.previews.values())
     world_model = not node.predicts_actions()
     late_s = node.seconds_since_chunk()
     output_values["model_kind"] = "world model" if world_model else "world-action model"

@@ -39,9 +39,15 @@ TOPICS = {
 
 class Monitor:
     def __init__(
-        self, *, domain_id: int | None = None, keep: tuple[str, ...] = (), namespace: str = ""
+        self,
+        *,
+        domain_id: int | None = None,
+        keep: tuple[str, ...] = (),
+        images: tuple[str, ...] = (),
+        namespace: str = "",
     ) -> None:
         """``keep``: topics whose every message is kept (others: only the latest);
+        ``images``: more sensor_msgs/Image topics to watch (e.g. predicted/preview/step_<k>);
         ``namespace``: the robot's, against which the relative topic names resolve."""
         self.context = Context()
         rclpy.init(context=self.context, domain_id=domain_id)
@@ -52,7 +58,8 @@ class Monitor:
         self.kept: dict[str, list] = defaultdict(list)
         self._keep = set(keep)
         reliable = QoSProfile(depth=50, reliability=ReliabilityPolicy.RELIABLE)
-        for topic, (kind, qos) in TOPICS.items():
+        topics = {**TOPICS, **{t: (Image, "reliable") for t in images}}
+        for topic, (kind, qos) in topics.items():
             self.node.create_subscription(
                 kind,
                 topic,

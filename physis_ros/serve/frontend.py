@@ -219,6 +219,7 @@ class Frontend:
             prompt_embedding=embedding,
             response_latency_budget_ms=spec.response_latency_budget_ms,
             horizon=horizon,
+            previews=spec.previews,
         )
         try:
             promise = self._loop.call(

@@ -414,7 +414,8 @@ class Session:
     def push_chunk(self, out: ChunkOutput) -> None:
         """A finished chunk (engine thread): queued for the writer with its anchor."""
         cond = self.anchors.get(out.anchor)
-        if cond is not None and cond[0].newest.seq > self._responded_seq:
+        # response latency is the chunk's: a preview of it comes sooner and is not counted
+        if cond is not None and not out.preview_steps and cond[0].newest.seq > self._responded_seq:
             self._responded_seq = cond[0].newest.seq
             left_ns = time.time_ns() - time.monotonic_ns() + int(out.left_s * 1e9)
             self.response_ms.append((left_ns - cond[1]) / 1e6)
@@ -437,6 +438,7 @@ class Session:
         p = msg.prediction
         p.stream_id = self.stream_id
         p.chunk_index = out.chunk
+        p.preview_steps = out.preview_steps
         frames = None
         if out.frames is not None:
             frames = tensor_header(out.frames, p.frames)
@@ -609,6 +611,10 @@ class EngineLoop:
                 session = self._sessions.get(out.stream_id)
                 if session is None:
                     continue  # closed while its chunks were in flight
+                if out.preview_steps:  # a look at a chunk still in flight
+                    if out.finite:  # a NaN preview is dropped; its chunk is counted as such
+                        session.push_chunk(out)
+                    continue
                 session.inflight -= 1
                 session.progress_s = time.monotonic()
                 session.chunks_out += 1

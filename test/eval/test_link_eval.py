@@ -286,3 +286,31 @@ def test_refused_stream_is_a_clear_error_and_exit_1(tmp_path):
     assert rc == 1 and summary["windows"] == 0
     assert "refused the stream: UNAUTHENTICATED" in err
     assert took_s < 15  # not retried until --connect-timeout (5 s) and beyond
+
+
+def test_previews_are_scored_by_step_apart_from_the_chunks(tmp_path):
+    """--previews: the stream asks for each chunk's x0 estimate after steps 1..K-1; the report
+    scores them per step against the chunk and the recorded frames, and says how much sooner
+    they came; the chunks themselves are scored as without previews."""
+    bag = record_small(tmp_path / "bag", duration_s=2.0, seed=13)
+    out = tmp_path / "report"
+    rc, _, err = _eval(bag, "--serve-local", "--steps", "4", "--previews", "--out", out)
+    assert rc == 0, err
+    report = json.loads((out / "report.json").read_text())
+    pv = report["link"]["previews"]
+    assert pv["steps"] == 4 and sorted(pv["by_step"]) == ["1", "2", "3"]
+    chunks = report["link"]["predictions_received"]
+    vs_chunk = []
+    for _k, e in sorted(pv["by_step"].items()):
+        assert 0 < e["vs_chunk_db"]["count"] <= chunks  # previews are not counted as chunks
+        assert e["earlier_ms"]["min"] > 0  # every preview came before its chunk
+        assert e["vs_recorded_db"]["count"] == e["chunk_vs_recorded_db"]["count"] > 0
+        vs_chunk.append(e["vs_chunk_db"]["mean"])
+    assert vs_chunk == sorted(vs_chunk)  # later steps are closer to the chunk
+    # the later the preview, the less sooner it is
+    sooner = [pv["by_step"][k]["earlier_ms"]["median"] for k in ("1", "2", "3")]
+    assert sooner == sorted(sooner, reverse=True)
+    assert report["horizon"][0]["windows"] > 0 and math.isfinite(report["horizon"][0]["psnr"])
+    assert "## Previews (x0 estimate after k of 4 steps)" in (out / "report.md").read_text()
+    rc, _, err = _eval(bag, "--previews", "--out", tmp_path / "in_process")
+    assert rc == 2 and "--previews scores what a physis-serve streams" in err

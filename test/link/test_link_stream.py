@@ -133,6 +133,58 @@ def test_stream_end_to_end(server):
     )
 
 
+def test_previews_arrive_before_their_chunk(server):
+    """A client that asks for previews gets, before each chunk, its x0 estimate after every
+    denoising step but the last (decoded frames of the chunk's shape); one that did not
+    gets none."""
+    got: dict[str, list] = {"with": [], "without": []}
+    clients = {
+        name: LinkClient(
+            server.target,
+            client_name=f"previews-{name}",
+            connect_timeout_s=10,
+            previews=name == "with",
+            prediction_queue_size=1024,
+        )
+        for name in got
+    }
+    try:
+        for client in clients.values():
+            client.start()
+        for client in clients.values():
+            wait_for(lambda c=client: c.stats().state == "streaming", 20, what="streaming")
+        promise = clients["with"].stats().promise
+        K = promise.steps
+        seq = 0
+        deadline = time.monotonic() + 60
+        while sum(not p.preview_steps for p in got["with"]) < 4 and time.monotonic() < deadline:
+            for client in clients.values():
+                client.send_observation(
+                    Observation(
+                        seq=seq,
+                        capture_stamp_ns=time.time_ns(),
+                        image=rgb_image(image_for(promise, (seq * 10) % 256)),
+                    )
+                )
+            seq += 1
+            time.sleep(max(promise.expected_interval_ms, 20) / 1000)
+            for name, client in clients.items():
+                while (p := client.get_prediction(0.0)) is not None:
+                    got[name].append(p)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert not any(p.preview_steps for p in got["without"])
+    order = [(p.chunk_index, p.preview_steps or K) for p in got["with"]]
+    finals = [c for c, k in order if k == K]
+    assert len(finals) >= 4, order
+    for c in finals[1:]:  # (the first chunk's previews may predate the attach)
+        assert [k for cc, k in order if cc == c] == list(range(1, K + 1)), (c, order)
+    for p in got["with"]:
+        assert p.frames is not None and p.frames.dtype == np.uint8
+        assert p.frames.shape[1:] == (promise.image_height, promise.image_width, 3)
+
+
 @pytest.fixture(scope="module")
 def bystander(server):
     """A well-behaved stream that runs through all the bad-input tests."""

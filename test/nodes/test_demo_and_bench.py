@@ -36,6 +36,21 @@ def test_demo_runs_the_closed_loop_and_leaves_a_summary_and_a_strip(tmp_path, ro
     assert (out / "strip.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_demo_with_previews_says_how_much_sooner_they_came(tmp_path, ros_env):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "physis_ros.demo", "--previews", "--duration-s", "8",
+         "--out", str(out), "--domain-id", ros_env["ROS_DOMAIN_ID"]],
+        check=False, env=ros_env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    sooner = summary["preview_sooner_median_ms"]  # push-wm: K = 4, previews after steps 1..3
+    assert sorted(sooner) == ["1", "2", "3"], summary
+    assert sooner["1"] > sooner["2"] > sooner["3"] > 0, sooner
+    assert summary["chunks_received"] > 5  # the chunks still come, counted apart
+
+
 def test_bench_ros_prints_the_promised_keys(tmp_path, ros_env):
     proc = subprocess.run(
         [sys.executable, "-m", "physis_ros.bench.cli", "ros", "--json", "--duration-s", "4",

@@ -33,7 +33,7 @@ from physis_ros.engine.api import (
     StreamSpec,
 )
 from physis_ros.engine.checkpoints import summary
-from physis_ros.engine.codec import make_codec
+from physis_ros.engine.codec import check_previews, make_codec
 from physis_ros.engine.placement import Layout, Placement, validate_layout
 from physis_ros.engine.prompts import PromptBook, cond_to_json, trained_empty_prompt
 from physis_ros.engine.runtime import ChunkResult, Controller
@@ -314,6 +314,7 @@ class DistEngine(PlacementControl):
         """Admit a stream with ``layout`` (default: the configured placement); ``mode`` and
         ``max_in_flight`` (0: no limit) as in the engine's ``Controller``; its horizon is
         ``spec.horizon`` (None: the configured one)."""
+        check_previews(spec, self.codec)
         K, L = self.cfg.steps, self.model_cfg.num_blocks
         if layout is None:
             layout = self.default_layout
@@ -361,6 +362,7 @@ class DistEngine(PlacementControl):
                 entry_rank=layout[0][0],
                 max_in_flight=max_in_flight,
                 horizon=horizon,
+                previews=spec.previews,
             )
             self._streams[sid] = _StreamInfo(
                 spec=spec, layout=layout, ranks=ranks, history=body["history"]
@@ -470,7 +472,8 @@ class DistEngine(PlacementControl):
             self.controller.pump()
             if not out and self._unreported:
                 raise self._unreported.pop(0)
-        out.sort(key=lambda r: (r.stream_id, r.chunk))
+        # per stream in slot order, a chunk's previews (by step) before the chunk itself
+        out.sort(key=lambda r: (r.stream_id, r.chunk, r.preview_steps == 0, r.preview_steps))
         return out
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
@@ -492,6 +495,7 @@ class DistEngine(PlacementControl):
                     decoded_s=time.monotonic(),
                     finite=bool(torch.isfinite(x).all()),
                     anchor=res.anchor,
+                    preview_steps=res.preview_steps,
                 )
             )
         return outputs
