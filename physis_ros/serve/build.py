@@ -45,7 +45,7 @@ TIE = 0.03
 BURST_PAIRS = 24
 """Context + generated chunk pairs in the start-up burst that measures the whole engine."""
 SCALE_BOUNDS = (0.1, 10.0)
-"""Measured over predicted burst beyond these is refused as a broken measurement."""
+"""Measured over predicted burst beyond these is measured again, and warned about."""
 BURST_SKIP = 6
 """Pairs of the burst not measured (the pipeline filling)."""
 
@@ -396,8 +396,29 @@ def shared_processors(engine, pool: Pool, spec: ServingSpec) -> tuple[Pool, floa
 def burst_scaled(engine, pool: Pool, spec: ServingSpec, profile: Profile) -> Pool:
     """``pool`` planned again with the profile's costs scaled so that the simulator predicts
     the burst the whole engine measures on the pool's default placement."""
-    measured, predicted = burst_ms(engine, pool), burst_ms(None, pool)
-    scale = burst_scale(measured, predicted)
+    predicted = burst_ms(None, pool)
+    measured = burst_ms(engine, pool)
+    lo, hi = SCALE_BOUNDS
+    if not lo <= measured / predicted <= hi:
+        # Far from the profile: a busy host (other jobs took the cores during one of the two
+        # measurements) more often than a broken profile. Measured again; what the engine then
+        # does is what admission plans with, never a scale it did not measure.
+        log.warning(
+            "engine burst %.2f ms per chunk against %.2f ms from the profile: measuring again",
+            measured,
+            predicted,
+        )
+        measured = burst_ms(engine, pool)
+    scale = measured / predicted
+    if not lo <= scale <= hi:
+        log.warning(
+            "engine burst still %.2f ms per chunk against %.2f ms from the profile (x %.2f): "
+            "promises follow the burst; if this host was idle, the profile is off (give "
+            "placement.profile, a physis-profile JSON)",
+            measured,
+            predicted,
+            scale,
+        )
     log.info(
         "%d worker(s): engine burst %.2f ms per chunk measured, %.2f ms predicted from the "
         "profile: costs x %.2f",
@@ -414,19 +435,6 @@ def burst_scaled(engine, pool: Pool, spec: ServingSpec, profile: Profile) -> Poo
         usable=pool.config.usable_bytes,
         stage_devices=pool.stage_devices,
     )
-
-
-def burst_scale(measured_ms: float, predicted_ms: float) -> float:
-    """How much slower (> 1) or faster the whole engine runs than its profile predicts."""
-    scale = measured_ms / predicted_ms
-    lo, hi = SCALE_BOUNDS
-    if not lo <= scale <= hi:
-        raise ValueError(
-            f"a burst through the engine took {measured_ms:.2f} ms per chunk, its measured "
-            f"profile predicts {predicted_ms:.2f} ms: the measurement is broken (give "
-            "placement.profile, a physis-profile JSON, to serve without it)"
-        )
-    return scale
 
 
 def burst_ms(
