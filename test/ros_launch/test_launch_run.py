@@ -193,7 +193,8 @@ def test_two_robots_in_two_namespaces_against_one_workstation(ros_launch_env, tm
                     "sim:=true",
                     "server:=127.0.0.1:0",
                     f"server_port_file:={port_file}",
-                    "target_interval_ms:=0",
+                    # the launch default: the interval the camera fills (one stream asking
+                    # for 0 gets the fastest promise, which takes the whole pool)
                 ],
                 env=ros_launch_env,
                 log_path=tmp_path / f"robot_{ns}.log",
