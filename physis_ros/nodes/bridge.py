@@ -469,8 +469,19 @@ class Bridge(Node):
             self._publish_timed_chunk(pred, actions)
             return
         dt_s = self.p.action_dt_s or interval_s / max(1, actions.shape[0])
+        decision = self._gate_chunk(
+            pred, actions, now_ns=self.now_ns(), start_ns=start_ns, dt_s=dt_s
+        )
+        if decision is not None:
+            self._publish_model_chunk(pred, decision, dt_s)
+
+    def _gate_chunk(
+        self, pred: Prediction, actions: np.ndarray, *, now_ns: int, start_ns: int, dt_s: float
+    ):
+        """The safety gate's decision on a model chunk; a refused one is counted
+        (chunks_expired, chunk:<reason>) and None returned."""
         decision = self.gate.on_chunk(
-            now_ns=self.now_ns(),
+            now_ns=now_ns,
             chunk_index=pred.chunk_index,
             actions=actions,
             start_ns=start_ns,
@@ -478,14 +489,23 @@ class Bridge(Node):
             observation_stamp_ns=pred.observation_stamp_ns if pred.observation_seq >= 0 else 0,
         )
         if not decision.publish:
-            self.counts["chunks_expired"] += 1
-            self.drops.add(f"chunk:{decision.reason}")
-            return
+            self._count_expired(decision.reason)
+            return None
+        return decision
+
+    def _count_expired(self, reason: str) -> None:
+        self.counts["chunks_expired"] += 1
+        self.drops.add(f"chunk:{reason}")
+
+    def _publish_model_chunk(self, pred: Prediction, decision, dt_s: float, **trajectory) -> None:
+        """A gated model chunk out (``trajectory``: the executed one, for timed chunks); the
+        robot is no longer holding a fallback once one is."""
         self._publish_actions(
             decision.actions,
             decision.start_ns,
             dt_s,
             ActionChunk.SOURCE_MODEL,
+            **trajectory,
             stream_id=pred.stream_id,
             chunk_index=pred.chunk_index,
             observation_seq=pred.observation_seq,
@@ -502,17 +522,9 @@ class Bridge(Node):
         left to the committed trajectory, which goes out whole from now on."""
         now_ns = self.now_ns()
         dt_s = pred.action_dt_ns / 1e9
-        decision = self.gate.on_chunk(
-            now_ns=now_ns,
-            chunk_index=pred.chunk_index,
-            actions=actions,
-            start_ns=pred.action_start_ns if self.p.execution == "delay_aware" else now_ns,
-            dt_s=dt_s,
-            observation_stamp_ns=pred.observation_stamp_ns if pred.observation_seq >= 0 else 0,
-        )
-        if not decision.publish:
-            self.counts["chunks_expired"] += 1
-            self.drops.add(f"chunk:{decision.reason}")
+        start_ns = pred.action_start_ns if self.p.execution == "delay_aware" else now_ns
+        decision = self._gate_chunk(pred, actions, now_ns=now_ns, start_ns=start_ns, dt_s=dt_s)
+        if decision is None:
             return
         report = self.execution.accept(
             actions=actions.astype(np.float64),
@@ -522,22 +534,15 @@ class Bridge(Node):
             now_ns=now_ns,
         )
         if not report.accepted:
-            self.counts["chunks_expired"] += 1
-            self.drops.add(f"chunk:{report.reason}")
+            self._count_expired(report.reason)
             return
-        self._publish_actions(
-            decision.actions,
-            decision.start_ns,
+        self._publish_model_chunk(
+            pred,
+            decision,
             dt_s,
-            ActionChunk.SOURCE_MODEL,
             trajectory=self.execution.trajectory(now_ns),
             trajectory_stamp_ns=now_ns,
-            stream_id=pred.stream_id,
-            chunk_index=pred.chunk_index,
-            observation_seq=pred.observation_seq,
-            observation_stamp_ns=pred.observation_stamp_ns,
         )
-        self.counts["chunks_published"] += 1
 
     def _publish_frames(self, pred: Prediction, start_ns: int, frame_dt_s: float) -> None:
         frames = np.asarray(pred.frames, dtype=np.uint8)
