@@ -325,6 +325,48 @@ def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
     assert err.strip().splitlines()[-1] == "physis-torchrun: SIGINT: the ranks were stopped", err
 
 
+def _signal_a_thread_other_than_main(pid: int, sig: int) -> int:
+    """Deliver ``sig`` to one of ``pid``'s threads that is not its main thread (Linux
+    tgkill), as the kernel does when the main thread already has a signal pending."""
+    import ctypes
+
+    tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert tids, "the server runs no threads besides its main one"
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.tgkill(pid, tids[0], sig) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill")
+    return tids[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill and /proc are Linux")
+def test_physis_serve_stops_on_a_signal_another_thread_received(tmp_path):
+    """SIGINT handed to a gRPC or engine thread, not the main one, still stops physis-serve:
+    Python only trips a flag there, and a main thread in an untimed wait never looked at it
+    (under torchrun, rank 0 stayed up until torchrun's SIGTERM)."""
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [str(BIN / "physis-serve"), "--model", "tiny", "--port", "0", "--port-file",
+         str(port_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert port_file.exists(), "physis-serve never served"
+        _signal_a_thread_other_than_main(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "shutting down" in err, err
+
+
 def test_a_rank_with_a_config_error_ends_physis_torchrun_in_one_line(tmp_path):
     """A config error every rank meets: the rank says it in one line (exit 2), and
     physis-torchrun names the rank instead of torchrun's failure table and traceback."""

@@ -91,7 +91,8 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
     tmp = Path(f"{port_file}.tmp")
     tmp.write_text(str(port))
     tmp.replace(port_file)
-    stop.wait()
+    while not stop.wait(0.2):  # a signal handed to a gRPC thread wakes no untimed wait
+        pass
     server.stop(0.5).wait(1.5)
     return 0
 

@@ -131,6 +131,10 @@ def serving_spec(args: argparse.Namespace, config: dict[str, dict[str, Any]]) ->
     return spec
 
 
+SIGNAL_POLL_S = 0.2
+"""Longest the main thread sleeps between looks at the stop flag (see run_frontend)."""
+
+
 def run_frontend(
     engine: StreamEngine,
     description: ServerDescription,
@@ -180,7 +184,12 @@ def run_frontend(
             with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:
                 f.write(f"{handle.port}\n")
             os.replace(f.name, port_file)
-        stop.wait()
+        # Woken at least every SIGNAL_POLL_S: a signal the kernel hands to another thread
+        # (gRPC's, gloo's) only trips Python's flag, and a main thread blocked in an untimed
+        # wait would run the handler when something else woke it (seen under torchrun: the
+        # rank stayed up until torchrun's SIGTERM 20 s later).
+        while not stop.wait(SIGNAL_POLL_S):
+            pass
     finally:
         log.info("shutting down")
         handle.stop()
