@@ -56,6 +56,8 @@ class SlotAssembler:
         """Position -> observation of the slot being assembled."""
         self._previous: tuple[int, ContextInput] | None = None
         """(frame index, observation) of the newest frame of the slots completed so far."""
+        self._emitted = -1
+        """The newest slot completed (an empty slot has no frame for ``_previous`` to hold)."""
         self.filled_frames = 0
         self.incomplete_chunks = 0
         self.observed_chunks = 0
@@ -84,8 +86,7 @@ class SlotAssembler:
         done: list[ObservedChunk] = []
         if self._slot is not None and slot > self._slot:
             done.append(self._complete(following=(n, obs)))
-        last = self._previous[0] // self.frames if self._previous is not None else -1
-        for empty in range(last + 1, slot):  # slots no frame arrived for
+        for empty in range(self._emitted + 1, slot):  # slots no frame arrived for
             self._slot, self._have = empty, {}
             done.append(self._complete(following=(n, obs)))
         if self._slot != slot:
@@ -120,6 +121,7 @@ class SlotAssembler:
         newest = have[newest_pos] if newest_pos is not None else picked[-1]
         self._previous = (base + newest_pos, newest) if newest_pos is not None else self._previous
         self._slot, self._have = None, {}
+        self._emitted = slot
         return ObservedChunk(
             slot=slot,
             frames=np.concatenate([o.frames[-1:] for o in picked]),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from physis_ros.serve.observations import ContextInput
 from physis_ros.serve.slots import MAX_GAP_SLOTS, SlotAssembler
@@ -80,3 +82,31 @@ def test_actions_missing_on_some_frames_come_from_the_nearest_frame_with_one():
     slots.add(obs(2))
     (none,) = slots.add(obs(3))
     assert none.actions is None
+
+
+def test_frames_after_an_empty_slot_never_emit_it_again():
+    """Slots with no frame are emitted once: the next frames of the slot after them complete
+    only that slot (a repeat killed the stream in the engine under load)."""
+    slots = SlotAssembler(frames_per_chunk=2, action_horizon=2)
+    out = [c.slot for seq in (0, 1) for c in slots.add(obs(seq))]
+    out += [c.slot for c in slots.add(obs(6))]  # slot 3, position 0: slots 1 and 2 empty
+    out += [c.slot for c in slots.add(obs(7))]  # slot 3, position 1: slot 3 complete
+    out += [c.slot for c in slots.add(obs(9))]  # slot 4, position 1
+    assert out == [0, 1, 2, 3, 4]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    frames=st.integers(1, 4),
+    steps=st.lists(st.integers(1, 3 * (MAX_GAP_SLOTS + 3)), min_size=1, max_size=40),
+)
+def test_any_increasing_frames_emit_each_slot_once_in_order(frames, steps):
+    """Whatever frames are lost, every slot is emitted once, in order, with no slot left out
+    (the timeline may jump past a gap too long to fill, never back)."""
+    slots = SlotAssembler(frames_per_chunk=frames, action_horizon=frames)
+    emitted = []
+    seq = 0
+    for step in steps:
+        seq += step
+        emitted += [c.slot for c in slots.add(obs(seq))]
+    assert emitted == list(range(len(emitted)))
