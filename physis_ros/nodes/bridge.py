@@ -117,6 +117,7 @@ class Bridge(Node):
             (
                 "images",
                 "sent",
+                "not_sent_before_stream",
                 "commands",
                 "observations_with_command",
                 "chunks_received",
@@ -360,7 +361,13 @@ class Bridge(Node):
         promise = self._promise
         if promise is None:  # until the stream opens; then the receive thread keeps it fresh
             promise = self._promise = self.client.stats().promise
-        if self.p.resize_to_model and promise is not None and promise.image_height > 0:
+        if promise is None and self.p.resize_to_model:
+            # The model's image size comes with the stream: sent as captured, the image would
+            # wait in the link and reach the server at the camera's size (dropped there,
+            # image_size). The stream's first observation is the first image after it opens.
+            self.counts["not_sent_before_stream"] += 1
+            return
+        if self.p.resize_to_model and promise.image_height > 0:
             fields = resize_fields(observed, promise.image_height, promise.image_width)
         names, positions, velocities = paired.joints.value if paired.joints else ((), None, None)
         action = self._command_for(paired.image.stamp_ns, promise)

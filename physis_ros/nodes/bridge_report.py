@@ -87,6 +87,8 @@ def diagnostics_report(node, link) -> dict:
         **rates,
         "images_received": node.counts["images"],
         "observations_handed_to_link": node.counts["sent"],
+        # images before the stream opened: their size for the model was not known yet
+        "images_before_stream": node.counts["not_sent_before_stream"],
         # how many went with a commanded action (the world model's conditioning); why the
         # others did not is in the dropped_command:<reason> counts
         "commands_received": node.counts["commands"],

@@ -36,7 +36,7 @@ def test_chunks_stop_fall_back_report_error_and_resume(ros_env, monkeypatch):
         text=True,
     )
     try:
-        out, _ = child.communicate(timeout=60)
+        out, _ = child.communicate(timeout=150)  # discovery (up to 60 s) + the run
         time.sleep(0.3)
     finally:
         child.kill()
@@ -132,7 +132,7 @@ def test_world_model_never_falls_back_and_warns_when_frames_are_late(ros_env, mo
         text=True,
     )
     try:
-        out, err = child.communicate(timeout=60)
+        out, err = child.communicate(timeout=150)  # discovery (up to 60 s) + the run
         time.sleep(0.3)
     finally:
         child.kill()

@@ -22,6 +22,9 @@ import rclpy
 from physis_ros.link.client import LinkPromise, LinkStats, Prediction
 from physis_ros.nodes.bridge import Bridge
 
+DISCOVERY_TIMEOUT_S = 60.0
+"""Longest the script waits for the test's monitor to subscribe (then it runs anyway)."""
+
 
 class ScriptedClient:
     def __init__(
@@ -46,6 +49,9 @@ class ScriptedClient:
         )  # fmt: skip
 
     def start(self) -> None:
+        """The bridge starts its client; the script begins once the test watches (begin)."""
+
+    def begin(self) -> None:
         threading.Thread(target=self._produce, daemon=True).start()
 
     def _produce(self) -> None:
@@ -102,6 +108,14 @@ def main() -> int:
     client = ScriptedClient(interval_ms, stop_at_s, resume_at_s, world_model)
     node = Bridge(client=client)
     client.clock_ns = lambda: node.get_clock().now().nanoseconds
+    # The script's times count from when the test's monitor is matched: on a loaded host
+    # discovery took longer than the whole first stream, and the silence went unseen.
+    watched_by = time.monotonic() + DISCOVERY_TIMEOUT_S
+    while time.monotonic() < watched_by and not (
+        node.chunk_pub.get_subscription_count() and node.diag_pub.get_subscription_count()
+    ):
+        rclpy.spin_once(node, timeout_sec=0.05)
+    client.begin()
     deadline = time.monotonic() + run_s
     while time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.05)
