@@ -149,6 +149,10 @@ def leading_known(rows: np.ndarray) -> int:
     return int(np.argmax(unknown)) if unknown.any() else len(rows)
 
 
+REPLIES_KEPT = 1024
+"""Generated slots whose reply timing is kept until their chunk is out."""
+
+
 @dataclass(frozen=True)
 class ActionTiming:
     """A reply's rows on the robot clock (``Prediction`` fields 13-15)."""
@@ -191,6 +195,7 @@ class WamStream:
     def generate_rows(self, anchor, slot: int, latency_ms: float) -> np.ndarray:
         """The committed rows of the generated ``slot``; its reply's timing is kept."""
         rows = self.known_rows(anchor, slot, latency_ms)
+        self._replies.pop(slot - REPLIES_KEPT, None)  # a chunk never out (e.g. NaN output)
         self._replies[slot] = ActionTiming(
             self.first_frame_ns(anchor, slot), self.timing.row_dt_ns, leading_known(rows)
         )
