@@ -140,6 +140,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+WAM_METADATA = ("frame_hz", "action_hz", "action_names", "state_names")
+"""What physis-serve reads from a world-action model's weights (serve/wam_requests.py)."""
+
+
 def shipped_camera(model: str, weights: str | None = None) -> dict | None:
     """For a preset with shipped weights (or the ``weights`` file given): the camera the
     weights were trained on (image size, frame rate) and the video one chunk covers; None for
@@ -160,6 +164,7 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
         "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
         "drives": meta.get("format") == "physis_ros world-action model",
         "action_names": meta.get("action_names", "").split(","),
+        "lacks": [k for k in WAM_METADATA if k not in meta],
     }
 
 
@@ -198,11 +203,11 @@ def main(argv=None) -> int:
     if args.weights and not Path(args.weights).is_file():
         missing = f"--weights {args.weights}: no such file"
     camera = None if missing else shipped_camera(args.model, args.weights)
-    if camera is not None and camera["drives"]:
+    if camera is not None and camera["drives"] and camera["lacks"]:
         missing = (
-            f"{args.model}: physis-serve cannot serve a world-action model yet (its sessions do "
-            "not send the state and committed rows); run it in the closed loop with "
-            "physis-eval --closed-loop --weights FILE"
+            f"{args.weights or args.model}: its metadata lacks {camera['lacks']}, which "
+            "physis-serve needs to serve a world-action model; use a checkpoint physis-train-wam "
+            "wrote"
         )
     if missing:  # before anything starts: the server would refuse the preset the same way
         print(f"physis-demo: {missing}", file=sys.stderr)

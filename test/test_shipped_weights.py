@@ -52,10 +52,10 @@ def test_physis_serve_refuses_in_one_line(push_wam_absent, capsys):
     _one_line_naming_the_trainer(capsys.readouterr().err)
 
 
-def test_a_world_action_model_is_not_served_yet_and_says_so(tmp_path, capsys):
-    """physis-serve's sessions do not build a world-action stream's state and committed rows
-    yet: serving one (any weights) and the demo that would drive with it stop in one line
-    that points to the closed-loop evaluation."""
+def test_a_world_action_model_without_its_metadata_is_refused_in_one_line(tmp_path, capsys):
+    """physis-serve serves a world-action model with the timing and names its weights'
+    metadata give (camera and row rates, joint and state names): random weights (none) and
+    the demo on a file that lacks them stop in one line naming what is missing."""
     from safetensors.numpy import save_file
 
     from physis_ros.demo import main as demo_main
@@ -63,12 +63,12 @@ def test_a_world_action_model_is_not_served_yet_and_says_so(tmp_path, capsys):
 
     assert serve_main(["--model", "push-wam", "--weights", "random", "--port", "0"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
-    assert len(errors) == 1 and "cannot serve a world-action model" in errors[0], errors
-    assert "physis-eval --closed-loop --weights" in errors[0]
+    assert len(errors) == 1 and "random weights have none" in errors[0], errors
+    assert "physis-train-wam" in errors[0]
 
     weights = tmp_path / "wam.safetensors"
     meta = {"format": "physis_ros world-action model", "image_size": "32x32", "frame_hz": "10.0"}
     save_file({"x": np.zeros(1, np.float32)}, str(weights), metadata=meta)
     assert demo_main(["--model", "push-wam", "--weights", str(weights)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot serve a world-action model" in err[0], err
+    assert len(err) == 1 and "lacks ['action_hz', 'action_names', 'state_names']" in err[0], err

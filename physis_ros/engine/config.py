@@ -371,6 +371,34 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# Tests of a served world-action model: push-wam's layout (2 joint targets at 20 Hz, 6 rows
+# from the chunk's first frame, known-row flags, one state token per frame: joint positions,
+# velocities and the wrench) on 8x8 images with a few thousand parameters.
+PRESETS["tiny-wam"] = ModelConfig(
+    name="tiny-wam",
+    num_blocks=2,
+    dim=16,
+    num_heads=2,
+    ffn_dim=32,
+    freq_dim=16,
+    text_dim=8,
+    text_len=2,
+    in_channels=12,
+    latent_frames=2,
+    latent_height=4,
+    latent_width=4,
+    codec="pixel",
+    codec_stride=(1, 2, 2),
+    action_dim=2,
+    action_horizon=6,
+    action_mode="predict",
+    state_dim=10,
+    committed_actions=True,
+    action_center=_PUSH_JOINT_CENTER,
+    action_scale=_PUSH_JOINT_SCALE,
+    prediction="x0",
+)
+
 # push-wam without the wrench: joint positions and velocities only (what removing it costs)
 PRESETS["push-wam-nowrench"] = dataclasses.replace(
     PRESETS["push-wam"],

@@ -287,6 +287,7 @@ def describe(spec: ServingSpec, served: PooledEngine, pool: Pool, *, kind: str):
         action_mode=cfg.action_mode,
         horizon=spec.horizon or 0,
         engine_info=engine_info,
+        wam=spec.wam_timing(),
     )
 
 

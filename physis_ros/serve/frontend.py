@@ -39,6 +39,7 @@ from physis_ros.serve.session import (
     SessionLimits,
     fill_promise,
 )
+from physis_ros.serve.wam_requests import WamTiming
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,9 @@ class ServerDescription:
     ``DEFAULT_HORIZON``)."""
     engine_info: Callable[[], dict[str, Any]] | None = None
     """What the engine reports about itself (workers, open streams / slots), on demand."""
+    wam: WamTiming | None = None
+    """A world-action model with state values and committed actions: its timing (its
+    streams send state and command timelines and get timed replies)."""
 
 
 class Frontend:
@@ -253,6 +257,7 @@ class Frontend:
             target_interval_ms=spec.target_interval_ms,
             limits=self._config.limits,
             client_name=spec.client_name,
+            wam=self._description.wam,
         )
         session.on_end = lambda why: self._finish(session, why)
         with self._lock:

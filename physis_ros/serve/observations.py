@@ -43,6 +43,10 @@ class ContextInput:
     session makes it the stream's newest chunk_frames frames."""
     actions: np.ndarray | None
     """[H, A] float32 commanded actions, or None."""
+    state: np.ndarray | None = None
+    """[S] float32 proprioception at the capture (a world-action model with state values)."""
+    commands: object | None = None
+    """The robot's command timeline sent with it (``wam_requests.CommandTimeline``)."""
 
 
 def check_header(o: pb.Observation) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import math
@@ -53,6 +54,7 @@ from physis_ros.link.wire import (
 from physis_ros.serve.observations import check_header, context_input
 from physis_ros.serve.ratelog import RateLimit, held_note
 from physis_ros.serve.slots import ObservedChunk, SlotAssembler
+from physis_ros.serve.wam_requests import ActionTiming, WamStream, WamTiming
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,8 @@ class ChunkReady:
     out: ChunkOutput
     conditioning: tuple[ObservedChunk, int] | None
     """Its anchor's observed chunk and when that was queued (server wall ns)."""
+    action_timing: ActionTiming | None = None
+    """A world-action model's rows on the robot clock."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +144,12 @@ class Session:
         target_interval_ms: float,
         limits: SessionLimits,
         client_name: str = "",
+        wam: WamTiming | None = None,
     ) -> None:
+        """``wam``: the timing of a world-action model with state values and committed
+        actions (its observations carry state and commands; its replies are timed)."""
         self.promise = promise
+        self.wam = WamStream(wam) if wam is not None else None
         self.stream_id = promise.stream_id
         self.limits = limits
         self.client_name = client_name
@@ -255,14 +263,18 @@ class Session:
             return
         p = self.promise
         try:
+            observation = observation_from_proto(o, image_data=image_data)
             ctx = context_input(
-                observation_from_proto(o, image_data=image_data),
+                observation,
                 send_stamp_ns=o.send_stamp_ns,
                 height=p.image_height,
                 width=p.image_width,
                 action_horizon=p.action_horizon,
                 action_dim=p.action_dim,
             )
+            if self.wam is not None:  # its state and command timeline, or a counted drop
+                state, commands = self.wam.check(observation)
+                ctx = dataclasses.replace(ctx, state=state, commands=commands)
         except WireError as exc:
             self.drop(exc.reason, f"observation {o.seq}: {exc.detail}")
             return
@@ -419,7 +431,10 @@ class Session:
             self._responded_seq = cond[0].newest.seq
             left_ns = time.time_ns() - time.monotonic_ns() + int(out.left_s * 1e9)
             self.response_ms.append((left_ns - cond[1]) / 1e6)
-        self._push(ChunkReady(out, cond))
+        timing = None
+        if self.wam is not None:
+            timing = self.wam.reply_timing(out.chunk, final=not out.preview_steps)
+        self._push(ChunkReady(out, cond, timing))
 
     def response_latency_ms(self) -> float:
         """Median over recent observations (0 before the first)."""
@@ -444,6 +459,10 @@ class Session:
             frames = tensor_header(out.frames, p.frames)
         if out.actions is not None:
             array_to_tensor(out.actions, p.actions)
+        if item.action_timing is not None:  # row i is for action_start_ns + i * action_dt_ns
+            p.action_start_ns = item.action_timing.start_ns
+            p.action_dt_ns = item.action_timing.dt_ns
+            p.known_action_rows = item.action_timing.known_rows
         p.observation_seq = -1
         p.anchor_slot = out.anchor
         p.horizon = out.chunk - out.anchor if out.anchor >= 0 else 0
@@ -709,8 +728,13 @@ class EngineLoop:
                         f"slot {observed.slot} was observed before it was generated (the "
                         "engine is slower than the stream's frames)",
                     )
+                actions, extra = observed.actions, {}
+                if session.wam is not None:  # its state, and the rows known at its newest frame
+                    latency_ms = session.promise.expected_response_latency_ms
+                    actions = session.wam.known_rows(observed, observed.slot, latency_ms)
+                    extra = {"state": observed.state}
                 self.engine.submit_context(
-                    session.stream_id, observed.frames, observed.actions, slot=observed.slot
+                    session.stream_id, observed.frames, actions, slot=observed.slot, **extra
                 )
                 session.anchors[observed.slot] = (observed, time.time_ns())
                 session.anchors.pop(observed.slot - ANCHORS_KEPT, None)
@@ -749,6 +773,10 @@ class EngineLoop:
                 burst_s = (session.horizon - 0.5) * session.interval_s
                 session.next_generate_s = (
                     max(session.next_generate_s, now_s - burst_s) + session.interval_s
+                )
+            if session.wam is not None:  # the rows the robot has committed
+                actions = session.wam.generate_rows(
+                    newest, session.next_slot, session.promise.expected_response_latency_ms
                 )
             self.engine.submit_generate(session.stream_id, actions)
             session.next_slot += 1

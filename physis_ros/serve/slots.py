@@ -39,6 +39,10 @@ class ObservedChunk:
     """The newest observation received for the slot (seq and stamps of replies)."""
     filled: int
     """Frames filled from a neighbour."""
+    newest_frame: int = -1
+    """Frame index of ``newest`` on the stream's timeline (slot * F + its position)."""
+    state: np.ndarray | None = None
+    """[F, S] float32 proprioception of each frame (None: the frames carry none)."""
 
 
 class SlotAssembler:
@@ -108,26 +112,29 @@ class SlotAssembler:
         picked, filled = [], 0
         for p in range(self.frames):
             if p in have:
-                picked.append(have[p])
+                picked.append((base + p, have[p]))
                 continue
             # nearest by frame index; min() keeps the first (earlier) of equally near ones
-            picked.append(min(known, key=lambda item, m=base + p: abs(item[0] - m))[1])
+            picked.append(min(known, key=lambda item, m=base + p: abs(item[0] - m)))
             filled += 1
         if have and len(have) < self.frames and following is not None:
             self.incomplete_chunks += 1
         self.filled_frames += filled
         self.observed_chunks += 1
         newest_pos = max(have) if have else None
-        newest = have[newest_pos] if newest_pos is not None else picked[-1]
-        self._previous = (base + newest_pos, newest) if newest_pos is not None else self._previous
+        newest_frame, newest = (base + newest_pos, have[newest_pos]) if have else picked[-1]
+        self._previous = (newest_frame, newest) if newest_pos is not None else self._previous
         self._slot, self._have = None, {}
         self._emitted = slot
+        states = [o.state for _, o in picked]
         return ObservedChunk(
             slot=slot,
-            frames=np.concatenate([o.frames[-1:] for o in picked]),
-            actions=self._actions([o.actions for o in picked]),
+            frames=np.concatenate([o.frames[-1:] for _, o in picked]),
+            actions=self._actions([o.actions for _, o in picked]),
             newest=newest,
             filled=filled,
+            newest_frame=newest_frame,
+            state=None if any(x is None for x in states) else np.stack(states),
         )
 
     def _actions(self, per_frame: list[np.ndarray | None]) -> np.ndarray | None:

@@ -189,14 +189,8 @@ class ServingSpec:
             resolution=self.resolution,
             vae=self.vae,
         )
-        if resolved.config.state_dim:
-            raise UsageError(
-                f"{self.model}: physis-serve cannot serve a world-action model with state yet "
-                "(its sessions do not build the per-frame state, the committed rows and the "
-                "timed replies such a stream needs: serve/wam_requests.py is not wired into "
-                "serve/session.py)",
-                "run it in the closed loop with physis-eval --closed-loop --weights FILE",
-            )
+        if resolved.config.state_dim or resolved.config.committed_actions:
+            _wam_timing(resolved.config, resolved.weights)  # refused in one line if unusable
         check_weights_fit(resolved)
         sampling = {
             "steps": 4,
@@ -216,6 +210,15 @@ class ServingSpec:
             horizon=self.horizon if self.horizon is not None else int(sampling["horizon"]),
             context_noise=self.context_noise or str(sampling["context_noise"]),
         )
+
+    def wam_timing(self):
+        """A world-action model with state values or committed actions: its timing and
+        names (``serve.wam_requests.WamTiming``, from the weights' metadata); else None."""
+        self._need_resolved()
+        cfg = self.model_config
+        if not (cfg.state_dim or cfg.committed_actions):
+            return None
+        return _wam_timing(cfg, self.weights or None)
 
     @property
     def resolved(self) -> bool:
@@ -372,3 +375,33 @@ LEGACY_KEYS: dict[tuple[str, str], str] = {
     ("distributed", "batching"): "batching",
 }
 """Keys of earlier config files, and the field each now sets."""
+
+
+def _wam_timing(cfg: ModelConfig, weights):
+    """The timing a served world-action stream needs (camera and row rates, joint and state
+    names, how far known rows reach), from the weights' metadata; UsageError when there is
+    none to read (random weights) or it does not fit the model."""
+    from physis_ros.serve.wam_requests import WamTiming
+    from physis_ros.weights import read_metadata
+
+    fix = "serve a checkpoint physis-train-wam wrote (--weights OUT/weights.safetensors)"
+    if weights is None:
+        raise UsageError(
+            f"{cfg.name}: a world-action model is served with its weights' metadata (camera and "
+            "row rates, joint and state names); random weights have none",
+            fix,
+        )
+    try:
+        timing = WamTiming.from_metadata(
+            read_metadata(weights), rows=cfg.action_horizon, frames_per_chunk=cfg.frames_per_chunk
+        )
+    except ValueError as err:
+        raise UsageError(f"{weights}: {err}", fix) from err
+    if len(timing.action_names) != cfg.action_dim or len(timing.state_names) != cfg.state_dim:
+        raise UsageError(
+            f"{weights}: metadata names {len(timing.action_names)} actions and "
+            f"{len(timing.state_names)} state values, model {cfg.name} takes {cfg.action_dim} "
+            f"and {cfg.state_dim}",
+            fix,
+        )
+    return timing

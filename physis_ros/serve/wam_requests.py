@@ -12,6 +12,14 @@ arrive — and enter clean; the rest is generated to continue them.
 Chunk (slot) c's rows are for the time of its first camera frame plus i rows; a generated
 chunk's reply states that time (``Prediction.action_start_ns``), so the robot executes each
 row when it is due (``link.action_timeline``).
+
+``WamStream`` is what a served stream does with these (serve/session.py calls it): each
+observation is checked and gives its state and command timeline (a bad one is dropped by
+reason: ``no_joint_state``, ``no_wrench``, ``commands_shape``); each observed slot goes in with
+its per-frame state and the rows known as of its newest frame (training's per-slot windows);
+each generate request carries the rows known as of the newest observation; each reply states
+the robot-clock time of its first row. The response latency is the stream's promise
+(``expected_response_latency_ms``): the figure the server stated, which its client sees.
 """
 
 from __future__ import annotations
@@ -89,24 +97,111 @@ def state_vector(obs: Observation, timing: WamTiming) -> np.ndarray:
     return np.asarray(values, np.float32)
 
 
-def chunk_known_rows(
-    obs: Observation, timing: WamTiming, *, first_frame_ns: int, known_until_ns: int
-) -> np.ndarray | None:
-    """[H, A] rows of the chunk whose first frame is at first_frame_ns, from the observation's
-    command timeline: interpolated where it covers them and they are at or before
-    known_until_ns, NaN elsewhere (generated). None when the observation sent no timeline."""
+@dataclass(frozen=True)
+class CommandTimeline:
+    """values [N, A] float32 at start_ns + i * dt_ns (robot clock)."""
+
+    values: np.ndarray
+    start_ns: int
+    dt_ns: int
+
+
+def command_timeline(obs: Observation, timing: WamTiming) -> CommandTimeline | None:
+    """The observation's command timeline, checked against the model's joints (None: it sent
+    none, e.g. a robot that has commanded nothing yet or executes naively)."""
     if obs.commands is None:
         return None
-    commands = np.asarray(obs.commands, np.float64)
-    if commands.shape[1] != len(timing.action_names):
+    commands = np.asarray(obs.commands, np.float32)
+    if commands.ndim != 2 or commands.shape[1] != len(timing.action_names) or not len(commands):
         raise WireError(
             "commands_shape",
-            f"commands have {commands.shape[1]} joints, the model takes {len(timing.action_names)}",
+            f"commands have shape {commands.shape}, the model takes [N>=1, "
+            f"{len(timing.action_names)}] ({','.join(timing.action_names)})",
         )
-    times = obs.commands_start_ns + obs.commands_dt_ns * np.arange(len(commands), dtype=np.int64)
+    return CommandTimeline(commands, int(obs.commands_start_ns), int(obs.commands_dt_ns))
+
+
+def chunk_known_rows(
+    timeline: CommandTimeline | None,
+    timing: WamTiming,
+    *,
+    first_frame_ns: int,
+    known_until_ns: int,
+) -> np.ndarray:
+    """[H, A] rows of the chunk whose first frame is at first_frame_ns, from the command
+    timeline: interpolated where it covers them and they are at or before known_until_ns,
+    NaN elsewhere (generated; all of them without a timeline)."""
+    out = np.full((timing.rows, len(timing.action_names)), np.nan, np.float32)
+    if timeline is None:
+        return out
+    commands = timeline.values.astype(np.float64)
+    times = timeline.start_ns + timeline.dt_ns * np.arange(len(commands), dtype=np.int64)
     rows_t = first_frame_ns + timing.row_dt_ns * np.arange(timing.rows, dtype=np.int64)
-    out = np.full((timing.rows, commands.shape[1]), np.nan, np.float32)
     inside = (rows_t >= times[0]) & (rows_t <= times[-1]) & (rows_t <= known_until_ns)
     if inside.any():
         out[inside] = interpolate(times, commands, rows_t[inside])
     return out
+
+
+def leading_known(rows: np.ndarray) -> int:
+    """Rows known (not NaN) before the first generated one."""
+    unknown = np.isnan(rows).any(axis=1)
+    return int(np.argmax(unknown)) if unknown.any() else len(rows)
+
+
+REPLIES_KEPT = 1024
+"""Generated slots whose reply timing is kept until their chunk is out."""
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    """A reply's rows on the robot clock (``Prediction`` fields 13-15)."""
+
+    start_ns: int
+    dt_ns: int
+    known_rows: int
+
+
+class WamStream:
+    """One served stream of a world-action model (see the module docstring). ``check`` runs
+    on the gRPC reader thread; the rest on the engine thread."""
+
+    def __init__(self, timing: WamTiming) -> None:
+        self.timing = timing
+        self._replies: dict[int, ActionTiming] = {}
+        """Generated slot -> its timing, until its chunk is out."""
+
+    def check(self, obs: Observation) -> tuple[np.ndarray, CommandTimeline | None]:
+        """(state [S], command timeline) of one observation; WireError when it lacks what
+        the model takes."""
+        return state_vector(obs, self.timing), command_timeline(obs, self.timing)
+
+    def first_frame_ns(self, anchor, slot: int) -> int:
+        """Robot clock of slot's first camera frame, from ``anchor`` (an ObservedChunk: its
+        newest frame's capture stamp and frame index) at the model's frame period."""
+        offset = slot * self.timing.frames_per_chunk - anchor.newest_frame
+        return int(anchor.newest.capture_stamp_ns + offset * self.timing.frame_dt_ns)
+
+    def known_rows(self, anchor, slot: int, latency_ms: float) -> np.ndarray:
+        """[H, A] of ``slot`` as the robot knows them when ``anchor``'s newest frame was
+        captured (NaN: to generate)."""
+        return chunk_known_rows(
+            anchor.newest.commands,
+            self.timing,
+            first_frame_ns=self.first_frame_ns(anchor, slot),
+            known_until_ns=self.timing.known_until_ns(anchor.newest.capture_stamp_ns, latency_ms),
+        )
+
+    def generate_rows(self, anchor, slot: int, latency_ms: float) -> np.ndarray:
+        """The committed rows of the generated ``slot``; its reply's timing is kept."""
+        rows = self.known_rows(anchor, slot, latency_ms)
+        self._replies.pop(slot - REPLIES_KEPT, None)  # a chunk never out (e.g. NaN output)
+        self._replies[slot] = ActionTiming(
+            self.first_frame_ns(anchor, slot), self.timing.row_dt_ns, leading_known(rows)
+        )
+        return rows
+
+    def reply_timing(self, slot: int, *, final: bool) -> ActionTiming | None:
+        """The timing of ``slot``'s chunk (``final``: the chunk itself, not a preview: forgotten
+        after)."""
+        return self._replies.pop(slot, None) if final else self._replies.get(slot)

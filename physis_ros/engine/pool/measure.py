@@ -41,10 +41,11 @@ def run_burst(engine, layout, *, pairs: int, skip: int, timeout_s: float = 120.0
     actions = None
     if cfg.action_mode != "none":
         actions = np.zeros((cfg.action_horizon, cfg.action_dim), np.float32)
+    state = np.zeros((cfg.frames_per_chunk, cfg.state_dim), np.float32) if cfg.state_dim else None
     sid = engine.open_stream(StreamSpec(seed=0), layout=layout).stream_id
     try:
         for _ in range(pairs):
-            engine.submit_context(sid, frames, actions)
+            engine.submit_context(sid, frames, actions, state)
             engine.submit_generate(sid, actions if cfg.action_mode == "condition" else None)
         left: list[float] = []
         deadline = time.monotonic() + timeout_s
@@ -90,11 +91,12 @@ def run_sequential(engine, layout, *, pairs: int, timeout_s: float = 120.0) -> l
     actions = None
     if cfg.action_mode != "none":
         actions = np.zeros((cfg.action_horizon, cfg.action_dim), np.float32)
+    state = np.zeros((cfg.frames_per_chunk, cfg.state_dim), np.float32) if cfg.state_dim else None
     sid = engine.open_stream(StreamSpec(seed=1), layout=layout).stream_id
     latencies = []
     try:
         for _ in range(pairs):
-            engine.submit_context(sid, frames, actions)
+            engine.submit_context(sid, frames, actions, state)
             engine.submit_generate(sid, actions if cfg.action_mode == "condition" else None)
             deadline = time.monotonic() + timeout_s
             got = []

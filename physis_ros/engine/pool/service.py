@@ -414,8 +414,8 @@ class PooledEngine:
                 self._revise(dict(zip(self._streams, report.streams, strict=True)))
 
     # ---- the rest of StreamEngine -----------------------------------------------------------
-    def submit_context(self, stream_id: int, frames, actions=None, *, slot=None) -> int:
-        return self.engine.submit_context(stream_id, frames, actions, slot=slot)
+    def submit_context(self, stream_id: int, frames, actions=None, state=None, *, slot=None) -> int:
+        return self.engine.submit_context(stream_id, frames, actions, state, slot=slot)
 
     def submit_generate(self, stream_id: int, actions=None) -> int:
         return self.engine.submit_generate(stream_id, actions)

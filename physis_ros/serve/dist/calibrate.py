@@ -75,8 +75,10 @@ def run_free(engine, layouts: list, chunks: int, timeout_s: float = 120.0) -> li
     """Open one stream per layout, queue every chunk at once, return left_s per stream."""
     from physis_ros.engine.api import StreamSpec
 
+    # horizon 0: generated chunks with no observation (weights whose metadata names a
+    # horizon would refuse the second one)
     sids = [
-        engine.open_stream(StreamSpec(seed=i), layout=lay).stream_id
+        engine.open_stream(StreamSpec(seed=i, horizon=0), layout=lay).stream_id
         for i, lay in enumerate(layouts)
     ]
     for sid in sids:

@@ -1,0 +1,90 @@
+"""A served world-action stream's requests (serve/wam_requests.py), without a server: the
+state vector in the weights' order, the known rows on the robot clock (capped as trained),
+the first frame's time of a slot whose frames came with a gap, and what a bad observation
+is dropped as."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from physis_ros.link.wire import Observation, WireError
+from physis_ros.serve.observations import ContextInput
+from physis_ros.serve.slots import SlotAssembler
+from physis_ros.serve.wam_requests import WamStream, WamTiming
+
+MS = 1_000_000
+META = {
+    "frame_hz": "10.0",
+    "action_hz": "20.0",
+    "action_names": "shoulder,elbow",
+    "state_names": "elbow_pos,shoulder_pos,shoulder_vel,elbow_vel,force_x,torque_z",
+    "max_known_rows_ahead": "3",
+}
+TIMING = WamTiming.from_metadata(META, rows=6, frames_per_chunk=2)
+
+
+def _obs(**kw) -> Observation:
+    base = dict(
+        seq=0,
+        capture_stamp_ns=0,
+        wrench=np.array([1, 2, 3, 4, 5, 6], np.float32),
+        joint_names=("shoulder", "elbow"),
+        joint_positions=np.array([0.1, 0.2], np.float32),
+        joint_velocities=np.array([0.3, 0.4], np.float32),
+    )
+    return Observation(**(base | kw))
+
+
+def test_state_follows_the_weights_names_and_missing_parts_are_named():
+    state, timeline = WamStream(TIMING).check(_obs())
+    np.testing.assert_array_equal(state, np.float32([0.2, 0.1, 0.3, 0.4, 1, 6]))
+    assert timeline is None  # no command timeline: every row is generated
+    for bad, reason in (
+        ({"joint_velocities": None}, "no_joint_state"),
+        ({"joint_names": ("a", "b")}, "no_joint_state"),
+        ({"wrench": None}, "no_wrench"),
+        ({"commands": np.zeros((4, 3), np.float32), "commands_dt_ns": 50 * MS}, "commands_shape"),
+    ):
+        with pytest.raises(WireError) as err:
+            WamStream(TIMING).check(_obs(**bad))
+        assert err.value.reason == reason
+
+
+def test_known_rows_reach_the_capture_plus_the_latency_at_most_as_far_as_trained():
+    assert TIMING.known_until_ns(1000 * MS, 0.0) == 1000 * MS
+    assert TIMING.known_until_ns(1000 * MS, 51.0) == 1100 * MS  # rounded up to a row
+    assert TIMING.known_until_ns(1000 * MS, 900.0) == 1150 * MS  # 3 rows at most
+
+
+def test_a_slot_with_a_missing_frame_is_timed_from_its_newest_frame():
+    """Frames 0, 1, 3 arrive (frame 2 of slot 1 is filled from frame 3): slot 1's first frame
+    is at 200 ms, slot 2's at 400 ms; the rows known are the timeline's up to the newest
+    capture plus the latency; the reply timing is kept for previews, forgotten after."""
+    stream = WamStream(TIMING)
+    slots = SlotAssembler(2, 0)
+    commands = np.stack([np.arange(20.0), -np.arange(20.0)], axis=1).astype(np.float32)
+    done = []
+    for n in (0, 1, 3):
+        obs = _obs(seq=10 + n, capture_stamp_ns=n * 100 * MS)
+        obs = Observation(**{**obs.__dict__, "commands": commands, "commands_dt_ns": 50 * MS})
+        state, timeline = stream.check(obs)
+        ctx = ContextInput(
+            seq=obs.seq, capture_stamp_ns=obs.capture_stamp_ns, send_stamp_ns=0, received_ns=0,
+            frames=np.zeros((1, 2, 2, 3), np.uint8), actions=None, state=state,
+            commands=timeline,
+        )  # fmt: skip
+        done += slots.add(ctx)
+    assert [c.slot for c in done] == [0, 1] and done[1].filled == 1
+    slot1 = done[1]
+    assert slot1.newest_frame == 3 and slot1.state.shape == (2, 6)
+    assert stream.first_frame_ns(slot1, 1) == 200 * MS
+    rows = stream.known_rows(slot1, 1, latency_ms=40.0)  # known until 300 + 50 ms
+    np.testing.assert_array_equal(rows[:4, 0], [4, 5, 6, 7])  # 200, 250, 300, 350 ms
+    assert np.isnan(rows[4:]).all()
+    generated = stream.generate_rows(slot1, 2, latency_ms=40.0)  # its rows start at 400 ms
+    assert np.isnan(generated).all()
+    timing = stream.reply_timing(2, final=False)
+    assert (timing.start_ns, timing.dt_ns, timing.known_rows) == (400 * MS, 50 * MS, 0)
+    assert stream.reply_timing(2, final=True) == timing
+    assert stream.reply_timing(2, final=True) is None
