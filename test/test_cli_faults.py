@@ -315,6 +315,11 @@ def test_ctrl_c_under_torchrun_ends_every_rank_in_one_line(tmp_path):
             time.sleep(0.1)
         assert port_file.exists(), "physis-serve under physis-torchrun never served"
         os.killpg(proc.pid, signal.SIGINT)
+        # and again to physis-torchrun alone while it stops the ranks, as ros2 launch does
+        # after a terminal's Ctrl-C reached the whole group
+        time.sleep(0.05)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -365,6 +370,24 @@ def test_physis_serve_stops_on_a_signal_another_thread_received(tmp_path):
             proc.wait()
     assert proc.returncode == 0, err
     assert "shutting down" in err, err
+
+
+def test_physis_torchrun_raises_on_the_first_sigint_only(monkeypatch):
+    """torchrun's handler raises on every signal; a second SIGINT raised inside the agent's
+    shutdown (in a log call) printed a traceback. physis-torchrun raises on the first only,
+    and a SIGTERM after it still escalates."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    from physis_ros.tools import torchrun
+
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)
+    torchrun._stop_once()
+    handler = api._terminate_process_handler
+    with pytest.raises(api.SignalException):
+        handler(signal.SIGINT, None)
+    assert handler(signal.SIGINT, None) is None  # the second: already stopping
+    with pytest.raises(api.SignalException):
+        handler(signal.SIGTERM, None)
 
 
 def test_a_rank_with_a_config_error_ends_physis_torchrun_in_one_line(tmp_path):

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
+    _stop_once()
     try:
         run(args)  # not torchrun's main: its @record prints a failed rank's report as a table
     except SignalException as stop:
@@ -41,6 +42,25 @@ def main(argv: list[str] | None = None) -> int:
             "see the rank's own error line above (physis-serve: error: ...)",
         ) from exc
     return 0
+
+
+def _stop_once() -> None:
+    """A second SIGINT while the ranks are being stopped changes nothing: Ctrl-C under ``ros2
+    launch`` signals the whole process group and launch then signals each process again.
+    torchrun's handler raises on every signal, and the second one, raised inside the agent's
+    shutdown (in a log call), printed a traceback. A SIGTERM still escalates."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    raise_signal = api._terminate_process_handler  # looked up when the agent installs it
+    stopping: set[int] = set()
+
+    def handler(signum: int, frame) -> None:
+        if signum == signal.SIGINT and signum in stopping:
+            return
+        stopping.add(signum)
+        raise_signal(signum, frame)
+
+    api._terminate_process_handler = handler
 
 
 if __name__ == "__main__":
