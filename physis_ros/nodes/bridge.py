@@ -60,6 +60,7 @@ from physis_ros.nodes.pairing import (
     PairedObservation,
     Sample,
 )
+from physis_ros.nodes.preview_actions import execution_order
 from physis_ros.nodes.preview_out import PreviewOutput
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
@@ -165,7 +166,7 @@ class Bridge(Node):
             prompt=p.prompt,
             target_interval_ms=p.target_interval_ms,
             response_latency_budget_ms=p.response_latency_budget_ms,
-            previews=p.previews,
+            previews=p.previews or p.act_on_previews,
             token=token,
             root_cert_path=p.root_cert_path or None,
             client_cert_path=p.client_cert_path or None,
@@ -439,15 +440,29 @@ class Bridge(Node):
             return promise.expected_interval_ms / 1e3
         return 0.1
 
+    def _follow_stream(self, pred: Prediction) -> None:
+        """A new stream (e.g. server restart) renumbers chunks: the gate and the plan restart."""
+        if pred.stream_id == self._stream_id:
+            return
+        self._stream_id = pred.stream_id
+        self._promise = self.client.stats().promise
+        self.gate.reset_stream()
+        self.execution.restart()
+
     def _publish_prediction(self, pred: Prediction) -> None:
         if pred.preview_steps:  # a look at a chunk still in flight: not a chunk
+            self._follow_stream(pred)
             start_ns = pred.received_ns + int(self.p.action_lead_s * 1e9)
             frames = len(pred.frames) if pred.frames is not None else 1
             self.previews.publish(pred, start_ns, self.interval_s() / max(frames, 1))
+            # a world-action model's timed rows may be executed at once (preview_actions.py)
+            timed = pred.action_start_ns > 0 and pred.action_dt_ns > 0
+            if self.p.act_on_previews and pred.actions is not None and timed:
+                self._publish_timed_chunk(pred, self._action_rows(pred))
             return
         self.previews.on_chunk(pred)
         now_s = time.monotonic()
-        if pred.stream_id != self._stream_id or self._promise is None:
+        if self._promise is None:
             self._promise = self.client.stats().promise
         self.counts["chunks_received"] += 1
         self.chunk_rate.tick(now_s)
@@ -460,10 +475,7 @@ class Bridge(Node):
         self.chunk_overlap.add(pred.stream_id, times.get("entered", 0), times.get("left", 0))
         if "capture_to_received" in pred.hop_ms:
             self.response_ms.add(pred.hop_ms["capture_to_received"])
-        if pred.stream_id != self._stream_id:  # a new stream (e.g. server restart) renumbers chunks
-            self._stream_id = pred.stream_id
-            self.gate.reset_stream()
-            self.execution.restart()
+        self._follow_stream(pred)
         interval_s = self.interval_s()
         self.gate.set_interval(interval_s)
         start_ns = pred.received_ns + int(self.p.action_lead_s * 1e9)
@@ -471,7 +483,7 @@ class Bridge(Node):
             self._publish_frames(pred, start_ns, interval_s / len(pred.frames))
         if pred.actions is None:
             return  # a world model: frames only, nothing for the action gate
-        actions = np.asarray(pred.actions, dtype=np.float32).reshape(len(pred.actions), -1)
+        actions = self._action_rows(pred)
         if pred.action_start_ns > 0 and pred.action_dt_ns > 0:
             self._publish_timed_chunk(pred, actions)
             return
@@ -482,21 +494,36 @@ class Bridge(Node):
         if decision is not None:
             self._publish_model_chunk(pred, decision, dt_s)
 
+    @staticmethod
+    def _action_rows(pred: Prediction) -> np.ndarray:
+        return np.asarray(pred.actions, dtype=np.float32).reshape(len(pred.actions), -1)
+
     def _gate_chunk(
-        self, pred: Prediction, actions: np.ndarray, *, now_ns: int, start_ns: int, dt_s: float
+        self,
+        pred: Prediction,
+        actions: np.ndarray,
+        *,
+        now_ns: int,
+        start_ns: int,
+        dt_s: float,
+        order: int | None = None,
     ):
-        """The safety gate's decision on a model chunk; a refused one is counted
-        (chunks_expired, chunk:<reason>) and None returned."""
+        """The safety gate's decision on a model chunk (``order``: its place in the stream,
+        the chunk index unless given); a refused chunk is counted (chunks_expired,
+        chunk:<reason>), a refused preview as a preview ignored, and None returned."""
         decision = self.gate.on_chunk(
             now_ns=now_ns,
-            chunk_index=pred.chunk_index,
+            chunk_index=pred.chunk_index if order is None else order,
             actions=actions,
             start_ns=start_ns,
             dt_s=dt_s,
             observation_stamp_ns=pred.observation_stamp_ns if pred.observation_seq >= 0 else 0,
         )
         if not decision.publish:
-            self._count_expired(decision.reason)
+            if pred.preview_steps:
+                self.execution.previews.ignore(decision.reason)
+            else:
+                self._count_expired(decision.reason)
             return None
         return decision
 
@@ -505,32 +532,43 @@ class Bridge(Node):
         self.drops.add(f"chunk:{reason}")
 
     def _publish_model_chunk(self, pred: Prediction, decision, dt_s: float, **trajectory) -> None:
-        """A gated model chunk out (``trajectory``: the executed one, for timed chunks); the
-        robot is no longer holding a fallback once one is."""
+        """A gated model chunk (or an acted-on preview) out (``trajectory``: the executed one,
+        for timed chunks); the robot is no longer holding a fallback once one is."""
+        preview = bool(pred.preview_steps)
         self._publish_actions(
             decision.actions,
             decision.start_ns,
             dt_s,
-            ActionChunk.SOURCE_MODEL,
+            ActionChunk.SOURCE_MODEL_PREVIEW if preview else ActionChunk.SOURCE_MODEL,
             **trajectory,
             stream_id=pred.stream_id,
             chunk_index=pred.chunk_index,
             observation_seq=pred.observation_seq,
             observation_stamp_ns=pred.observation_stamp_ns,
         )
-        self.counts["chunks_published"] += 1
+        if not preview:
+            self.counts["chunks_published"] += 1
         if self.holding:
             self.get_logger().info("model actions resumed")
             self.holding = ""
 
     def _publish_timed_chunk(self, pred: Prediction, actions: np.ndarray) -> None:
-        """A chunk whose rows say the time they are for (a world-action model's): the gate
-        refuses stale or out-of-order chunks and trims past rows, the execution joins what is
-        left to the committed trajectory, which goes out whole from now on."""
+        """A chunk whose rows say the time they are for (a world-action model's), or a preview
+        of one (act_on_previews): the gate refuses stale or out-of-order chunks and trims past
+        rows, the execution joins what is left to the committed trajectory, which goes out
+        whole from now on. A slot's previews come before its chunk (preview_actions.py)."""
+        steps = pred.preview_steps
+        if self.execution.arrived(
+            chunk_index=pred.chunk_index, preview_steps=steps, received_ns=pred.received_ns
+        ):
+            return  # a preview no newer than what was executed or came
         now_ns = self.now_ns()
         dt_s = pred.action_dt_ns / 1e9
         start_ns = pred.action_start_ns if self.p.execution == "delay_aware" else now_ns
-        decision = self._gate_chunk(pred, actions, now_ns=now_ns, start_ns=start_ns, dt_s=dt_s)
+        order = execution_order(pred.chunk_index, steps)
+        decision = self._gate_chunk(
+            pred, actions, now_ns=now_ns, start_ns=start_ns, dt_s=dt_s, order=order
+        )
         if decision is None:
             return
         report = self.execution.accept(
@@ -539,9 +577,12 @@ class Bridge(Node):
             dt_ns=pred.action_dt_ns,
             chunk_index=pred.chunk_index,
             now_ns=now_ns,
+            preview_steps=steps,
+            received_ns=pred.received_ns,
         )
         if not report.accepted:
-            self._count_expired(report.reason)
+            if not steps:  # a preview's refusal is counted by the execution
+                self._count_expired(report.reason)
             return
         self._publish_model_chunk(
             pred,

@@ -78,6 +78,12 @@ class BridgeParams:
     previews: bool = False
     """Ask the server for previews (each chunk's x0 estimate after every denoising step but
     the last) and publish them on predicted/preview/step_<k>, before the chunk."""
+    act_on_previews: bool = False
+    """A world-action model's stream (timed chunks): also execute each preview's action rows
+    when it arrives, through the same timed execution as chunks (past rows skipped, joined to
+    the committed rows); a later step's preview and then the chunk itself take over the rows
+    not yet executed; a preview after its chunk, or for an older slot, is ignored and counted.
+    Asks for previews (as previews: true). A world model's previews stay publish-only."""
     # actions
     action_dt_s: float = 0.0
     """Seconds between action rows (0: the stream's interval / horizon, chunks tile time)."""
@@ -191,7 +197,7 @@ _READ_ONLY = {
     "input_reliability", "input_depth", "server", "server_port_file", "token", "token_file",
     "root_cert_path", "client_cert_path", "client_key_path", "seed", "target_interval_ms",
     "prompt",
-    "response_latency_budget_ms",
+    "response_latency_budget_ms", "previews", "act_on_previews",
 }  # fmt: skip
 _ARRAY_TYPES = {
     "command_joint_names": Parameter.Type.STRING_ARRAY,

@@ -123,8 +123,10 @@ def diagnostics_report(node, link) -> dict:
         "fallbacks_published": node.counts["fallbacks"],
         "deadline_ms": node.gate.deadline_s * 1e3,
     }
-    if node.p.previews:
+    if node.p.previews or node.p.act_on_previews:
         output_values.update(node.previews.values())
+    if node.execution.stats.accepted or node.p.act_on_previews:  # timed chunks: how they joined
+        output_values.update(node.execution.values(previews=node.p.act_on_previews))
     world_model = not node.predicts_actions()
     late_s = node.seconds_since_chunk()
     output_values["model_kind"] = "world model" if world_model else "world-action model"

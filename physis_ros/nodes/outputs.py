@@ -101,10 +101,13 @@ def ee_path_markers(
     source: int,
 ) -> MarkerArray:
     """The predicted end-effector path (line + points) by planar forward kinematics;
-    green for model actions, red for a fallback."""
+    green for model actions (yellow-green: an acted-on preview), red for a fallback."""
     xy = planar_fk(actions[:, joint_indices], link_lengths_m, tuple(base_xy_m))
     points = [Point(x=float(x), y=float(y), z=0.01) for x, y in xy]
-    color = (0.1, 0.8, 0.2) if source == ActionChunk.SOURCE_MODEL else (0.9, 0.1, 0.1)
+    color = {  # the model's chunks green, its previews yellow-green, fallbacks red
+        ActionChunk.SOURCE_MODEL: (0.1, 0.8, 0.2),
+        ActionChunk.SOURCE_MODEL_PREVIEW: (0.6, 0.8, 0.2),
+    }.get(source, (0.9, 0.1, 0.1))
     markers = MarkerArray()
     for marker_id, (kind, scale) in enumerate(
         ((Marker.LINE_STRIP, 0.006), (Marker.SPHERE_LIST, 0.015))

@@ -8,6 +8,8 @@ back to the server (what the robot commanded before the capture, from ``joint_co
 what it has committed after it), so the model continues the committed rows instead of
 restarting; and the counts the bridge reports. ``execution: naive`` is the baseline without
 delay handling: each chunk's row 0 is executed on arrival and nothing is sent back.
+Previews acted on (``act_on_previews``, nodes/preview_actions.py) join the same way, ordered
+before their chunk.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import numpy as np
 
 from physis_ros.link.action_timeline import ChunkExecutor, JoinReport, TimedRows
 from physis_ros.nodes.pairing import CommandHistory
+from physis_ros.nodes.preview_actions import PreviewActing, execution_order
+from physis_ros.nodes.stats import RollingWindow
 
 EXECUTIONS = ("delay_aware", "naive")
 
@@ -53,6 +57,13 @@ class ExecutionStats:
     resyncs: int = 0
     last_discontinuity: float = 0.0
     max_discontinuity: float = 0.0
+    """max |new - old| at a join's first new row before blending (what ``replace`` jumps),
+    over joins of two chunks (as max_jump)."""
+    max_jump: float = 0.0
+    """max |commanded after - commanded before| a join of two chunks (or previews) made at
+    its first new row (joint units): the jump the robot's target takes there, after the
+    crossfade. The first chunk's join to the robot's own target is not one of them."""
+    jumps: RollingWindow = field(default_factory=RollingWindow)
 
 
 class ActionExecution:
@@ -63,9 +74,11 @@ class ActionExecution:
         self.commands = commands
         self.stats = ExecutionStats()
         self._off_plan = 0
+        self.previews = PreviewActing()
         self._new_executor()
 
     def _new_executor(self) -> None:
+        self._joined = False  # no chunk in the plan yet (only, maybe, the robot's target)
         self.executor = ChunkExecutor(
             join=self.cfg.join,
             fade_rows=self.cfg.fade_rows,
@@ -75,6 +88,7 @@ class ActionExecution:
     def restart(self) -> None:
         """A new stream: chunk numbering restarts, the old plan is dropped."""
         self._new_executor()
+        self.previews.restart()
 
     def on_command(self, stamp_ns: int, positions: np.ndarray) -> None:
         """What the robot reports it commanded: restart the plan when it is not ours."""
@@ -85,33 +99,84 @@ class ActionExecution:
             self._off_plan += 1
             if self._off_plan >= 3:
                 self._new_executor()
+                self.previews.restart()
                 self.executor.seed(stamp_ns, positions)
                 self.stats.resyncs += 1
                 self._off_plan = 0
         else:
             self._off_plan = 0
 
+    def arrived(self, *, chunk_index: int, preview_steps: int, received_ns: int) -> str:
+        """A chunk (preview_steps 0) or a preview of it came: "" when it may go on to be
+        executed, else why a preview is ignored (counted; preview_actions.py)."""
+        if not preview_steps:
+            self.previews.on_final(chunk_index, received_ns)
+            return ""
+        return self.previews.why_ignored(chunk_index, preview_steps)
+
     def accept(
-        self, *, actions: np.ndarray, start_ns: int, dt_ns: int, chunk_index: int, now_ns: int
+        self,
+        *,
+        actions: np.ndarray,
+        start_ns: int,
+        dt_ns: int,
+        chunk_index: int,
+        now_ns: int,
+        preview_steps: int = 0,
+        received_ns: int = 0,
     ) -> JoinReport:
-        """Join a chunk whose row i is for start_ns + i * dt_ns."""
+        """Join a chunk whose row i is for start_ns + i * dt_ns; ``preview_steps`` k > 0: a
+        preview of it after k denoising steps (counted apart, see preview_actions.py)."""
         if self.executor.empty:
             latest, _ = self.commands.before(now_ns + 1)
             if latest is not None and len(latest) == actions.shape[1]:
                 self.executor.seed(now_ns, np.asarray(latest, np.float64))
+        first_ns = start_ns if self.cfg.execution == "delay_aware" else now_ns
+        row_times = first_ns + dt_ns * np.arange(len(actions), dtype=np.int64)
+        before = self.executor.target_at(row_times)  # the plan at the new rows' times
+        key = execution_order(chunk_index, preview_steps)
         report = self.executor.accept(
-            TimedRows(start_ns, dt_ns, actions), now_ns=now_ns, chunk_id=chunk_index
+            TimedRows(start_ns, dt_ns, actions), now_ns=now_ns, chunk_id=key
         )
         s = self.stats
-        if report.accepted:
+        s.rows_skipped += report.skipped_rows
+        if not report.accepted:
+            if preview_steps:
+                self.previews.ignore(report.reason)
+            else:
+                s.refused[report.reason] = s.refused.get(report.reason, 0) + 1
+            return report
+        self.previews.executed(key)
+        if preview_steps:
+            self.previews.acted_on(chunk_index, received_ns)
+        else:
             s.accepted += 1
-            s.rows_skipped += report.skipped_rows
+        if self._joined:
             s.last_discontinuity = report.discontinuity
             s.max_discontinuity = max(s.max_discontinuity, report.discontinuity)
-        else:
-            s.refused[report.reason] = s.refused.get(report.reason, 0) + 1
-            s.rows_skipped += report.skipped_rows
+        if self._joined and before is not None and before.shape[-1] == actions.shape[1]:
+            after = self.executor.target_at(report.switch_ns)
+            jump = float(np.abs(after - before[report.skipped_rows]).max())
+            s.max_jump = max(s.max_jump, jump)
+            s.jumps.add(jump)
+        self._joined = True
         return report
+
+    def values(self, *, previews: bool) -> dict[str, float | int]:
+        """For /diagnostics (the output status); ``previews``: with the acted previews'."""
+        s = self.stats
+        out: dict[str, float | int] = {
+            "timed_chunks_executed": s.accepted,
+            "timed_chunks_refused": sum(s.refused.values()),
+            "timed_rows_skipped": s.rows_skipped,
+            "join_max_jump": s.max_jump,
+            "join_jump_median": s.jumps.summary()["median"],
+            "join_max_discontinuity": s.max_discontinuity,
+            "plan_resyncs": s.resyncs,
+        }
+        if previews:
+            out.update(self.previews.values())
+        return out
 
     def trajectory(self, now_ns: int) -> tuple[np.ndarray, np.ndarray]:
         """(time_from_start [P] ns measured from now, rows [P, A]) for ``joint_trajectory``."""

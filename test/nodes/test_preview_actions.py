@@ -1,0 +1,130 @@
+"""Acting on a world-action model's previews (nodes/preview_actions.py through
+wam_execution.ActionExecution, the calls the bridge makes), without ROS: a preview's rows are
+executed when it arrives; the chunk of the same slot takes over the rows not yet executed
+and never changes what was commanded before it came; a preview after its chunk, for an older
+slot, or with no row left in the future is ignored and counted; the time gained is measured
+per slot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from physis_ros.nodes.pairing import CommandHistory
+from physis_ros.nodes.preview_actions import FINAL_RANK, execution_order
+from physis_ros.nodes.wam_execution import ActionExecution, ExecutionConfig
+
+MS = 1_000_000
+ROW_NS = 50 * MS
+ROWS = 12
+
+
+def _execution(join: str = "crossfade") -> ActionExecution:
+    history = CommandHistory(max_age_s=0.25)
+    history.add(0, np.zeros(2))
+    return ActionExecution(ExecutionConfig(join=join), history)
+
+
+def _rows(start_ms: int, value) -> np.ndarray:
+    """[ROWS, 2]: ``value(t_ms)`` in both columns at the rows' times."""
+    t = start_ms + 50 * np.arange(ROWS)
+    col = np.asarray([value(x) for x in t], np.float64)
+    return np.stack([col, -col], axis=1)
+
+
+def _arrive(ex, *, slot: int, steps: int, start_ms: int, now_ms: int, value):
+    """What the bridge does with one arrival (the safety gate aside): a refused preview is
+    counted, a newer one joined to the plan."""
+    if ex.arrived(chunk_index=slot, preview_steps=steps, received_ns=now_ms * MS):
+        return None
+    return ex.accept(
+        actions=_rows(start_ms, value),
+        start_ns=start_ms * MS,
+        dt_ns=ROW_NS,
+        chunk_index=slot,
+        now_ns=now_ms * MS,
+        preview_steps=steps,
+        received_ns=now_ms * MS,
+    )
+
+
+def _commanded(ex, times_ms) -> np.ndarray:
+    return np.asarray([ex.executor.target_at(t * MS)[0] for t in times_ms])
+
+
+def test_the_order_puts_a_slots_previews_by_step_before_its_chunk_and_the_next_slot():
+    keys = [execution_order(3, 1), execution_order(3, 2), execution_order(3), execution_order(4, 1)]
+    assert keys == sorted(keys) and len(set(keys)) == 4
+    with pytest.raises(ValueError, match="out of range"):
+        execution_order(3, FINAL_RANK - 1)
+
+
+def test_a_previews_rows_are_executed_when_it_arrives_and_a_later_step_replaces_them():
+    ex = _execution(join="replace")
+    # slot 0's chunk: hold 0.1; slot 1's preview after step 1 (0.3), then after step 2 (0.5)
+    assert _arrive(ex, slot=0, steps=0, start_ms=0, now_ms=0, value=lambda t: 0.1).accepted
+    report = _arrive(ex, slot=1, steps=1, start_ms=200, now_ms=150, value=lambda t: 0.3)
+    assert report.accepted and report.skipped_rows == 0
+    assert ex.executor.target_at(200 * MS)[0] == pytest.approx(0.3)  # the preview's rows
+    assert ex.executor.target_at(700 * MS)[0] == pytest.approx(0.3)
+    report = _arrive(ex, slot=1, steps=2, start_ms=200, now_ms=250, value=lambda t: 0.5)
+    assert report.accepted and report.skipped_rows == 1  # row at 200 ms had passed
+    assert ex.executor.target_at(300 * MS)[0] == pytest.approx(0.5)
+    assert ex.executor.target_at(220 * MS)[0] < 0.5  # before now: as it was commanded
+    assert ex.previews.acted == 2 and ex.stats.accepted == 1  # previews counted apart
+    assert ex.previews.values()["previews_ignored"] == 0
+
+
+def test_the_chunk_supersedes_its_preview_without_reversing_committed_rows():
+    """A ramp (1 rad/s): the preview overshoots it by 0.2 rad (an x0 estimate after one
+    step), the chunk is on it. What the preview commanded before the chunk came stays; from
+    the chunk's arrival the plan blends to the chunk's rows and ends on them."""
+    ex = _execution(join="crossfade")
+    ramp = lambda t: t / 1000.0  # noqa: E731
+    assert _arrive(ex, slot=0, steps=0, start_ms=0, now_ms=0, value=ramp).accepted
+    assert _arrive(ex, slot=1, steps=1, start_ms=300, now_ms=280, value=lambda t: ramp(t) + 0.2)
+    before = _commanded(ex, range(280, 420, 10))
+    report = _arrive(ex, slot=1, steps=0, start_ms=300, now_ms=420, value=ramp)
+    assert report.accepted and report.skipped_rows == 3  # 300, 350, 400 ms had passed
+    np.testing.assert_allclose(_commanded(ex, range(280, 420, 10)), before)  # kept
+    after = _commanded(ex, range(420, 850, 10))
+    assert after[-1] == pytest.approx(ramp(840))  # the chunk's rows once the fade is over
+    # the overshoot is taken back over the fade rows, never at once
+    assert ex.stats.max_jump < ex.stats.max_discontinuity
+    assert ex.stats.max_discontinuity == pytest.approx(0.2, abs=1e-9)
+    # the robot started on slot 1 at the preview: 140 ms before its chunk came
+    assert ex.previews.values()["preview_action_sooner_median_ms"] == pytest.approx(140.0)
+    assert ex.previews.values()["preview_action_sooner_slots"] == 1
+
+
+def test_stale_previews_are_ignored_and_counted_and_change_nothing():
+    ex = _execution()
+    assert _arrive(ex, slot=0, steps=0, start_ms=0, now_ms=0, value=lambda t: 0.1).accepted
+    assert _arrive(ex, slot=2, steps=1, start_ms=400, now_ms=300, value=lambda t: 0.2).accepted
+    assert _arrive(ex, slot=2, steps=0, start_ms=400, now_ms=400, value=lambda t: 0.3).accepted
+    plan = _commanded(ex, range(400, 1000, 10))
+    # after its chunk; an older slot's; an earlier step of the slot after a later one
+    assert _arrive(ex, slot=2, steps=2, start_ms=400, now_ms=410, value=lambda t: 9.0) is None
+    assert _arrive(ex, slot=1, steps=3, start_ms=300, now_ms=420, value=lambda t: 9.0) is None
+    assert _arrive(ex, slot=3, steps=2, start_ms=500, now_ms=430, value=lambda t: 0.3).accepted
+    assert _arrive(ex, slot=3, steps=1, start_ms=500, now_ms=440, value=lambda t: 9.0) is None
+    # slot 4's preview with all its rows past: refused by the execution
+    report = _arrive(ex, slot=4, steps=1, start_ms=0, now_ms=1000, value=lambda t: 9.0)
+    assert not report.accepted and report.reason == "expired"
+    values = ex.previews.values()
+    assert values["previews_ignored_after_final"] == 1
+    assert values["previews_ignored_older_slot"] == 1
+    assert values["previews_ignored_out_of_order"] == 1
+    assert values["previews_ignored_expired"] == 1
+    assert values["previews_ignored"] == 4 and values["previews_acted"] == 2
+    assert np.abs(_commanded(ex, range(400, 1000, 10))).max() < 1.0  # no 9.0 ever executed
+    assert plan.max() == pytest.approx(0.3)
+    assert ex.stats.refused == {}  # a preview's refusal is not a chunk's
+
+
+def test_a_new_stream_forgets_the_old_ones_slots():
+    ex = _execution()
+    assert _arrive(ex, slot=5, steps=0, start_ms=0, now_ms=0, value=lambda t: 0.1).accepted
+    ex.restart()
+    assert _arrive(ex, slot=0, steps=1, start_ms=100, now_ms=50, value=lambda t: 0.2).accepted
+    assert ex.previews.acted == 1
