@@ -41,6 +41,13 @@ def generate_launch_description():
         ),
         ("execution", "delay_aware", "the bridge's execution of chunks: delay_aware or naive"),
         ("join", "crossfade", "how the bridge joins chunks: crossfade or replace"),
+        ("previews", "false", "the bridge asks for previews and publishes them"),
+        (
+            "act_on_previews",
+            "false",
+            "the bridge also executes a world-action model's previews as they arrive (with "
+            "drive:=true; implies previews)",
+        ),
     ]
     arg = LaunchConfiguration
 
@@ -78,6 +85,8 @@ def generate_launch_description():
                     "rviz": arg("rviz"),
                     "execution": arg("execution"),
                     "join": arg("join"),
+                    "previews": arg("previews"),
+                    "act_on_previews": arg("act_on_previews"),
                     "sim_task": PythonExpression(
                         ["'goal_push' if '", arg("drive"), "' == 'true' else 'free'"]
                     ),

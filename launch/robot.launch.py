@@ -54,6 +54,18 @@ def generate_launch_description():
             "row 0 on arrival (naive)",
         ),
         ("join", "crossfade", "how a chunk joins the committed trajectory: crossfade or replace"),
+        (
+            "previews",
+            "false",
+            "ask for previews (each chunk's x0 estimate after every denoising step but the last) "
+            "and publish them on predicted/preview/step_<k>",
+        ),
+        (
+            "act_on_previews",
+            "false",
+            "a world-action model: also execute each preview's action rows when it arrives (its "
+            "chunk takes over after); implies previews. A world model's previews are only shown",
+        ),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
         (
             "sim_task",
@@ -97,6 +109,8 @@ def generate_launch_description():
                         "fallback": ParameterValue(arg("fallback"), value_type=str),
                         "execution": ParameterValue(arg("execution"), value_type=str),
                         "join": ParameterValue(arg("join"), value_type=str),
+                        "previews": ParameterValue(arg("previews"), value_type=bool),
+                        "act_on_previews": ParameterValue(arg("act_on_previews"), value_type=bool),
                     },
                 ],
             ),

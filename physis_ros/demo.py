@@ -103,6 +103,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "but the last, on predicted/preview/step_<k>); the summary says how much sooner they came",
     )
     parser.add_argument(
+        "--act-on-previews",
+        action="store_true",
+        help="with a world-action model: the bridge also executes each preview's action rows "
+        "when it arrives (its chunk takes over after); implies --previews; the summary says how "
+        "many were acted on and how much sooner the robot started on each chunk's rows",
+    )
+    parser.add_argument(
         "--out", default="out/demo", help="directory for summary.json and strip.png"
     )
     parser.add_argument(
@@ -179,13 +186,36 @@ def goal_push_progress(monitor) -> dict | None:
     return None
 
 
-def preview_sooner_ms(diagnostics) -> dict[str, float]:
-    """step k -> median ms its previews came before their chunks (the bridge's /diagnostics)."""
+def bridge_output(monitor) -> dict[str, str]:
+    """The bridge's newest output status values on /diagnostics (kept messages; sim_robot
+    publishes there too), {} before one."""
     from physis_ros.nodes.monitor import diagnostics_by_name
 
-    if diagnostics is None:
-        return {}
-    values = diagnostics_by_name(diagnostics).get("bridge: output", (0, "", {}))[2]
+    for _, array in reversed(monitor.messages("/diagnostics")):
+        status = diagnostics_by_name(array).get("bridge: output")
+        if status is not None:
+            return status[2]
+    return {}
+
+
+EXECUTION_KEYS = (
+    "timed_chunks_executed", "timed_chunks_refused", "timed_rows_skipped", "join_max_jump",
+    "join_jump_median", "join_max_discontinuity", "plan_resyncs", "previews_acted",
+    "previews_ignored", "preview_action_sooner_median_ms", "preview_action_sooner_slots",
+)  # fmt: skip
+"""How the bridge executed a world-action model's chunks (and previews), for the summary."""
+
+
+def execution_summary(monitor) -> dict[str, float]:
+    values = bridge_output(monitor)
+    out = {k: round(float(values[k]), 4) for k in EXECUTION_KEYS if k in values}
+    out.update({k: int(v) for k, v in values.items() if k.startswith("previews_ignored_")})
+    return out
+
+
+def preview_sooner_ms(monitor) -> dict[str, float]:
+    """step k -> median ms its previews came before their chunks (the bridge's /diagnostics)."""
+    values = bridge_output(monitor)
     prefix, suffix = "preview_step_", "_sooner_median_ms"
     return {
         key[len(prefix) : -len(suffix)]: round(float(v), 2)
@@ -197,6 +227,7 @@ def preview_sooner_ms(diagnostics) -> dict[str, float]:
 @cli_main("physis-demo")
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.previews = args.previews or args.act_on_previews
     from physis_ros.weights import missing_shipped_weights
 
     missing = None if args.weights else missing_shipped_weights(args.model)
@@ -245,6 +276,13 @@ def main(argv=None) -> int:
                 command_joint_names=camera["action_names"],
                 execution=args.execution,
                 join=args.join,
+                act_on_previews=args.act_on_previews,
+            )
+        elif args.act_on_previews:  # a world model's previews are for looking at only
+            print(
+                "physis-demo: --act-on-previews: the model commands nothing (a world model); "
+                "its previews are only published",
+                file=sys.stderr,
             )
         loop.start_sim_robot(**sim_params)
         port = loop.start_server(timeout_s=300.0, ranks=args.ranks)
@@ -289,6 +327,14 @@ def main(argv=None) -> int:
                     f"episode {episodes['episode']}: box {episodes['box_to_goal_m']} m from it",
                     flush=True,
                 )
+            if drives and args.act_on_previews:
+                done = execution_summary(monitor)
+                print(
+                    f"[{t:5.1f} s] previews acted on {done.get('previews_acted', 0):.0f} "
+                    f"(ignored {done.get('previews_ignored', 0):.0f}); each chunk's rows started "
+                    f"{done.get('preview_action_sooner_median_ms', 0):.1f} ms sooner (median)",
+                    flush=True,
+                )
             print(
                 f"[{t:5.1f} s] interval {stats.interval_median_ms:6.1f} ms "
                 f"(p99 {stats.interval_p99_ms:6.1f}, promised {stats.promised_interval_ms:.1f})  "
@@ -303,7 +349,7 @@ def main(argv=None) -> int:
         print("physis-demo: interrupted, stopping", flush=True)
     finally:
         elapsed_s = time.monotonic() - started_s
-        counts, sooner = {}, {}
+        counts, sooner, execution = {}, {}, {}
         episodes = None
         if monitor is not None:
             episodes = goal_push_progress(monitor)
@@ -311,7 +357,8 @@ def main(argv=None) -> int:
                 t: monitor.count(t) for t in ("camera/image", "action_chunk", "predicted/image")
             }
             if args.previews:
-                sooner = preview_sooner_ms(monitor.get("/diagnostics"))
+                sooner = preview_sooner_ms(monitor)
+            execution = execution_summary(monitor)
             monitor.close()
         exit_codes = loop.stop()
     summary = {
@@ -349,6 +396,8 @@ def main(argv=None) -> int:
         )
     if args.previews:  # the response latency a robot looking at previews gains, per step
         summary["preview_sooner_median_ms"] = sooner
+    if execution:  # a world-action model: how its chunks (and previews) were executed
+        summary["execution"] = execution
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     # before the first observation is paired the view has no observed half (and fewer rows)
     rows = [r for r in rows if rows and r.shape[0] == max(x.shape[0] for x in rows)]

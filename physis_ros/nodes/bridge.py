@@ -521,7 +521,7 @@ class Bridge(Node):
         )
         if not decision.publish:
             if pred.preview_steps:
-                self.execution.previews.ignore(decision.reason)
+                self.execution.ignore_preview(decision.reason)
             else:
                 self._count_expired(decision.reason)
             return None

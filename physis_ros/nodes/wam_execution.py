@@ -14,6 +14,8 @@ before their chunk.
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,13 +68,27 @@ class ExecutionStats:
     jumps: RollingWindow = field(default_factory=RollingWindow)
 
 
+def _locked(method):
+    """The bridge's callbacks (commands, observations), its receive thread (chunks) and its
+    timers (reports) all reach one execution: one at a time."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class ActionExecution:
-    """One stream's chunks -> the commanded trajectory (see the module docstring)."""
+    """One stream's chunks -> the commanded trajectory (see the module docstring).
+    Thread-safe."""
 
     def __init__(self, cfg: ExecutionConfig, commands: CommandHistory) -> None:
         self.cfg = cfg
         self.commands = commands
         self.stats = ExecutionStats()
+        self._lock = threading.RLock()
         self._off_plan = 0
         self.previews = PreviewActing()
         self._new_executor()
@@ -85,11 +101,13 @@ class ActionExecution:
             delay_aware=self.cfg.execution == "delay_aware",
         )
 
+    @_locked
     def restart(self) -> None:
         """A new stream: chunk numbering restarts, the old plan is dropped."""
         self._new_executor()
         self.previews.restart()
 
+    @_locked
     def on_command(self, stamp_ns: int, positions: np.ndarray) -> None:
         """What the robot reports it commanded: restart the plan when it is not ours."""
         target = self.executor.target_at(stamp_ns)
@@ -106,6 +124,7 @@ class ActionExecution:
         else:
             self._off_plan = 0
 
+    @_locked
     def arrived(self, *, chunk_index: int, preview_steps: int, received_ns: int) -> str:
         """A chunk (preview_steps 0) or a preview of it came: "" when it may go on to be
         executed, else why a preview is ignored (counted; preview_actions.py)."""
@@ -114,6 +133,12 @@ class ActionExecution:
             return ""
         return self.previews.why_ignored(chunk_index, preview_steps)
 
+    @_locked
+    def ignore_preview(self, reason: str) -> None:
+        """A preview the safety gate refused (counted with the others)."""
+        self.previews.ignore(reason)
+
+    @_locked
     def accept(
         self,
         *,
@@ -162,6 +187,7 @@ class ActionExecution:
         self._joined = True
         return report
 
+    @_locked
     def values(self, *, previews: bool) -> dict[str, float | int]:
         """For /diagnostics (the output status); ``previews``: with the acted previews'."""
         s = self.stats
@@ -178,11 +204,13 @@ class ActionExecution:
             out.update(self.previews.values())
         return out
 
+    @_locked
     def trajectory(self, now_ns: int) -> tuple[np.ndarray, np.ndarray]:
         """(time_from_start [P] ns measured from now, rows [P, A]) for ``joint_trajectory``."""
         times, rows = self.executor.points_from(now_ns)
         return times - now_ns, rows
 
+    @_locked
     def command_timeline(self, capture_ns: int) -> tuple[np.ndarray, int, int] | None:
         """(commands [N, A], start_ns, dt_ns) for the observation captured at capture_ns:
         reported commands up to the capture, the committed plan after it; None when there is

@@ -128,3 +128,36 @@ def test_a_new_stream_forgets_the_old_ones_slots():
     ex.restart()
     assert _arrive(ex, slot=0, steps=1, start_ms=100, now_ms=50, value=lambda t: 0.2).accepted
     assert ex.previews.acted == 1
+
+
+def test_chunks_and_commands_from_two_threads_never_see_a_half_joined_plan():
+    """The bridge's receive thread joins chunks and previews while its callbacks read the plan
+    (each command the robot reports, each observation's timeline): one at a time."""
+    import threading
+
+    ex = _execution()
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            t = 0
+            while not done.is_set():
+                t += 1
+                ex.on_command(t * MS, np.zeros(2))
+                ex.command_timeline(t * MS)
+        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+            errors.append(err)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(3000):
+            ex.arrived(chunk_index=i, preview_steps=0, received_ns=i * MS)
+            ex.accept(actions=_rows(i, lambda t: 0.0), start_ns=i * MS, dt_ns=ROW_NS,
+                      chunk_index=i, now_ns=i * MS)  # fmt: skip
+    finally:
+        done.set()
+        reader.join()
+    assert not errors, errors[0]
+    assert ex.stats.accepted == 3000
