@@ -60,7 +60,6 @@ from physis_ros.nodes.pairing import (
     PairedObservation,
     Sample,
 )
-from physis_ros.nodes.preview_actions import execution_order
 from physis_ros.nodes.preview_out import PreviewOutput
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
@@ -556,16 +555,18 @@ class Bridge(Node):
         """A chunk whose rows say the time they are for (a world-action model's), or a preview
         of one (act_on_previews): the gate refuses stale or out-of-order chunks and trims past
         rows, the execution joins what is left to the committed trajectory, which goes out
-        whole from now on. A slot's previews come before its chunk (preview_actions.py)."""
+        whole from now on, in the order preview_actions.py admits chunks and previews."""
         steps = pred.preview_steps
-        if self.execution.arrived(
+        refused, order = self.execution.arrived(
             chunk_index=pred.chunk_index, preview_steps=steps, received_ns=pred.received_ns
-        ):
-            return  # a preview no newer than what was executed or came
+        )
+        if refused:  # not newer than what came or was executed (a preview's: counted)
+            if not steps:
+                self._count_expired(refused)
+            return
         now_ns = self.now_ns()
         dt_s = pred.action_dt_ns / 1e9
         start_ns = pred.action_start_ns if self.p.execution == "delay_aware" else now_ns
-        order = execution_order(pred.chunk_index, steps)
         decision = self._gate_chunk(
             pred, actions, now_ns=now_ns, start_ns=start_ns, dt_s=dt_s, order=order
         )
@@ -577,6 +578,7 @@ class Bridge(Node):
             dt_ns=pred.action_dt_ns,
             chunk_index=pred.chunk_index,
             now_ns=now_ns,
+            order=order,
             preview_steps=steps,
             received_ns=pred.received_ns,
         )

@@ -9,12 +9,16 @@ executed, and the chunk itself (the final answer for slot c) takes over from it 
 robot so starts on slot c's rows one or more denoising steps sooner: that gain is measured
 per slot (first preview acted on vs the chunk's arrival).
 
-Order of execution: the slots in order, within a slot its previews by step, then its chunk
-(``execution_order``). What is not newer is ignored and counted by reason: ``after_final``
-(its chunk came already), ``older_slot`` (a newer slot was executed or came),
-``out_of_order`` (a preview of the same slot at an earlier or the same step); and the timed
-execution's own refusals (``expired``: no row left in the future; the safety gate's
-``stale_observation``, ``expired_rows``).
+What may be executed, in arrival order: a chunk newer than every chunk that came (else
+``out_of_order_chunk``, a chunk's refusal as before); a preview of a slot whose chunk has not
+come and that is not older than the newest preview executed, at a later step when of the
+same slot. In an assembly line chunk c+1's first steps are done before chunk c's last, so
+c+1's early previews may come before c itself: c is then still executed (from its arrival
+on; c+1's later previews and c+1 take over again). What is ignored is counted by reason:
+``after_final`` (its chunk came already), ``older_slot`` (a newer slot's chunk came or
+preview was executed), ``out_of_order`` (a preview of the same slot at an earlier or the
+same step); and the timed execution's own refusals (``expired``: no row left in the future;
+the safety gate's ``stale_observation``, ``expired_rows``).
 """
 
 from __future__ import annotations
@@ -23,17 +27,8 @@ from collections import OrderedDict
 
 from physis_ros.nodes.stats import RollingWindow
 
-FINAL_RANK = 1 << 16
-"""Within a slot: previews rank by their step (1..K-1 < FINAL_RANK - 1), the chunk last."""
 SLOTS_KEPT = 64
 """Slots whose first acted preview waits for the chunk (older ones are forgotten: lost)."""
-
-
-def execution_order(chunk_index: int, preview_steps: int = 0) -> int:
-    """An increasing key over a stream's chunks and previews (preview_steps 0: the chunk)."""
-    if not 0 <= preview_steps < FINAL_RANK - 1:
-        raise ValueError(f"preview_steps {preview_steps} out of range")
-    return chunk_index * FINAL_RANK + (preview_steps or FINAL_RANK - 1)
 
 
 class PreviewActing:
@@ -49,23 +44,28 @@ class PreviewActing:
     def restart(self) -> None:
         """A new stream: its chunks are numbered afresh (the counts are kept)."""
         self._newest_final: int | None = None
-        self._newest_key: int | None = None
+        self._newest_preview: tuple[int, int] | None = None  # (slot, step) last executed
         self._first_acted_ns: OrderedDict[int, int] = OrderedDict()
 
-    def why_ignored(self, chunk_index: int, preview_steps: int) -> str:
-        """ "" when the preview is newer than anything executed or received; else why not
-        (counted)."""
-        key = execution_order(chunk_index, preview_steps)
-        newest_slot = max(
-            -1 if self._newest_final is None else self._newest_final,
-            -1 if self._newest_key is None else self._newest_key // FINAL_RANK,
-        )
+    def admit(self, chunk_index: int, preview_steps: int, received_ns: int) -> str:
+        """A chunk (preview_steps 0) or a preview came: "" when it may be executed, else why
+        not (a preview's reason is counted here, a chunk's by the caller)."""
+        newest_final = -1 if self._newest_final is None else self._newest_final
+        if not preview_steps:
+            if chunk_index <= newest_final:
+                return "out_of_order_chunk"
+            self._newest_final = chunk_index
+            first_ns = self._first_acted_ns.pop(chunk_index, None)
+            if first_ns is not None:
+                self.sooner_ms.add((received_ns - first_ns) / 1e6)
+            return ""
+        newest = self._newest_preview
         reason = ""
-        if chunk_index == self._newest_final:
+        if chunk_index == newest_final:
             reason = "after_final"
-        elif chunk_index < newest_slot:
+        elif chunk_index < newest_final or (newest is not None and chunk_index < newest[0]):
             reason = "older_slot"
-        elif self._newest_key is not None and key <= self._newest_key:
+        elif newest is not None and (chunk_index, preview_steps) <= newest:
             reason = "out_of_order"
         if reason:
             self.ignore(reason)
@@ -74,23 +74,13 @@ class PreviewActing:
     def ignore(self, reason: str) -> None:
         self.ignored[reason] = self.ignored.get(reason, 0) + 1
 
-    def executed(self, key: int) -> None:
-        """A chunk or preview with this execution_order key was executed."""
-        self._newest_key = key if self._newest_key is None else max(self._newest_key, key)
-
-    def acted_on(self, chunk_index: int, received_ns: int) -> None:
+    def acted_on(self, chunk_index: int, preview_steps: int, received_ns: int) -> None:
+        """The preview was executed."""
         self.acted += 1
+        self._newest_preview = max(self._newest_preview or (-1, 0), (chunk_index, preview_steps))
         self._first_acted_ns.setdefault(chunk_index, received_ns)
         while len(self._first_acted_ns) > SLOTS_KEPT:
             self._first_acted_ns.popitem(last=False)
-
-    def on_final(self, chunk_index: int, received_ns: int) -> None:
-        """Slot chunk_index's chunk came (executed or not): its previews are over."""
-        if self._newest_final is None or chunk_index > self._newest_final:
-            self._newest_final = chunk_index
-        first_ns = self._first_acted_ns.pop(chunk_index, None)
-        if first_ns is not None:
-            self.sooner_ms.add((received_ns - first_ns) / 1e6)
 
     def values(self) -> dict[str, float | int]:
         """For /diagnostics (the output status)."""

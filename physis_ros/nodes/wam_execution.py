@@ -22,7 +22,7 @@ import numpy as np
 
 from physis_ros.link.action_timeline import ChunkExecutor, JoinReport, TimedRows
 from physis_ros.nodes.pairing import CommandHistory
-from physis_ros.nodes.preview_actions import PreviewActing, execution_order
+from physis_ros.nodes.preview_actions import PreviewActing
 from physis_ros.nodes.stats import RollingWindow
 
 EXECUTIONS = ("delay_aware", "naive")
@@ -91,6 +91,7 @@ class ActionExecution:
         self._lock = threading.RLock()
         self._off_plan = 0
         self.previews = PreviewActing()
+        self._order = 0  # over everything admitted (chunks and previews): the executor's ids
         self._new_executor()
 
     def _new_executor(self) -> None:
@@ -117,7 +118,6 @@ class ActionExecution:
             self._off_plan += 1
             if self._off_plan >= 3:
                 self._new_executor()
-                self.previews.restart()
                 self.executor.seed(stamp_ns, positions)
                 self.stats.resyncs += 1
                 self._off_plan = 0
@@ -125,13 +125,15 @@ class ActionExecution:
             self._off_plan = 0
 
     @_locked
-    def arrived(self, *, chunk_index: int, preview_steps: int, received_ns: int) -> str:
-        """A chunk (preview_steps 0) or a preview of it came: "" when it may go on to be
-        executed, else why a preview is ignored (counted; preview_actions.py)."""
-        if not preview_steps:
-            self.previews.on_final(chunk_index, received_ns)
-            return ""
-        return self.previews.why_ignored(chunk_index, preview_steps)
+    def arrived(self, *, chunk_index: int, preview_steps: int, received_ns: int) -> tuple[str, int]:
+        """A chunk (preview_steps 0) or a preview of it came: ("", its order) when it may go
+        on to be executed (the order: increasing, for ``accept`` and the safety gate), else
+        (why not, 0): a preview's reason is counted (preview_actions.py)."""
+        reason = self.previews.admit(chunk_index, preview_steps, received_ns)
+        if reason:
+            return reason, 0
+        self._order += 1
+        return "", self._order
 
     @_locked
     def ignore_preview(self, reason: str) -> None:
@@ -147,11 +149,13 @@ class ActionExecution:
         dt_ns: int,
         chunk_index: int,
         now_ns: int,
+        order: int | None = None,
         preview_steps: int = 0,
         received_ns: int = 0,
     ) -> JoinReport:
-        """Join a chunk whose row i is for start_ns + i * dt_ns; ``preview_steps`` k > 0: a
-        preview of it after k denoising steps (counted apart, see preview_actions.py)."""
+        """Join a chunk whose row i is for start_ns + i * dt_ns; ``order``: what ``arrived``
+        gave it (None: the chunk index, for chunks only); ``preview_steps`` k > 0: a preview
+        of it after k denoising steps (counted apart, see preview_actions.py)."""
         if self.executor.empty:
             latest, _ = self.commands.before(now_ns + 1)
             if latest is not None and len(latest) == actions.shape[1]:
@@ -159,9 +163,10 @@ class ActionExecution:
         first_ns = start_ns if self.cfg.execution == "delay_aware" else now_ns
         row_times = first_ns + dt_ns * np.arange(len(actions), dtype=np.int64)
         before = self.executor.target_at(row_times)  # the plan at the new rows' times
-        key = execution_order(chunk_index, preview_steps)
         report = self.executor.accept(
-            TimedRows(start_ns, dt_ns, actions), now_ns=now_ns, chunk_id=key
+            TimedRows(start_ns, dt_ns, actions),
+            now_ns=now_ns,
+            chunk_id=chunk_index if order is None else order,
         )
         s = self.stats
         s.rows_skipped += report.skipped_rows
@@ -171,9 +176,8 @@ class ActionExecution:
             else:
                 s.refused[report.reason] = s.refused.get(report.reason, 0) + 1
             return report
-        self.previews.executed(key)
         if preview_steps:
-            self.previews.acted_on(chunk_index, received_ns)
+            self.previews.acted_on(chunk_index, preview_steps, received_ns)
         else:
             s.accepted += 1
         if self._joined:

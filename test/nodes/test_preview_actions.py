@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from physis_ros.nodes.pairing import CommandHistory
-from physis_ros.nodes.preview_actions import FINAL_RANK, execution_order
 from physis_ros.nodes.wam_execution import ActionExecution, ExecutionConfig
 
 MS = 1_000_000
@@ -35,14 +34,16 @@ def _rows(start_ms: int, value) -> np.ndarray:
 def _arrive(ex, *, slot: int, steps: int, start_ms: int, now_ms: int, value):
     """What the bridge does with one arrival (the safety gate aside): a refused preview is
     counted, a newer one joined to the plan."""
-    if ex.arrived(chunk_index=slot, preview_steps=steps, received_ns=now_ms * MS):
-        return None
+    refused, order = ex.arrived(chunk_index=slot, preview_steps=steps, received_ns=now_ms * MS)
+    if refused:
+        return refused
     return ex.accept(
         actions=_rows(start_ms, value),
         start_ns=start_ms * MS,
         dt_ns=ROW_NS,
         chunk_index=slot,
         now_ns=now_ms * MS,
+        order=order,
         preview_steps=steps,
         received_ns=now_ms * MS,
     )
@@ -52,11 +53,31 @@ def _commanded(ex, times_ms) -> np.ndarray:
     return np.asarray([ex.executor.target_at(t * MS)[0] for t in times_ms])
 
 
-def test_the_order_puts_a_slots_previews_by_step_before_its_chunk_and_the_next_slot():
-    keys = [execution_order(3, 1), execution_order(3, 2), execution_order(3), execution_order(4, 1)]
-    assert keys == sorted(keys) and len(set(keys)) == 4
-    with pytest.raises(ValueError, match="out of range"):
-        execution_order(3, FINAL_RANK - 1)
+def test_a_chunk_after_the_next_slots_first_previews_is_still_executed():
+    """The assembly line: chunk 2's first steps are done before chunk 1's last, so its
+    previews may come first. Chunk 1 is executed when it comes; chunk 2's later previews and
+    chunk 2 take over again; an older chunk than one that came is refused."""
+    ex = _execution(join="replace")
+    assert _arrive(ex, slot=1, steps=1, start_ms=200, now_ms=100, value=lambda t: 0.1).accepted
+    assert _arrive(ex, slot=2, steps=1, start_ms=400, now_ms=150, value=lambda t: 0.2).accepted
+    # slot 1's next preview is older than what is executed now; its chunk is not
+    older = _arrive(ex, slot=1, steps=2, start_ms=200, now_ms=160, value=lambda t: 9.0)
+    assert older == "older_slot"
+    assert _arrive(ex, slot=1, steps=0, start_ms=200, now_ms=200, value=lambda t: 0.3).accepted
+    assert ex.executor.target_at(300 * MS)[0] == pytest.approx(0.3)
+    assert _arrive(ex, slot=1, steps=2, start_ms=200, now_ms=210, value=lambda t: 9.0) == (
+        "after_final"
+    )
+    assert _arrive(ex, slot=2, steps=2, start_ms=400, now_ms=250, value=lambda t: 0.4).accepted
+    assert ex.executor.target_at(500 * MS)[0] == pytest.approx(0.4)
+    assert _arrive(ex, slot=2, steps=0, start_ms=400, now_ms=300, value=lambda t: 0.5).accepted
+    assert _arrive(ex, slot=1, steps=0, start_ms=200, now_ms=310, value=lambda t: 9.0) == (
+        "out_of_order_chunk"
+    )
+    assert ex.executor.target_at(500 * MS)[0] == pytest.approx(0.5)
+    assert ex.stats.accepted == 2 and ex.previews.acted == 3
+    # slot 1's rows were started 100 ms before its chunk came, slot 2's 150 ms
+    assert ex.previews.values()["preview_action_sooner_median_ms"] == pytest.approx(125.0)
 
 
 def test_a_previews_rows_are_executed_when_it_arrives_and_a_later_step_replaces_them():
@@ -104,10 +125,17 @@ def test_stale_previews_are_ignored_and_counted_and_change_nothing():
     assert _arrive(ex, slot=2, steps=0, start_ms=400, now_ms=400, value=lambda t: 0.3).accepted
     plan = _commanded(ex, range(400, 1000, 10))
     # after its chunk; an older slot's; an earlier step of the slot after a later one
-    assert _arrive(ex, slot=2, steps=2, start_ms=400, now_ms=410, value=lambda t: 9.0) is None
-    assert _arrive(ex, slot=1, steps=3, start_ms=300, now_ms=420, value=lambda t: 9.0) is None
+    assert (
+        _arrive(ex, slot=2, steps=2, start_ms=400, now_ms=410, value=lambda t: 9.0) == "after_final"
+    )
+    assert (
+        _arrive(ex, slot=1, steps=3, start_ms=300, now_ms=420, value=lambda t: 9.0) == "older_slot"
+    )
     assert _arrive(ex, slot=3, steps=2, start_ms=500, now_ms=430, value=lambda t: 0.3).accepted
-    assert _arrive(ex, slot=3, steps=1, start_ms=500, now_ms=440, value=lambda t: 9.0) is None
+    assert (
+        _arrive(ex, slot=3, steps=1, start_ms=500, now_ms=440, value=lambda t: 9.0)
+        == "out_of_order"
+    )
     # slot 4's preview with all its rows past: refused by the execution
     report = _arrive(ex, slot=4, steps=1, start_ms=0, now_ms=1000, value=lambda t: 9.0)
     assert not report.accepted and report.reason == "expired"
