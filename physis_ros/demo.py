@@ -199,8 +199,8 @@ def bridge_output(monitor) -> dict[str, str]:
 
 
 EXECUTION_KEYS = (
-    "timed_chunks_executed", "timed_chunks_refused", "timed_rows_skipped", "join_max_jump",
-    "join_jump_median", "join_max_discontinuity", "plan_resyncs", "previews_acted",
+    "timed_chunks_executed", "timed_chunks_refused", "timed_rows_skipped", "join_max_step",
+    "join_step_median", "chunk_max_step", "plan_resyncs", "previews_acted",
     "previews_ignored", "preview_action_sooner_median_ms", "preview_action_sooner_slots",
 )  # fmt: skip
 """How the bridge executed a world-action model's chunks (and previews), for the summary."""

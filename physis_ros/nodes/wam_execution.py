@@ -59,13 +59,16 @@ class ExecutionStats:
     resyncs: int = 0
     last_discontinuity: float = 0.0
     max_discontinuity: float = 0.0
-    """max |new - old| at a join's first new row before blending (what ``replace`` jumps),
-    over joins of two chunks (as max_jump)."""
-    max_jump: float = 0.0
-    """max |commanded after - commanded before| a join of two chunks (or previews) made at
-    its first new row (joint units): the jump the robot's target takes there, after the
-    crossfade. The first chunk's join to the robot's own target is not one of them."""
-    jumps: RollingWindow = field(default_factory=RollingWindow)
+    """max |new - old| at a join's first future row before blending (what ``replace`` jumps
+    there; 0 when that row is a committed one the model kept)."""
+    max_join_step: float = 0.0
+    """The largest change of the commanded target from one row period to the next (joint
+    units) from a join's time through its rows, over joins of two chunks (or previews; the
+    first chunk's join to the robot's own target is not one): a jump shows here wherever the
+    join puts it, beside the model's own motion (max_chunk_step)."""
+    join_steps: RollingWindow = field(default_factory=RollingWindow)
+    max_chunk_step: float = 0.0
+    """The largest change from one row to the next inside a chunk's (or preview's) rows."""
 
 
 def _locked(method):
@@ -160,9 +163,6 @@ class ActionExecution:
             latest, _ = self.commands.before(now_ns + 1)
             if latest is not None and len(latest) == actions.shape[1]:
                 self.executor.seed(now_ns, np.asarray(latest, np.float64))
-        first_ns = start_ns if self.cfg.execution == "delay_aware" else now_ns
-        row_times = first_ns + dt_ns * np.arange(len(actions), dtype=np.int64)
-        before = self.executor.target_at(row_times)  # the plan at the new rows' times
         report = self.executor.accept(
             TimedRows(start_ns, dt_ns, actions),
             now_ns=now_ns,
@@ -180,14 +180,18 @@ class ActionExecution:
             self.previews.acted_on(chunk_index, preview_steps, received_ns)
         else:
             s.accepted += 1
+        if len(actions) > 1:
+            s.max_chunk_step = max(s.max_chunk_step, float(np.abs(np.diff(actions, axis=0)).max()))
         if self._joined:
             s.last_discontinuity = report.discontinuity
             s.max_discontinuity = max(s.max_discontinuity, report.discontinuity)
-        if self._joined and before is not None and before.shape[-1] == actions.shape[1]:
-            after = self.executor.target_at(report.switch_ns)
-            jump = float(np.abs(after - before[report.skipped_rows]).max())
-            s.max_jump = max(s.max_jump, jump)
-            s.jumps.add(jump)
+            # the plan now and at each new row's time
+            rows_left = len(actions) - report.skipped_rows
+            grid = report.switch_ns + dt_ns * np.arange(rows_left, dtype=np.int64)
+            plan = self.executor.target_at(np.concatenate([[now_ns], grid]))
+            step = float(np.abs(np.diff(plan, axis=0)).max())
+            s.max_join_step = max(s.max_join_step, step)
+            s.join_steps.add(step)
         self._joined = True
         return report
 
@@ -199,9 +203,9 @@ class ActionExecution:
             "timed_chunks_executed": s.accepted,
             "timed_chunks_refused": sum(s.refused.values()),
             "timed_rows_skipped": s.rows_skipped,
-            "join_max_jump": s.max_jump,
-            "join_jump_median": s.jumps.summary()["median"],
-            "join_max_discontinuity": s.max_discontinuity,
+            "join_max_step": s.max_join_step,
+            "join_step_median": s.join_steps.summary()["median"],
+            "chunk_max_step": s.max_chunk_step,
             "plan_resyncs": s.resyncs,
         }
         if previews:

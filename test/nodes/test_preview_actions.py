@@ -111,8 +111,8 @@ def test_the_chunk_supersedes_its_preview_without_reversing_committed_rows():
     after = _commanded(ex, range(420, 850, 10))
     assert after[-1] == pytest.approx(ramp(840))  # the chunk's rows once the fade is over
     # the overshoot is taken back over the fade rows, never at once
-    assert ex.stats.max_jump < ex.stats.max_discontinuity
     assert ex.stats.max_discontinuity == pytest.approx(0.2, abs=1e-9)
+    assert ex.stats.max_join_step < 0.05 + 0.2 / 2  # the ramp's step plus part of 0.2
     # the robot started on slot 1 at the preview: 140 ms before its chunk came
     assert ex.previews.values()["preview_action_sooner_median_ms"] == pytest.approx(140.0)
     assert ex.previews.values()["preview_action_sooner_slots"] == 1
@@ -189,3 +189,21 @@ def test_chunks_and_commands_from_two_threads_never_see_a_half_joined_plan():
         reader.join()
     assert not errors, errors[0]
     assert ex.stats.accepted == 3000
+
+
+@pytest.mark.parametrize("join", ["replace", "crossfade"])
+def test_a_jump_a_join_makes_is_measured_after_the_rows_the_model_kept(join):
+    """The new chunk keeps the committed rows up to 100 ms ahead (known rows: exactly the
+    plan) and then sits 0.3 rad higher: at its first future row nothing jumps, one row later
+    a replace jumps the whole 0.3, a crossfade a part of it."""
+    ex = _execution(join=join)
+    assert _arrive(ex, slot=0, steps=0, start_ms=0, now_ms=0, value=lambda t: 0.0).accepted
+    assert _arrive(
+        ex, slot=1, steps=0, start_ms=50, now_ms=40, value=lambda t: 0.0 if t <= 100 else 0.3
+    ).accepted
+    assert ex.stats.max_discontinuity == 0.0  # blind to it: the first row is a kept one
+    assert ex.stats.max_chunk_step == pytest.approx(0.3)
+    if join == "replace":
+        assert ex.stats.max_join_step == pytest.approx(0.3)
+    else:
+        assert 0.0 < ex.stats.max_join_step <= 0.3 * 0.6 + 1e-9  # weights 0.2 .. 0.8, 1
