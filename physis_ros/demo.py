@@ -200,7 +200,7 @@ def bridge_output(monitor) -> dict[str, str]:
 
 EXECUTION_KEYS = (
     "timed_chunks_executed", "timed_chunks_refused", "timed_rows_skipped", "join_max_step",
-    "join_step_median", "chunk_max_step", "plan_resyncs", "previews_acted",
+    "join_step_median", "join_step_p99", "chunk_max_step", "plan_resyncs", "previews_acted",
     "previews_ignored", "preview_action_sooner_median_ms", "preview_action_sooner_slots",
 )  # fmt: skip
 """How the bridge executed a world-action model's chunks (and previews), for the summary."""

@@ -26,6 +26,9 @@ from physis_ros.nodes.preview_actions import PreviewActing
 from physis_ros.nodes.stats import RollingWindow
 
 EXECUTIONS = ("delay_aware", "naive")
+JOINS_KEPT = 3000
+"""Joins whose step the median and p99 are over (with previews acted on, K per chunk: at 5
+chunks a second and K = 4, the last 2.5 minutes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +69,7 @@ class ExecutionStats:
     units) from a join's time through its rows, over joins of two chunks (or previews; the
     first chunk's join to the robot's own target is not one): a jump shows here wherever the
     join puts it, beside the model's own motion (max_chunk_step)."""
-    join_steps: RollingWindow = field(default_factory=RollingWindow)
+    join_steps: RollingWindow = field(default_factory=lambda: RollingWindow(JOINS_KEPT))
     max_chunk_step: float = 0.0
     """The largest change from one row to the next inside a chunk's (or preview's) rows."""
 
@@ -205,6 +208,7 @@ class ActionExecution:
             "timed_rows_skipped": s.rows_skipped,
             "join_max_step": s.max_join_step,
             "join_step_median": s.join_steps.summary()["median"],
+            "join_step_p99": s.join_steps.summary()["p99"],
             "chunk_max_step": s.max_chunk_step,
             "plan_resyncs": s.resyncs,
         }
