@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import numpy as np
 import pytest
@@ -80,11 +81,14 @@ def test_previews_are_executed_before_their_chunks_without_jumps(tmp_path):
                 got[m.source] = got.get(m.source, 0) + 1
             return got
 
-        def output() -> dict[str, str]:
-            diagnostics = monitor.get("/diagnostics")
-            if diagnostics is None:
-                return {}
-            return diagnostics_by_name(diagnostics).get("bridge: output", (0, "", {}))[2]
+        def output(after_s: float = 0.0) -> dict[str, str]:
+            """The bridge's newest output status (sim_robot publishes on /diagnostics too),
+            from a message that came after ``after_s`` (monotonic)."""
+            for t, array in reversed(monitor.messages("/diagnostics")):
+                status = diagnostics_by_name(array).get("bridge: output")
+                if status is not None and t > after_s:
+                    return status[2]
+            return {}
 
         try:
             # task free, holding when no trajectory comes: the arm follows the bridge alone
@@ -104,12 +108,16 @@ def test_previews_are_executed_before_their_chunks_without_jumps(tmp_path):
                     and sources().get(ActionChunk.SOURCE_MODEL, 0) >= 5
                     and float(output().get("preview_action_sooner_slots", 0)) >= 3
                     and float(output().get("previews_acted", 0)) >= 10  # (once a second)
+                    and monitor.count("joint_trajectory") >= 15
                 ),
                 timeout_s=WAIT_S,
             ), (sources(), output(), loop.log_dir)
-            values = output()
-            chunks = [m for _, m in monitor.messages("action_chunk")]
-            trajectories = [m for _, m in monitor.messages("joint_trajectory")]
+            # what was published up to now, and the counts of a report published after it
+            cut_s = time.monotonic()
+            chunks = [m for t, m in monitor.messages("action_chunk") if t <= cut_s]
+            trajectories = [m for t, m in monitor.messages("joint_trajectory") if t <= cut_s]
+            assert monitor.wait_for(lambda: output(cut_s + 0.2), timeout_s=WAIT_S)
+            values = output(cut_s + 0.2)
         finally:
             monitor.close()
             codes = loop.stop()
