@@ -186,16 +186,30 @@ def goal_push_progress(monitor) -> dict | None:
     return None
 
 
-def bridge_output(monitor) -> dict[str, str]:
-    """The bridge's newest output status values on /diagnostics (kept messages; sim_robot
-    publishes there too), {} before one."""
+def bridge_status(monitor, name: str) -> tuple[int, str, dict[str, str]] | None:
+    """The bridge's newest ``bridge: <name>`` status on /diagnostics (kept messages;
+    sim_robot publishes there too): (level, message, values), None before one."""
     from physis_ros.nodes.monitor import diagnostics_by_name
 
     for _, array in reversed(monitor.messages("/diagnostics")):
-        status = diagnostics_by_name(array).get("bridge: output")
+        status = diagnostics_by_name(array).get(f"bridge: {name}")
         if status is not None:
-            return status[2]
-    return {}
+            return status
+    return None
+
+
+def bridge_output(monitor) -> dict[str, str]:
+    """The bridge's newest output status values, {} before one."""
+    status = bridge_status(monitor, "output")
+    return status[2] if status is not None else {}
+
+
+def refusal(monitor) -> str:
+    """The server's refusal of the bridge's stream (its link's last error), '' if none: one
+    demo stream refused at start is refused for good (the server plans once, at start-up)."""
+    link = bridge_status(monitor, "link")
+    error = link[2].get("last_error", "") if link is not None else ""
+    return error if "RESOURCE_EXHAUSTED" in error else ""
 
 
 EXECUTION_KEYS = (
@@ -312,6 +326,14 @@ def main(argv=None) -> int:
             if view is not None:
                 rows.append(image_to_rgb(view))
             t = time.monotonic() - started_s
+            if live_s is None and (refused := refusal(monitor)):
+                print(
+                    f"physis-demo: the server refused the stream ({refused}); it measured "
+                    "this host too slow for that interval at start-up (a busy host: run "
+                    f"again when it is idle); see {loop.log_dir}",
+                    file=sys.stderr,
+                )
+                break
             if stats is None:
                 frames = monitor.count("camera/image")
                 print(f"[{t:5.1f} s] waiting for the bridge ({frames} camera frames)", flush=True)

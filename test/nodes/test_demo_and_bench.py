@@ -36,12 +36,29 @@ def test_demo_runs_the_closed_loop_and_leaves_a_summary_and_a_strip(tmp_path, ro
     assert (out / "strip.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_demo_says_in_one_line_that_the_server_refused_its_stream(tmp_path, ros_env):
+    """A stream the server refuses (here: a 1 ms interval, which no placement of push-wm
+    keeps) ends the demo with the refusal, not with a wait for the start-up timeout."""
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "physis_ros.demo", "--target-interval-ms", "1", "--duration-s",
+         "5", "--out", str(out), "--domain-id", ros_env["ROS_DOMAIN_ID"]],
+        check=False, env=ros_env, capture_output=True, text=True, timeout=420,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "physis-demo: the server refused the stream (RESOURCE_EXHAUSTED" in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["children_exit_codes"] == {"server": 0, "sim_robot": 0, "bridge": 0}
+
+
 def test_demo_with_previews_says_how_much_sooner_they_came(tmp_path, ros_env):
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "physis_ros.demo", "--previews", "--duration-s", "8",
          "--out", str(out), "--domain-id", ros_env["ROS_DOMAIN_ID"]],
-        check=False, env=ros_env, capture_output=True, text=True, timeout=180,
+        check=False, env=ros_env, capture_output=True, text=True, timeout=420,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
