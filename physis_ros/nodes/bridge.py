@@ -154,7 +154,8 @@ class Bridge(Node):
         p = self.p
         target = p.server
         if p.server_port_file:
-            target = f"{p.server.rsplit(':', 1)[0]}:{_wait_for_port(p.server_port_file, 30.0)}"
+            port = _wait_for_port(p.server_port_file, SERVER_PORT_WAIT_S)
+            target = f"{p.server.rsplit(':', 1)[0]}:{port}"
         token = p.token or None
         if p.token_file:
             with open(p.token_file) as f:
@@ -774,6 +775,12 @@ class Bridge(Node):
         self._running = False
         self._receiver.join(timeout=2.0)
         self.client.close()
+
+
+SERVER_PORT_WAIT_S = 600.0
+"""Longest the bridge waits for physis-serve's --port-file: the server writes it once it has
+loaded the model and measured the engine at start-up, which takes minutes for a large model
+or on a busy host (30 s was too short for push-wm in a make test-stress run)."""
 
 
 def _wait_for_port(path: str, timeout_s: float) -> int:
