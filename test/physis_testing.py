@@ -36,3 +36,27 @@ def reserved_ros_domain() -> Iterator[int]:
             lock.close()
         return
     raise RuntimeError("all ROS domain ids 1..100 are held by other tests")
+
+
+DISCOVERY_ENV = ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE")
+"""What a test's own Monitor must share with a LocalSystem's children to discover them."""
+
+
+def adopt_discovery_env(system_env: dict[str, str]) -> dict[str, str | None]:
+    """Set this process's discovery settings to a LocalSystem's; returns the old values."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in DISCOVERY_ENV}
+    os.environ.update({k: system_env[k] for k in DISCOVERY_ENV})
+    return saved
+
+
+def restore_env(saved: dict[str, str | None]) -> None:
+    """Undo ``adopt_discovery_env``."""
+    import os
+
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -11,13 +11,12 @@ back, no jump);
 from __future__ import annotations
 
 import itertools
-import os
 import time
 
 import numpy as np
 import pytest
 
-from physis_testing import reserved_ros_domain
+from physis_testing import adopt_discovery_env, reserved_ros_domain, restore_env
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 WAIT_S = 300.0  # a generous bound for a busy machine: no timing is asserted
@@ -66,11 +65,7 @@ def test_previews_are_executed_before_their_chunks_without_jumps(tmp_path):
         loop = LocalSystem(
             domain_id=domain_id, model="tiny-wam", weights=str(weights), log_dir=str(tmp_path)
         )
-        saved = {
-            k: os.environ.get(k)
-            for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE")
-        }
-        os.environ.update({k: loop.env[k] for k in saved})
+        saved = adopt_discovery_env(loop.env)
         monitor = Monitor(
             domain_id=domain_id, keep=("action_chunk", "joint_trajectory", "/diagnostics")
         )
@@ -121,11 +116,7 @@ def test_previews_are_executed_before_their_chunks_without_jumps(tmp_path):
         finally:
             monitor.close()
             codes = loop.stop()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_env(saved)
     assert all(code == 0 for code in codes.values()), codes
 
     # previews acted on, sooner than their chunks, the stale ones counted apart

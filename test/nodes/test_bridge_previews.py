@@ -8,25 +8,20 @@ from __future__ import annotations
 
 import pytest
 
-from physis_testing import reserved_ros_domain
+from physis_testing import adopt_discovery_env, reserved_ros_domain, restore_env
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 STEPS = ("1", "2", "3")
 
 
 def test_previews_are_published_per_step_before_their_chunks(tmp_path):
-    import os
 
     from physis_ros.nodes.monitor import Monitor, diagnostics_by_name
     from physis_ros.nodes.system import LocalSystem
 
     with reserved_ros_domain() as domain_id:
         loop = LocalSystem(domain_id=domain_id, log_dir=str(tmp_path))
-        saved = {
-            k: os.environ.get(k)
-            for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE")
-        }
-        os.environ.update({k: loop.env[k] for k in saved})
+        saved = adopt_discovery_env(loop.env)
         topics = [f"predicted/preview/step_{k}" for k in STEPS]
         monitor = Monitor(
             domain_id=domain_id, keep=("action_chunk", "/diagnostics", *topics), images=topics
@@ -67,9 +62,5 @@ def test_previews_are_published_per_step_before_their_chunks(tmp_path):
         finally:
             monitor.close()
             codes = loop.stop()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_env(saved)
         assert all(code == 0 for code in codes.values()), codes

@@ -16,7 +16,7 @@ import pytest
 
 from physis_ros.msg import ActionChunk
 
-from physis_testing import reserved_ros_domain
+from physis_testing import adopt_discovery_env, reserved_ros_domain, restore_env
 
 TARGET_INTERVAL_MS = 200.0  # paced well above what tiny needs here, so load cannot stretch it
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
@@ -24,18 +24,13 @@ pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    import os
 
     from physis_ros.nodes.monitor import Monitor
     from physis_ros.nodes.system import LocalSystem
 
     with reserved_ros_domain() as domain_id:
         loop = LocalSystem(domain_id=domain_id, log_dir=str(tmp_path_factory.mktemp("system")))
-        saved = {
-            k: os.environ.get(k)
-            for k in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE")
-        }
-        os.environ.update({k: loop.env[k] for k in saved})
+        saved = adopt_discovery_env(loop.env)
         monitor = Monitor(
             domain_id=domain_id, keep=("action_chunk", "/diagnostics", "pipeline_stats")
         )
@@ -52,11 +47,7 @@ def system(tmp_path_factory):
         finally:
             monitor.close()
             codes = loop.stop()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_env(saved)
         # every child exited by itself on SIGINT (0), except one the test killed (absent)
         assert all(code == 0 for code in codes.values()), codes
 
