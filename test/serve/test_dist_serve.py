@@ -30,15 +30,22 @@ distributed:
 pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not in this venv")
 
 
-def _children(pid: int) -> set[int]:
-    out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, from the parent pid of each process in /proc.
+
+    Not /proc/<pid>/task/*/children: that lists a child under the thread that forked it, and
+    a child whose forking thread exited moves to another thread's list while we read."""
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            out |= {int(c) for c in (task / "children").read_text().split()}
-        except OSError:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-    for child in list(out):
-        out |= _children(child)
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parent_of.items() if parent in frontier} - out
+        out |= frontier
     return out
 
 
@@ -53,7 +60,7 @@ def _alive(pid: int) -> bool:
 def _rank_pids(agent_pid: int) -> dict[int, int]:
     """rank -> pid of the ranks under the torchrun agent."""
     out = {}
-    for pid in _children(agent_pid):
+    for pid in _descendants(agent_pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -96,7 +103,11 @@ def server(tmp_path):
             assert time.monotonic() < deadline, "physis-serve under torchrun never served"
             time.sleep(0.2)
         ranks = _rank_pids(proc.pid)
-        assert sorted(ranks) == [0, 1]
+        deadline = time.monotonic() + 30
+        while sorted(ranks) != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            ranks = _rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], (ranks, sorted(_descendants(proc.pid)))
         yield int(port_file.read_text()), proc, ranks
     finally:
         term_s = time.monotonic()

@@ -158,6 +158,7 @@ class TorchDistTransport:
         self._send_lock = threading.Lock()
         self._seq = 0
         self._last_heard_s: dict[int, float] = {}
+        self._heard: set[int] = set()
         self._failed: dict[int, str] = {}
         self._closed = threading.Event()
         self.counters: dict[str, int] = defaultdict(int)
@@ -253,6 +254,11 @@ class TorchDistTransport:
     def seconds_since_heard(self, peer: int) -> float:
         """Seconds since any message from ``peer`` arrived (since start-up if none yet)."""
         return time.monotonic() - self._last_heard_s[peer]
+
+    def heard_from(self, peer: int) -> bool:
+        """Whether any message from ``peer`` arrived yet (a peer still joining has sent none;
+        ``seconds_since_heard`` counts it from start-up)."""
+        return peer in self._heard
 
     def failed_peers(self) -> dict[int, str]:
         """Peers a send to failed, with the reason."""
@@ -457,6 +463,7 @@ class TorchDistTransport:
 
     def _handle(self, src: int, h: list[int], recv_into) -> None:
         self._last_heard_s[src] = time.monotonic()
+        self._heard.add(src)
         kind = h[_H_KIND]
         if h[_H_VERSION] != PROTOCOL_VERSION:
             # The payload layout is unknown: the pair cannot be resynchronised. Say so loudly.
