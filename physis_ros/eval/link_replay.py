@@ -46,6 +46,12 @@ from physis_ros.link.wire import rgb_image
 REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "FAILED_PRECONDITION")
 """gRPC status codes (as the client's last error starts) that a retry cannot turn into a
 stream; a full server (RESOURCE_EXHAUSTED) or an unreachable one may still come good."""
+TLS_FAILURES = ("TLS handshake failed", "probably requires TLS")
+"""The client's reasons (link.client) for a TLS mismatch: a retry fails the same way."""
+
+
+def _final(error: str) -> bool:
+    return error.startswith(REFUSALS) or any(t in error for t in TLS_FAILURES)
 
 
 class LinkUnavailable(Exception):
@@ -114,13 +120,15 @@ def wait_streaming(client: LinkClient, opts: LinkOptions) -> LinkPromise:
         st = client.stats()
         if st.state == "streaming" and st.promise is not None:
             return st.promise
-        if st.last_error.startswith(REFUSALS):
+        if _final(st.last_error):
             break  # retrying will not change the answer
         time.sleep(0.02)
     st = client.stats()
     client.close(timeout_s=2.0)
     if st.last_error.startswith(REFUSALS):
         raise LinkUnavailable(f"physis-serve at {opts.target} refused the stream: {st.last_error}")
+    if _final(st.last_error):
+        raise LinkUnavailable(f"no stream from physis-serve: {st.last_error}")
     raise LinkUnavailable(
         f"no stream from physis-serve at {opts.target} within {opts.connect_timeout_s:g} s: "
         f"{st.last_error or st.state}"

@@ -371,10 +371,7 @@ class LinkClient:
         else:
             channel = grpc.insecure_channel(self._target, self._channel_options)
         try:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=self._connect_timeout_s)
-            except grpc.FutureTimeoutError:
-                raise NotConnected(self._why_not_connected(channel)) from None
+            self._wait_ready(channel)
             stub = pb_grpc.PhysisStub(channel)
             reply = stub.OpenStream(
                 self._spec, metadata=self._metadata, timeout=self._connect_timeout_s
@@ -414,6 +411,31 @@ class LinkClient:
         finally:
             self._call = None
             channel.close()
+
+    def _wait_ready(self, channel: grpc.Channel) -> None:
+        """Until ``channel`` is ready. A failed attempt (TLS handshake, connection refused)
+        raises NotConnected with its reason at once, not after the connect timeout: a
+        handshake that failed fails again, and a wait would look like a slow network."""
+        states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
+        callback = states.put
+        channel.subscribe(callback, try_to_connect=True)
+        try:
+            deadline = time.monotonic() + self._connect_timeout_s
+            while (left_s := deadline - time.monotonic()) > 0:
+                try:
+                    state = states.get(timeout=left_s)
+                except queue.Empty:
+                    break
+                if state == grpc.ChannelConnectivity.READY:
+                    return
+                if state in (
+                    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                    grpc.ChannelConnectivity.SHUTDOWN,
+                ):
+                    break
+            raise NotConnected(self._why_not_connected(channel))
+        finally:
+            channel.unsubscribe(callback)
 
     def _why_not_connected(self, channel: grpc.Channel) -> str:
         """Why ``channel`` did not become ready: one quick call fetches gRPC's last error

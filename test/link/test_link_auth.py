@@ -184,3 +184,59 @@ def test_no_client_certificate_or_plaintext_cannot_connect(tls_server, certs):
                     pb.ServerInfoRequest(), metadata=BEARER, timeout=5
                 )
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory):
+    """Certificates of another authority: the server's certificate does not chain to it."""
+    return make_certs(tmp_path_factory.mktemp("other-certs"))
+
+
+LONG_CONNECT_TIMEOUT_S = 120.0
+"""Far above any handshake: a reason that shows up before it did not wait for the timeout."""
+
+
+@pytest.mark.parametrize("mismatch", ["wrong_ca", "plaintext"])
+def test_a_tls_mismatch_is_named_at_once_not_a_timeout(tls_server, certs, other_ca, mismatch):
+    tls = {}
+    if mismatch == "wrong_ca":
+        tls = dict(
+            root_cert_path=str(other_ca["ca.pem"]),
+            client_cert_path=str(certs["client.pem"]),
+            client_key_path=str(certs["client.key"]),
+        )
+    client = LinkClient(
+        tls_server.target, token=TOKEN, connect_timeout_s=LONG_CONNECT_TIMEOUT_S, **tls
+    )
+    client.start()
+    t0 = time.monotonic()
+    try:
+        error = wait_for(
+            lambda: client.stats().last_error, LONG_CONNECT_TIMEOUT_S, what="a connect error"
+        )
+        assert time.monotonic() - t0 < LONG_CONNECT_TIMEOUT_S
+        expected = "TLS handshake failed" if mismatch == "wrong_ca" else "probably requires TLS"
+        assert expected in error and tls_server.target in error, error
+        assert client.stats().state != "streaming"
+    finally:
+        client.close()
+
+
+def test_physis_eval_link_names_a_tls_failure_and_stops_waiting(tls_server, certs, other_ca):
+    """physis-eval --link --tls-ca <wrong CA>: its probe of the server ends in the TLS reason
+    (LinkUnavailable: exit 1), long before its connect timeout."""
+    from physis_ros.eval.link_replay import LinkOptions, LinkUnavailable, probe
+
+    opts = LinkOptions(
+        target=tls_server.target,
+        token=TOKEN,
+        root_cert_path=str(other_ca["ca.pem"]),
+        client_cert_path=str(certs["client.pem"]),
+        client_key_path=str(certs["client.key"]),
+        connect_timeout_s=LONG_CONNECT_TIMEOUT_S,
+    )
+    t0 = time.monotonic()
+    with pytest.raises(LinkUnavailable, match="TLS handshake failed") as err:
+        probe(opts)
+    assert time.monotonic() - t0 < LONG_CONNECT_TIMEOUT_S
+    assert "within" not in str(err.value)  # not reported as a timeout
