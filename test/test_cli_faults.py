@@ -5,7 +5,9 @@ them (most through the program's own ``main``, a few as the installed command)."
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,17 +39,11 @@ def _one_line_error(err: str, prog: str) -> str:
 
 
 def _main_of(prog: str):
-    if prog == "physis-serve":
-        from physis_ros.serve.main import main
-    elif prog == "physis-eval":
-        from physis_ros.eval.cli import main
-    elif prog == "physis-sim":
-        from physis_ros.tools.sim_cli import main
-    elif prog == "physis-profile":
-        from physis_ros.tools.profile_cli import main
-    else:
-        raise AssertionError(prog)
-    return main
+    """The console script's main, as setup.py names it (``prog = module:function``)."""
+    setup_py = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    scripts = dict(re.findall(r'"([\w-]+) = ([\w.]+:\w+)"', setup_py))
+    module, function = scripts[prog].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _run(capsys, prog: str, *argv: str) -> tuple[int, str]:
@@ -56,7 +52,8 @@ def _run(capsys, prog: str, *argv: str) -> tuple[int, str]:
         code = _main_of(prog)(list(argv))
     except SystemExit as exc:  # argparse's exit
         code = exc.code
-    return code, _one_line_error(capsys.readouterr().err, prog)
+    shown = f"{prog} {argv[0]}" if prog == "physis-bench" else prog  # and its subcommand
+    return code, _one_line_error(capsys.readouterr().err, shown)
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +204,26 @@ def test_eval_faults_end_in_one_line(capsys, files, argv, code, problem):
     got, line = _run(capsys, "physis-eval", str(files["dir"]), *argv)
     assert got == code, line
     assert problem in line
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["physis-demo", "--duration-s", "nan"],
+        ["physis-demo", "--target-interval-ms", "inf"],
+        ["physis-record", "--camera-hz", "nan"],
+        ["physis-replay", "bag", "--rate", "inf"],
+        ["physis-sim", "--max-utilization", "nan"],
+        ["physis-train", "bag", "--out", "o", "--lr", "nan"],
+        ["physis-bench", "link", "--rate-hz", "inf"],
+        ["physis-bench", "ros", "--target-interval-ms", "nan"],
+    ],
+    ids=lambda argv: " ".join(argv[:2]),
+)
+def test_a_non_finite_number_on_any_command_line_is_refused(capsys, argv):
+    code, line = _run(capsys, *argv)
+    assert code == 2, line
+    assert "is not a finite number" in line
 
 
 def test_missing_profile_file_is_named(capsys):
