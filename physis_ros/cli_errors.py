@@ -4,8 +4,9 @@ stderr that names the problem and the fix, and an exit status that says whose it
 Exit status: 0 done, 1 a runtime failure (the environment or the work failed: a port taken,
 a server that went away, nothing to score), 2 a usage or configuration error (a flag, a
 config file, a weights file, a path: the user fixes the command), 130 interrupted (Ctrl-C,
-SIGTERM; a server that stops on them exits 0: that is how it is stopped). No traceback unless ``--debug`` is on the command line (it is taken out before the
-program parses its arguments) or ``PHYSIS_DEBUG=1`` is set (children inherit it).
+SIGTERM; a server that stops on them exits 0: that is how it is stopped). No traceback
+unless ``--debug`` is on the command line (it is taken out before the program parses its
+arguments) or ``PHYSIS_DEBUG=1`` is set (children inherit it).
 
 Programs raise ``UsageError`` / ``RuntimeFailure`` with a fix where they know one; anything
 else that escapes ``main`` is classified here by type. No torch, no rclpy: both sides use it.
