@@ -407,6 +407,29 @@ def test_physis_torchrun_raises_on_the_first_sigint_only(monkeypatch):
         handler(signal.SIGTERM, None)
 
 
+def test_physis_torchrun_ignores_a_ctrl_c_once_the_ranks_are_stopped(monkeypatch, capsys):
+    """After the ranks stopped, a late SIGINT (launch signals the group, then each process)
+    found Python's exit-time SIG_DFL and killed physis-torchrun (-2) after its line: it is
+    ignored from then on (SIG_IGN survives interpreter exit)."""
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing import api
+
+    from physis_ros.tools import torchrun
+
+    def stopped_by_ctrl_c(_args):
+        raise api.SignalException("stopped", sigval=signal.SIGINT)
+
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)
+    monkeypatch.setattr(torch_run, "run", stopped_by_ctrl_c)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        assert torchrun.main(["--standalone", "--nproc-per-node", "1", "serve.py"]) == 0
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert "physis-torchrun: SIGINT: the ranks were stopped" in capsys.readouterr().err
+
+
 def test_a_rank_with_a_config_error_ends_physis_torchrun_in_one_line(tmp_path):
     """A config error every rank meets: the rank says it in one line (exit 2), and
     physis-torchrun names the rank instead of torchrun's failure table and traceback."""

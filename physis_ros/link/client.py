@@ -52,6 +52,20 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 STREAM_METHOD = "/physis.v1.Physis/Stream"
 STATES = ("connecting", "connected", "streaming", "disconnected")
 
+CONNECTIVITY_POLL_S = 0.2
+"""grpc's connectivity thread (behind ``subscribe``) watches the state in steps this long."""
+
+
+def _close_after_polling(channel: grpc.Channel) -> None:
+    """Close ``channel`` once grpc's connectivity thread has seen it unsubscribed: closed under
+    that thread's next watch, the thread dies with 'Cannot monitor channel state: Channel
+    closed!' and a traceback on stderr (grpc 1.x; the attribute is read defensively)."""
+    state = getattr(channel, "_connectivity_state", None)
+    deadline = time.monotonic() + 10 * CONNECTIVITY_POLL_S  # it ends after one step
+    while getattr(state, "polling", False) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    channel.close()
+
 
 @dataclass(frozen=True, kw_only=True)
 class LinkPromise:
@@ -410,7 +424,7 @@ class LinkClient:
             return True
         finally:
             self._call = None
-            channel.close()
+            _close_after_polling(channel)
 
     def _wait_ready(self, channel: grpc.Channel) -> None:
         """Until ``channel`` is ready. A failed attempt (TLS handshake, connection refused)

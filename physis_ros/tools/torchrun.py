@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{named}; the other ranks were stopped",
             "see the rank's own error line above (physis-serve: error: ...)",
         ) from exc
+    finally:
+        # The ranks are gone: a Ctrl-C now has nothing to stop. Ignored, not left to a Python
+        # handler: at exit Python puts SIG_DFL back for its own handlers, and a late second
+        # SIGINT (launch signals the group, then each process) killed us (-2) after our line.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 0
 
 

@@ -25,7 +25,11 @@ from physis_ros.link.wire import rgb_image
 TOKEN = "s3cret-token-for-tests"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl"),
+    # a client's failed attempts close channels: grpc's connectivity thread must not die
+    pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
+]
 
 
 @pytest.fixture(scope="module")
