@@ -5,6 +5,7 @@ them (most through the program's own ``main``, a few as the installed command)."
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -38,11 +39,16 @@ def _one_line_error(err: str, prog: str) -> str:
     return lines[-1]
 
 
-def _main_of(prog: str):
-    """The console script's main, as setup.py names it (``prog = module:function``)."""
+@functools.cache
+def _console_scripts() -> dict[str, str]:
+    """prog -> ``module:function``, as setup.py names them."""
     setup_py = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
-    scripts = dict(re.findall(r'"([\w-]+) = ([\w.]+:\w+)"', setup_py))
-    module, function = scripts[prog].split(":")
+    return dict(re.findall(r'"([\w-]+) = ([\w.]+:\w+)"', setup_py))
+
+
+def _main_of(prog: str):
+    """The console script's main."""
+    module, function = _console_scripts()[prog].split(":")
     return getattr(importlib.import_module(module), function)
 
 

@@ -158,7 +158,7 @@ class TorchDistTransport:
         self._send_lock = threading.Lock()
         self._seq = 0
         self._last_heard_s: dict[int, float] = {}
-        self._heard: set[int] = set()
+        """Peers heard from: when their newest message arrived."""
         self._failed: dict[int, str] = {}
         self._closed = threading.Event()
         self.counters: dict[str, int] = defaultdict(int)
@@ -179,9 +179,8 @@ class TorchDistTransport:
         self._next_x, self._next_h = self._alloc_payload()
         self.capacity_bytes = HEADER_LEN * 8 + self._next_x.nbytes + self._next_h.nbytes
         """Largest message: header, x and h (control messages must fit too)."""
-        now = time.monotonic()
-        for peer in range(self.world_size):
-            self._last_heard_s[peer] = now
+        self._started_s = time.monotonic()
+        """A peer not heard from yet is silent since then (its grace to join)."""
         target = self._recv_loop_nccl if self.backend == "nccl" else self._recv_loop_gloo
         self._recv_thread = threading.Thread(target=target, name="dist-recv", daemon=True)
         if self.world_size > 1:
@@ -253,12 +252,12 @@ class TorchDistTransport:
 
     def seconds_since_heard(self, peer: int) -> float:
         """Seconds since any message from ``peer`` arrived (since start-up if none yet)."""
-        return time.monotonic() - self._last_heard_s[peer]
+        return time.monotonic() - self._last_heard_s.get(peer, self._started_s)
 
     def heard_from(self, peer: int) -> bool:
         """Whether any message from ``peer`` arrived yet (a peer still joining has sent none;
         ``seconds_since_heard`` counts it from start-up)."""
-        return peer in self._heard
+        return peer in self._last_heard_s
 
     def failed_peers(self) -> dict[int, str]:
         """Peers a send to failed, with the reason."""
@@ -463,7 +462,6 @@ class TorchDistTransport:
 
     def _handle(self, src: int, h: list[int], recv_into) -> None:
         self._last_heard_s[src] = time.monotonic()
-        self._heard.add(src)
         kind = h[_H_KIND]
         if h[_H_VERSION] != PROTOCOL_VERSION:
             # The payload layout is unknown: the pair cannot be resynchronised. Say so loudly.
