@@ -435,6 +435,7 @@ class LinkClient:
         channel.subscribe(callback, try_to_connect=True)
         try:
             deadline = time.monotonic() + self._connect_timeout_s
+            failed = False
             while (left_s := deadline - time.monotonic()) > 0:
                 try:
                     state = states.get(timeout=left_s)
@@ -446,15 +447,22 @@ class LinkClient:
                     grpc.ChannelConnectivity.TRANSIENT_FAILURE,
                     grpc.ChannelConnectivity.SHUTDOWN,
                 ):
+                    failed = True
                     break
-            raise NotConnected(self._why_not_connected(channel))
+            raise NotConnected(self._why_not_connected(channel, failed=failed))
         finally:
             channel.unsubscribe(callback)
 
-    def _why_not_connected(self, channel: grpc.Channel) -> str:
-        """Why ``channel`` did not become ready: one quick call fetches gRPC's last error
-        (a TLS handshake failure otherwise looks like a timeout)."""
+    def _why_not_connected(self, channel: grpc.Channel, *, failed: bool) -> str:
+        """Why ``channel`` did not become ready (``failed``: an attempt failed, else the
+        connect timeout passed): one quick call fetches gRPC's last error (a TLS handshake
+        failure otherwise looks like a timeout)."""
         head = f"connect to {self._target}"
+        waited = (
+            "the connection attempt failed"
+            if failed
+            else f"no connection within {self._connect_timeout_s} s"
+        )
         try:
             pb_grpc.PhysisStub(channel).GetServerInfo(
                 pb.ServerInfoRequest(),
@@ -464,7 +472,7 @@ class LinkClient:
         except grpc.RpcError as exc:
             details = (exc.details() or "").split("last error: ")[-1]
         else:
-            return f"{head}: no connection within {self._connect_timeout_s} s"
+            return f"{head}: {waited}"
         lowered = details.lower()
         if "handshake" in lowered or "ssl" in lowered or "tls" in lowered:
             return (
@@ -480,7 +488,9 @@ class LinkClient:
             )
         if "refused" in lowered:
             return f"{head}: nothing listens there (connection refused)"
-        return f"{head}: no connection within {self._connect_timeout_s} s ({details})"
+        if "resolv" in lowered or "dns" in lowered:
+            return f"{head}: the host name does not resolve ({details})"
+        return f"{head}: {waited} ({details})"
 
     def _end_session(self) -> None:
         with self._cv:

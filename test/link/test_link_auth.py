@@ -226,6 +226,21 @@ def test_a_tls_mismatch_is_named_at_once_not_a_timeout(tls_server, certs, other_
         client.close()
 
 
+def test_a_host_that_does_not_resolve_is_named_at_once_not_a_timeout():
+    client = LinkClient("does-not-exist.invalid:50051", connect_timeout_s=LONG_CONNECT_TIMEOUT_S)
+    client.start()
+    t0 = time.monotonic()
+    try:
+        error = wait_for(
+            lambda: client.stats().last_error, LONG_CONNECT_TIMEOUT_S, what="a connect error"
+        )
+        assert time.monotonic() - t0 < LONG_CONNECT_TIMEOUT_S
+        assert "does not resolve" in error and "does-not-exist.invalid" in error, error
+        assert "no connection within" not in error, error
+    finally:
+        client.close()
+
+
 def test_physis_eval_link_names_a_tls_failure_and_stops_waiting(tls_server, certs, other_ca):
     """physis-eval --link --tls-ca <wrong CA>: its probe of the server ends in the TLS reason
     (LinkUnavailable: exit 1), long before its connect timeout."""
