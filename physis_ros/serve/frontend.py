@@ -2,7 +2,7 @@
 
 Handlers take raw request bytes and parse them here, so a malformed message gets a clear
 status (or, inside a stream, is dropped and counted) instead of grpc's generic INTERNAL.
-Handlers never call the engine: they hand work to the ``EngineLoop`` thread (session.py).
+Handlers never call the engine: they hand work to the ``EngineLoop`` thread (engine_loop.py).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from physis_ros.link.wire import (
 )
 from physis_ros.serve import listen
 from physis_ros.serve.auth import TokenAuthInterceptor
+from physis_ros.serve.engine_loop import EngineLoop
 from physis_ros.serve.session import (
-    EngineLoop,
     Session,
     SessionEnded,
     SessionLimits,

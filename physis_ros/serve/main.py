@@ -30,8 +30,9 @@ import yaml
 from physis_ros.cli_errors import UsageError, check_fields, cli_main, log_level, positive_int
 from physis_ros.engine.api import StreamEngine
 from physis_ros.serve import listen
+from physis_ros.serve.engine_loop import EngineLoop
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
-from physis_ros.serve.session import EngineLoop, SessionLimits
+from physis_ros.serve.session import SessionLimits
 from physis_ros.serve.spec import ServingSpec
 
 log = logging.getLogger("physis-serve")

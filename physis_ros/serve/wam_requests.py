@@ -13,13 +13,14 @@ Chunk (slot) c's rows are for the time of its first camera frame plus i rows; a 
 chunk's reply states that time (``Prediction.action_start_ns``), so the robot executes each
 row when it is due (``link.action_timeline``).
 
-``WamStream`` is what a served stream does with these (serve/session.py calls it): each
-observation is checked and gives its state and command timeline (a bad one is dropped by
-reason: ``no_joint_state``, ``no_wrench``, ``commands_shape``); each observed slot goes in with
-its per-frame state and the rows known as of its newest frame (training's per-slot windows);
-each generate request carries the rows known as of the newest observation; each reply states
-the robot-clock time of its first row. The response latency is the stream's promise
-(``expected_response_latency_ms``): the figure the server stated, which its client sees.
+``WamStream`` is what a served stream does with these (serve/session.py and
+engine_loop.py call it): each observation is checked and gives its state and command timeline
+(a bad one is dropped by reason: ``no_joint_state``, ``no_wrench``, ``commands_shape``); each
+observed slot goes in with its per-frame state and the rows known as of its newest frame
+(training's per-slot windows); each generate request carries the rows known as of the newest
+observation; each reply states the robot-clock time of its first row. The response latency
+is the stream's promise (``expected_response_latency_ms``): the figure the server stated,
+which its client sees.
 """
 
 from __future__ import annotations

@@ -109,8 +109,8 @@ def psnr_of(a: int, b: int) -> float:
 
 @contextlib.contextmanager
 def _fake_server(engine):
+    from physis_ros.serve.engine_loop import EngineLoop
     from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
-    from physis_ros.serve.session import EngineLoop
 
     loop = EngineLoop(engine)
     loop.start()

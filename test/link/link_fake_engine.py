@@ -21,8 +21,8 @@ from physis_ros.engine.api import (
     StreamPromise,
     StreamSpec,
 )
+from physis_ros.serve.engine_loop import EngineLoop
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
-from physis_ros.serve.session import EngineLoop
 
 
 class FakeEngine:
