@@ -212,33 +212,32 @@ def test_a_tls_mismatch_is_named_at_once_not_a_timeout(tls_server, certs, other_
     client = LinkClient(
         tls_server.target, token=TOKEN, connect_timeout_s=LONG_CONNECT_TIMEOUT_S, **tls
     )
+    error = _first_connect_error(client)
+    expected = "TLS handshake failed" if mismatch == "wrong_ca" else "probably requires TLS"
+    assert expected in error and tls_server.target in error, error
+
+
+def _first_connect_error(client: LinkClient) -> str:
+    """The error the started ``client`` reports first; it must come before the connect
+    timeout (the reason was named, not waited for) and the client never streams."""
     client.start()
     t0 = time.monotonic()
     try:
         error = wait_for(
             lambda: client.stats().last_error, LONG_CONNECT_TIMEOUT_S, what="a connect error"
         )
-        assert time.monotonic() - t0 < LONG_CONNECT_TIMEOUT_S
-        expected = "TLS handshake failed" if mismatch == "wrong_ca" else "probably requires TLS"
-        assert expected in error and tls_server.target in error, error
+        assert time.monotonic() - t0 < LONG_CONNECT_TIMEOUT_S, error
         assert client.stats().state != "streaming"
+        return error
     finally:
         client.close()
 
 
 def test_a_host_that_does_not_resolve_is_named_at_once_not_a_timeout():
     client = LinkClient("does-not-exist.invalid:50051", connect_timeout_s=LONG_CONNECT_TIMEOUT_S)
-    client.start()
-    t0 = time.monotonic()
-    try:
-        error = wait_for(
-            lambda: client.stats().last_error, LONG_CONNECT_TIMEOUT_S, what="a connect error"
-        )
-        assert time.monotonic() - t0 < LONG_CONNECT_TIMEOUT_S
-        assert "does not resolve" in error and "does-not-exist.invalid" in error, error
-        assert "no connection within" not in error, error
-    finally:
-        client.close()
+    error = _first_connect_error(client)
+    assert "does not resolve" in error and "does-not-exist.invalid" in error, error
+    assert "no connection within" not in error, error
 
 
 def test_physis_eval_link_names_a_tls_failure_and_stops_waiting(tls_server, certs, other_ca):
