@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from physis_ros.engine import fused
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import build_model
+from physis_ros.engine.model import WanDiT, build_model
 from physis_ros.engine.placement import layout_single
 from physis_ros.engine.pool.costmodel import block_work
 from physis_ros.engine.runtime import InProcRuntime, run_plan
@@ -173,6 +173,36 @@ def _version(name: str) -> str | None:
 
 
 # ---- one block -------------------------------------------------------------------------------
+@dataclasses.dataclass
+class BlockBench:
+    """The middle block of a model, built alone on a device, with a one-task and a four-task
+    batch to time (what ``check_block`` and gpu_verify measure); times go into ``data``."""
+
+    model: WanDiT
+    mid: int
+    one: BlockTimer
+    four: BlockTimer
+    dev: torch.device
+    data: dict
+    reps: int
+
+    @classmethod
+    def build(cls, cfg, dev: torch.device, dtype: torch.dtype, *, data: dict, reps: int):
+        mid = cfg.num_blocks // 2
+        model = build_model(
+            cfg, seed=None, device=dev, dtype=dtype, block_ids={mid}, block_impl="eager"
+        )
+        one = BlockTimer(model, [SAMPLER.window], block=mid, window=SAMPLER.window)
+        four = BlockTimer(model, [SAMPLER.window] * 4, block=mid, window=SAMPLER.window)
+        return cls(model, mid, one, four, dev, data, reps)
+
+    def forward(self, timer: BlockTimer):
+        return lambda: run_block(self.model, self.mid, timer.tasks, timer.caches)
+
+    def timed(self, key: str, timer: BlockTimer) -> None:
+        self.data[key] = wall_ms(self.forward(timer), self.dev, warmup=3, reps=self.reps)
+
+
 def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smoke: bool) -> None:
     cfg = get_preset(name)
     work = block_work(cfg, SAMPLER, 2)
@@ -189,18 +219,9 @@ def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smo
         attn_flops=work.attn_flops,
     )
     d = rec.data
-    model = build_model(
-        cfg, seed=None, device=dev, dtype=dtype, block_ids={mid}, block_impl="eager"
-    )
-    one = BlockTimer(model, [SAMPLER.window], block=mid, window=SAMPLER.window)
-    four = BlockTimer(model, [SAMPLER.window] * 4, block=mid, window=SAMPLER.window)
-
-    def forward(timer: BlockTimer):
-        return lambda: run_block(model, mid, timer.tasks, timer.caches)
-
-    def timed(key: str, timer: BlockTimer) -> None:
-        d[key] = wall_ms(forward(timer), dev, warmup=3, reps=reps)
-
+    bench = BlockBench.build(cfg, dev, dtype, data=d, reps=reps)
+    model, one, four = bench.model, bench.one, bench.four
+    forward, timed = bench.forward, bench.timed
     with rec.step("eager_1"):
         timed("eager_ms", one)
         d["eager_tflops"] = flops / d["eager_ms"] / 1e9

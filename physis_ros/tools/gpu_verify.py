@@ -29,12 +29,12 @@ import torch
 
 from physis_ros.engine import fused
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import build_model
 from physis_ros.engine.pool.costmodel import block_work
 from physis_ros.engine.stage import BlockTimer, run_block
 from physis_ros.tools.gpu_check import (
     BF16_FUSED_VS_EAGER,
     SAMPLER,
+    BlockBench,
     Recorder,
     _f,
     _floor,
@@ -43,7 +43,6 @@ from physis_ros.tools.gpu_check import (
     check_gelu_epilogue,
     graph_ms,
     rel,
-    wall_ms,
 )
 
 GRAPH_OVER_FLOOR = 1.10
@@ -69,18 +68,9 @@ def verify_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, sm
         timing="p50 of reps wall-clock forwards, synchronised before and after each",
     )
     d = rec.data
-    model = build_model(
-        cfg, seed=None, device=dev, dtype=dtype, block_ids={mid}, block_impl="eager"
-    )
-    one = BlockTimer(model, [SAMPLER.window], block=mid, window=SAMPLER.window)
-    four = BlockTimer(model, [SAMPLER.window] * 4, block=mid, window=SAMPLER.window)
-
-    def forward(timer: BlockTimer):
-        return lambda: run_block(model, mid, timer.tasks, timer.caches)
-
-    def timed(key: str, timer: BlockTimer) -> None:
-        d[key] = wall_ms(forward(timer), dev, warmup=3, reps=reps)
-
+    bench = BlockBench.build(cfg, dev, dtype, data=d, reps=reps)
+    model, one, four = bench.model, bench.one, bench.four
+    forward, timed = bench.forward, bench.timed
     with rec.step("eager"):
         timed("eager_ms", one)
     runner = fused.FusedBlocks(model)
