@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from physis_ros.engine.api import DEFAULT_HORIZON, AdmissionRefused, StreamFailed, StreamSpec
-from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
+from physis_ros.link.memtune import IdleTrim, freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     PROTOCOL_VERSION,
@@ -135,6 +135,8 @@ class Frontend:
         self.streams_opened = 0
         self.streams_closed = 0
         self.refusals: Counter[str] = Counter()
+        self.idle_trim = IdleTrim()
+        """Told of every client message; frees what a burst of large ones left (start_server)."""
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -320,6 +322,7 @@ class Frontend:
     def _read(self, session: Session, request_iterator) -> None:
         try:
             for raw in request_iterator:
+                self.idle_trim.note(len(raw))
                 session.offer(raw, time.time_ns())  # never raises: faults are counted drops
         except grpc.RpcError as exc:  # the call was cancelled or broke: the writer ends it
             log.debug("stream %d reader ended: %s", session.stream_id, exc)
@@ -412,8 +415,10 @@ class ServerHandle:
     port: int
     frontend: Frontend
     health: health.HealthServicer
+    stopping: threading.Event
 
     def stop(self, grace_s: float = 1.0) -> None:
+        self.stopping.set()
         self.health.enter_graceful_shutdown()
         # UNAVAILABLE, not OK: the client is told its stream did not end by its own choice,
         # and reconnects to whatever serves next (a restarted job, another server).
@@ -427,7 +432,8 @@ def start_server(
     """Builds and starts the gRPC server; returns once it listens.
 
     Also tunes the process for the hot path: freed message buffers are reused instead of
-    page-faulted in afresh (memtune), and what exists now (the engine, its weights' Python
+    page-faulted in afresh while messages flow, and given back to the kernel once large ones
+    stop (memtune), and what exists now (the engine, its weights' Python
     objects, imported modules) is moved out of the garbage collector's way (gc.freeze), so
     a full collection does not walk it between two messages."""
     retain_freed_memory()
@@ -489,4 +495,10 @@ def start_server(
     loop.on_impaired = impaired
     if loop.error:
         impaired(loop.error)
-    return ServerHandle(server=server, port=port, frontend=frontend, health=health_servicer)
+    stopping = threading.Event()
+    threading.Thread(
+        target=frontend.idle_trim.run, args=(stopping,), name="physis-idle-trim", daemon=True
+    ).start()
+    return ServerHandle(
+        server=server, port=port, frontend=frontend, health=health_servicer, stopping=stopping
+    )

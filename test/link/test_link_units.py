@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -518,17 +520,63 @@ def test_a_failed_stream_ends_alone_an_engine_failure_ends_all():
                 c.close()
 
 
-def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
+def _glibc() -> bool:
     import platform
 
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
     from physis_ros.link.memtune import retain_freed_memory
 
     with pytest.raises(ValueError, match="mmap_threshold_bytes"):
         retain_freed_memory(mmap_threshold_bytes=64 * 1024 * 1024)
     with pytest.raises(ValueError, match="trim_threshold_bytes"):
         retain_freed_memory(trim_threshold_bytes=1024, mmap_threshold_bytes=4096)
-    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert retain_freed_memory() is glibc
+    assert retain_freed_memory() is _glibc()
+
+
+def test_idle_trim_trims_once_after_large_messages_stop():
+    from physis_ros.link.memtune import IdleTrim
+
+    now = [100.0]
+    trim = IdleTrim(2.0, large_bytes=1000, clock=lambda: now[0])
+    trim.note(999)  # small messages never arm it
+    now[0] += 10
+    assert not trim.poll()
+    trim.note(1000)
+    now[0] += 1.9
+    assert not trim.poll()  # large messages still flowing
+    now[0] += 0.2
+    assert trim.poll() is _glibc()
+    assert not trim.poll()  # once per burst
+    assert trim.trims == int(_glibc())
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not _glibc(), reason="malloc_trim is glibc's")
+def test_idle_trim_gives_the_buffers_a_burst_left_back_to_the_kernel():
+    from physis_ros.link.memtune import IdleTrim, retain_freed_memory
+
+    retain_freed_memory()  # as the server runs: freed buffers are kept for reuse
+    trim = IdleTrim(1.0, clock=lambda: 0.0)
+    burst = [bytearray(os.urandom(1 << 20) * 4) for _ in range(12)]  # 48 MB, heap-allocated
+    held_mb = _rss_mb()
+    del burst
+    kept_mb = _rss_mb()
+    trim._clock = lambda: 10.0
+    trim.note(1 << 20)
+    trim._clock = lambda: 20.0
+    assert trim.poll()
+    # Kept for reuse until the trim (most of the 48 MB), given back by it.
+    assert held_mb - kept_mb < 24, (held_mb, kept_mb)
+    assert kept_mb - _rss_mb() > 24, (kept_mb, _rss_mb())
 
 
 def test_prediction_queue_keeps_the_newest_when_the_caller_falls_behind():
