@@ -23,6 +23,8 @@ from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.link.wire import PROTOCOL_VERSION, STREAM_ID_METADATA_KEY
 
+STREAM_TARGET_MS = 2000.0
+
 
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -63,7 +65,13 @@ def run(args, tmp: Path) -> dict:
             payloads = [observation(i, args.mb * 1_000_000 + i) for i in range(8)]
             calls, queues = [], []
             for i in range(args.streams):
-                spec = pb.StreamSpec(protocol_version=PROTOCOL_VERSION, client_name=f"f{i}")
+                # slow targets: every stream is admitted beside the others (what is measured
+                # is the front end's memory; the engine only ever sees dropped observations)
+                spec = pb.StreamSpec(
+                    protocol_version=PROTOCOL_VERSION,
+                    client_name=f"f{i}",
+                    target_interval_ms=STREAM_TARGET_MS,
+                )
                 sid = stub.OpenStream(spec, timeout=30).promise.stream_id
                 q: list = []
                 queues.append(q)

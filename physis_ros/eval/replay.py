@@ -24,6 +24,10 @@ from physis_ros.cli_errors import RuntimeFailure, cli_main, finite_float
 HEADER_TYPE = "std_msgs/msg/Header"
 ACK_TIMEOUT_S = 5.0
 """At the end, the longest wait for subscribers to acknowledge what was published."""
+DISCOVERY_SETTLE_S = 0.5
+"""After every publisher has seen its subscriber: discovery is two-sided, and a subscriber
+that has not yet matched the publisher drops what comes first (seen once on a loaded host:
+the first image of a replay lost), so replay waits this long more before it starts."""
 
 
 @dataclass
@@ -167,6 +171,7 @@ def replay(
             deadline = time.monotonic() + wait_subscribers_s
             while wait_subscribers_s and time.monotonic() < deadline:
                 if all(p.get_subscription_count() > 0 for p in pubs.values()):
+                    time.sleep(DISCOVERY_SETTLE_S)
                     break
                 time.sleep(0.02)
             if wait_subscribers_s:

@@ -324,6 +324,7 @@ class Frontend:
             for raw in request_iterator:
                 self.idle_trim.note(len(raw))
                 session.offer(raw, time.time_ns())  # never raises: faults are counted drops
+                del raw  # not held while the stream waits for its next message (MBs each)
         except grpc.RpcError as exc:  # the call was cancelled or broke: the writer ends it
             log.debug("stream %d reader ended: %s", session.stream_id, exc)
         except Exception as exc:  # the stream is told, with the cause
