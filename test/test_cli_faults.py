@@ -232,6 +232,21 @@ def test_a_non_finite_number_on_any_command_line_is_refused(capsys, argv):
     assert "is not a finite number" in line
 
 
+def test_physis_record_never_overwrites_a_bag_and_says_which_it_skipped(capsys, tmp_path):
+    """A second run into the same folder keeps the first run's bag byte for byte, names it
+    on stderr, and records the episode that is new."""
+    record = _main_of("physis-record")
+    common = ["--duration-s", "0.2", "--height", "8", "--width", "8"]
+    assert record([str(tmp_path), *common]) == 0
+    first = {f: f.read_bytes() for f in (tmp_path / "episode_00000").iterdir()}
+    capsys.readouterr()
+    assert record([str(tmp_path), "--episodes", "2", *common]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'episode_00000'} exists, skipped (bags are never overwritten)" in err
+    assert {f: f.read_bytes() for f in (tmp_path / "episode_00000").iterdir()} == first
+    assert (tmp_path / "episode_00001").is_dir()
+
+
 def test_missing_profile_file_is_named(capsys):
     code, line = _run(capsys, "physis-sim", "--profile", "/no/such/profile.json")
     assert code == 2 and "/no/such/profile.json" in line

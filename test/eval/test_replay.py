@@ -176,3 +176,28 @@ def test_replay_names_the_remap_when_the_camera_topic_differs(tmp_path, ros_env)
     assert rep.returncode == 0, rep.stderr
     assert "warning" not in rep.stderr, rep.stderr
     assert got["counts"]["/camera/image"] == 11
+
+
+@pytest.mark.ros
+def test_replay_that_publishes_nothing_fails_in_one_line(tmp_path, ros_env):
+    """Every image of the bag is corrupt: each is skipped and named, and a replay that put
+    nothing on the wire exits 1 with one line saying so (not 0 with an empty count)."""
+    src = record_small(tmp_path / "bag", duration_s=0.5, seed=7)
+    bag = rewrite_bag(src, tmp_path / "all_corrupt", edit=lambda _t, _i, raw, _s: raw[:10])
+    rep = subprocess.run(
+        ["physis-replay", str(bag), "--topics", "/camera/image_raw", "--wait-subscribers-s", "0"],
+        check=False,
+        env=ros_env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert rep.returncode == 1, rep.stderr
+    assert "Traceback" not in rep.stderr
+    assert (
+        rep.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"physis-replay: error: nothing was published from {bag}")
+    ), rep.stderr
+    stats = json.loads(rep.stdout.strip().splitlines()[-1])
+    assert stats["published"] == {} and sum(stats["skipped"].values()) == 6, stats

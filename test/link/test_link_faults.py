@@ -76,6 +76,37 @@ def test_a_fault_in_the_checks_is_a_counted_drop_and_the_stream_goes_on(monkeypa
     assert len(logged) == 1 and logged[0].exc_info is not None  # with its traceback
 
 
+def test_a_reader_that_fails_outside_the_checks_ends_its_stream_with_the_cause(monkeypatch, caplog):
+    """What the per-message checks cannot catch (here: offer itself raising) must not leave
+    a stream predicting on from its last observation: that stream ends (INTERNAL, with the
+    cause, logged with its traceback); another stream and the health check are untouched."""
+    real = session_module.Session.offer
+
+    def offer(self, raw, received_ns):
+        if self.client_name == "victim":
+            raise MemoryError("a reader bug the checks never saw")
+        return real(self, raw, received_ns)
+
+    monkeypatch.setattr(session_module.Session, "offer", offer)
+    caplog.set_level(logging.ERROR, logger="physis_ros.serve.frontend")
+    with _serving(FakeEngine(slots=2)) as (_loop, _handle, channel):
+        bystander = RawStream(channel, client_name="bystander")
+        victim = RawStream(channel, client_name="victim")
+        try:
+            victim.send(observation_bytes(1, victim.promise))
+            assert victim.wait_ended(30), "the stream whose reader failed never ended"
+            assert victim.error.code() == grpc.StatusCode.INTERNAL
+            assert "server stopped reading observations" in victim.error.details()
+            assert "a reader bug the checks never saw" in victim.error.details()
+            _still_served(bystander, 1)
+            assert _health(channel) == SERVING
+        finally:
+            victim.close()
+            bystander.close()
+    logged = [r for r in caplog.records if "reading observations failed" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+
+
 def test_a_flood_of_bad_observations_is_counted_each_and_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="physis_ros.serve.session")
     with _serving(FakeEngine(slots=2)) as (_loop, _handle, channel):
