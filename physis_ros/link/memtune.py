@@ -15,6 +15,7 @@ glibc only (Linux); elsewhere it does nothing and says so. No torch, no rclpy.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import platform
@@ -60,16 +61,14 @@ def retain_freed_memory(
     with _lock:
         if _applied:
             return True
-        if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        if not _is_glibc():
             log.info("not glibc: large message buffers are allocated afresh each time")
             return False
         try:
-            mallopt = ctypes.CDLL(None).mallopt
+            mallopt = _c_function("mallopt", (ctypes.c_int, ctypes.c_int))
         except (OSError, AttributeError) as exc:
             log.warning("mallopt unavailable (%s): allocator left as it is", exc)
             return False
-        mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-        mallopt.restype = ctypes.c_int
         ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold_bytes) == 1
         ok = ok and mallopt(M_TRIM_THRESHOLD, trim_threshold_bytes) == 1
         if not ok:
@@ -140,13 +139,27 @@ class IdleTrim:
 
 
 def _malloc_trim() -> bool:
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not _is_glibc():
         return False
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        trim = _c_function("malloc_trim", (ctypes.c_size_t,))
     except (OSError, AttributeError):
         return False
-    trim.argtypes = (ctypes.c_size_t,)
-    trim.restype = ctypes.c_int
     trim(0)
     return True
+
+
+@functools.cache
+def _is_glibc() -> bool:
+    """Whether this process's C library is glibc, whose malloc these tunables are (asked
+    once: ``platform.libc_ver`` reads the interpreter's binary)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def _c_function(name: str, argtypes: tuple) -> Callable[..., int]:
+    """The C library's ``name``, taking ``argtypes`` and returning an int (raises OSError or
+    AttributeError where it is not there)."""
+    fn = getattr(ctypes.CDLL(None), name)
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
