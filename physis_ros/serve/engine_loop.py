@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 
 from physis_ros.engine.api import StreamEngine, StreamFailed
-from physis_ros.serve.session import Session
+from physis_ros.serve.session import Anchor, Session
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ class EngineLoop:
                 self.engine.submit_context(
                     session.stream_id, observed.frames, actions, slot=observed.slot, **extra
                 )
-                session.anchors[observed.slot] = (observed, time.time_ns())
+                session.anchors[observed.slot] = Anchor.of(observed, time.time_ns())
                 session.anchors.pop(observed.slot - ANCHORS_KEPT, None)
                 session.newest_observed = observed
                 session.next_slot = max(session.next_slot, observed.slot + 1)
