@@ -103,9 +103,9 @@ class Anchor:
     observation of an observed slot, and when that slot was queued for the engine.
 
     Only these stamps, never the slot's frames: a stream remembers ANCHORS_KEPT anchors, and
-    holding each slot's pixels (0.9 MB a 640x480 camera frame) kept ~1 GB alive per stream
-    and made every new message land in memory the process had never touched (page faults
-    on the receive path: 0.5 ms more per 0.9 MB observation on loopback)."""
+    holding each slot's pixels grew the server by ~1.8 MB per 640x480 observation (up to
+    ~1.8 GB a stream) and slowed the receive of every new message, which then lands in memory
+    the process has not touched yet (0.5 ms more per 0.9 MB observation on loopback)."""
 
     seq: int
     capture_stamp_ns: int
