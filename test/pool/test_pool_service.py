@@ -196,3 +196,30 @@ def test_default_target_is_the_fastest_the_simulator_confirms():
     faster = dataclasses.replace(plan.plan, target_interval_ms=plan.target_interval_ms * 0.6)
     assert not simulate_plans([faster], COST, PoolSimulation(), 2).all_meet_target
     assert plan.describe().startswith(f"default target {plan.target_interval_ms:.1f} ms")
+
+
+@pytest.mark.parametrize(
+    ("p50_ms", "mean_ms", "reason", "shortfall"),
+    [
+        (55.0, 56.0, "predicted interval 55.0 ms for the new stream vs target 50.0 ms", "5.0 ms"),
+        # on median it keeps up; with no headroom its chunks still fall behind their slots
+        (49.6, 51.2, "the new stream would fall behind its 50.0 ms slots: 13 of 16", "13 late"),
+    ],
+)
+def test_a_compute_refusal_says_what_falls_short(p50_ms, mean_ms, reason, shortfall):
+    from types import SimpleNamespace
+
+    served, _ = _pooled()
+    late = SimpleNamespace(
+        meets_target=False,
+        interval_p50_ms=p50_ms,
+        interval_mean_ms=mean_ms,
+        deadline_misses=13,
+        chunks_measured=16,
+    )
+    report = SimpleNamespace(streams=[late], devices=[SimpleNamespace(device=0, utilization=1.0)])
+    refused = served._missing(report, [SimpleNamespace(target_interval_ms=50.0)])
+    assert refused.resource == "compute"
+    assert reason in refused.reason and "device 0 busy 100%" in refused.reason
+    assert refused.shortfall.startswith(shortfall)
+    assert "0.0 ms" not in refused.shortfall
