@@ -111,7 +111,9 @@ def start_server(args: argparse.Namespace, folder: Path):
     if args.model:
         serve += ["--model", args.model]
     if args.ranks:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        # physis-torchrun: torchrun that ends in one line when stopped (torchrun itself
+        # writes a SignalException traceback into the server's log at every SIGTERM)
+        cmd = [sys.executable, "-m", "physis_ros.tools.torchrun", "--standalone"]
         cmd += ["--nproc-per-node", str(args.ranks), *serve]
     else:
         cmd = [sys.executable, *serve]
