@@ -150,7 +150,9 @@ def replay(
             missing = sorted(set(topics) - {c.topic for c in reader.connections})
             for t in missing:
                 stats.skipped[f"{t}: not in the bag"] = 0
-        rclpy.init()
+        # Not sys.argv: rcl reads an argument like our --remap's FROM:=TO as a (deprecated)
+        # ROS remap rule of its own, warns, and applies it to every name of the process.
+        rclpy.init(args=[])
         node = rclpy.create_node("physis_replay")
         try:
             qos = (

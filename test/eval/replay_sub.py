@@ -8,6 +8,7 @@ N_IMAGES images arrived and the other topics went quiet for 1 s
 """
 
 import json
+import signal
 import struct
 import sys
 import time
@@ -36,8 +37,20 @@ def main() -> int:
     want, timeout_s = int(sys.argv[1]), float(sys.argv[2])
     image_topic = sys.argv[3] if len(sys.argv) > 3 else "/camera/image_raw"
     topics = {image_topic if t == "/camera/image_raw" else t: c for t, c in TOPICS.items()}
+    # SIGTERM leaves through the finally below: a participant killed without destroying its
+    # node stays matched to writers started after it (reliable ones then wait on its ACKs)
+    # until its lease runs out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     rclpy.init()
     node = rclpy.create_node("replay_sub")
+    try:
+        return _receive(node, topics, want, timeout_s, image_topic)
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+def _receive(node, topics, want: int, timeout_s: float, image_topic: str) -> int:
     counts = dict.fromkeys(topics, 0)
     images = []
 
@@ -64,8 +77,6 @@ def main() -> int:
         if sum(counts.values()) != seen:
             quiet_since, seen = time.monotonic(), sum(counts.values())
     print(json.dumps({"counts": counts, "images": images, "now_ns": time.time_ns()}), flush=True)
-    node.destroy_node()
-    rclpy.try_shutdown()
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -33,6 +34,38 @@ def test_restamp_moves_only_the_header_stamp():
         restamp(b"\x00\x01\x00\x00", 0)
 
 
+def _stop(sub: subprocess.Popen) -> None:
+    """Ends the subscriber the way that leaves no trace in DDS (its node destroyed)."""
+    sub.terminate()
+    try:
+        sub.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        sub.kill()
+
+
+def _run_replay(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """``cmd`` run to its end; one still running after ``timeout_s`` fails the test with every
+    thread's stack (faulthandler on SIGABRT), so a hang says where it hung."""
+    proc = subprocess.Popen(
+        cmd,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"{cmd[0]} still running after {timeout_s} s; its stacks:\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _replay(bag: Path, env: dict, *extra: str) -> tuple[dict, dict]:
     sub = subprocess.Popen(
         [sys.executable, SUB, "21", "30"], env=env, stdout=subprocess.PIPE, text=True
@@ -40,7 +73,7 @@ def _replay(bag: Path, env: dict, *extra: str) -> tuple[dict, dict]:
     try:
         assert sub.stdout.readline().strip() == "ready"
         t_start = time.monotonic()
-        rep = subprocess.run(
+        rep = _run_replay(
             [
                 sys.executable,
                 "-m",
@@ -51,17 +84,13 @@ def _replay(bag: Path, env: dict, *extra: str) -> tuple[dict, dict]:
                 "15",
                 *extra,
             ],
-            check=False,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
+            env,
+            timeout_s=60,
         )
         assert rep.returncode == 0, rep.stderr
         out, _ = sub.communicate(timeout=40)
     finally:
-        sub.kill()
-        sub.wait(timeout=10)
+        _stop(sub)
     got = json.loads(out.strip().splitlines()[-1])
     got["t_start"] = t_start
     return json.loads(rep.stdout.strip().splitlines()[-1]), got
@@ -118,19 +147,15 @@ def _replay_raw(bag: Path, env: dict, *extra: str, image_topic: str, images: int
     got = {}
     try:
         assert sub.stdout.readline().strip() == "ready"
-        rep = subprocess.run(
+        rep = _run_replay(
             ["physis-replay", str(bag), "--reliable", "--wait-subscribers-s", "10", *extra],
-            check=False,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=90,
+            env,
+            timeout_s=90,
         )
         if images:
             got = json.loads(sub.communicate(timeout=70)[0].strip().splitlines()[-1])
     finally:
-        sub.kill()
-        sub.wait(timeout=10)
+        _stop(sub)
     return rep, got
 
 
@@ -184,13 +209,10 @@ def test_replay_that_publishes_nothing_fails_in_one_line(tmp_path, ros_env):
     nothing on the wire exits 1 with one line saying so (not 0 with an empty count)."""
     src = record_small(tmp_path / "bag", duration_s=0.5, seed=7)
     bag = rewrite_bag(src, tmp_path / "all_corrupt", edit=lambda _t, _i, raw, _s: raw[:10])
-    rep = subprocess.run(
+    rep = _run_replay(
         ["physis-replay", str(bag), "--topics", "/camera/image_raw", "--wait-subscribers-s", "0"],
-        check=False,
-        env=ros_env,
-        capture_output=True,
-        text=True,
-        timeout=90,
+        ros_env,
+        timeout_s=90,
     )
     assert rep.returncode == 1, rep.stderr
     assert "Traceback" not in rep.stderr
