@@ -50,7 +50,8 @@ class Monitor:
         ``images``: more sensor_msgs/Image topics to watch (e.g. predicted/preview/step_<k>);
         ``namespace``: the robot's, against which the relative topic names resolve."""
         self.context = Context()
-        rclpy.init(context=self.context, domain_id=domain_id)
+        # args=[]: the host program's own arguments (physis-demo's, a test's) are not ROS ones
+        rclpy.init(args=[], context=self.context, domain_id=domain_id)
         self.node = Node("physis_monitor", namespace=namespace, context=self.context)
         self._lock = threading.Lock()
         self.arrivals: dict[str, list[float]] = defaultdict(list)
