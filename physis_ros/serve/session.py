@@ -104,8 +104,8 @@ class Anchor:
 
     Only these stamps, never the slot's frames: a stream remembers ANCHORS_KEPT anchors, and
     holding each slot's pixels grew the server by ~1.8 MB per 640x480 observation (up to
-    ~1.8 GB a stream) and slowed the receive of every new message, which then lands in memory
-    the process has not touched yet (0.5 ms more per 0.9 MB observation on loopback)."""
+    ~1.8 GB a stream) and slowed the receive of every new message by ~0.6 ms per 0.9 MB
+    observation on loopback (most likely: it landed in memory the process had not touched)."""
 
     seq: int
     capture_stamp_ns: int
