@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from physis_ros.children import stop_child
 from physis_ros.eval.replay import restamp
 from physis_ros.sim.record import EPOCH_S
 
@@ -32,15 +33,6 @@ def test_restamp_moves_only_the_header_stamp():
     assert int.from_bytes(out[4:8], "little") == 6 and int.from_bytes(out[8:12], "little") == 1
     with pytest.raises(ValueError, match="too short"):
         restamp(b"\x00\x01\x00\x00", 0)
-
-
-def _stop(sub: subprocess.Popen) -> None:
-    """Ends the subscriber the way that leaves no trace in DDS (its node destroyed)."""
-    sub.terminate()
-    try:
-        sub.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        sub.kill()
 
 
 def _run_replay(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
@@ -90,7 +82,7 @@ def _replay(bag: Path, env: dict, *extra: str) -> tuple[dict, dict]:
         assert rep.returncode == 0, rep.stderr
         out, _ = sub.communicate(timeout=40)
     finally:
-        _stop(sub)
+        stop_child(sub, timeout_s=20)  # SIGTERM: the subscriber destroys its node
     got = json.loads(out.strip().splitlines()[-1])
     got["t_start"] = t_start
     return json.loads(rep.stdout.strip().splitlines()[-1]), got
@@ -155,7 +147,7 @@ def _replay_raw(bag: Path, env: dict, *extra: str, image_topic: str, images: int
         if images:
             got = json.loads(sub.communicate(timeout=70)[0].strip().splitlines()[-1])
     finally:
-        _stop(sub)
+        stop_child(sub, timeout_s=20)  # SIGTERM: the subscriber destroys its node
     return rep, got
 
 

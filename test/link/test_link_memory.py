@@ -1,7 +1,7 @@
 """What the server keeps of a stream's observations once the engine has them: not their
 pixels. A stream remembers the anchors of up to ANCHORS_KEPT observed slots for its replies;
-each must be stamps only, or a 640x480 camera keeps ~1 GB alive per stream (and every new
-message lands in memory never touched before)."""
+each must be stamps only: with the pixels, a 640x480 camera kept ~1.8 MB per observation
+alive (up to ~1.8 GB a stream) and every new observation took ~0.6 ms longer to receive."""
 
 from __future__ import annotations
 

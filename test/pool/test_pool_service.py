@@ -6,6 +6,7 @@ for the workers (what it is asked to open is checked), with a measured-looking p
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -207,8 +208,6 @@ def test_default_target_is_the_fastest_the_simulator_confirms():
     ],
 )
 def test_a_compute_refusal_says_what_falls_short(p50_ms, mean_ms, reason, shortfall):
-    from types import SimpleNamespace
-
     served, _ = _pooled()
     late = SimpleNamespace(
         meets_target=False,
