@@ -57,6 +57,19 @@ _CLEAN = re.compile(r"\[INFO\] \[([\w.-]+)\]: process has finished cleanly \[pid
 _DIED = re.compile(r"\[ERROR\] \[([\w.-]+)\]: process has died \[pid (\d+), exit code (-?\d+)")
 
 
+def _why_it_died(log: str, name: str) -> str:
+    """A died process's own lines around the first sign of its end (a C++ terminate's
+    message, Python's fatal error, a traceback): the cause comes before the thread stacks
+    faulthandler prints, which would push it out of the log's tail."""
+    lines = [line for line in log.splitlines() if line.startswith(f"[{name}] ")]
+    first = next(
+        (i for i, line in enumerate(lines)
+         if re.search(r"terminate called|Fatal Python error|Traceback|what\(\)", line)),
+        max(0, len(lines) - 40),
+    )  # fmt: skip
+    return "\n".join(lines[max(0, first - 20) : first + 20])
+
+
 class LaunchRun:
     """``ros2 launch physis_ros ARGS`` in a session of its own (a terminal's foreground
     group), its output in ``log_path``; a context manager that never leaves it running."""
@@ -105,7 +118,9 @@ class LaunchRun:
         clean = {pid for _name, pid in _CLEAN.findall(log)}
         died = _DIED.findall(log)
         assert started, f"launch started nothing:\n{log[-3000:]}"
-        assert not died, f"processes died: {died}\n{log[-3000:]}"
+        assert not died, f"processes died: {died}\n" + "\n".join(
+            _why_it_died(log, name) for name, _pid, _code in died
+        )
         assert set(started) == clean, (
             f"not finished cleanly: {[started[p] for p in set(started) - clean]}\n{log[-3000:]}"
         )

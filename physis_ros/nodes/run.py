@@ -1,13 +1,12 @@
 """``run_node``: the one ``main`` of every node here: the command line (``--help`` prints the
 node's usage and parameters and exits 0 before anything starts; ROS arguments, ``--ros-args
-...``, go to rclpy; anything else is a usage error), init, spin, clean exit on Ctrl-C or
-SIGTERM (rclpy shuts the context down; a callback caught mid-publish then fails with
-RCLError, which is the shutdown, not a fault), and the node's own ``shutdown`` hook.
+...``, go to rclpy; anything else is a usage error), init, spin, and a clean exit (0) on
+Ctrl-C or SIGTERM at any moment: while the node is being built, or while it spins (then
+executor, the node's own ``shutdown`` hook, node, context are stopped in that order; see
+``StopSignals``).
 
 ``executor="events"`` uses rclpy's EventsExecutor, whose per-message overhead is a fraction
-of the SingleThreadedExecutor's (it matters at hundreds of sensor messages a second). In
-rclpy 9.1.2 its ``spin()`` busy-loops and starves timers, so it is driven by ``spin_once``
-with a timeout, which works.
+of the SingleThreadedExecutor's (it matters at hundreds of sensor messages a second).
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from dataclasses import dataclass
 
 import rclpy
 from rclpy._rclpy_pybind11 import RCLError  # rclpy 9 exports it only here
-from rclpy.executors import ExternalShutdownException
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.signals import SignalHandlerOptions
 
 EXECUTORS = ("single", "events")
 
@@ -65,9 +65,10 @@ def check_command_line(usage: NodeUsage, args: Sequence[str] | None = None) -> N
 
 
 def quiet_at_shutdown(callback):
-    """For a node's callbacks that publish: Ctrl-C shuts the context down under a callback that is
-    publishing, whose publish then raises RCLError; that is the shutdown, and the
-    EventsExecutor would log it as a FATAL error with a stack. Other errors pass."""
+    """For a node's callbacks that publish: an outside ``rclpy.shutdown`` (not run_node's own
+    stop, which shuts down after the node) can land under a callback that is publishing, whose
+    publish then raises RCLError; that is the shutdown, and the EventsExecutor would log it as
+    a FATAL error with a stack. Other errors pass."""
 
     @functools.wraps(callback)
     def guarded(node, *args, **kwargs):
@@ -90,58 +91,112 @@ def run_node(
         raise ValueError(f"executor {executor!r} is not one of {EXECUTORS}")
     if usage is not None:
         check_command_line(usage, args)
+    # Until the node spins, SIGINT and SIGTERM raise KeyboardInterrupt: a node still being
+    # built (the bridge waits minutes for a starting server's port file) stops at once. With
+    # rclpy's handlers the signal shut the context down under the constructor, which went on
+    # waiting and then failed with a traceback. (Set for SIGINT too: a shell starts a
+    # background job with SIGINT ignored, and rclpy used to take it over regardless.)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
+    stop = StopSignals()
     try:
-        with rclpy.init(args=args):
+        with rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO):
             context = rclpy.get_default_context()
             node = factory()
+            spinner = _make_executor(executor, context)
+            stop.install()  # after the executor: the EventsExecutor installs its own
             try:
-                if executor == "events":
-                    from rclpy.experimental import EventsExecutor
-
-                    _spin_events(EventsExecutor(context=context), node, context)
-                else:
-                    rclpy.spin(node)
-            except RCLError:
-                if context.ok():
-                    raise
+                spinner.add_node(node)
+                _spin(spinner, node, context, stop, tolerate_bare_errors=executor == "events")
             finally:
                 _ignore_further_interrupts()
-                hook = getattr(node, "shutdown", None)
-                if callable(hook):
-                    hook()
-    except (KeyboardInterrupt, ExternalShutdownException):
+                _stop_node(spinner, node)
+                del spinner  # the EventsExecutor's destructor puts SIGINT back to default
+                _ignore_further_interrupts()
+    except KeyboardInterrupt:
         pass
     finally:
-        _ignore_further_interrupts()  # rclpy's shutdown put its predecessor's handler back
+        _ignore_further_interrupts()
     return 0
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while the node spins: a request to stop, seen between two spins
+    (at most ``SPIN_PERIOD_S`` later). The node then stops in order while its context is
+    still valid: the executor lets go of the node's entities, the node's hook runs, the node
+    is destroyed, and only then is rclpy shut down. Letting the signal shut the context down
+    first (rclpy's handlers, and the EventsExecutor's own) tore the executor down after
+    ``rcl_shutdown``: once in a CI run the EventsExecutor's destructor aborted the bridge
+    (exit -6)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._take)
+
+    def _take(self, signum: int, _frame) -> None:
+        self.received = signum
+
+
+SPIN_PERIOD_S = 0.1
+"""Longest one spin blocks: how soon a stop request is seen. (The EventsExecutor's
+``spin()`` busy-loops and starves timers in rclpy 9.1.2; ``spin_once`` with a timeout works.)"""
+
+EXECUTOR_SHUTDOWN_TIMEOUT_S = 5.0
+"""Longest the executor waits for a callback in progress when the node stops."""
+
+
+def _make_executor(kind: str, context):
+    if kind == "events":
+        from rclpy.experimental import EventsExecutor
+
+        return EventsExecutor(context=context)
+    return SingleThreadedExecutor(context=context)
+
+
+def _stop_node(spinner, node) -> None:
+    """Executor, hook, node, in that order, while the context is valid."""
+    try:
+        spinner.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_TIMEOUT_S)
+    except RuntimeError as err:  # reported, and the node's own shutdown still runs
+        node.get_logger().error(f"executor shutdown failed: {err}")
+    hook = getattr(node, "shutdown", None)
+    if callable(hook):
+        hook()
+    node.destroy_node()
 
 
 def _ignore_further_interrupts() -> None:
     """Once the node is stopping, SIGINT is spent: Ctrl-C in a terminal signals the whole
     process group and ``ros2 launch`` then signals each process again; that second SIGINT
-    killed sim_robot mid-teardown (exit -2) instead of letting it finish (exit 0)."""
+    killed sim_robot mid-teardown (exit -2) instead of letting it finish (exit 0). SIGTERM
+    stays a hard stop (``ros2 launch`` sends it only when SIGINT did not end a process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 MAX_CONSECUTIVE_EXECUTOR_ERRORS = 10
 
 
-def _spin_events(events, node, context) -> None:
-    """EventsExecutor (experimental in rclpy 9) can raise a bare RuntimeError from pybind11
-    ("Unable to convert call argument '0' to Python object"): it ended the bridge in one
-    test run of the demo. When the context is shutting down that is the shutdown; otherwise
-    one event is lost, which is logged, and the node keeps running unless it happens again
-    and again."""
-    events.add_node(node)
+def _spin(spinner, node, context, stop: StopSignals, *, tolerate_bare_errors: bool) -> None:
+    """Until a stop signal or an outside ``rclpy.shutdown``. ``tolerate_bare_errors``: the
+    EventsExecutor (experimental in rclpy 9) can raise a bare RuntimeError from pybind11
+    ("Unable to convert call argument '0' to Python object"): it ended the bridge in one test
+    run of the demo. One such error loses one event, which is logged, and the node keeps
+    running unless it happens again and again."""
     errors_in_a_row = 0
-    while context.ok():
+    while context.ok() and stop.received is None:
         try:
-            events.spin_once(timeout_sec=0.1)
+            spinner.spin_once(timeout_sec=SPIN_PERIOD_S)
             errors_in_a_row = 0
+        except ExternalShutdownException:
+            return
         except RuntimeError as err:
             if not context.ok():
-                return  # shut down while spinning
-            if isinstance(err, RCLError):
+                return  # shut down from outside while spinning
+            if isinstance(err, RCLError) or not tolerate_bare_errors:
                 raise
             errors_in_a_row += 1
             node.get_logger().error(
