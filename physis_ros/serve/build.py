@@ -186,6 +186,7 @@ def pooled(engine, pool: Pool, spec: ServingSpec) -> PooledEngine:
         chunks_per_interval=pool.request.chunks_per_interval,
         stage_devices=pool.stage_devices,
         max_streams=spec.max_streams,
+        recalibrate=spec.recalibrate,
     )
 
 

@@ -108,7 +108,8 @@ class EngineLoop:
         self._send_revisions()
 
     def _send_revisions(self) -> None:
-        """Promises the engine revised (a stream joined or left) go to their streams."""
+        """Promises the engine revised (a stream joined or left, or the measured latencies
+        moved them) go to their streams."""
         take = getattr(self.engine, "take_revisions", None)
         if take is None:
             return
@@ -173,6 +174,8 @@ class EngineLoop:
             except StreamFailed as exc:
                 self._fail(exc)
                 continue
+            if outputs:
+                self._send_revisions()  # promises the measured latencies moved (pool engine)
             for out in outputs:
                 session = self._sessions.get(out.stream_id)
                 if session is None:

@@ -103,6 +103,10 @@ class ServingSpec:
     context_chunks: bool = True
     """Charge every generated chunk with one context chunk (the observation put in before
     it), as a stream fed at its interval does."""
+    recalibrate: bool = True
+    """Scale the pool's costs by the measured latencies while serving (promises revised,
+    later admissions checked against them); false: the start-up costs throughout (admissions
+    reproducible from a profile, whatever the host's load)."""
 
     # ---- distributed: the torch.distributed runtime (torchrun) -------------------------
     threads: int = 1
@@ -351,7 +355,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "model_config",
     ),
     "placement": ("plan", "workers", "profile"),
-    "pool": ("policy", "default_target_ms", "max_utilization", "memory_gib", "context_chunks"),
+    "pool": (
+        "policy",
+        "default_target_ms",
+        "max_utilization",
+        "memory_gib",
+        "context_chunks",
+        "recalibrate",
+    ),
     "distributed": (
         "threads",
         "heartbeat_interval_s",

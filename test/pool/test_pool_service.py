@@ -10,12 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from physis_ros.engine.api import AdmissionRefused, StreamPromise, StreamSpec
+from physis_ros.engine.api import AdmissionRefused, ChunkOutput, StreamPromise, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.pool.admission import PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.service import (
+    RECALIBRATE_CHUNKS,
     PooledEngine,
     PoolSimulation,
     plan_default_target,
@@ -47,6 +48,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.layouts: dict[int, tuple] = {}
         self.closed: list[int] = []
+        self.finished: list[ChunkOutput] = []  # what the next poll returns
         self._next = 0
 
     def open_stream(self, spec: StreamSpec, *, layout) -> StreamPromise:
@@ -70,6 +72,10 @@ class FakeEngine:
     def close_stream(self, stream_id: int) -> None:
         self.closed.append(stream_id)
         del self.layouts[stream_id]
+
+    def poll(self, timeout_s: float) -> list[ChunkOutput]:
+        out, self.finished = self.finished, []
+        return out
 
 
 def _pooled(*, devices=2, policy="shared", usable=1.0 * GIB, stage_devices=None, **kw):
@@ -159,6 +165,52 @@ def test_promises_are_revised_when_streams_join_and_leave():
     assert again[first.stream_id].expected_response_latency_ms == pytest.approx(
         first.expected_response_latency_ms, rel=0.05
     )
+
+
+def _finished(stream_id: int, latencies_ms: list[float], *, preview_steps: int = 0):
+    return [
+        ChunkOutput(
+            stream_id=stream_id, chunk=c, frames=None, actions=None, entered_s=100.0 + c,
+            left_s=100.0 + c + ms / 1e3, decoded_s=100.0 + c + ms / 1e3,
+            preview_steps=preview_steps,
+        )
+        for c, ms in enumerate(latencies_ms)
+    ]  # fmt: skip
+
+
+def test_promises_follow_the_measured_latency():
+    """A host slower than at calibration (other processes on it): once a stream's measured
+    median is off its promise, every promise is simulated again with the costs scaled by the
+    measured ratio, and the streams are told; within the tolerance nothing changes."""
+    served, engine = _pooled(devices=1)
+    first = served.open_stream(StreamSpec(seed=0, target_interval_ms=64.0))
+    second = served.open_stream(StreamSpec(seed=1, target_interval_ms=64.0))
+    served.take_revisions()
+    promised = first.expected_response_latency_ms
+
+    near = [promised * 1.1] * RECALIBRATE_CHUNKS  # within the tolerance
+    previews = [promised * 5] * RECALIBRATE_CHUNKS  # a preview is not a chunk's latency
+    engine.finished = _finished(first.stream_id, near) + _finished(
+        first.stream_id, previews, preview_steps=1
+    )
+    assert len(served.poll(0.0)) == 2 * RECALIBRATE_CHUNKS  # handed on as they are
+    assert served.measured_slowdown == 1.0 and served.take_revisions() == []
+
+    engine.finished = _finished(first.stream_id, [promised * 2.0] * (RECALIBRATE_CHUNKS - 1))
+    served.poll(0.0)
+    assert served.measured_slowdown == 1.0  # not enough chunks yet
+    engine.finished = _finished(first.stream_id, [promised * 2.0])
+    served.poll(0.0)
+    assert served.measured_slowdown == pytest.approx(2.0)
+    revised = {p.stream_id: p for p in served.take_revisions()}
+    assert set(revised) == {first.stream_id, second.stream_id}  # every stream, both told
+    assert revised[first.stream_id].revision == 1
+    assert revised[first.stream_id].expected_response_latency_ms > 1.5 * promised
+    assert served.info()["measured_slowdown"] == "2.00"
+
+    # A stream admitted now is promised what the slower host gives.
+    third = served.open_stream(StreamSpec(seed=2, target_interval_ms=64.0))
+    assert third.expected_response_latency_ms > 1.5 * promised
 
 
 def test_memory_refusal_names_the_device_and_the_shortfall():

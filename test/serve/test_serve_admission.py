@@ -48,13 +48,15 @@ def serve(tmp_path):
     """Start physis-serve with the given flags; yields a function that does, and stops them."""
     procs = []
 
-    def start(*flags: str) -> str:
-        (tmp_path / "profile.json").write_text(json.dumps(PROFILE))
+    def start(*flags: str, profile: dict = PROFILE, recalibrate: bool = False) -> str:
+        """``recalibrate`` False: the profile's costs throughout, whatever this host
+        measures (the admissions below are the profile's)."""
+        (tmp_path / "profile.json").write_text(json.dumps(profile))
         config = tmp_path / "serve.yaml"
         config.write_text(
             "engine: {model: tiny, steps: 4, window: 2}\n"
             f"placement: {{workers: 1, profile: {tmp_path / 'profile.json'}}}\n"
-            "pool: {max_utilization: 0.9}\n"
+            f"pool: {{max_utilization: 0.9, recalibrate: {str(recalibrate).lower()}}}\n"
         )
         port_file = tmp_path / f"port{len(procs)}"
         log = open(tmp_path / f"serve{len(procs)}.log", "wb")  # noqa: SIM115 - closed below
@@ -159,6 +161,27 @@ def test_promises_are_revised_for_everyone_and_one_too_many_is_refused(serve):
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_promise_follows_the_latency_measured_while_serving(serve):
+    """A profile 20x faster than this host: the first promise is far too optimistic; the
+    chunks' measured latencies scale the pool's costs and the stream is told a new promise."""
+    fast = {
+        **PROFILE,
+        "entries": [{**e, "ms_p50": e["ms_p50"] / 20, "ms_p99": e["ms_p99"] / 20}
+                    for e in PROFILE["entries"]],
+    }  # fmt: skip
+    target = serve(profile=fast, recalibrate=True)
+    client, refused = _open(target, 0, 100.0)
+    try:
+        assert not refused
+        first = client.stats().promise
+        _feed_until([client], lambda: client.stats().promise.revision >= 1)
+        revised = client.stats().promise
+        assert revised.expected_response_latency_ms > 2 * first.expected_response_latency_ms
+        assert float(_info(target).engine["measured_slowdown"]) > 2.0
+    finally:
+        client.close()
 
 
 def test_static_policy_is_selectable_and_gives_each_stream_its_own_worker(serve):

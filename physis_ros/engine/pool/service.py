@@ -16,7 +16,13 @@ workers (``LocalEngine``'s worker threads, ``DistEngine``'s ranks; device d = wo
 - otherwise the stream opens with the admitted layout and is promised what the simulation
   predicts for it (interval, response latency, the chunks in flight it needs);
 - whenever a stream joins or leaves, every other stream's promise is simulated again, and
-  changed ones are handed out by ``take_revisions`` for the server to tell its clients.
+  changed ones are handed out by ``take_revisions`` for the server to tell its clients;
+- the chunks that come out are timed (entered -> left the pipeline, what a promise's response
+  latency predicts): when a stream's median over its last ``RECALIBRATE_CHUNKS`` is off its
+  promise by more than ``RECALIBRATE_TOLERANCE``, the costs the pool predicts with are scaled
+  by the measured ratio (``measured_slowdown``: other processes on the host, a warmer or
+  colder device than at start-up), every promise is simulated again and revised, and the
+  streams admitted later are checked against the scaled costs.
 
 ``plan_default_target`` is the start-up planning: the fastest interval the pool can promise
 one stream, and the placement that gets it.
@@ -27,7 +33,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 from physis_ros.engine.api import AdmissionRefused, StreamPromise, StreamSpec
@@ -48,6 +56,13 @@ FASTEST_STEPS = 16
 ``FASTEST_STEP`` up to ``FASTEST_STEPS`` times (about 35 times the default)."""
 REVISION_TOLERANCE = 0.05
 """A stream is told of a new promise when its interval or latency moves by more than this."""
+RECALIBRATE_CHUNKS = 32
+"""Chunks of one stream whose measured latency is compared with its promise at a time."""
+RECALIBRATE_TOLERANCE = 0.2
+"""Measured median latency off the promise by more than this: the costs are rescaled. Wider
+than REVISION_TOLERANCE so that the run-to-run spread of a busy host does not flap."""
+SLOWDOWN_BOUNDS = (0.25, 50.0)
+"""Measured slowdown kept within these (a stalled host is a fault, not a calibration)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,10 +223,12 @@ class PooledEngine:
         chunks_per_interval: int = 2,
         stage_devices: tuple[int, ...] | None = None,
         max_streams: int = 1_000_000,
+        recalibrate: bool = True,
     ) -> None:
         """``engine``: opens streams with ``open_stream(spec, layout=...)``; may have
         ``load_blocks(layout)`` (ranks load the weights a layout needs before it opens).
-        ``stage_devices``: every stream gets this placement (given by hand), checked."""
+        ``stage_devices``: every stream gets this placement (given by hand), checked.
+        ``recalibrate``: scale the costs by the measured latencies (module docstring)."""
         if not default_target_ms > 0:
             raise ValueError(f"default_target_ms must be > 0, got {default_target_ms}")
         self.engine = engine
@@ -224,10 +241,14 @@ class PooledEngine:
         self.chunks_per_interval = chunks_per_interval
         self.stage_devices = stage_devices
         self.max_streams = max_streams
+        self.recalibrate = recalibrate
         self.controller = AdmissionController(
             pool, cost, simulated=self._predicted, slot_wait=False
         )
-        self._headroom = SlowerCost(cost, 1 / pool.max_utilization)
+        self.measured_slowdown = 1.0
+        """Measured latency / predicted, applied to every forward the pool predicts."""
+        self._now_cost, self._headroom = self._scaled_costs()
+        self._measured: dict[int, deque[float]] = {}  # stream id -> latencies (ms) not yet used
         self._streams: dict[int, _Stream] = {}
         self._revised: dict[int, StreamPromise] = {}
         self._lock = threading.Lock()
@@ -288,7 +309,7 @@ class PooledEngine:
     def _predicted(self, plans: list[StreamPlan]) -> dict[int, tuple[float, float]]:
         """Stream id -> (interval, response latency) the pool running ``plans`` is promised:
         the admission's latency predictor, in the promise's own terms (``_promise``)."""
-        report = simulate_plans(plans, self.cost, self.settings, self.pool.num_devices)
+        report = simulate_plans(plans, self._now_cost, self.settings, self.pool.num_devices)
         return {
             p.stream_id: (s.interval_p50_ms, s.latency_p50_ms)
             for p, s in zip(plans, report.streams, strict=True)
@@ -344,7 +365,7 @@ class PooledEngine:
             check = simulate_plans([*plans, plan], self._headroom, self.settings, G)
             missing = self._missing(check, [*plans, plan])
             if missing is None:  # promised: what the pool is predicted to do, no slower
-                return admission, simulate_plans([*plans, plan], self.cost, self.settings, G)
+                return admission, simulate_plans([*plans, plan], self._now_cost, self.settings, G)
             self.controller.close(plan.stream_id)
             first = first or missing
         raise first
@@ -417,11 +438,64 @@ class PooledEngine:
             self.engine.close_stream(stream_id)
             if st is None:
                 return
+            self._measured.pop(stream_id, None)
             self.controller.close(st.pool_id)
-            if self._streams:
-                plans = [self.controller.plans[s.pool_id] for s in self._streams.values()]
-                report = simulate_plans(plans, self.cost, self.settings, self.pool.num_devices)
-                self._revise(dict(zip(self._streams, report.streams, strict=True)))
+            self._simulate_again()
+
+    def _simulate_again(self) -> None:
+        """Every open stream's promise simulated again (under the lock), revised if moved."""
+        if self._streams:
+            plans = [self.controller.plans[s.pool_id] for s in self._streams.values()]
+            report = simulate_plans(plans, self._now_cost, self.settings, self.pool.num_devices)
+            self._revise(dict(zip(self._streams, report.streams, strict=True)))
+
+    # ---- promises kept honest by what is measured -------------------------------------------
+    def _scaled_costs(self):
+        """(the costs promises are predicted with, the slower ones admission checks)."""
+        now = (
+            self.cost
+            if self.measured_slowdown == 1.0
+            else SlowerCost(self.cost, self.measured_slowdown)
+        )
+        return now, SlowerCost(self.cost, self.measured_slowdown / self.pool.max_utilization)
+
+    def _measure(self, outputs) -> None:
+        """Times the finished chunks; rescales the costs when a stream's median is off."""
+        with self._lock:
+            for out in outputs:
+                st = self._streams.get(out.stream_id)
+                if st is None or out.preview_steps or not (out.entered_s and out.left_s):
+                    continue
+                times = self._measured.setdefault(out.stream_id, deque())
+                times.append((out.left_s - out.entered_s) * 1e3)
+                if len(times) < RECALIBRATE_CHUNKS:
+                    continue
+                measured_ms = statistics.median(times)
+                times.clear()
+                promised_ms = st.promise.expected_response_latency_ms
+                if promised_ms <= 0:
+                    continue
+                ratio = measured_ms / promised_ms
+                if abs(ratio - 1) <= RECALIBRATE_TOLERANCE:
+                    continue
+                before = self.measured_slowdown
+                low, high = SLOWDOWN_BOUNDS
+                self.measured_slowdown = min(high, max(low, before * ratio))
+                if self.measured_slowdown == before:
+                    continue
+                self._now_cost, self._headroom = self._scaled_costs()
+                log.info(
+                    "stream %d: measured latency %.1f ms (median of %d chunks) vs promised "
+                    "%.1f ms; the pool's costs are now x%.2f of the calibration (was x%.2f); "
+                    "promises simulated again",
+                    out.stream_id,
+                    measured_ms,
+                    RECALIBRATE_CHUNKS,
+                    promised_ms,
+                    self.measured_slowdown,
+                    before,
+                )
+                self._simulate_again()
 
     # ---- the rest of StreamEngine -----------------------------------------------------------
     def submit_context(self, stream_id: int, frames, actions=None, state=None, *, slot=None) -> int:
@@ -431,7 +505,10 @@ class PooledEngine:
         return self.engine.submit_generate(stream_id, actions)
 
     def poll(self, timeout_s: float):
-        return self.engine.poll(timeout_s)
+        outputs = self.engine.poll(timeout_s)
+        if outputs and self.recalibrate:
+            self._measure(outputs)
+        return outputs
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -447,6 +524,7 @@ class PooledEngine:
             "policy": self.pool.policy,
             "default_target_ms": f"{self.default_target_ms:.1f}",
             "cost_model": self.cost.name,
+            "measured_slowdown": f"{self.measured_slowdown:.2f}",
         }
         for d in range(self.pool.num_devices):
             out[f"device{d}"] = (
