@@ -18,11 +18,12 @@ workers (``LocalEngine``'s worker threads, ``DistEngine``'s ranks; device d = wo
 - whenever a stream joins or leaves, every other stream's promise is simulated again, and
   changed ones are handed out by ``take_revisions`` for the server to tell its clients;
 - the chunks that come out are timed (entered -> left the pipeline, what a promise's response
-  latency predicts): when a stream's median over its last ``RECALIBRATE_CHUNKS`` is off its
-  promise by more than ``RECALIBRATE_TOLERANCE``, the costs the pool predicts with are scaled
-  by the measured ratio (``measured_slowdown``: other processes on the host, a warmer or
-  colder device than at start-up), every promise is simulated again and revised, and the
-  streams admitted later are checked against the scaled costs.
+  latency predicts; a stream's first ``RECALIBRATE_WARMUP_CHUNKS`` are not): when a
+  stream's median over its last ``RECALIBRATE_CHUNKS`` is off its promise by more than
+  ``RECALIBRATE_TOLERANCE``, the costs the pool predicts with are scaled by the measured
+  ratio (``measured_slowdown``: other processes on the host, a warmer or colder device than
+  at start-up), every promise is simulated again and revised, and the streams admitted
+  later are checked against the scaled costs.
 
 ``plan_default_target`` is the start-up planning: the fastest interval the pool can promise
 one stream, and the placement that gets it.
@@ -58,6 +59,9 @@ REVISION_TOLERANCE = 0.05
 """A stream is told of a new promise when its interval or latency moves by more than this."""
 RECALIBRATE_CHUNKS = 32
 """Chunks of one stream whose measured latency is compared with its promise at a time."""
+RECALIBRATE_WARMUP_CHUNKS = 8
+"""A stream's first chunks are not timed: they carry its start-up (the simulator leaves its
+warm-up chunks out of a promise too)."""
 RECALIBRATE_TOLERANCE = 0.2
 """Measured median latency off the promise by more than this: the costs are rescaled. Wider
 than REVISION_TOLERANCE so that the run-to-run spread of a busy host does not flap."""
@@ -249,6 +253,7 @@ class PooledEngine:
         """Measured latency / predicted, applied to every forward the pool predicts."""
         self._now_cost, self._headroom = self._scaled_costs()
         self._measured: dict[int, deque[float]] = {}  # stream id -> latencies (ms) not yet used
+        self._untimed: dict[int, int] = {}  # stream id -> warm-up chunks still to skip
         self._streams: dict[int, _Stream] = {}
         self._revised: dict[int, StreamPromise] = {}
         self._lock = threading.Lock()
@@ -439,6 +444,7 @@ class PooledEngine:
             if st is None:
                 return
             self._measured.pop(stream_id, None)
+            self._untimed.pop(stream_id, None)
             self.controller.close(st.pool_id)
             self._simulate_again()
 
@@ -465,6 +471,10 @@ class PooledEngine:
             for out in outputs:
                 st = self._streams.get(out.stream_id)
                 if st is None or out.preview_steps or not (out.entered_s and out.left_s):
+                    continue
+                skip = self._untimed.setdefault(out.stream_id, RECALIBRATE_WARMUP_CHUNKS)
+                if skip:
+                    self._untimed[out.stream_id] = skip - 1
                     continue
                 times = self._measured.setdefault(out.stream_id, deque())
                 times.append((out.left_s - out.entered_s) * 1e3)
