@@ -434,11 +434,7 @@ def main(argv=None) -> int:
     published = (stats.chunks_published if stats is not None else 0) + counts.get(
         "predicted/image", 0
     )
-    # torchrun itself exits 1 when it forwards the stop signal to its ranks
-    stopped = (
-        {**exit_codes, "server": 0} if args.ranks and exit_codes.get("server") == 1 else exit_codes
-    )
-    ok = stats is not None and published > 0 and all(c == 0 for c in stopped.values())
+    ok = stats is not None and published > 0 and all(c == 0 for c in exit_codes.values())
     return 0 if ok or interrupted else 1
 
 

@@ -89,9 +89,11 @@ class LocalSystem:
         self.port_file.unlink(missing_ok=True)
         launcher = [sys.executable]
         if ranks:
+            # physis-torchrun: torchrun that ends with exit 0 and one line when stopped (torchrun
+            # itself re-raises the forwarded SIGINT: a traceback and exit 1)
             launcher += [
                 "-m",
-                "torch.distributed.run",
+                "physis_ros.tools.torchrun",
                 "--standalone",
                 "--nproc-per-node",
                 str(ranks),
