@@ -1,4 +1,4 @@
-"""Shared test fixtures: isolated ROS 2 domains."""
+"""Shared test fixtures: isolated ROS 2 domains, and a monitor of the topics in one."""
 
 from __future__ import annotations
 
@@ -24,3 +24,17 @@ def ros_env() -> Iterator[dict[str, str]]:
             PYTHONPATH=str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
         )
         yield env
+
+
+@pytest.fixture
+def monitor(ros_env, monkeypatch):
+    """A Monitor on ``ros_env``'s domain (every joint_command message kept), closed after."""
+    from physis_ros.nodes.monitor import Monitor
+
+    for key in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE"):
+        monkeypatch.setenv(key, ros_env[key])
+    mon = Monitor(domain_id=int(ros_env["ROS_DOMAIN_ID"]), keep=("joint_command",))
+    try:
+        yield mon
+    finally:
+        mon.close()

@@ -29,19 +29,6 @@ MS = 1_000_000
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
 
-@pytest.fixture
-def monitor(ros_env, monkeypatch):
-    from physis_ros.nodes.monitor import Monitor
-
-    for key in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE"):
-        monkeypatch.setenv(key, ros_env[key])
-    mon = Monitor(domain_id=int(ros_env["ROS_DOMAIN_ID"]), keep=("joint_command",))
-    try:
-        yield mon
-    finally:
-        mon.close()
-
-
 def _stamp_ns(header) -> int:
     return header.stamp.sec * 1_000_000_000 + header.stamp.nanosec
 

@@ -19,19 +19,6 @@ STOP_TIMEOUT_S = 60.0
 """Generous on a busy host; the bug it guards against kept the node up for minutes."""
 
 
-@pytest.fixture
-def monitor(ros_env, monkeypatch):
-    from physis_ros.nodes.monitor import Monitor
-
-    for key in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE"):
-        monkeypatch.setenv(key, ros_env[key])
-    mon = Monitor(domain_id=int(ros_env["ROS_DOMAIN_ID"]))
-    try:
-        yield mon
-    finally:
-        mon.close()
-
-
 def _stop(child: subprocess.Popen, sig: int) -> tuple[int, str]:
     """Signal, wait (SIGKILL after STOP_TIMEOUT_S), and the child's output."""
     code = stop_child(child, sig=sig, timeout_s=STOP_TIMEOUT_S)
