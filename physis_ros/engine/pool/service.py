@@ -251,7 +251,6 @@ class PooledEngine:
         )
         self.measured_slowdown = 1.0
         """Measured latency / predicted, applied to every forward the pool predicts."""
-        self._now_cost, self._headroom = self._scaled_costs()
         self._measured: dict[int, deque[float]] = {}  # stream id -> latencies (ms) not yet used
         self._untimed: dict[int, int] = {}  # stream id -> warm-up chunks still to skip
         self._streams: dict[int, _Stream] = {}
@@ -456,14 +455,17 @@ class PooledEngine:
             self._revise(dict(zip(self._streams, report.streams, strict=True)))
 
     # ---- promises kept honest by what is measured -------------------------------------------
-    def _scaled_costs(self):
-        """(the costs promises are predicted with, the slower ones admission checks)."""
-        now = (
-            self.cost
-            if self.measured_slowdown == 1.0
-            else SlowerCost(self.cost, self.measured_slowdown)
-        )
-        return now, SlowerCost(self.cost, self.measured_slowdown / self.pool.max_utilization)
+    @property
+    def _now_cost(self):
+        """The costs promises are predicted with: the calibration, scaled as measured."""
+        if self.measured_slowdown == 1.0:
+            return self.cost
+        return SlowerCost(self.cost, self.measured_slowdown)
+
+    @property
+    def _headroom(self):
+        """The slower costs admission checks every target with."""
+        return SlowerCost(self.cost, self.measured_slowdown / self.pool.max_utilization)
 
     def _measure(self, outputs) -> None:
         """Times the finished chunks; rescales the costs when a stream's median is off."""
@@ -493,7 +495,6 @@ class PooledEngine:
                 self.measured_slowdown = min(high, max(low, before * ratio))
                 if self.measured_slowdown == before:
                     continue
-                self._now_cost, self._headroom = self._scaled_costs()
                 log.info(
                     "stream %d: measured latency %.1f ms (median of %d chunks) vs promised "
                     "%.1f ms; the pool's costs are now x%.2f of the calibration (was x%.2f); "
