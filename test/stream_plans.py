@@ -52,25 +52,45 @@ def live_skeleton(seed: int, *, horizon: int, observations: int) -> list[tuple]:
     return items
 
 
-def live_random_plan(cfg: ModelConfig, seed: int, *, horizon: int, observations: int = 6):
-    """``live_skeleton`` with random observed chunks: an ``oracle.Plan``."""
+def rollout_skeleton(seed: int, *, horizon: int, observations: int) -> list[tuple]:
+    """A served stream with rollouts (DESIGN.md §3.1): each observed slot, then slots
+    o+1..o+h generated again from it, as ("observe", slot) / ("generate", slot) items; now and
+    then the next observation comes before its rollout is complete (a busy engine), or skips
+    a slot. Seeded."""
+    rng = random.Random(4321 + seed)
+    items: list[tuple] = []
+    newest = -1
+    while newest < observations - 1:
+        newest += 2 if newest >= 0 and rng.random() < 0.15 else 1
+        items.append(("observe", newest))
+        last = horizon if newest == observations - 1 else rng.choice([horizon] * 4 + [1])
+        items.extend(("generate", newest + j) for j in range(1, last + 1))
+    return items
+
+
+def live_random_plan(
+    cfg: ModelConfig, seed: int, *, horizon: int, observations: int = 6, rollouts: bool = False
+):
+    """``live_skeleton`` (``rollout_skeleton`` with ``rollouts``) with random observed
+    chunks: an ``oracle.Plan``."""
     gen = torch.Generator().manual_seed(1000 + seed)
+    skeleton = rollout_skeleton if rollouts else live_skeleton
     return [
         ("observe", item[1], torch.randn(chunk_numel(cfg), generator=gen) * 0.5)
         if item[0] == "observe"
-        else ("generate", None)
-        for item in live_skeleton(seed, horizon=horizon, observations=observations)
+        else ("generate", None, *item[1:])
+        for item in skeleton(seed, horizon=horizon, observations=observations)
     ]
 
 
 def run_live_plans(engine, plans: dict, timeout_s: float = 90.0, seed: int = 0) -> tuple:
     """Submit the plans item by item, a random stream at a time, polling 0-3 ms between
-    items, so observations arrive while earlier chunks are in flight. Returns (sid -> slot ->
-    (x, anchor), items submitted while the engine still owed results)."""
+    items, so observations arrive while earlier chunks are in flight. Returns (sid -> (slot,
+    anchor) -> x, items submitted while the engine still owed results)."""
     rng = random.Random(seed)
     todo = {sid: list(plan) for sid, plan in plans.items()}
     expected = sum(1 for plan in plans.values() for item in plan if item[0] == "generate")
-    got: dict[int, dict[int, tuple[torch.Tensor, int]]] = {sid: {} for sid in plans}
+    got: dict[int, dict[tuple[int, int], torch.Tensor]] = {sid: {} for sid in plans}
     mid_flight = submitted_gen = 0
     deadline = time.monotonic() + timeout_s
     while sum(map(len, got.values())) < expected:
@@ -83,10 +103,11 @@ def run_live_plans(engine, plans: dict, timeout_s: float = 90.0, seed: int = 0) 
             if item[0] == "observe":
                 engine.submit_context_x(sid, item[2], slot=item[1])
             else:
-                engine.submit_generate(sid)
+                engine.submit_generate(sid, slot=item[2] if len(item) > 2 else None)
                 submitted_gen += 1
         for res in engine.poll_results(rng.random() * 0.003 if live else 0.1):
-            got[res.stream_id][res.chunk] = (res.x.cpu(), res.anchor)
+            assert (res.chunk, res.anchor) not in got[res.stream_id], "a version came twice"
+            got[res.stream_id][res.chunk, res.anchor] = res.x.cpu()
     return got, mid_flight
 
 
@@ -109,14 +130,19 @@ def run_plans(engine, plans: dict, timeout_s: float = 90.0) -> dict[int, dict[in
     return got
 
 
-def worst_oracle_error(cfg, plans: dict, specs: dict, got: dict, device: str = "cpu") -> float:
+def worst_oracle_error(
+    cfg, plans: dict, specs: dict, got: dict, device: str = "cpu", *, by_anchor: bool = False
+) -> float:
     """Max |streamed - oracle| over every chunk of every stream; ``cfg`` a RuntimeConfig (the
-    weights seed and sampler the engine ran with), ``specs`` sid -> StreamSpec."""
+    weights seed and sampler the engine ran with), ``specs`` sid -> StreamSpec; ``got`` sid
+    -> slot -> x, or with ``by_anchor`` sid -> (slot, anchor) -> x."""
     model = build_model(cfg.model_config, seed=cfg.weights_seed, device=device)
     worst = 0.0
     for sid, plan in plans.items():
         cond = torch.from_numpy(specs[sid].prompt_embedding)
-        ref = sample_noisy(model, cfg.sampler_config, plan, seed=specs[sid].seed, cond=cond)
+        ref = sample_noisy(
+            model, cfg.sampler_config, plan, seed=specs[sid].seed, cond=cond, by_anchor=by_anchor
+        )
         assert sorted(got[sid]) == sorted(ref)
         for c, x in ref.items():
             worst = max(worst, (got[sid][c] - x.cpu()).abs().max().item())

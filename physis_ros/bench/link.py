@@ -100,11 +100,11 @@ class EchoEngine:
         self._chunks[stream_id] = max(self._chunks[stream_id], slot + 1)
         return slot
 
-    def submit_generate(self, stream_id: int, actions=None) -> int:
+    def submit_generate(self, stream_id: int, actions=None, *, slot=None) -> int:
         from physis_ros.engine.api import ChunkOutput
 
-        chunk = self._chunks[stream_id]
-        self._chunks[stream_id] = chunk + 1
+        chunk = self._chunks[stream_id] if slot is None else slot
+        self._chunks[stream_id] = max(self._chunks[stream_id], chunk + 1)
         now_s = time.monotonic()
         self._done.put(
             ChunkOutput(

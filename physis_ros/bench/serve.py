@@ -85,7 +85,8 @@ class _Stream:
             if pred is None:
                 continue
             times = pred.server_times_ns
-            self.left_ns.append(times["left"])
+            if not promise.rollouts or pred.horizon == 1:  # rollouts: the interval between them
+                self.left_ns.append(times["left"])
             self.overlap.add(pred.stream_id, times["entered"], times["left"])
             if pred.observation_seq > self._responded_seq and times["queued"]:
                 self._responded_seq = pred.observation_seq

@@ -40,6 +40,11 @@ class StreamSpec:
     previews: bool = False
     """After each denoising step k < K, also deliver the chunk's x0 estimate, decoded
     (``ChunkOutput.preview_steps`` = k): a look at the chunk one step-time sooner."""
+    rollouts: bool = False
+    """Every observation generates all slots up to its horizon again (a rollout: each
+    horizon 1..h anchored on the newest observation, h chunks through the pipeline per
+    observation, overlapping there); False: each observation generates only the slot h
+    ahead of it. Needs a horizon and a codec that decodes each chunk on its own."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +76,15 @@ class StreamPromise:
     when it asked for 0; 0: not paced (an engine without admission, as fast as it goes)."""
     revision: int = 0
     """0 at admission; +1 each time the promise is revised (another stream joined or left)."""
+    rollouts: bool = False
+    """Each observation generates the whole horizon again (``StreamSpec.rollouts``); the
+    interval is then between rollouts, the response latency that of a rollout's first chunk."""
+
+
+def check_rollouts(spec: StreamSpec, horizon: int) -> None:
+    """Rollouts generate up to the horizon again: a stream without one has none to redo."""
+    if spec.rollouts and horizon < 1:
+        raise ValueError(f"rollouts need a horizon >= 1, the stream has {horizon}")
 
 
 class AdmissionRefused(Exception):
@@ -141,11 +155,15 @@ class StreamEngine(Protocol):
         NaN rows are unknown), ``state`` [F, S] the proprioception at each frame, for a model
         with state values. Returns its slot."""
 
-    def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
-        """Queue a chunk to generate for the next new slot, anchored at the newest observed
-        one: ``actions`` [H, A] conditions a world model; for a world-action model with
-        committed actions they are the rows the robot has committed (NaN rows: to generate).
-        Returns its slot; ValueError when it would lie beyond the stream's horizon."""
+    def submit_generate(
+        self, stream_id: int, actions: np.ndarray | None = None, *, slot: int | None = None
+    ) -> int:
+        """Queue a chunk to generate for ``slot`` (None: the next new slot; a slot after the
+        newest observed one that was generated before is generated again: a rollout from
+        each observation), anchored at the newest observed one: ``actions`` [H, A]
+        conditions a world model; for a world-action model with committed actions they are
+        the rows the robot has committed (NaN rows: to generate). Returns its slot;
+        ValueError when it would lie beyond the stream's horizon."""
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
         """Generated chunks that finished, in per-stream chunk order; waits up to timeout_s."""

@@ -116,11 +116,13 @@ def make_codec(cfg: ModelConfig, *, device: str | torch.device = "cpu"):
     return Codec(cfg, device=device)
 
 
-def check_previews(spec, codec) -> None:
-    """A stream asking for previews needs a codec that decodes each chunk on its own: a
-    preview decoded through a causal codec would enter the stream's decoder history."""
-    if spec.previews and codec.causal:
-        raise ValueError(
-            f"previews need a codec that decodes each chunk on its own; {type(codec).__name__} "
-            "is causal per stream"
-        )
+def check_stream_codec(spec, codec) -> None:
+    """Previews and rollouts need a codec that decodes each chunk on its own: through a
+    causal codec a preview, or a slot decoded a second time, would enter the stream's
+    decoder history."""
+    for wanted, what in ((spec.previews, "previews"), (spec.rollouts, "rollouts")):
+        if wanted and codec.causal:
+            raise ValueError(
+                f"{what} need a codec that decodes each chunk on its own; "
+                f"{type(codec).__name__} is causal per stream"
+            )

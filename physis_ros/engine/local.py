@@ -22,9 +22,10 @@ from physis_ros.engine.api import (
     StreamFailed,
     StreamPromise,
     StreamSpec,
+    check_rollouts,
 )
 from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model, summary
-from physis_ros.engine.codec import check_previews, make_codec
+from physis_ros.engine.codec import check_stream_codec, make_codec
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.model import build_model
 from physis_ros.engine.placement import (
@@ -150,7 +151,7 @@ class LocalEngine:
         interval here; or on ``layout`` (placed and checked by the pool in front of it,
         ``physis_ros.engine.pool.service``), which only has to name this engine's workers."""
         self._check_alive()
-        check_previews(spec, self.codec)
+        check_stream_codec(spec, self.codec)
         cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding)
         cfg, k, L = self.cfg, self.sampler.steps, self.cfg.num_blocks
         if layout is not None:
@@ -182,6 +183,7 @@ class LocalEngine:
             sid = self._next_stream
             self._next_stream += 1
             horizon = self.horizon if spec.horizon is None else spec.horizon
+            check_rollouts(spec, horizon)
             self.runtime.open_stream(
                 sid,
                 seed=spec.seed,
@@ -207,6 +209,7 @@ class LocalEngine:
             action_dim=cfg.action_dim if cfg.action_mode != "none" else 0,
             horizon=horizon,
             action_mode=cfg.action_mode,
+            rollouts=spec.rollouts,
         )
 
     def close_stream(self, stream_id: int) -> None:
@@ -240,11 +243,13 @@ class LocalEngine:
         self.codec.observed(stream_id, c, latent)
         return c
 
-    def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
+    def submit_generate(
+        self, stream_id: int, actions: np.ndarray | None = None, *, slot: int | None = None
+    ) -> int:
         self._check_alive()
         act = request_actions(self.cfg, actions, context=False)
         with self._lock:
-            c = self.runtime.controller.submit_generate(stream_id, act)
+            c = self.runtime.controller.submit_generate(stream_id, act, slot=slot)
             self.runtime.controller.pump()
         return c
 

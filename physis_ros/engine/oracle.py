@@ -3,10 +3,12 @@
 A stream is a list of items in the order they enter the pipeline (DESIGN.md §3, live streams):
 ``("context", x)`` an observation of the next new time slot, ``("observe", slot, x)`` an
 observation of ``slot`` (which may replace a chunk generated for it), ``("generate", actions)``
-a chunk generated for the next new slot; x is a packed chunk state [X], actions [H, A] or None.
+a chunk generated for the next new slot, ``("generate", actions, slot)`` one for ``slot`` (a
+slot after the newest observation, possibly generated before: a rollout from each
+observation); x is a packed chunk state [X], actions [H, A] or None.
 Every item is one *version* of its slot: its anchor is the newest observed slot before it (an
 observation's anchor is its own slot), and it reads slots s-W..s-1 as their observed version
-if s <= anchor and one came before it, else their generated version.
+if s <= anchor and one came before it, else their newest generated version.
 
 ``sample_noisy``: for each step k one masked forward over ALL versions (observations at sigma 0
 or noised to sigma_k, generated chunks at sigma_k; a version attends to itself and what it
@@ -26,7 +28,8 @@ from physis_ros.engine.model import WanDiT, forward_sequence
 from physis_ros.engine.sampler import context_noise, initial_noise, noise_context, sigmas
 
 Plan = list[tuple]
-"""("context", x) | ("observe", slot, x) | ("generate", actions or None), in release order."""
+"""("context", x) | ("observe", slot, x) | ("generate", actions or None[, slot]), in release
+order."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ def versions(plan: Plan, window: int) -> list[Version]:
         elif kind == "observe":
             slot, value, is_obs = int(item[1]), item[2], True
         elif kind == "generate":
-            slot, value, is_obs = next_slot, item[1], False
+            slot, value, is_obs = next_slot if len(item) < 3 else int(item[2]), item[1], False
+            if not anchor < slot <= next_slot:
+                raise ValueError(f"generate slot {slot} after slot {anchor}, next {next_slot}")
         else:
             raise ValueError(f"plan item kind {kind!r} is not context, observe or generate")
         if is_obs:
@@ -106,10 +111,13 @@ def sample_noisy(
     seed: int,
     cond: torch.Tensor,
     previews: dict[tuple[int, int], torch.Tensor] | None = None,
-) -> dict[int, torch.Tensor]:
+    by_anchor: bool = False,
+) -> dict:
     """Full-sequence noisy-history sampling on prompt embedding ``cond`` [n, text_dim].
-    Returns slot -> x^(K) [X] of generated chunks. ``previews``: filled with (slot, k) ->
-    the x0 estimate x^(k-1) - sigma_(k-1) v after step k < K of every generated chunk."""
+    Returns slot -> x^(K) [X] of generated chunks (a slot generated more than once: its
+    newest version), or with ``by_anchor`` (slot, anchor) -> x^(K) of every generated
+    version. ``previews``: filled with (slot, k) -> the x0 estimate x^(k-1) - sigma_(k-1) v
+    after step k < K of every generated chunk."""
     cfg = model.cfg
     vs = versions(plan, sampler.window)
     x = _initial(model, vs, seed)
@@ -138,6 +146,8 @@ def sample_noisy(
                 if not ver.observed:
                     previews[ver.slot, k + 1] = x[i] - sig[k] * v[i]
         x = torch.where(gen[:, None], x + (sig[k + 1] - sig[k]) * v, x)
+    if by_anchor:
+        return {(v.slot, v.anchor): x[i] for i, v in enumerate(vs) if not v.observed}
     return {v.slot: x[i] for i, v in enumerate(vs) if not v.observed}
 
 

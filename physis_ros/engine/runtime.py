@@ -105,7 +105,9 @@ class Controller:
     An observation takes slot ``slot`` (default: the next new one), after the newest observed
     slot and at most the next new one; with a horizon it may replace a slot already generated
     (or queued). A generated chunk takes the next new slot, anchored at the newest observed
-    slot queued before it; with a horizon it lies at most ``horizon`` slots ahead of it.
+    slot queued before it; with a horizon it lies at most ``horizon`` slots ahead of it, and
+    may take a slot after that observation generated already (a rollout from each observation:
+    the new version replaces the old one for every chunk released after it).
 
     Not thread-safe: one thread (the driver) calls it."""
 
@@ -191,11 +193,25 @@ class Controller:
         st.next_slot = max(st.next_slot, slot + 1)
         return slot
 
-    def submit_generate(self, stream_id: int, actions: torch.Tensor | None = None) -> int:
-        """Queue a chunk to generate for the next new slot (``actions``: commanded actions of
-        a condition model). Returns its slot; ValueError beyond the stream's horizon."""
+    def submit_generate(
+        self, stream_id: int, actions: torch.Tensor | None = None, *, slot: int | None = None
+    ) -> int:
+        """Queue a chunk to generate for ``slot`` (None: the next new slot; with a horizon,
+        a slot after the newest observed one that was generated already: generated again,
+        anchored at that observation) (``actions``: commanded actions of a condition model).
+        Returns its slot; ValueError beyond the stream's horizon."""
         st = self._stream(stream_id)
-        c = st.next_slot
+        c = st.next_slot if slot is None else int(slot)
+        if slot is not None and not st.newest_observed < c <= st.next_slot:
+            raise ValueError(
+                f"generate slot {c}: slots after {st.newest_observed} up to {st.next_slot} "
+                "can be generated"
+            )
+        if c < st.next_slot and not st.horizon:
+            raise ValueError(
+                f"generate slot {c}, already generated: only a stream with a horizon "
+                "generates a slot again"
+            )
         if st.horizon and c - st.newest_observed > st.horizon:
             raise ValueError(
                 f"slot {c} is {c - st.newest_observed} ahead of the newest observed slot "
@@ -203,7 +219,7 @@ class Controller:
             )
         x = initial_noise(self.cfg, st.seed, c, actions)
         st.pending.append(_Pending(c, FLAG_PREVIEWS if st.previews else 0, x, st.newest_observed))
-        st.next_slot += 1
+        st.next_slot = max(st.next_slot, c + 1)
         return c
 
     def pump(self) -> int:
@@ -431,14 +447,15 @@ class InProcRuntime:
 
 def submit_item(controller: Controller, stream_id: int, item: tuple) -> int:
     """Queue one plan item (``oracle.Plan``: ("context", x), ("observe", slot, x) or
-    ("generate", actions or None)) on the stream; returns its slot."""
+    ("generate", actions or None[, slot])) on the stream; returns its slot."""
     kind = item[0]
     if kind == "context":
         return controller.submit_context(stream_id, item[1])
     if kind == "observe":
         return controller.submit_context(stream_id, item[2], slot=item[1])
     if kind == "generate":
-        return controller.submit_generate(stream_id, item[1])
+        slot = item[2] if len(item) > 2 else None
+        return controller.submit_generate(stream_id, item[1], slot=slot)
     raise ValueError(f"plan item kind {kind!r} is not context, observe or generate")
 
 

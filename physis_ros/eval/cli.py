@@ -158,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         "streamed once per horizon, the stream asking for it (default: the model's)",
     )
     k.add_argument(
+        "--rollouts",
+        choices=("default", "on", "off"),
+        default="default",
+        help="on: every observation generates the whole horizon again, so one stream scores "
+        "every horizon up to its own; off: only the slot h ahead (default: the server's, on "
+        "for world models)",
+    )
+    k.add_argument(
         "--previews",
         action="store_true",
         help="streams ask for previews (x0 estimates after each denoising step): PSNR by step "
@@ -319,6 +327,7 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
         max_seconds=args.max_seconds,
         horizons=horizons,
         previews=args.previews,
+        rollouts={"default": None, "on": True, "off": False}[args.rollouts],
     )
     if args.link:
         opts = LinkOptions(target=args.link, **options)

@@ -80,6 +80,9 @@ class LinkOptions:
     previews: bool = False
     """Streams ask for previews (each chunk's x0 estimate after every step but the last),
     scored apart (``previews.py``); the chunks are scored as without them."""
+    rollouts: bool | None = None
+    """Whether every observation generates the whole horizon again (None: the server's
+    default, on for world models): then one stream scores every horizon up to its own."""
 
     def __post_init__(self) -> None:
         if not self.connect_timeout_s > 0:
@@ -98,6 +101,7 @@ def make_client(opts: LinkOptions, *, seed: int, horizon: int = 0) -> LinkClient
         seed=seed,
         horizon=horizon,
         previews=opts.previews,
+        rollouts=opts.rollouts,
         target_interval_ms=opts.interval_ms,
         token=opts.token,
         root_cert_path=opts.root_cert_path,
@@ -186,9 +190,13 @@ def command_at(ep: Episode, frame: int) -> np.ndarray | None:
 class _Stream:
     """One bag's stream: sends frames, takes predictions, watches the link."""
 
-    def __init__(self, client: LinkClient, opts: LinkOptions, out: BagReplay) -> None:
+    def __init__(self, client: LinkClient, opts: LinkOptions, out: BagReplay, horizon: int) -> None:
         self.client, self.opts, self.out = client, opts, out
+        self.horizon = horizon
         self.newest_anchor = -1
+        self.newest_complete = -1
+        """The newest anchor whose prediction at the stream's horizon came (the last of its
+        rollout, with rollouts)."""
         self.lost_since: float | None = None
 
     def take(self, timeout_s: float) -> None:
@@ -201,6 +209,8 @@ class _Stream:
             self.out.predictions.append(p)
             self.out.newest_sent.append(self.out.frames_sent - 1)
             self.newest_anchor = max(self.newest_anchor, p.anchor_slot)
+            if p.horizon >= self.horizon:
+                self.newest_complete = max(self.newest_complete, p.anchor_slot)
             p = self.client.get_prediction(0.0)
 
     def check_link(self) -> None:
@@ -243,7 +253,7 @@ def replay_bag(
     client = make_client(opts, seed=seed, horizon=horizon)
     promise = wait_streaming(client, opts)
     frames_per_slot = max(promise.chunk_frames, 1)
-    stream = _Stream(client, opts, out)
+    stream = _Stream(client, opts, out, promise.horizon)
     play_offset_ns = time.time_ns() - int(stamps[0])
     t_play_s = time.monotonic()
     try:
@@ -277,9 +287,13 @@ def replay_bag(
                     f"prediction anchored on slot {slot - 1}",
                     cfg.poll_timeout_s,
                 )
-        # the chunks still in flight, up to those anchored on the last full slot
+        # the chunks still in flight, up to those anchored on the last full slot (with
+        # rollouts, its whole rollout)
         last = n // frames_per_slot - 1
-        stream.wait(lambda: stream.newest_anchor >= last, "last prediction", cfg.poll_timeout_s)
+        newest = (
+            (lambda: stream.newest_complete) if promise.rollouts else (lambda: stream.newest_anchor)
+        )
+        stream.wait(lambda: newest() >= last, "last prediction", cfg.poll_timeout_s)
     except TimeoutError as err:
         out.notes.append(f"replay stopped after {out.frames_sent} frames: {err}")
     finally:

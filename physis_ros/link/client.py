@@ -94,6 +94,9 @@ class LinkPromise:
     action_mode: str = ""
     """none / condition: a world model (frames only); predict: a world-action model (its
     chunks carry actions); empty: the server did not say."""
+    rollouts: bool = False
+    """Every observation generates the whole horizon again: predictions come in rollouts
+    (horizons 1..h on one anchor), the interval is between rollouts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,10 +150,13 @@ class LinkClient:
         on_prediction: Callable[[Prediction], None] | None = None,
         horizon: int = 0,
         previews: bool = False,
+        rollouts: bool | None = None,
     ) -> None:
         """``horizon``: chunks ahead of its newest observation the stream asks for (0: the
         model's default). ``previews``: also receive each chunk's x0 estimate after every
         denoising step but the last (``Prediction.preview_steps`` > 0), before the chunk.
+        ``rollouts``: whether every observation generates the whole horizon again (None: the
+        server's default, on for world models).
 
         ``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
@@ -203,6 +209,7 @@ class LinkClient:
             response_latency_budget_ms=response_latency_budget_ms,
             horizon=horizon,
             previews=previews,
+            rollouts=ROLLOUTS[rollouts],
         )
         if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
             array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
@@ -653,6 +660,13 @@ class LinkClient:
     def _set_error(self, text: str) -> None:
         with self._stats_lock:
             self._last_error = text
+
+
+ROLLOUTS = {
+    None: pb.StreamSpec.ROLLOUTS_DEFAULT,
+    True: pb.StreamSpec.ROLLOUTS_ON,
+    False: pb.StreamSpec.ROLLOUTS_OFF,
+}
 
 
 class NotConnected(Exception):

@@ -33,6 +33,7 @@ PROMISE_FIELDS = (
     "revision",
     "horizon",
     "action_mode",
+    "rollouts",
 )
 
 PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT

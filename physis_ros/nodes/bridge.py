@@ -42,7 +42,12 @@ from physis_ros.cli_errors import cli_main
 from physis_ros.link.client import CameraImage, LinkClient, Observation, Prediction
 from physis_ros.msg import ActionChunk, PipelineStats
 from physis_ros.nodes import outputs
-from physis_ros.nodes.bridge_params import BridgeParams, declare_bridge_params, parameter_docs
+from physis_ros.nodes.bridge_params import (
+    ROLLOUTS,
+    BridgeParams,
+    declare_bridge_params,
+    parameter_docs,
+)
 from physis_ros.nodes.conversions import (
     ConversionError,
     command_positions,
@@ -131,6 +136,7 @@ class Bridge(Node):
         self._observed: OrderedDict[int, object] = OrderedDict()
         self._lock = threading.Lock()
         self._last_chunk_s: float | None = None
+        self._last_anchor: tuple[int, int] | None = None  # (stream, anchor slot) of the last chunk
         self.holding = ""
         """Why the robot holds (a fallback went out, no model chunk published since); "": not."""
         self._stream_id: int | None = None
@@ -167,6 +173,8 @@ class Bridge(Node):
             target_interval_ms=p.target_interval_ms,
             response_latency_budget_ms=p.response_latency_budget_ms,
             previews=p.previews or p.act_on_previews,
+            horizon=p.horizon,
+            rollouts=ROLLOUTS[p.rollouts],
             token=token,
             root_cert_path=p.root_cert_path or None,
             client_cert_path=p.client_cert_path or None,
@@ -465,22 +473,31 @@ class Bridge(Node):
         if self._promise is None:
             self._promise = self.client.stats().promise
         self.counts["chunks_received"] += 1
-        self.chunk_rate.tick(now_s)
-        if self._last_chunk_s is not None:
-            self.interval_ms.add((now_s - self._last_chunk_s) * 1e3)
-        self._last_chunk_s = now_s
-        for name, value in pred.hop_ms.items():
-            self.hop_ms.setdefault(name, RollingWindow()).add(value)
+        # Interval, response and hops are per delivery: the first chunk from a new
+        # observation. With rollouts the other chunks of an anchor are the rest of its
+        # rollout (the response to that observation came with the first).
+        anchor = (pred.stream_id, pred.anchor_slot)
+        if anchor != self._last_anchor or pred.anchor_slot < 0:
+            self.chunk_rate.tick(now_s)
+            if self._last_chunk_s is not None:
+                self.interval_ms.add((now_s - self._last_chunk_s) * 1e3)
+            self._last_chunk_s = now_s
+            for name, value in pred.hop_ms.items():
+                self.hop_ms.setdefault(name, RollingWindow()).add(value)
+            if "capture_to_received" in pred.hop_ms:
+                self.response_ms.add(pred.hop_ms["capture_to_received"])
+        self._last_anchor = anchor
         times = pred.server_times_ns
         self.chunk_overlap.add(pred.stream_id, times.get("entered", 0), times.get("left", 0))
-        if "capture_to_received" in pred.hop_ms:
-            self.response_ms.add(pred.hop_ms["capture_to_received"])
         self._follow_stream(pred)
         interval_s = self.interval_s()
         self.gate.set_interval(interval_s)
         start_ns = pred.received_ns + int(self.p.action_lead_s * 1e9)
         if pred.frames is not None and len(pred.frames):
-            self._publish_frames(pred, start_ns, interval_s / len(pred.frames))
+            frame_dt_s = interval_s / len(pred.frames)
+            self._publish_frames(
+                pred, self._frames_stamp_ns(pred, frame_dt_s, start_ns), frame_dt_s
+            )
         if pred.actions is None:
             return  # a world model: frames only, nothing for the action gate
         actions = self._action_rows(pred)
@@ -594,6 +611,20 @@ class Bridge(Node):
             trajectory=self.execution.trajectory(now_ns),
             trajectory_stamp_ns=now_ns,
         )
+
+    @staticmethod
+    def _frames_stamp_ns(pred: Prediction, frame_dt_s: float, fallback_ns: int) -> int:
+        """When the camera will capture the first frame a prediction stands for: its
+        anchor's capture stamp plus the frames between them (so a rollout's horizons and the
+        camera's own frames line up in time); ``fallback_ns`` without an anchor."""
+        if (
+            pred.observation_stamp_ns > 0
+            and pred.observation_seq >= 0
+            and pred.first_frame_seq >= 0
+        ):
+            ahead = pred.first_frame_seq - pred.observation_seq
+            return pred.observation_stamp_ns + int(ahead * frame_dt_s * 1e9)
+        return fallback_ns
 
     def _publish_frames(self, pred: Prediction, start_ns: int, frame_dt_s: float) -> None:
         frames = np.asarray(pred.frames, dtype=np.uint8)

@@ -78,6 +78,11 @@ class BridgeParams:
     previews: bool = False
     """Ask the server for previews (each chunk's x0 estimate after every denoising step but
     the last) and publish them on predicted/preview/step_<k>, before the chunk."""
+    horizon: int = 0
+    """Chunks ahead of the newest observation the stream predicts (0: the model's)."""
+    rollouts: str = "default"
+    """on: every observation gets a rollout, the whole horizon generated again from it; off:
+    only the chunk a horizon ahead of it; default: the server's (on for world models)."""
     act_on_previews: bool = False
     """A world-action model's stream (timed chunks): also execute each preview's action rows
     when it arrives, through the same timed execution as chunks (past rows skipped, joined to
@@ -139,6 +144,10 @@ class BridgeParams:
             for value in values if isinstance(values, tuple) else (values,):
                 if isinstance(value, float) and not math.isfinite(value):
                     raise ValueError(f"{f.name} must be a finite number, got {value}")
+        if self.horizon < 0:
+            raise ValueError(f"horizon must be >= 0 (0: the model's), got {self.horizon}")
+        if self.rollouts not in ROLLOUTS:
+            raise ValueError(f"rollouts {self.rollouts!r} is not one of {tuple(ROLLOUTS)}")
         if self.input_reliability not in RELIABILITIES:
             raise ValueError(
                 f"input_reliability {self.input_reliability!r} is not one of {RELIABILITIES}"
@@ -191,13 +200,16 @@ class BridgeParams:
             raise ValueError(f"arm_base_xy_m must be [x, y], got {self.arm_base_xy_m}")
 
 
+ROLLOUTS = {"default": None, "on": True, "off": False}
+"""Parameter value -> LinkClient(rollouts=...)."""
+
 _READ_ONLY = {
     "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic",
     "command_topic", "command_joint_names",
     "input_reliability", "input_depth", "server", "server_port_file", "token", "token_file",
     "root_cert_path", "client_cert_path", "client_key_path", "seed", "target_interval_ms",
     "prompt",
-    "response_latency_budget_ms", "previews", "act_on_previews",
+    "response_latency_budget_ms", "previews", "act_on_previews", "horizon", "rollouts",
 }  # fmt: skip
 _ARRAY_TYPES = {
     "command_joint_names": Parameter.Type.STRING_ARRAY,

@@ -289,6 +289,8 @@ def describe(spec: ServingSpec, served: PooledEngine, pool: Pool, *, kind: str):
         horizon=spec.horizon or 0,
         engine_info=engine_info,
         wam=spec.wam_timing(),
+        # a causal codec decodes each slot once, in order: no slot can be generated again
+        rollouts=not getattr(getattr(served.engine, "codec", None), "causal", False),
     )
 
 

@@ -3,7 +3,8 @@
 It runs the live timeline (DESIGN.md §3): every observed chunk a ``Session`` completed enters
 as its slot's observation (replacing the prediction of that slot in the history of every
 chunk released after it), then the stream's not yet generated slots up to newest observed +
-horizon are generated (at stream start ``horizon`` chunks, then one per observed chunk),
+horizon are generated (at stream start ``horizon`` chunks, then one per observed chunk), or
+with rollouts every slot up to it again (``horizon`` chunks per observation),
 conditioned on the newest commanded actions held. It polls the engine and maps each finished
 chunk to a prediction that names its anchor (the observation it reads last) and how many
 chunks ahead it is. Generation is paced at the interval the stream was admitted at (a burst
@@ -187,7 +188,8 @@ class EngineLoop:
                 session.inflight -= 1
                 session.progress_s = time.monotonic()
                 session.chunks_out += 1
-                session.left_s.append(out.left_s)
+                if not session.rollouts or out.chunk - out.anchor == 1:
+                    session.left_s.append(out.left_s)  # rollouts: the interval between them
                 if not out.finite:
                     if session.output_not_finite(out.chunk):
                         session.end(
@@ -314,6 +316,10 @@ class EngineLoop:
         actions = None
         if self._generate_with_actions and newest.actions is not None:
             actions = np.repeat(newest.actions[-1:], len(newest.actions), axis=0)
+        if session.rollouts:
+            if newest.slot > session.rolled_out and session.inflight < backlog:
+                self._rollout(session, now_s, actions)
+            return
         while session.next_slot <= newest.slot + session.horizon and session.inflight < backlog:
             if session.interval_s > 0:
                 if now_s < session.next_generate_s:
@@ -334,6 +340,29 @@ class EngineLoop:
                 session.progress_s = now_s
             session.inflight += 1
 
+    def _rollout(self, session: Session, now_s: float, actions) -> None:
+        """Generate slots newest observed + 1 .. + horizon again, anchored on it, one rollout
+        per interval (half an interval of slack for a camera's jitter): the observations
+        that come while a stream is ahead of its pace get no rollout of their own."""
+        newest = session.newest_observed
+        if session.interval_s > 0:
+            if now_s < session.next_generate_s:
+                return  # the loop comes back when it is due (``_due_s``)
+            session.next_generate_s = (
+                max(session.next_generate_s, now_s - 0.5 * session.interval_s) + session.interval_s
+            )
+        for slot in range(newest.slot + 1, newest.slot + session.horizon + 1):
+            if session.wam is not None:  # the rows the robot has committed
+                actions = session.wam.generate_rows(
+                    newest, slot, session.promise.expected_response_latency_ms
+                )
+            self.engine.submit_generate(session.stream_id, actions, slot=slot)
+            if not session.inflight:
+                session.progress_s = now_s
+            session.inflight += 1
+        session.next_slot = max(session.next_slot, newest.slot + session.horizon + 1)
+        session.rolled_out = newest.slot
+
     def _due_s(self) -> list[float]:
         """Seconds until each stream held back by its pace may generate again."""
         now_s = time.monotonic()
@@ -342,7 +371,11 @@ class EngineLoop:
             for s in self._sessions.values()
             if s.attached
             and s.newest_observed is not None
-            and s.next_slot <= s.newest_observed.slot + s.horizon
+            and (
+                s.newest_observed.slot > s.rolled_out
+                if s.rollouts
+                else s.next_slot <= s.newest_observed.slot + s.horizon
+            )
             and s.next_generate_s > now_s
         ]
 

@@ -117,6 +117,9 @@ class ServerDescription:
     wam: WamTiming | None = None
     """A world-action model with state values and committed actions: its timing (its
     streams send state and command timelines and get timed replies)."""
+    rollouts: bool = True
+    """A world model's streams with a horizon > 1 get rollouts unless they ask otherwise
+    (False: the engine's codec is causal, so none can have them)."""
 
 
 class Frontend:
@@ -218,6 +221,17 @@ class Frontend:
     def _admit(self, spec: pb.StreamSpec, embedding, context) -> pb.OpenStreamReply:
         # A served stream always has a horizon: observations replace predicted slots.
         horizon = spec.horizon or self._description.horizon or DEFAULT_HORIZON
+        # A world model's user wants the freshest future at every horizon; a world-action
+        # model's chunks are joined to the robot's committed trajectory one slot at a time.
+        rollouts = {
+            pb.StreamSpec.ROLLOUTS_ON: True,
+            pb.StreamSpec.ROLLOUTS_OFF: False,
+        }.get(
+            spec.rollouts,
+            self._description.rollouts
+            and self._description.action_mode != "predict"
+            and horizon > 1,
+        )
         engine_spec = StreamSpec(
             seed=spec.seed,
             target_interval_ms=spec.target_interval_ms,
@@ -226,6 +240,7 @@ class Frontend:
             response_latency_budget_ms=spec.response_latency_budget_ms,
             horizon=horizon,
             previews=spec.previews,
+            rollouts=rollouts,
         )
         try:
             promise = self._loop.call(

@@ -200,8 +200,11 @@ class Session:
         self.inflight = 0
         self.progress_s = 0.0  # monotonic: last chunk out, or first submit after none in flight
         self.horizon = max(promise.horizon, 1)
+        self.rollouts = promise.rollouts
         self.next_slot = 0
         """The next slot the engine has no chunk for."""
+        self.rolled_out = -1
+        """With rollouts: the newest observed slot whose rollout was generated."""
         self.anchors: dict[int, Anchor] = {}
         """Observed slot -> what the replies anchored on it say of it."""
         self.newest_observed: ObservedChunk | None = None

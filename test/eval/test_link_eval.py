@@ -108,7 +108,7 @@ def psnr_of(a: int, b: int) -> float:
 
 
 @contextlib.contextmanager
-def _fake_server(engine):
+def _fake_server(engine):  # a world model with horizon 3: rollouts unless a stream says no
     from physis_ros.serve.engine_loop import EngineLoop
     from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
 
@@ -136,7 +136,7 @@ def test_anchors_are_the_slots_the_server_observed(realtime):
     with _fake_server(engine) as handle:
         replay = replay_bag(
             ep,
-            LinkOptions(target=f"127.0.0.1:{handle.port}", connect_timeout_s=5.0),
+            LinkOptions(target=f"127.0.0.1:{handle.port}", connect_timeout_s=5.0, rollouts=False),
             EvalConfig(realtime=realtime, poll_timeout_s=20.0),
             seed=0,
             send_actions=False,
@@ -155,6 +155,45 @@ def test_anchors_are_the_slots_the_server_observed(realtime):
     # after the start, each observed slot released exactly the slot 3 ahead of it
     assert sorted(p.horizon for p in replay.predictions).count(3) == 8
     assert not replay.drops
+
+
+def test_with_rollouts_every_anchor_is_scored_at_every_horizon():
+    """The server's default for a world model: each observed slot gets slots +1..+3 from it,
+    so one stream fills every horizon of every window it scores."""
+    ep = _episode(16)
+    engine = FakeEngine(slots=1, chunk_ms=2.0, chunk_frames=2)
+    with _fake_server(engine) as handle:
+        replay = replay_bag(
+            ep,
+            LinkOptions(target=f"127.0.0.1:{handle.port}", connect_timeout_s=5.0),
+            EvalConfig(poll_timeout_s=20.0),
+            seed=0,
+            send_actions=False,
+        )
+    assert not replay.notes and not replay.drops, (replay.notes, replay.drops)
+    by_anchor: dict = {}
+    for p in replay.predictions:
+        by_anchor.setdefault(p.anchor_slot, []).append(p.horizon)
+        assert p.chunk_index == p.anchor_slot + p.horizon
+    assert by_anchor == {a: [1, 2, 3] for a in range(8)}
+    from physis_ros.eval.evaluate import ModelInfo
+    from physis_ros.eval.link_replay import score_bag
+
+    model = ModelInfo(
+        name="fake",
+        frames_per_chunk=2,
+        image_height=16,
+        image_width=16,
+        action_horizon=0,
+        action_dim=0,
+        action_mode="none",
+    )
+    windows, unscored, _ = score_bag(ep, replay, model, EvalConfig(horizon_chunks=3))
+    full = [w for w in windows if all(v is not None for v in w.psnr)]
+    # 8 slots: the rollouts of anchors 5, 6, 7 reach 1, 2, 3 slots past the end of the bag
+    # (anchor 7's lies past it whole: no window)
+    assert len(full) == 5 and len(windows) == 7
+    assert unscored == {"predicts past the end of the bag": 1 + 2 + 3}
 
 
 def _env() -> dict:

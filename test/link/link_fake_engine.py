@@ -80,6 +80,7 @@ class FakeEngine:
             action_dim=self.action_dim,
             horizon=spec.horizon or 0,
             target_interval_ms=spec.target_interval_ms,  # as a pool admits it
+            rollouts=spec.rollouts,
         )
 
     def close_stream(self, stream_id: int) -> None:
@@ -101,7 +102,7 @@ class FakeEngine:
             self.contexts.append((stream_id, slot, s["context"]))
         return slot
 
-    def submit_generate(self, stream_id, actions=None) -> int:
+    def submit_generate(self, stream_id, actions=None, *, slot=None) -> int:
         now = time.monotonic()
         with self._lock:
             s = self._streams[stream_id]
@@ -109,15 +110,18 @@ class FakeEngine:
                 raise StreamFailed(f"stream {stream_id} failed earlier")
             if stream_id in self.raise_in_generate:
                 raise self.raise_in_generate[stream_id]
-            chunk = s["chunk"]
-            s["chunk"] += 1
+            chunk = s["chunk"] if slot is None else slot
+            assert s["anchor"] < chunk <= s["chunk"], (s, chunk)
+            s["chunk"] = max(s["chunk"], chunk + 1)
             self.generate_actions.append(None if actions is None else np.array(actions))
             done = max(now, s["busy_until"]) + self.chunk_s
             s["busy_until"] = done
             out = ChunkOutput(
                 stream_id=stream_id,
                 chunk=chunk,
-                frames=np.full((1, self.height, self.width, 3), chunk % 256, np.uint8),
+                frames=np.full(
+                    (self.chunk_frames, self.height, self.width, 3), chunk % 256, np.uint8
+                ),
                 actions=np.full((self.horizon, self.action_dim), s["context"], np.float32),
                 entered_s=now,
                 left_s=done,

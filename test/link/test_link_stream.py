@@ -185,6 +185,41 @@ def test_previews_arrive_before_their_chunk(server):
         assert p.frames.shape[1:] == (promise.image_height, promise.image_width, 3)
 
 
+def test_a_stream_with_rollouts_gets_one_from_every_observation(server, channel):
+    """Horizon 3 with rollouts: every observed slot a gets slots a+1..a+3 generated from it,
+    in that order, each saying its anchor and horizon. This server's model is a world-action
+    model: its streams get no rollouts unless they ask (world models: test_frontend_units)."""
+    stream = RawStream(
+        channel, client_name="rollouts", horizon=3, rollouts=pb.StreamSpec.ROLLOUTS_ON
+    )
+    default = RawStream(channel, client_name="default", horizon=3)
+    try:
+        assert stream.promise.rollouts and stream.promise.horizon == 3
+        assert stream.promise.action_mode == "predict" and not default.promise.rollouts
+        frames = max(stream.promise.chunk_frames, 1)
+        seq = 0
+        for slot in range(4):
+            for _ in range(frames):
+                seq += 1
+                stream.send(observation_bytes(seq, stream.promise, value=10 * seq))
+            wait_for(
+                lambda a=slot: (
+                    {p.horizon for p in list(stream.predictions) if p.anchor_slot == a} == {1, 2, 3}
+                ),
+                60,
+                what=f"the rollout anchored on slot {slot}",
+            )
+        preds = [p for p in list(stream.predictions) if not p.preview_steps]
+        assert [(p.anchor_slot, p.horizon) for p in preds] == [
+            (a, j) for a in range(4) for j in (1, 2, 3)
+        ]
+        assert all(p.chunk_index == p.anchor_slot + p.horizon for p in preds)
+        assert not stream.drops()
+    finally:
+        stream.close()
+        default.close()
+
+
 @pytest.fixture(scope="module")
 def bystander(server):
     """A well-behaved stream that runs through all the bad-input tests."""

@@ -12,7 +12,7 @@ from stream_plans import live_random_plan, tiny_cond
 
 from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamSpec
-from physis_ros.engine.codec import check_previews
+from physis_ros.engine.codec import check_stream_codec
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.model import build_model, make_cond
 from physis_ros.engine.placement import layout_groups
@@ -84,5 +84,5 @@ def test_a_causal_codec_refuses_previews():
         causal = True
 
     with pytest.raises(ValueError, match="causal per stream"):
-        check_previews(StreamSpec(previews=True), Causal())
-    check_previews(StreamSpec(previews=False), Causal())
+        check_stream_codec(StreamSpec(previews=True), Causal())
+    check_stream_codec(StreamSpec(previews=False), Causal())

@@ -43,7 +43,7 @@ from physis_ros.engine.pool.costmodel import GIB, CostModel
 from physis_ros.engine.pool.latency import BudgetBreak, budget_bound, budget_breaks, queued_ms
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.packing import Failure, SparePacker
-from physis_ros.engine.pool.plan import StreamPlan, contiguous_split
+from physis_ros.engine.pool.plan import StreamPlan, check_chunks, contiguous_split
 
 POLICIES = ("shared", "static")
 
@@ -101,11 +101,13 @@ class StreamRequest:
     conditioned on it out, ``latency``); 0: no budget."""
     chunks_per_interval: int = 1
     """Chunks through every stage per interval (2: each generated chunk comes with a context
-    chunk, the observation it is conditioned on)."""
+    chunk, the observation it is conditioned on; 1 + h: a rollout of h with its context)."""
+    rollout: int = 1
+    """Generated chunks per interval, released together (h: every observation generates the
+    stream's horizon h again); the rest of ``chunks_per_interval`` is the context chunk."""
 
     def __post_init__(self) -> None:
-        if self.chunks_per_interval < 1:
-            raise ValueError(f"chunks_per_interval must be >= 1, got {self.chunks_per_interval}")
+        check_chunks(self.chunks_per_interval, self.rollout)
         if not (self.target_interval_ms >= 0 and math.isfinite(self.target_interval_ms)):
             raise ValueError(
                 f"target_interval_ms must be finite and >= 0 (0: as fast as free devices "
@@ -495,4 +497,5 @@ class AdmissionController(SparePacker):
             target_interval_ms=req.target_interval_ms,
             stage_devices=stage_devices,
             chunks_per_interval=req.chunks_per_interval,
+            rollout=req.rollout,
         )

@@ -13,6 +13,15 @@ from dataclasses import dataclass
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 
 
+def check_chunks(chunks_per_interval: int, rollout: int) -> None:
+    """Chunks per interval: the generated ones (``rollout`` >= 1) and at most one context."""
+    if not 1 <= rollout <= chunks_per_interval <= rollout + 1:
+        raise ValueError(
+            f"chunks_per_interval {chunks_per_interval} must be rollout {rollout} (>= 1), "
+            "plus 1 with a context chunk"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class StreamPlan:
     """One admitted (or candidate) stream and where its stages run."""
@@ -26,11 +35,13 @@ class StreamPlan:
     """Device of stage i = k * L + l, length K * L."""
     chunks_per_interval: int = 1
     """Chunks that pass every stage per target interval: 1, or 2 when each generated chunk
-    comes with an observation (a context chunk) that passes them too."""
+    comes with an observation (a context chunk) that passes them too, 1 + h for a rollout
+    of h with its observation."""
+    rollout: int = 1
+    """Generated chunks per target interval, released together (see ``chunks_per_interval``)."""
 
     def __post_init__(self) -> None:
-        if self.chunks_per_interval < 1:
-            raise ValueError(f"chunks_per_interval must be >= 1, got {self.chunks_per_interval}")
+        check_chunks(self.chunks_per_interval, self.rollout)
         want = self.sampler.steps * self.model.num_blocks
         if len(self.stage_devices) != want:
             raise ValueError(

@@ -109,7 +109,8 @@ def simulate_plans(
         SimStream(
             plan=p,
             phase_ms=i * p.target_interval_ms / n,
-            context_chunks=p.chunks_per_interval > 1,
+            context_chunks=p.chunks_per_interval > p.rollout,
+            rollout=p.rollout,
         )
         for i, p in enumerate(plans)
     ]
@@ -272,11 +273,12 @@ class PooledEngine:
                     shortfall="1 stream",
                 )
             budget = spec.response_latency_budget_ms
+            rollout = max(spec.horizon or 1, 1) if spec.rollouts else 1
             if spec.target_interval_ms:
                 target = spec.target_interval_ms
-                admission, report = self._admit(self._request(target, budget))
+                admission, report = self._admit(self._request(target, budget, rollout))
             else:
-                target, admission, report = self._fastest(budget)
+                target, admission, report = self._fastest(budget, rollout)
             plan = admission.plan
             others = dict(self._streams)
             try:
@@ -301,13 +303,17 @@ class PooledEngine:
         )
         return promise
 
-    def _request(self, target_ms: float, budget_ms: float = 0.0) -> StreamRequest:
+    def _request(self, target_ms: float, budget_ms: float = 0.0, rollout: int = 1):
+        """A stream's request: ``rollout`` generated chunks per interval (its horizon, when
+        every observation generates it again), with the observation when the pool charges
+        context chunks."""
         return StreamRequest(
             model=self.model,
             sampler=self.sampler,
             target_interval_ms=round(target_ms, 3),
             latency_budget_ms=budget_ms,
-            chunks_per_interval=self.chunks_per_interval,
+            chunks_per_interval=self.chunks_per_interval - 1 + rollout,
+            rollout=rollout,
         )
 
     def _predicted(self, plans: list[StreamPlan]) -> dict[int, tuple[float, float]]:
@@ -319,13 +325,14 @@ class PooledEngine:
             for p, s in zip(plans, report.streams, strict=True)
         }
 
-    def _fastest(self, budget_ms: float = 0.0, steps: int = FASTEST_STEPS):
-        """(target, admission, report) of the fastest target admitted now (see open_stream)."""
-        target = self.default_target_ms
+    def _fastest(self, budget_ms: float = 0.0, rollout: int = 1, steps: int = FASTEST_STEPS):
+        """(target, admission, report) of the fastest target admitted now (see open_stream);
+        a rollout of h starts from h times the default target."""
+        target = self.default_target_ms * rollout
         first: AdmissionRefused | None = None
         for _ in range(steps):
             try:
-                admission, report = self._admit(self._request(target, budget_ms))
+                admission, report = self._admit(self._request(target, budget_ms, rollout))
             except AdmissionRefused as exc:
                 first = first or exc
                 if exc.resource == "memory":
@@ -474,6 +481,8 @@ class PooledEngine:
                 st = self._streams.get(out.stream_id)
                 if st is None or out.preview_steps or not (out.entered_s and out.left_s):
                     continue
+                if st.spec.rollouts and out.chunk - out.anchor != 1:
+                    continue  # a promise's latency is the first chunk of each rollout's
                 skip = self._untimed.setdefault(out.stream_id, RECALIBRATE_WARMUP_CHUNKS)
                 if skip:
                     self._untimed[out.stream_id] = skip - 1
@@ -512,8 +521,8 @@ class PooledEngine:
     def submit_context(self, stream_id: int, frames, actions=None, state=None, *, slot=None) -> int:
         return self.engine.submit_context(stream_id, frames, actions, state, slot=slot)
 
-    def submit_generate(self, stream_id: int, actions=None) -> int:
-        return self.engine.submit_generate(stream_id, actions)
+    def submit_generate(self, stream_id: int, actions=None, *, slot=None) -> int:
+        return self.engine.submit_generate(stream_id, actions, slot=slot)
 
     def poll(self, timeout_s: float):
         outputs = self.engine.poll(timeout_s)

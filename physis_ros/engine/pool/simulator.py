@@ -56,6 +56,9 @@ class SimStream:
     generated chunk and passes every stage too (the server puts the newest observation in
     right before a generate request). Reported are the generated chunks only; their latency
     counts from the release, when the observation entered. Needs a target interval."""
+    rollout: int = 1
+    """Generated chunks per release (a rollout of the stream's horizon from each
+    observation); reported is the first of each release, the one its response latency means."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,11 +200,13 @@ def simulate(
             raise ValueError(f"stream {s.plan.stream_id} uses a device >= num_devices {G}")
         if s.plan.target_interval_ms == 0 and s.max_inflight < 1:
             raise ValueError(f"stream {s.plan.stream_id}: T = 0 needs max_inflight >= 1")
-        if s.context_chunks and s.plan.target_interval_ms == 0:
-            raise ValueError(f"stream {s.plan.stream_id}: context chunks need a target interval")
+        if (s.context_chunks or s.rollout > 1) and s.plan.target_interval_ms == 0:
+            raise ValueError(
+                f"stream {s.plan.stream_id}: context chunks and rollouts need a target interval"
+            )
     n = len(streams)
     C = config.chunks
-    per_release = [2 if s.context_chunks else 1 for s in streams]
+    per_release = [int(s.context_chunks) + s.rollout for s in streams]
     plans = [s.plan for s in streams]
     keys = [(p.model.name, p.sampler.steps, p.sampler.window) for p in plans]
     group_cache: dict[tuple, float] = {}
@@ -512,7 +517,8 @@ def simulate(
         dirty.clear()
 
     def generated(times: list[list[float]]) -> list[list[float]]:
-        return [row[per_release[si] - 1 :: per_release[si]] for si, row in enumerate(times)]
+        first = [int(s.context_chunks) for s in streams]  # of each release's generated ones
+        return [row[first[si] :: per_release[si]] for si, row in enumerate(times)]
 
     return _report(
         streams,

@@ -31,9 +31,10 @@ from physis_ros.engine.api import (
     StreamFailed,
     StreamPromise,
     StreamSpec,
+    check_rollouts,
 )
 from physis_ros.engine.checkpoints import summary
-from physis_ros.engine.codec import check_previews, make_codec
+from physis_ros.engine.codec import check_stream_codec, make_codec
 from physis_ros.engine.placement import Layout, Placement, validate_layout
 from physis_ros.engine.prompts import PromptBook, cond_to_json, trained_empty_prompt
 from physis_ros.engine.runtime import ChunkResult, Controller
@@ -314,7 +315,7 @@ class DistEngine(PlacementControl):
         """Admit a stream with ``layout`` (default: the configured placement); ``mode`` and
         ``max_in_flight`` (0: no limit) as in the engine's ``Controller``; its horizon is
         ``spec.horizon`` (None: the configured one)."""
-        check_previews(spec, self.codec)
+        check_stream_codec(spec, self.codec)
         K, L = self.cfg.steps, self.model_cfg.num_blocks
         if layout is None:
             layout = self.default_layout
@@ -343,6 +344,7 @@ class DistEngine(PlacementControl):
             horizon = self.cfg.horizon if spec.horizon is None else spec.horizon
             if horizon < 0:
                 raise ValueError(f"horizon must be >= 0 (0: no limit), got {horizon}")
+            check_rollouts(spec, horizon)
             body = {
                 "stream_id": sid,
                 "seed": spec.seed,
@@ -367,9 +369,9 @@ class DistEngine(PlacementControl):
             self._streams[sid] = _StreamInfo(
                 spec=spec, layout=layout, ranks=ranks, history=body["history"]
             )
-        return self._promise(sid, layout, horizon)
+        return self._promise(sid, layout, horizon, spec.rollouts)
 
-    def _promise(self, sid: int, layout: Layout, horizon: int) -> StreamPromise:
+    def _promise(self, sid: int, layout: Layout, horizon: int, rollouts: bool) -> StreamPromise:
         from physis_ros.engine.stage import measure_block_ms
 
         cfg, K, L = self.model_cfg, self.cfg.steps, self.model_cfg.num_blocks
@@ -397,6 +399,7 @@ class DistEngine(PlacementControl):
             action_dim=cfg.action_dim if cfg.action_mode != "none" else 0,
             horizon=horizon,
             action_mode=cfg.action_mode,
+            rollouts=rollouts,
         )
 
     def _check_stream(self, stream_id: int) -> None:
@@ -451,11 +454,13 @@ class DistEngine(PlacementControl):
         self.codec.observed(stream_id, chunk, latent)
         return chunk
 
-    def submit_generate(self, stream_id: int, actions: np.ndarray | None = None) -> int:
+    def submit_generate(
+        self, stream_id: int, actions: np.ndarray | None = None, *, slot: int | None = None
+    ) -> int:
         act = request_actions(self.model_cfg, actions, context=False)
         with self._lock:
             self._check_stream(stream_id)
-            c = self.controller.submit_generate(stream_id, act)
+            c = self.controller.submit_generate(stream_id, act, slot=slot)
             self.controller.pump()
             return c
 
@@ -472,8 +477,11 @@ class DistEngine(PlacementControl):
             self.controller.pump()
             if not out and self._unreported:
                 raise self._unreported.pop(0)
-        # per stream in slot order, a chunk's previews (by step) before the chunk itself
-        out.sort(key=lambda r: (r.stream_id, r.chunk, r.preview_steps == 0, r.preview_steps))
+        # per stream in release order (anchor, then slot), a chunk's previews (by step)
+        # before the chunk itself
+        out.sort(
+            key=lambda r: (r.stream_id, r.anchor, r.chunk, r.preview_steps == 0, r.preview_steps)
+        )
         return out
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
