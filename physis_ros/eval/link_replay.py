@@ -397,9 +397,13 @@ def anchoring(replay: BagReplay) -> dict[str, list[float]]:
 
 
 def stream_output_times(replay: BagReplay) -> list[list[float]]:
-    """The receive times (s) of the stream's anchored predictions in chunk order."""
-    preds = [p for p in replay.predictions if p.observation_seq >= 0]
-    return [[p.received_ns / 1e9 for p in sorted(preds, key=lambda p: p.chunk_index)]]
+    """The receive times (s) of the stream's deliveries: per anchor its first prediction (with
+    rollouts the rest of an anchor's rollout is not a new delivery), in anchor order."""
+    first: dict[int, int] = {}
+    for p in replay.predictions:
+        if p.observation_seq >= 0:
+            first[p.anchor_slot] = min(first.get(p.anchor_slot, p.received_ns), p.received_ns)
+    return [[first[a] / 1e9 for a in sorted(first)]]
 
 
 def evaluate_link(

@@ -462,7 +462,9 @@ class Bridge(Node):
             self._follow_stream(pred)
             start_ns = pred.received_ns + int(self.p.action_lead_s * 1e9)
             frames = len(pred.frames) if pred.frames is not None else 1
-            self.previews.publish(pred, start_ns, self.interval_s() / max(frames, 1))
+            frame_dt_s = self.interval_s() / max(frames, 1)
+            stamp_ns = self._frames_stamp_ns(pred, frame_dt_s, start_ns)
+            self.previews.publish(pred, stamp_ns, frame_dt_s)
             # a world-action model's timed rows may be executed at once (preview_actions.py)
             timed = pred.action_start_ns > 0 and pred.action_dt_ns > 0
             if self.p.act_on_previews and pred.actions is not None and timed:

@@ -18,6 +18,7 @@ def pipeline_stats_msg(node, link, now_ns: int) -> PipelineStats:
         msg.model = promise.model
         msg.steps, msg.blocks = int(promise.steps), int(promise.blocks)
         msg.pipeline_depth = int(promise.pipeline_depth)
+        msg.horizon, msg.rollouts = int(promise.horizon), bool(promise.rollouts)
         msg.promised_interval_ms = float(promise.expected_interval_ms)
         msg.promised_response_latency_ms = float(promise.expected_response_latency_ms)
         msg.promise_revision = int(getattr(promise, "revision", 0))
@@ -109,6 +110,8 @@ def diagnostics_report(node, link) -> dict:
             float(promise.expected_response_latency_ms) if promise else 0.0
         ),
         "promise_revision": int(getattr(promise, "revision", 0)) if promise else 0,
+        "horizon": int(promise.horizon) if promise else 0,
+        "rollouts": bool(promise.rollouts) if promise else False,
         "chunk_overlap": node.chunk_overlap.share(),
         "interval_median_ms": interval["median"],
         "interval_p99_ms": interval["p99"],

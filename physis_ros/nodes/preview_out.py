@@ -46,14 +46,16 @@ class PreviewOutput:
                 stamp = outputs.time_msg(start_ns + int(j * frame_dt_s * 1e9))
                 fill_image_msg(msg, frame, stamp=stamp, frame_id=self.camera_frame)
                 pub.publish(msg)
-        self.pending.setdefault((pred.stream_id, pred.chunk_index), {})[k] = pred.received_ns
+        # a slot's version: with rollouts one slot is generated again from each observation
+        version = (pred.stream_id, pred.anchor_slot, pred.chunk_index)
+        self.pending.setdefault(version, {})[k] = pred.received_ns
         while len(self.pending) > PENDING_CHUNKS:
             self.pending.popitem(last=False)
         self.published += 1
 
     def on_chunk(self, pred: Prediction) -> None:
         """The chunk itself came: how much sooner each of its previews was."""
-        got = self.pending.pop((pred.stream_id, pred.chunk_index), None)
+        got = self.pending.pop((pred.stream_id, pred.anchor_slot, pred.chunk_index), None)
         for k, received_ns in (got or {}).items():
             window = self.sooner_ms.setdefault(k, RollingWindow())
             window.add((pred.received_ns - received_ns) / 1e6)
