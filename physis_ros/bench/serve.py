@@ -251,6 +251,8 @@ def _report(stream: _Stream, since_ns: int, after_joins: dict[int, list[float]])
             statistics.median(stream.response_ms) if stream.response_ms else 0.0, 2
         ),
         "promise_revision": promise.revision,
+        "horizon": promise.horizon,
+        "rollouts": promise.rollouts,
         "p50_after_each_later_join_ms": [round(v, 2) for v in joins],
         "missed_target_after_a_later_join": any(
             v > (1 + TOLERANCE) * stream.target_ms for v in joins

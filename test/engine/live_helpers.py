@@ -71,36 +71,48 @@ def open_streams(rt, plans, *, mode, horizon, max_in_flight=0):
         )
 
 
-def run_live_inline(rt, plans, *, mode, horizon, max_in_flight=0, seed=0):
-    """One thread: between items, 0-3 rounds of every worker; results per stream per slot."""
+class Results(dict):
+    """stream -> slot -> ChunkResult, or with ``by_anchor`` stream -> (slot, anchor) -> it
+    (rollouts: a slot has one version per anchor); a version that comes twice fails."""
+
+    def __init__(self, streams, *, by_anchor: bool = False) -> None:
+        super().__init__({s: {} for s in streams})
+        self.by_anchor = by_anchor
+
+    def add(self, results) -> None:
+        for res in results:
+            key = (res.chunk, res.anchor) if self.by_anchor else res.chunk
+            assert key not in self[res.stream_id], f"version {key} came back twice"
+            self[res.stream_id][key] = res
+
+
+def run_live_inline(rt, plans, *, mode, horizon, max_in_flight=0, seed=0, by_anchor=False):
+    """One thread: between items, 0-3 rounds of every worker; results per stream per slot
+    (``Results``)."""
     open_streams(rt, plans, mode=mode, horizon=horizon, max_in_flight=max_in_flight)
     feed = LiveFeed(rt, plans, seed=seed)
-    out: dict = {s: {} for s in plans}
+    out = Results(plans, by_anchor=by_anchor)
     while not feed.done():
         feed.submit_some()
         for _ in range(feed.rng.randrange(4)):
             for w in rt.workers:
                 w.run_once(0.0)
-            for res in rt.drain():
-                out[res.stream_id][res.chunk] = res
-    for res in rt.run_inline():
-        out[res.stream_id][res.chunk] = res
+            out.add(rt.drain())
+    out.add(rt.run_inline())
     return out, feed
 
 
-def run_live_threads(rt, plans, *, mode, horizon, timeout_s=120.0, seed=0):
+def run_live_threads(rt, plans, *, mode, horizon, timeout_s=120.0, seed=0, by_anchor=False):
     """Workers in threads; items arrive every 0-2 ms, whatever the workers are doing."""
     open_streams(rt, plans, mode=mode, horizon=horizon)
     feed = LiveFeed(rt, plans, seed=seed)
-    out: dict = {s: {} for s in plans}
+    out = Results(plans, by_anchor=by_anchor)
     rt.start_threads()
     try:
         while not feed.done():
             feed.submit_some()
-            for res in rt.drain(wait_s=feed.rng.random() * 0.002):
-                out[res.stream_id][res.chunk] = res
-        for res in rt.wait_idle(timeout_s):
-            out[res.stream_id][res.chunk] = res
+            out.add(rt.drain(wait_s=feed.rng.random() * 0.002))
+        out.add(rt.wait_idle(timeout_s))
     finally:
         rt.stop_threads()
     return out, feed

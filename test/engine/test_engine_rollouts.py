@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from engine_helpers import SAMPLER, TOL, actions, context_x
-from live_helpers import LiveFeed, open_streams
+from live_helpers import run_live_inline, run_live_threads
 from stream_plans import rollout_skeleton
 
 from physis_ros.engine import oracle
@@ -27,27 +27,6 @@ def rollout_plan(model, stream: int, *, horizon: int, observations: int = 6, wit
             rollout_skeleton(stream, horizon=horizon, observations=observations)
         )
     ]
-
-
-def _collect(rt, out, results) -> None:
-    for res in results:
-        key = (res.chunk, res.anchor)
-        assert key not in out[res.stream_id], f"version {key} came back twice"
-        out[res.stream_id][key] = res
-
-
-def run_inline(rt, plans, *, horizon, seed=0):
-    open_streams(rt, plans, mode="pipelined", horizon=horizon)
-    feed = LiveFeed(rt, plans, seed=seed)
-    out: dict = {s: {} for s in plans}
-    while not feed.done():
-        feed.submit_some()
-        for _ in range(feed.rng.randrange(4)):
-            for w in rt.workers:
-                w.run_once(0.0)
-            _collect(rt, out, rt.drain())
-    _collect(rt, out, rt.run_inline())
-    return out, feed
 
 
 def worst_error(model, plans, out) -> float:
@@ -85,7 +64,9 @@ def test_inline_executors_equal_the_oracle_version_by_version(tiny, layout, batc
     horizon = 3
     rt = InProcRuntime(tiny, SAMPLER, layout, batching=batching)
     plans = {s: rollout_plan(tiny, s, horizon=horizon) for s in range(3)}
-    out, feed = run_inline(rt, plans, horizon=horizon, seed=len(layout))
+    out, feed = run_live_inline(
+        rt, plans, mode="pipelined", horizon=horizon, seed=len(layout), by_anchor=True
+    )
     assert feed.mid_flight > 5
     assert worst_error(tiny, plans, out) <= TOL
     assert all(not w.stats.drops for w in rt.workers)
@@ -98,17 +79,9 @@ def test_threaded_workers_with_commands_equal_the_oracle(tiny_condition):
         s: rollout_plan(tiny_condition, s, horizon=horizon, observations=7, with_actions=True)
         for s in range(2)
     }
-    open_streams(rt, plans, mode="pipelined", horizon=horizon)
-    feed = LiveFeed(rt, plans, seed=3)
-    out: dict = {s: {} for s in plans}
-    rt.start_threads()
-    try:
-        while not feed.done():
-            feed.submit_some()
-            _collect(rt, out, rt.drain(wait_s=feed.rng.random() * 0.002))
-        _collect(rt, out, rt.wait_idle(120.0))
-    finally:
-        rt.stop_threads()
+    out, feed = run_live_threads(
+        rt, plans, mode="pipelined", horizon=horizon, seed=3, by_anchor=True
+    )
     assert feed.mid_flight > 5
     assert worst_error(tiny_condition, plans, out) <= TOL
 

@@ -60,22 +60,28 @@ def _pred(chunk: int, anchor: int, frames_per_chunk: int = 2) -> Prediction:
     )
 
 
-def test_predictions_are_scored_at_their_horizon_against_the_frames_they_stand_for():
-    """Each prediction goes to its anchor's window at horizon step (j-1)F + i, compared with
-    frame first_frame_seq + i; copy-last is the anchor's newest frame."""
+def _world_model(frames_per_chunk: int):
+    """A 16x16 world model without actions, as the evaluator sees it."""
     from physis_ros.eval.evaluate import ModelInfo
-    from physis_ros.eval.link_replay import BagReplay, anchoring, score_bag
 
-    ep = _episode(20)
-    model = ModelInfo(
+    return ModelInfo(
         name="m",
-        frames_per_chunk=2,
+        frames_per_chunk=frames_per_chunk,
         image_height=16,
         image_width=16,
         action_horizon=0,
         action_dim=0,
         action_mode="none",
     )
+
+
+def test_predictions_are_scored_at_their_horizon_against_the_frames_they_stand_for():
+    """Each prediction goes to its anchor's window at horizon step (j-1)F + i, compared with
+    frame first_frame_seq + i; copy-last is the anchor's newest frame."""
+    from physis_ros.eval.link_replay import BagReplay, anchoring, score_bag
+
+    ep = _episode(20)
+    model = _world_model(2)
     # horizon 2: anchor 0 -> chunks 1, 2; anchor 1 -> 3; anchor 2 -> 4; one unanchored; one
     # beyond the evaluated horizon; one past the end of the bag
     preds = [_pred(3, -1), _pred(1, 0), _pred(2, 0), _pred(3, 1), _pred(4, 2)]
@@ -176,19 +182,9 @@ def test_with_rollouts_every_anchor_is_scored_at_every_horizon():
         by_anchor.setdefault(p.anchor_slot, []).append(p.horizon)
         assert p.chunk_index == p.anchor_slot + p.horizon
     assert by_anchor == {a: [1, 2, 3] for a in range(8)}
-    from physis_ros.eval.evaluate import ModelInfo
     from physis_ros.eval.link_replay import score_bag
 
-    model = ModelInfo(
-        name="fake",
-        frames_per_chunk=2,
-        image_height=16,
-        image_width=16,
-        action_horizon=0,
-        action_dim=0,
-        action_mode="none",
-    )
-    windows, unscored, _ = score_bag(ep, replay, model, EvalConfig(horizon_chunks=3))
+    windows, unscored, _ = score_bag(ep, replay, _world_model(2), EvalConfig(horizon_chunks=3))
     full = [w for w in windows if all(v is not None for v in w.psnr)]
     # 8 slots: the rollouts of anchors 5, 6, 7 reach 1, 2, 3 slots past the end of the bag
     # (anchor 7's lies past it whole: no window)
