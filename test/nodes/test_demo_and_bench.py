@@ -26,9 +26,12 @@ def test_demo_runs_the_closed_loop_and_leaves_a_summary_and_a_strip(tmp_path, ro
     assert summary["chunks_received"] > 10 and summary["observations_sent"] > 10
     # a world model: predicted frames go out, no action chunks
     assert summary["topic_messages_seen"]["predicted/image"] > 10
-    # push-wm (the shipped model) at the interval the server planned and promised; the share of
-    # chunks overlapping in its pipeline is reported (the planned workers decide it)
+    # push-wm (the shipped model) at the interval the server planned and promised; with its
+    # horizon of 4 every observation gets a rollout of 4 chunks that overlap in the pipeline:
+    # at least the 3 behind each rollout's first enter before the one ahead of them left
     assert summary["model"] == "push-wm"
+    assert summary["horizon"] == 4 and summary["rollouts"] is True
+    assert summary["chunk_overlap"] > 0.5
     # (never faster than promised; a busy machine may make it slower)
     assert summary["interval_median_ms"] >= 0.7 * summary["promised_interval_ms"]
     assert 0.0 <= summary["chunk_overlap"] <= 1.0
