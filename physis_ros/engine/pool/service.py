@@ -20,10 +20,11 @@ workers (``LocalEngine``'s worker threads, ``DistEngine``'s ranks; device d = wo
 - the chunks that come out are timed (entered -> left the pipeline, what a promise's response
   latency predicts; a stream's first ``RECALIBRATE_WARMUP_CHUNKS`` are not): when a
   stream's median over its last ``RECALIBRATE_CHUNKS`` is off its promise by more than
-  ``RECALIBRATE_TOLERANCE``, the costs the pool predicts with are scaled by the measured
-  ratio (``measured_slowdown``: other processes on the host, a warmer or colder device than
-  at start-up), every promise is simulated again and revised, and the streams admitted
-  later are checked against the scaled costs.
+  ``RECALIBRATE_TOLERANCE``, the costs the pool predicts with are scaled until the
+  simulated pool gives that stream the latency measured (``measured_slowdown``: other
+  processes on the host, a warmer or colder device than at start-up), every promise is
+  simulated again and revised, and the streams admitted later are checked against the
+  scaled costs.
 
 ``plan_default_target`` is the start-up planning: the fastest interval the pool can promise
 one stream, and the placement that gets it.
@@ -67,6 +68,8 @@ RECALIBRATE_TOLERANCE = 0.2
 than REVISION_TOLERANCE so that the run-to-run spread of a busy host does not flap."""
 SLOWDOWN_BOUNDS = (0.25, 50.0)
 """Measured slowdown kept within these (a stalled host is a fault, not a calibration)."""
+FIT_SIMULATIONS = 8
+"""Simulations that fit the slowdown to one measured latency (bisection on a log scale)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -500,8 +503,7 @@ class PooledEngine:
                 if abs(ratio - 1) <= RECALIBRATE_TOLERANCE:
                     continue
                 before = self.measured_slowdown
-                low, high = SLOWDOWN_BOUNDS
-                self.measured_slowdown = min(high, max(low, before * ratio))
+                self.measured_slowdown = self._fit_slowdown(out.stream_id, measured_ms, ratio)
                 if self.measured_slowdown == before:
                     continue
                 log.info(
@@ -516,6 +518,37 @@ class PooledEngine:
                     before,
                 )
                 self._simulate_again()
+
+    def _fit_slowdown(self, stream_id: int, measured_ms: float, ratio: float) -> float:
+        """The cost scale at which the simulated pool gives ``stream_id`` the latency
+        measured. Scaling by the measured ratio alone overshoots: near saturation latency
+        grows faster than the costs (queueing), and the promises then swung between too
+        slow and too fast (x1.32, then x0.78, with three rollout streams). Bisection on a log
+        scale between the present scale and the ratio's guess, widened while the guess does
+        not reach the measurement."""
+        low, high = SLOWDOWN_BOUNDS
+        plans = [self.controller.plans[s.pool_id] for s in self._streams.values()]
+        index = list(self._streams).index(stream_id)
+
+        def latency_ms(scale: float) -> float:
+            report = simulate_plans(
+                plans, SlowerCost(self.cost, scale), self.settings, self.pool.num_devices
+            )
+            return report.streams[index].latency_p50_ms
+
+        near = self.measured_slowdown
+        far = min(high, max(low, near * ratio))
+        for _ in range(3):  # the guess must lie beyond the measurement, seen from ``near``
+            if far in (low, high) or (latency_ms(far) >= measured_ms) == (ratio > 1):
+                break
+            far = min(high, max(low, far * ratio))
+        for _ in range(FIT_SIMULATIONS):
+            mid = math.sqrt(near * far)
+            if (latency_ms(mid) < measured_ms) == (ratio > 1):
+                near = mid
+            else:
+                far = mid
+        return math.sqrt(near * far)
 
     # ---- the rest of StreamEngine -----------------------------------------------------------
     def submit_context(self, stream_id: int, frames, actions=None, state=None, *, slot=None) -> int:
