@@ -68,7 +68,13 @@ from physis_ros.nodes.pairing import (
 from physis_ros.nodes.preview_out import PreviewOutput
 from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
-from physis_ros.nodes.stats import ChunkOverlap, DropCounter, RateMeter, RollingWindow
+from physis_ros.nodes.stats import (
+    ChunkOverlap,
+    Deliveries,
+    DropCounter,
+    RateMeter,
+    RollingWindow,
+)
 from physis_ros.nodes.wam_execution import ActionExecution, ExecutionConfig
 
 _OBSERVED_IMAGES_KEPT = 16  # recent observed images (full size), for the side-by-side view
@@ -115,6 +121,7 @@ class Bridge(Node):
         self.interval_ms = RollingWindow()
         self.response_ms = RollingWindow()
         self.chunk_overlap = ChunkOverlap()
+        self.deliveries = Deliveries()
         self.obs_to_send_ms = RollingWindow()
         self.receive_to_publish_ms = RollingWindow()
         self.hop_ms: dict[str, RollingWindow] = {}
@@ -136,7 +143,6 @@ class Bridge(Node):
         self._observed: OrderedDict[int, object] = OrderedDict()
         self._lock = threading.Lock()
         self._last_chunk_s: float | None = None
-        self._last_anchor: tuple[int, int] | None = None  # (stream, anchor slot) of the last chunk
         self.holding = ""
         """Why the robot holds (a fallback went out, no model chunk published since); "": not."""
         self._stream_id: int | None = None
@@ -475,11 +481,8 @@ class Bridge(Node):
         if self._promise is None:
             self._promise = self.client.stats().promise
         self.counts["chunks_received"] += 1
-        # Interval, response and hops are per delivery: the first chunk from a new
-        # observation. With rollouts the other chunks of an anchor are the rest of its
-        # rollout (the response to that observation came with the first).
-        anchor = (pred.stream_id, pred.anchor_slot)
-        if anchor != self._last_anchor or pred.anchor_slot < 0:
+        # interval, response and hops per delivery (rollouts: per rollout)
+        if self.deliveries.is_new(pred.stream_id, pred.anchor_slot):
             self.chunk_rate.tick(now_s)
             if self._last_chunk_s is not None:
                 self.interval_ms.add((now_s - self._last_chunk_s) * 1e3)
@@ -488,7 +491,6 @@ class Bridge(Node):
                 self.hop_ms.setdefault(name, RollingWindow()).add(value)
             if "capture_to_received" in pred.hop_ms:
                 self.response_ms.add(pred.hop_ms["capture_to_received"])
-        self._last_anchor = anchor
         times = pred.server_times_ns
         self.chunk_overlap.add(pred.stream_id, times.get("entered", 0), times.get("left", 0))
         self._follow_stream(pred)

@@ -97,6 +97,22 @@ class DropCounter:
             return sum(self._counts.values())
 
 
+class Deliveries:
+    """Which predictions are deliveries: the first chunk from a new observation (anchor).
+    With rollouts the other chunks of an anchor are the rest of its rollout; the response to
+    that observation came with the first, and the interval is between deliveries. A
+    prediction without an anchor (-1) is always one."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int] | None = None
+
+    def is_new(self, stream_id: int, anchor_slot: int) -> bool:
+        anchor = (stream_id, anchor_slot)
+        new = anchor != self._last or anchor_slot < 0
+        self._last = anchor
+        return new
+
+
 class ChunkOverlap:
     """Share of a stream's chunks that entered the server's pipeline before the stream's
     previous chunk left it (server stamps of consecutive predictions): 0 when chunks run one

@@ -21,7 +21,7 @@ from physis_ros.nodes.conversions import (
 )
 from physis_ros.nodes.pairing import ApproxTimePairer, CommandHistory, Sample
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
-from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
+from physis_ros.nodes.stats import Deliveries, DropCounter, RateMeter, RollingWindow
 
 MS = 1_000_000
 
@@ -323,3 +323,13 @@ def test_server_faults_are_what_diagnostics_warns_about():
     )
     assert server_faults(link) == {"bad_tensor": 3, "non_finite_output": 1}
     assert server_faults(types.SimpleNamespace(drops={"server:superseded": 9})) == {}
+
+
+def test_a_rollout_is_one_delivery_and_each_new_anchor_another():
+    """Rollouts: the chunks of one anchor after its first are the rest of that delivery; a
+    new anchor, a new stream or a prediction without an anchor is a new one."""
+    d = Deliveries()
+    seen = [(1, 0), (1, 0), (1, 0), (1, 1), (1, 1), (2, 1), (2, -1), (2, -1), (2, 2)]
+    assert [d.is_new(s, a) for s, a in seen] == [
+        True, False, False, True, False, True, True, True, True
+    ]  # fmt: skip
