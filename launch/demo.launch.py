@@ -42,6 +42,8 @@ def generate_launch_description():
         ("execution", "delay_aware", "the bridge's execution of chunks: delay_aware or naive"),
         ("join", "crossfade", "how the bridge joins chunks: crossfade or replace"),
         ("previews", "false", "the bridge asks for previews and publishes them"),
+        ("horizon", "0", "chunks ahead of the newest observation (0: the model's)"),
+        ("rollouts", "default", "on, off or default (the server's: on for world models)"),
         (
             "act_on_previews",
             "false",
@@ -87,6 +89,8 @@ def generate_launch_description():
                     "join": arg("join"),
                     "previews": arg("previews"),
                     "act_on_previews": arg("act_on_previews"),
+                    "horizon": arg("horizon"),
+                    "rollouts": arg("rollouts"),
                     "sim_task": PythonExpression(
                         ["'goal_push' if '", arg("drive"), "' == 'true' else 'free'"]
                     ),

@@ -66,6 +66,17 @@ def generate_launch_description():
             "a world-action model: also execute each preview's action rows when it arrives (its "
             "chunk takes over after); implies previews. A world model's previews are only shown",
         ),
+        (
+            "horizon",
+            "0",
+            "chunks ahead of the newest observation the stream predicts (0: the model's)",
+        ),
+        (
+            "rollouts",
+            "default",
+            "on: every observation gets the whole horizon generated again from it; off: only the "
+            "chunk a horizon ahead; default: the server's (on for world models)",
+        ),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
         (
             "sim_task",
@@ -111,6 +122,8 @@ def generate_launch_description():
                         "join": ParameterValue(arg("join"), value_type=str),
                         "previews": ParameterValue(arg("previews"), value_type=bool),
                         "act_on_previews": ParameterValue(arg("act_on_previews"), value_type=bool),
+                        "horizon": ParameterValue(arg("horizon"), value_type=int),
+                        "rollouts": ParameterValue(arg("rollouts"), value_type=str),
                     },
                 ],
             ),
