@@ -129,6 +129,11 @@ class ChunkOutput:
     """0: the chunk; k (1..K-1): a preview, its x0 estimate after k of K denoising steps
     (streams opened with ``previews``), delivered before the chunk."""
 
+    @property
+    def horizon(self) -> int:
+        """Chunks ahead of its anchor (0: no anchor); with rollouts 1 is a rollout's first."""
+        return self.chunk - self.anchor if self.anchor >= 0 else 0
+
 
 class StreamEngine(Protocol):
     """The engine as the server front end sees it."""

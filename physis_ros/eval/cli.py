@@ -314,6 +314,7 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
     """EvalResult over the link, and the report's ``engine`` entry (what served it)."""
     from physis_ros.eval.link_replay import LinkOptions, evaluate_link
     from physis_ros.eval.local_server import LocalServer
+    from physis_ros.link.client import ROLLOUT_CHOICES
 
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     options = dict(
@@ -327,7 +328,7 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
         max_seconds=args.max_seconds,
         horizons=horizons,
         previews=args.previews,
-        rollouts={"default": None, "on": True, "off": False}[args.rollouts],
+        rollouts=ROLLOUT_CHOICES[args.rollouts],
     )
     if args.link:
         opts = LinkOptions(target=args.link, **options)

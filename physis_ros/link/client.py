@@ -667,6 +667,8 @@ ROLLOUTS = {
     True: pb.StreamSpec.ROLLOUTS_ON,
     False: pb.StreamSpec.ROLLOUTS_OFF,
 }
+ROLLOUT_CHOICES = {"default": None, "on": True, "off": False}
+"""What a user types (bridge parameter, physis-eval --rollouts) -> ``rollouts=``."""
 
 
 class NotConnected(Exception):

@@ -39,15 +39,16 @@ from trajectory_msgs.msg import JointTrajectory
 from visualization_msgs.msg import MarkerArray
 
 from physis_ros.cli_errors import cli_main
-from physis_ros.link.client import CameraImage, LinkClient, Observation, Prediction
+from physis_ros.link.client import (
+    ROLLOUT_CHOICES,
+    CameraImage,
+    LinkClient,
+    Observation,
+    Prediction,
+)
 from physis_ros.msg import ActionChunk, PipelineStats
 from physis_ros.nodes import outputs
-from physis_ros.nodes.bridge_params import (
-    ROLLOUTS,
-    BridgeParams,
-    declare_bridge_params,
-    parameter_docs,
-)
+from physis_ros.nodes.bridge_params import BridgeParams, declare_bridge_params, parameter_docs
 from physis_ros.nodes.conversions import (
     ConversionError,
     command_positions,
@@ -180,7 +181,7 @@ class Bridge(Node):
             response_latency_budget_ms=p.response_latency_budget_ms,
             previews=p.previews or p.act_on_previews,
             horizon=p.horizon,
-            rollouts=ROLLOUTS[p.rollouts],
+            rollouts=ROLLOUT_CHOICES[p.rollouts],
             token=token,
             root_cert_path=p.root_cert_path or None,
             client_cert_path=p.client_cert_path or None,

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.parameter import Parameter
 
+from physis_ros.link.client import ROLLOUT_CHOICES
+
 RELIABILITIES = ("best_effort", "reliable")
 JOINS = ("crossfade", "replace")
 
@@ -146,8 +148,8 @@ class BridgeParams:
                     raise ValueError(f"{f.name} must be a finite number, got {value}")
         if self.horizon < 0:
             raise ValueError(f"horizon must be >= 0 (0: the model's), got {self.horizon}")
-        if self.rollouts not in ROLLOUTS:
-            raise ValueError(f"rollouts {self.rollouts!r} is not one of {tuple(ROLLOUTS)}")
+        if self.rollouts not in ROLLOUT_CHOICES:
+            raise ValueError(f"rollouts {self.rollouts!r} is not one of {tuple(ROLLOUT_CHOICES)}")
         if self.input_reliability not in RELIABILITIES:
             raise ValueError(
                 f"input_reliability {self.input_reliability!r} is not one of {RELIABILITIES}"
@@ -199,9 +201,6 @@ class BridgeParams:
         if len(self.arm_base_xy_m) != 2:
             raise ValueError(f"arm_base_xy_m must be [x, y], got {self.arm_base_xy_m}")
 
-
-ROLLOUTS = {"default": None, "on": True, "off": False}
-"""Parameter value -> LinkClient(rollouts=...)."""
 
 _READ_ONLY = {
     "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic",

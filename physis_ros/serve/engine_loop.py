@@ -188,7 +188,7 @@ class EngineLoop:
                 session.inflight -= 1
                 session.progress_s = time.monotonic()
                 session.chunks_out += 1
-                if not session.rollouts or out.chunk - out.anchor == 1:
+                if not session.rollouts or out.horizon == 1:
                     session.left_s.append(out.left_s)  # rollouts: the interval between them
                 if not out.finite:
                     if session.output_not_finite(out.chunk):
@@ -321,47 +321,55 @@ class EngineLoop:
                 self._rollout(session, now_s, actions)
             return
         while session.next_slot <= newest.slot + session.horizon and session.inflight < backlog:
-            if session.interval_s > 0:
-                if now_s < session.next_generate_s:
-                    return  # the loop comes back when it is due (``_due_s``)
-                # h chunks at once, and half an interval of slack: a camera whose slot
-                # comes a little early (jitter) is not held back (long run: 1 per interval)
-                burst_s = (session.horizon - 0.5) * session.interval_s
-                session.next_generate_s = (
-                    max(session.next_generate_s, now_s - burst_s) + session.interval_s
-                )
-            if session.wam is not None:  # the rows the robot has committed
-                actions = session.wam.generate_rows(
-                    newest, session.next_slot, session.promise.expected_response_latency_ms
-                )
-            self.engine.submit_generate(session.stream_id, actions)
+            # h chunks at once, and half an interval of slack: a camera whose slot comes a
+            # little early (jitter) is not held back (long run: 1 per interval)
+            if not self._paced(session, now_s, burst=session.horizon - 0.5):
+                return  # the loop comes back when it is due (``_due_s``)
+            self._submit(session, session.next_slot, actions, now_s)
             session.next_slot += 1
-            if not session.inflight:
-                session.progress_s = now_s
-            session.inflight += 1
 
     def _rollout(self, session: Session, now_s: float, actions) -> None:
         """Generate slots newest observed + 1 .. + horizon again, anchored on it, one rollout
         per interval (half an interval of slack for a camera's jitter): the observations
         that come while a stream is ahead of its pace get no rollout of their own."""
+        if not self._paced(session, now_s, burst=0.5):
+            return  # the loop comes back when it is due (``_due_s``)
         newest = session.newest_observed
-        if session.interval_s > 0:
-            if now_s < session.next_generate_s:
-                return  # the loop comes back when it is due (``_due_s``)
-            session.next_generate_s = (
-                max(session.next_generate_s, now_s - 0.5 * session.interval_s) + session.interval_s
-            )
         for slot in range(newest.slot + 1, newest.slot + session.horizon + 1):
-            if session.wam is not None:  # the rows the robot has committed
-                actions = session.wam.generate_rows(
-                    newest, slot, session.promise.expected_response_latency_ms
-                )
-            self.engine.submit_generate(session.stream_id, actions, slot=slot)
-            if not session.inflight:
-                session.progress_s = now_s
-            session.inflight += 1
+            self._submit(session, slot, actions, now_s, again=True)
         session.next_slot = max(session.next_slot, newest.slot + session.horizon + 1)
         session.rolled_out = newest.slot
+
+    @staticmethod
+    def _paced(session: Session, now_s: float, *, burst: float) -> bool:
+        """Whether the stream's pace lets it release now (and if so, the pace moves on): one
+        release per admitted interval, up to ``burst`` intervals' worth at once."""
+        if session.interval_s <= 0:
+            return True
+        if now_s < session.next_generate_s:
+            return False
+        session.next_generate_s = (
+            max(session.next_generate_s, now_s - burst * session.interval_s) + session.interval_s
+        )
+        return True
+
+    def _submit(
+        self, session: Session, slot: int, actions, now_s: float, *, again: bool = False
+    ) -> None:
+        """Queue ``slot`` to generate (``again``: a slot generated before, named explicitly;
+        else the engine's next new slot), a world-action model's with the rows the robot has
+        committed; counted in flight."""
+        if session.wam is not None:
+            actions = session.wam.generate_rows(
+                session.newest_observed, slot, session.promise.expected_response_latency_ms
+            )
+        if again:
+            self.engine.submit_generate(session.stream_id, actions, slot=slot)
+        else:  # an engine without rollouts need not take ``slot``
+            self.engine.submit_generate(session.stream_id, actions)
+        if not session.inflight:
+            session.progress_s = now_s
+        session.inflight += 1
 
     def _due_s(self) -> list[float]:
         """Seconds until each stream held back by its pace may generate again."""

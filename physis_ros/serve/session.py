@@ -200,7 +200,6 @@ class Session:
         self.inflight = 0
         self.progress_s = 0.0  # monotonic: last chunk out, or first submit after none in flight
         self.horizon = max(promise.horizon, 1)
-        self.rollouts = promise.rollouts
         self.next_slot = 0
         """The next slot the engine has no chunk for."""
         self.rolled_out = -1
@@ -456,6 +455,11 @@ class Session:
         values = list(self.response_ms)
         return statistics.median(values) if values else 0.0
 
+    @property
+    def rollouts(self) -> bool:
+        """Every observation generates the whole horizon again (the promise says)."""
+        return self.promise.rollouts
+
     def revise(self, promise: StreamPromise) -> None:
         """A revised promise (engine thread): kept, and sent to the client."""
         with self._lock:
@@ -480,7 +484,7 @@ class Session:
             p.known_action_rows = item.action_timing.known_rows
         p.observation_seq = -1
         p.anchor_slot = out.anchor
-        p.horizon = out.chunk - out.anchor if out.anchor >= 0 else 0
+        p.horizon = out.horizon
         first_seq = self.slots.first_seq
         p.first_frame_seq = -1 if first_seq is None else first_seq + out.chunk * self.slots.frames
         t = p.server_times

@@ -484,7 +484,7 @@ class PooledEngine:
                 st = self._streams.get(out.stream_id)
                 if st is None or out.preview_steps or not (out.entered_s and out.left_s):
                     continue
-                if st.spec.rollouts and out.chunk - out.anchor != 1:
+                if st.spec.rollouts and out.horizon != 1:
                     continue  # a promise's latency is the first chunk of each rollout's
                 skip = self._untimed.setdefault(out.stream_id, RECALIBRATE_WARMUP_CHUNKS)
                 if skip:
