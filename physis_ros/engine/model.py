@@ -9,7 +9,8 @@ Shapes: B batch (tasks or sequences), S segments per row (chunks), n tokens per 
 D dim, H heads, d head dim, Lt conditioning tokens, P = C*pt*ph*pw values per video token.
 A chunk's state ``x`` is flat: video tokens [Nv, P] (feature order (c, pt, ph, pw), the
 Conv3d weight flattening) ++ action values [H_a, A] ++ state values [F, S] ++ action-row
-flags [H_a] (the last two only where the config has them; ``sampler.pack_chunk``).
+flags [H_a] ++ anchor tokens [Nv, P] (the last three only where the config has them;
+``sampler.pack_chunk``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class Head(nn.Module):
         super().__init__()
         self.head = nn.Linear(cfg.dim, cfg.patch_dim)
         self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+        if cfg.anchor_residual:  # per token feature (c, pt, ph, pw): how much of the anchor
+            self.anchor_gate = nn.Parameter(torch.ones(cfg.patch_dim))
 
 
 def _seeded(seed: int | None, part: int, make: Callable[[], nn.Module], device, dtype) -> nn.Module:
@@ -397,6 +400,12 @@ def head_velocity(
         if cfg.state_dim:
             parts.append(model.state_head(y[..., nv + na :, :]).flatten(-2).float())
         out = torch.cat(parts, dim=-1)
+    if cfg.anchor_residual:  # the head predicts the change from the anchor
+        assert x is not None, "an anchor-residual head needs the chunk states"
+        nvp = nv * cfg.patch_dim
+        anchor = x[..., chunk_layout(cfg).anchor].float().unflatten(-1, (nv, cfg.patch_dim))
+        video = (anchor * model.head.anchor_gate.float()).flatten(-2) + out[..., :nvp]
+        out = torch.cat([video, out[..., nvp:]], -1)
     if cfg.prediction == "x0":
         assert x is not None and sigma is not None, "an x0 head needs the states and sigmas"
         # v = (x - x0) / sigma; context chunks (sigma 0) are never stepped: their v only has
@@ -422,6 +431,8 @@ def head_velocity(
         out = torch.cat(
             [out, out.new_zeros(*out.shape[:-1], cfg.action_horizon * cfg.action_dim)], -1
         )
+    if cfg.anchor_residual:  # the anchor is conditioning: never updated
+        out = torch.cat([out, out.new_zeros(*out.shape[:-1], nv * cfg.patch_dim)], -1)
     return out
 
 
@@ -649,6 +660,9 @@ class ChunkLayout:
     """[F, S] state values (empty without them)."""
     known: slice
     """[H] action-row flags (empty without committed actions)."""
+    anchor: slice
+    """[Nv, P] the newest observed latent frame as video tokens (``anchor_residual``; zeros
+    in observed chunks)."""
     denoised: int
     """Values x[:denoised] are the generated part (the rest is conditioning)."""
 
@@ -659,19 +673,21 @@ def chunk_layout(cfg: ModelConfig) -> ChunkLayout:
     ns = cfg.state_tokens * cfg.state_dim
     nk = cfg.action_horizon if cfg.committed_actions else 0
     a_end, s_end = nvp + na, nvp + na + ns
+    k_end = s_end + nk
     return ChunkLayout(
         video=slice(0, nvp),
         actions=slice(nvp, a_end),
         state=slice(a_end, s_end),
-        known=slice(s_end, s_end + nk),
+        known=slice(s_end, k_end),
+        anchor=slice(k_end, k_end + (nvp if cfg.anchor_residual else 0)),
         denoised=s_end if cfg.action_mode == "predict" else nvp,
     )
 
 
 def chunk_numel(cfg: ModelConfig) -> int:
     """X: values in a packed chunk state (video tokens ++ action values ++ state values ++
-    action-row flags, as the config has them)."""
-    return chunk_layout(cfg).known.stop
+    action-row flags ++ anchor tokens, as the config has them)."""
+    return chunk_layout(cfg).anchor.stop
 
 
 def build_model(

@@ -93,10 +93,11 @@ def _mask(vs: list[Version], device: torch.device) -> torch.Tensor:
 
 
 def _initial(model: WanDiT, vs: list[Version], seed: int) -> torch.Tensor:
+    observed = {v.slot: torch.as_tensor(v.value, dtype=torch.float32).cpu() for v in vs if v.observed}
     xs = [
-        torch.as_tensor(v.value, dtype=torch.float32).cpu()
+        observed[v.slot]
         if v.observed
-        else initial_noise(model.cfg, seed, v.slot, v.value)
+        else initial_noise(model.cfg, seed, v.slot, v.value, observed.get(v.anchor))
         for v in vs
     ]
     return torch.stack(xs).to(model.device)

@@ -87,6 +87,8 @@ class _Stream:
     """The next slot no chunk was queued for."""
     newest_observed: int = -1
     """The anchor of a chunk queued now."""
+    newest_observed_x: torch.Tensor | None = None
+    """That observation's packed state (``anchor_residual`` models start from it)."""
     next_ticket: int = 0
     pending: collections.deque = field(default_factory=collections.deque)
     """_Pending chunks not yet released into the pipeline, in queue order."""
@@ -190,6 +192,7 @@ class Controller:
             )
         st.pending.append(_Pending(slot, FLAG_CONTEXT, x, slot))
         st.newest_observed = slot
+        st.newest_observed_x = x
         st.next_slot = max(st.next_slot, slot + 1)
         return slot
 
@@ -217,7 +220,7 @@ class Controller:
                 f"slot {c} is {c - st.newest_observed} ahead of the newest observed slot "
                 f"{st.newest_observed}; the stream's horizon is {st.horizon}"
             )
-        x = initial_noise(self.cfg, st.seed, c, actions)
+        x = initial_noise(self.cfg, st.seed, c, actions, st.newest_observed_x)
         st.pending.append(_Pending(c, FLAG_PREVIEWS if st.previews else 0, x, st.newest_observed))
         st.next_slot = max(st.next_slot, c + 1)
         return c

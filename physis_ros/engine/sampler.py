@@ -8,7 +8,9 @@ A predict-mode model may also carry state values [F, S] (proprioception per fram
 in context chunks, denoised in generated ones) and a flag per action row (1: the row is known
 — reported by the robot in a context chunk, committed in a generated one — and clean; 0: it
 is generated). Actions and states enter normalised by the config's centre and scale; pack and
-unpack convert. A row of NaN in the actions given for such a model means "not known".
+unpack convert. A row of NaN in the actions given for such a model means "not known". An
+``anchor_residual`` model's chunk ends with its anchor: the newest observed latent frame as
+video tokens, which a generated chunk's x0 estimate starts from (zeros in observed chunks).
 """
 
 from __future__ import annotations
@@ -57,14 +59,34 @@ def state_numel(cfg: ModelConfig) -> int:
     return chunk_layout(cfg).denoised
 
 
+def anchor_tokens(cfg: ModelConfig, observed: torch.Tensor | None) -> torch.Tensor:
+    """The anchor of a chunk generated after the observed chunk ``observed`` [..., X]: its
+    newest latent frame repeated over a chunk's latent frames, as video tokens [..., Nv*P]
+    (copying the last frame, in latent space). None (no observation yet): zeros [Nv*P]."""
+    nvp = cfg.video_tokens * cfg.patch_dim
+    if observed is None:
+        return torch.zeros(nvp)
+    gt, gh, gw = cfg.grid
+    pt, ph, pw = cfg.patch
+    lead = observed.shape[:-1]
+    video = observed[..., :nvp].reshape(*lead, gt, gh, gw, cfg.in_channels, pt, ph, pw)
+    last = video[..., -1:, :, :, :, -1:, :, :]  # latent frame T-1: grid frame gt-1, pt-1
+    return last.expand_as(video).reshape(*lead, nvp).clone()
+
+
 def initial_noise(
-    cfg: ModelConfig, stream_seed: int, chunk: int, actions: torch.Tensor | None = None
+    cfg: ModelConfig,
+    stream_seed: int,
+    chunk: int,
+    actions: torch.Tensor | None = None,
+    anchor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x^(0) of a generated chunk, [X] float32 on the CPU (drawn on the CPU for every device).
 
     ``actions`` [H, A]: the commanded actions of a ``condition`` model (zeros if None); for a
     model with committed actions, the committed rows (NaN rows: generated), which replace the
-    noise there (the noise drawn does not depend on them)."""
+    noise there (the noise drawn does not depend on them). ``anchor`` [X]: the newest observed
+    chunk (``anchor_residual`` models; None: no observation yet)."""
     gen = torch.Generator().manual_seed(noise_seed(stream_seed, chunk))
     x = torch.randn(state_numel(cfg), generator=gen, dtype=torch.float32)
     if cfg.action_mode == "condition":
@@ -79,6 +101,8 @@ def initial_noise(
         raise ValueError(
             f"model {cfg.name} (action_mode {cfg.action_mode!r}) takes no commanded actions"
         )
+    if cfg.anchor_residual:
+        x = torch.cat([x, anchor_tokens(cfg, None if anchor is None else anchor.cpu())])
     return x
 
 
@@ -184,6 +208,8 @@ def pack_chunk(
         raise ValueError(f"model {cfg.name} takes no state values")
     if cfg.committed_actions:
         parts.append(known.float())
+    if cfg.anchor_residual:  # an observed chunk has no anchor: it is never denoised
+        parts.append(torch.zeros(cfg.video_tokens * cfg.patch_dim))
     return torch.cat([p.to(x.device) for p in parts])
 
 

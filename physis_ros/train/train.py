@@ -34,12 +34,13 @@ from physis_ros.cli_errors import cli_main, finite_float
 from physis_ros.engine.config import CONTEXT_NOISE, ModelConfig, SamplerConfig, get_preset
 from physis_ros.engine.model import (
     build_model,
+    chunk_layout,
     forward_sequence,
     load_upstream_state_dict,
     make_cond,
     to_upstream_state_dict,
 )
-from physis_ros.engine.sampler import sigmas, state_numel
+from physis_ros.engine.sampler import anchor_tokens, sigmas, state_numel
 from physis_ros.train.data import SequenceSampler, load_dataset
 from physis_ros.train.warmstart import load_init
 
@@ -171,16 +172,18 @@ class Windows:
     horizon: int
 
 
-def hold_commands(cfg, x0: torch.Tensor, first_predicted: int) -> torch.Tensor:
-    """x0 [B, C, X] with every predicted chunk's commanded actions replaced by the newest
-    observed command (the last action row of chunk first_predicted - 1), as served."""
-    if cfg.action_mode != "condition":
-        return x0
-    nvp = cfg.video_tokens * cfg.patch_dim
-    a = cfg.action_dim
-    held = x0[:, first_predicted - 1, -a:]  # [B, A]
+def as_served(cfg, x0: torch.Tensor, first_predicted: int) -> torch.Tensor:
+    """x0 [B, C, X] with every predicted chunk given what the server gives it: the newest
+    observed command (the last action row of chunk first_predicted - 1) held over it, and
+    that chunk as its anchor (``anchor_residual``)."""
     out = x0.clone()
-    out[:, first_predicted:, nvp:] = held[:, None, :].repeat(1, 1, cfg.action_horizon)
+    lay = chunk_layout(cfg)
+    newest = x0[:, first_predicted - 1]  # [B, X]
+    if cfg.action_mode == "condition":
+        held = newest[:, lay.actions][:, -cfg.action_dim :]  # [B, A]
+        out[:, first_predicted:, lay.actions] = held[:, None, :].repeat(1, 1, cfg.action_horizon)
+    if cfg.anchor_residual:
+        out[:, first_predicted:, lay.anchor] = anchor_tokens(cfg, newest)[:, None, :]
     return out
 
 
@@ -202,7 +205,7 @@ def noisy_history_loss(model, w: Windows, *, cond, window: int, context_noise: s
     predicted = torch.arange(c)[None, :].expand(b, -1) >= c - w.horizon  # [B, C]
     noised = predicted | torch.full_like(predicted, context_noise == "noised")
     sig = torch.where(noised, w.sigma[:, None], torch.zeros(()))  # [B, C]
-    x0 = hold_commands(cfg, w.x0, c - w.horizon)
+    x0 = as_served(cfg, w.x0, c - w.horizon)
     video = x0[..., :nvp]
     x_in = x0.clone()
     x_in[..., :nvp] = (1 - sig[..., None]) * video + sig[..., None] * w.eps[..., :nvp]
@@ -266,7 +269,7 @@ def _windows(sampler: SequenceSampler, cfg: TrainConfig, gen: torch.Generator) -
     eps = torch.randn(cfg.batch_size, x0.shape[1], state_numel(mcfg), generator=gen)
     if cfg.action_dropout and mcfg.action_mode == "condition":
         drop = torch.rand(cfg.batch_size, generator=gen) < cfg.action_dropout
-        x0[drop, :, mcfg.video_tokens * mcfg.patch_dim :] = 0.0
+        x0[drop, :, chunk_layout(mcfg).actions] = 0.0
     return Windows(x0, n_obs, sigma, eps, cfg.horizon)
 
 

@@ -5,8 +5,10 @@ patch size (a finer token grid over the same latent) loads with its patch embedd
 output head resized the FlexiViT way: the new embedding of a patch is the old embedding of a
 uniform patch (a sum over the old sub-positions), the new head the mean of the old head's
 sub-positions, so a flat region maps as before; every other tensor (blocks, time and text
-embeddings, action conditioning) is the trained one. The checkpoint's model comes from its
-metadata (``model`` and ``train_config.model_overrides``).
+embeddings, action conditioning) is the trained one. One trained with a plain x0 head starts an
+``anchor_residual`` model with its head zeroed and the anchor gate at 1 (the model then starts
+as copy-last-frame, with the trained blocks). The checkpoint's model comes from its metadata
+(``model`` and ``train_config.model_overrides``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ def load_init(model: WanDiT, path: str | Path) -> str:
     old = checkpoint_config(path)
     new = model.cfg
     state = load_file(str(path), device="cpu")
+    if new.anchor_residual and "head.anchor_gate" not in state:
+        # a plain x0 head (the preset before anchor_residual): its output is a frame, not a
+        # change; the head starts at zero, so the model starts as copy-last exactly
+        old = dataclasses.replace(old, anchor_residual=True)
+        state = {k: v.float() for k, v in state.items()}
+        for key in ("head.head.weight", "head.head.bias"):
+            state[key] = torch.zeros_like(state[key])
+        state["head.anchor_gate"] = torch.ones(new.patch_dim)
+        if dataclasses.replace(old, name=new.name) != new:
+            raise ValueError(f"{path} was trained as {old}; it cannot start {new.name}")
+        load_upstream_state_dict(model, state)
+        return "plain x0 head -> anchor residual (head zeroed: copy-last)"
     if dataclasses.replace(old, name=new.name) == new:
         load_upstream_state_dict(model, state)
         return "as trained"

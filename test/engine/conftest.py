@@ -33,3 +33,11 @@ def tiny_video():
 def tiny_x0():
     """The tiny world-action model with an x0-predicting head (same weights as ``tiny``)."""
     return build_model(get_preset("tiny", prediction="x0"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_anchor():
+    """A tiny world model with commands whose x0 head predicts the change from its anchor
+    (the newest observed frame), as push-wm's."""
+    cfg = get_preset("tiny", action_mode="condition", prediction="x0", anchor_residual=True)
+    return build_model(cfg, seed=4)

@@ -25,6 +25,7 @@ from stream_plans import (
 
 from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamFailed, StreamSpec
+from physis_ros.engine.config import get_preset
 from physis_ros.serve.dist.engine import DistEngine
 from physis_ros.serve.dist.launch import RANK_VARS
 from physis_ros.serve.dist.runtime import RuntimeConfig
@@ -100,17 +101,27 @@ def test_dist_output_equals_oracle(case):
     assert worst_oracle_error(cfg, plans, specs, got, device=ORACLE_DEVICE) <= TOL
 
 
+ANCHOR_RESIDUAL = get_preset("tiny", action_mode="condition", prediction="x0", anchor_residual=True)
+"""A model whose generated chunks carry their anchor frame (push-wm's head)."""
+
+
 @pytest.mark.parametrize(
-    ("world", "placement", "horizon", "rollouts"),
-    [(2, "even", 3, False), (4, "groups:1,3,2,2", 2, False), (2, "groups:5,3", 3, True)],
+    ("world", "placement", "horizon", "rollouts", "model"),
+    [
+        (2, "even", 3, False, None),
+        (4, "groups:1,3,2,2", 2, False, None),
+        (2, "groups:5,3", 3, True, None),
+        (2, "even", 3, True, ANCHOR_RESIDUAL),
+    ],
+    ids=["2 ranks", "4 ranks", "rollouts", "rollouts, anchor residual"],
 )
 def test_live_streams_with_observations_in_flight_equal_the_live_oracle(
-    world, placement, horizon, rollouts
+    world, placement, horizon, rollouts, model
 ):
     """Observations replace predicted slots while chunks are in flight on the ranks (with
     ``rollouts``, each observation generates its horizon again); every chunk equals the live
     oracle version by version and carries its anchor (DESIGN.md §3)."""
-    cfg = _cfg(placement=placement)
+    cfg = _cfg(placement=placement, resolved_config=model)
     specs, plans = {}, {}
     with DistEngine.launch_local(cfg, world) as engine:
         for i in range(2):

@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import build_model, forward_sequence, make_cond
+from physis_ros.engine.model import (
+    build_model,
+    chunk_layout,
+    chunk_numel,
+    forward_sequence,
+    make_cond,
+)
+from physis_ros.engine.sampler import latent_to_tokens, tokens_to_latent
 from physis_ros.sim.record import RecordConfig, record_episode
 from physis_ros.train.train import TrainConfig, Windows, noisy_history_loss
 from physis_ros.weights import engine_kwargs, read_metadata
@@ -96,12 +103,16 @@ def test_training_is_reproducible_and_loadable(bag, tmp_path):
 def test_window_loss_is_the_live_timeline_with_teacher_forced_predictions():
     """A window: n_obs observed chunks (clean, ending at the last observed position; unused
     leading positions attended by none), then h predicted chunks at the row's sigma,
-    conditioned on the last observed command held; the loss scores only the predicted."""
+    conditioned on the last observed command held and anchored on the last observed chunk's
+    newest frame; the loss scores only the predicted."""
     torch.manual_seed(0)
     cfg = get_preset("push-wm")
+    assert cfg.anchor_residual
     model = build_model(cfg)
     nvp = cfg.video_tokens * cfg.patch_dim
-    x0 = torch.randn(2, 5, nvp + cfg.action_horizon * cfg.action_dim)
+    lay = chunk_layout(cfg)
+    x0 = torch.randn(2, 5, chunk_numel(cfg))
+    x0[..., lay.anchor] = 0.0  # as packed from a bag: observed chunks carry no anchor
     eps = torch.randn(2, 5, nvp)
     cond = make_cond(cfg, 0).expand(2, -1, -1)
     windows = Windows(x0, torch.tensor([1, 3]), torch.tensor([0.5, 0.9]), eps, horizon=2)
@@ -110,8 +121,11 @@ def test_window_loss_is_the_live_timeline_with_teacher_forced_predictions():
     expected, count = 0.0, 0
     for row, first in ((0, 2), (1, 0)):
         x = x0[row, first:].clone()
-        held = x[2 - first, nvp:].reshape(cfg.action_horizon, cfg.action_dim)[-1]
-        x[3 - first :, nvp:] = held.repeat(cfg.action_horizon)
+        held = x[2 - first, lay.actions].reshape(cfg.action_horizon, cfg.action_dim)[-1]
+        x[3 - first :, lay.actions] = held.repeat(cfg.action_horizon)
+        newest = tokens_to_latent(cfg, x[2 - first, :nvp].reshape(cfg.video_tokens, -1))
+        copy_last = newest[:, -1:].expand_as(newest)  # the newest latent frame, repeated
+        x[3 - first :, lay.anchor] = latent_to_tokens(cfg, copy_last).reshape(-1)
         sig = torch.zeros(len(x))
         sig[3 - first :] = windows.sigma[row]
         x_in = x.clone()

@@ -1,0 +1,124 @@
+"""anchor_residual: a generated chunk's x0 estimate is the newest observed latent frame (its
+anchor, carried in the chunk as conditioning) plus the head's change. Every executor equals
+the oracle with the anchor taken where the controller takes it (the newest observation queued
+when the chunk is), and a head that predicts no change reproduces the anchor exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from engine_helpers import SAMPLER, TOL, context_x
+from live_helpers import run_live_inline, run_live_threads
+from stream_plans import rollout_skeleton
+
+from physis_ros.engine import oracle
+from physis_ros.engine.model import chunk_layout, head_velocity, make_cond
+from physis_ros.engine.placement import layout_groups, layout_single
+from physis_ros.engine.runtime import InProcRuntime
+from physis_ros.engine.sampler import (
+    anchor_tokens,
+    initial_noise,
+    latent_to_tokens,
+    pack_chunk,
+    tokens_to_latent,
+)
+
+K, L = SAMPLER.steps, 2
+HORIZON = 3
+
+
+def plan(model, stream: int) -> list:
+    return [
+        ("observe", item[1], context_x(model, 10 * stream + item[1]))
+        if item[0] == "observe"
+        else ("generate", torch.randn(model.cfg.action_horizon, model.cfg.action_dim), item[1])
+        for item in rollout_skeleton(stream, horizon=HORIZON, observations=6)
+    ]
+
+
+def reference(model, plans):
+    return {
+        s: oracle.sample_noisy(
+            model, SAMPLER, p, seed=7 + s, cond=make_cond(model.cfg, 70 + s), by_anchor=True
+        )
+        for s, p in plans.items()
+    }
+
+
+def worst_error(out, ref) -> float:
+    worst = 0.0
+    for s, versions in ref.items():
+        assert sorted(out[s]) == sorted(versions)
+        for key, x in versions.items():
+            worst = max(worst, (out[s][key].x - x).abs().max().item())
+    return worst
+
+
+def test_the_anchor_is_the_newest_frame_repeated(tiny_anchor):
+    cfg = tiny_anchor.cfg
+    latent = torch.randn(cfg.in_channels, cfg.latent_frames, cfg.latent_height, cfg.latent_width)
+    x = pack_chunk(cfg, latent, torch.zeros(cfg.action_horizon, cfg.action_dim))
+    lay = chunk_layout(cfg)
+    assert torch.equal(x[lay.anchor], torch.zeros(lay.anchor.stop - lay.anchor.start))
+    anchor = anchor_tokens(cfg, x)
+    got = tokens_to_latent(cfg, anchor.reshape(cfg.video_tokens, cfg.patch_dim))
+    assert torch.equal(got, latent[:, -1:].expand_as(latent))
+    noise = initial_noise(cfg, 5, 3, None, x)
+    assert torch.equal(noise[lay.anchor], anchor)
+    assert torch.equal(noise[: lay.anchor.start], initial_noise(cfg, 5, 3)[: lay.anchor.start])
+    assert not initial_noise(cfg, 5, 3)[lay.anchor].any()  # no observation yet: zeros
+
+
+def test_the_anchor_moves_the_output(tiny_anchor):
+    """The check below can fail: the anchor changes every generated chunk."""
+    p = plan(tiny_anchor, 0)
+    shifted = [(k, s, x + 0.5) if k == "observe" else (k, s, x) for k, s, x in p]
+    a, b = reference(tiny_anchor, {0: p})[0], reference(tiny_anchor, {0: shifted})[0]
+    assert all((a[key] - b[key]).abs().max() > 1e-2 for key in a)
+
+
+def test_inline_executors_equal_the_oracle(tiny_anchor):
+    for layout in (layout_single(K, L), layout_groups(K, L, [1, 3, 2])):
+        rt = InProcRuntime(tiny_anchor, SAMPLER, layout, batching=True)
+        plans = {s: plan(tiny_anchor, s) for s in range(2)}
+        out, feed = run_live_inline(
+            rt, plans, mode="pipelined", horizon=HORIZON, seed=len(layout), by_anchor=True
+        )
+        assert feed.mid_flight > 5
+        assert worst_error(out, reference(tiny_anchor, plans)) <= TOL
+
+
+def test_threaded_workers_equal_the_oracle(tiny_anchor):
+    rt = InProcRuntime(tiny_anchor, SAMPLER, layout_groups(K, L, [2, 2, 2]), batching=True)
+    plans = {s: plan(tiny_anchor, s) for s in range(2)}
+    out, feed = run_live_threads(
+        rt, plans, mode="pipelined", horizon=HORIZON, seed=3, by_anchor=True
+    )
+    assert feed.mid_flight > 5
+    assert worst_error(out, reference(tiny_anchor, plans)) <= TOL
+
+
+def test_a_head_that_predicts_no_change_copies_the_last_frame(tiny_anchor):
+    """Head zeroed (where a fine-tune from a plain x0 head starts): every generated chunk is
+    its anchor observation's newest frame, exactly, at every horizon."""
+    model = copy.deepcopy(tiny_anchor)
+    with torch.no_grad():
+        model.head.head.weight.zero_()
+        model.head.head.bias.zero_()
+    p = plan(model, 0)
+    observed = {s: x for kind, s, x in p if kind == "observe"}
+    ref = reference(model, {0: p})[0]
+    cfg = model.cfg
+    nvp = cfg.video_tokens * cfg.patch_dim
+    for (slot, anchor), x in ref.items():
+        assert 1 <= slot - anchor <= HORIZON
+        newest = tokens_to_latent(cfg, observed[anchor][:nvp].reshape(cfg.video_tokens, -1))
+        copy_last = latent_to_tokens(cfg, newest[:, -1:].expand_as(newest)).reshape(-1)
+        assert (x[:nvp] - copy_last).abs().max().item() <= TOL
+    # and the head's velocity carries no update for the anchor values (conditioning)
+    h = torch.randn(1, cfg.tokens_per_chunk, cfg.dim)
+    e = torch.randn(1, cfg.dim)
+    x = initial_noise(cfg, 1, 1, None, observed[0])[None]
+    v = head_velocity(model, h, e, x, torch.tensor([0.5]))
+    assert not v[0, chunk_layout(cfg).anchor].any()
