@@ -93,7 +93,9 @@ def _mask(vs: list[Version], device: torch.device) -> torch.Tensor:
 
 
 def _initial(model: WanDiT, vs: list[Version], seed: int) -> torch.Tensor:
-    observed = {v.slot: torch.as_tensor(v.value, dtype=torch.float32).cpu() for v in vs if v.observed}
+    observed = {
+        v.slot: torch.as_tensor(v.value, dtype=torch.float32).cpu() for v in vs if v.observed
+    }
     xs = [
         observed[v.slot]
         if v.observed
