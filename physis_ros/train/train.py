@@ -100,6 +100,15 @@ class TrainConfig:
     val_every: int = 50
     max_minutes: float = 0.0
     """0: no limit; otherwise stop after this many minutes (the metadata says where it stopped)."""
+    loss: str = "mse"
+    """``mse``: the velocity MSE (the x0 error weighted by 1/sigma^2) over the predicted video
+    values, which the frames that change most dominate; ``log_mse``: the mean over predicted
+    chunks of log(x0 MSE + ``log_floor``), a chunk's PSNR up to sign and scale: each chunk
+    counts alike, as in the per-window PSNR a user sees, so a still scene is copied exactly
+    rather than blurred."""
+    log_floor: float = 2e-5
+    """``log_mse``: the MSE (on [-1, 1] values) below which a chunk is not pushed further,
+    about 53 dB PSNR."""
     stop_after_steps: int = 0
     """0: run all ``steps``; else stop after this many, with the learning-rate schedule of
     ``steps`` — reproduces exactly a run that ``max_minutes`` cut short at that step."""
@@ -127,6 +136,8 @@ class TrainConfig:
             "val_every": self.val_every >= 1,
             "max_minutes": self.max_minutes >= 0,
             "stop_after_steps": 0 <= self.stop_after_steps <= self.steps,
+            "loss": self.loss in LOSSES,
+            "log_floor": self.log_floor > 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -151,6 +162,7 @@ class TrainConfig:
         )
 
 
+LOSSES = ("mse", "log_mse")
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -197,8 +209,19 @@ def window_mask(n_obs: torch.Tensor, chunks: int, horizon: int, window: int) -> 
     return mask | torch.eye(chunks, dtype=torch.bool)[None]
 
 
-def noisy_history_loss(model, w: Windows, *, cond, window: int, context_noise: str = "clean"):
-    """Mean squared velocity error over the predicted chunks' video values of windows ``w``."""
+def noisy_history_loss(
+    model,
+    w: Windows,
+    *,
+    cond,
+    window: int,
+    context_noise: str = "clean",
+    loss: str = "mse",
+    log_floor: float = 2e-5,
+):
+    """Mean squared velocity error over the predicted chunks' video values of windows ``w``
+    (``loss`` ``log_mse``: the mean of log(x0 MSE + log_floor) over the predicted chunks;
+    TrainConfig.loss)."""
     cfg = model.cfg
     b, c, _ = w.x0.shape
     nvp = cfg.video_tokens * cfg.patch_dim
@@ -212,6 +235,8 @@ def noisy_history_loss(model, w: Windows, *, cond, window: int, context_noise: s
     mask = window_mask(w.n_obs, c, w.horizon, window)
     v = forward_sequence(model, x_in, sig, cond, window=window, chunk_mask=mask)[..., :nvp]
     err = (v - (w.eps[..., :nvp] - video)).pow(2).mean(-1)  # [B, C]
+    if loss == "log_mse":  # v error = x0 error / sigma: back to the x0 error of each chunk
+        err = torch.log(err * sig.pow(2) + log_floor)
     return (err * predicted).sum() / predicted.sum()
 
 
@@ -225,9 +250,16 @@ def _ema_update(avg: torch.nn.Module, model: torch.nn.Module, decay: float) -> N
 def _val_loss(model, val: Windows, cfg: TrainConfig) -> float:
     model.eval()
     cond = make_cond(model.cfg, 0).expand(len(val.x0), -1, -1)
-    return noisy_history_loss(
-        model, val, cond=cond, window=cfg.window, context_noise=cfg.context_noise
-    ).item()
+    return noisy_history_loss(model, val, cond=cond, **_loss_args(cfg)).item()
+
+
+def _loss_args(cfg: TrainConfig) -> dict:
+    return {
+        "window": cfg.window,
+        "context_noise": cfg.context_noise,
+        "loss": cfg.loss,
+        "log_floor": cfg.log_floor,
+    }
 
 
 def _train_sigmas(cfg: TrainConfig, gen: torch.Generator) -> torch.Tensor:
@@ -302,6 +334,10 @@ def train(
     val = _val_batch(val_sampler, cfg, 32) if val_sampler else None
     model = build_model(mcfg, seed=cfg.seed).train()
     init_how = load_init(model, cfg.init) if cfg.init else ""
+    if mcfg.anchor_residual:
+        # the anchor passes through at 1: learned, the gate fell to ~0.5 within 2400 steps
+        # and the head blurred still scenes again (docs/push_wm/README.md)
+        model.head.anchor_gate.requires_grad_(False)
     # the weights that are validated and saved: an EMA of the trained ones (or those)
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     opt = torch.optim.AdamW(
@@ -317,9 +353,7 @@ def train(
         cond = make_cond(mcfg, 0).expand(cfg.batch_size, -1, -1)
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, cfg)
-        loss = noisy_history_loss(
-            model, windows, cond=cond, window=cfg.window, context_noise=cfg.context_noise
-        )
+        loss = noisy_history_loss(model, windows, cond=cond, **_loss_args(cfg))
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower --lr")
         opt.zero_grad(set_to_none=True)

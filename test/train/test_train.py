@@ -82,6 +82,7 @@ def test_training_is_reproducible_and_loadable(bag, tmp_path):
     assert {t.dtype for t in wa.values()} == {torch.float16}  # a few MB, not 14
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # bit-identical: same seed, same data
     assert not all(torch.equal(wa[k], wc[k]) for k in wa)
+    assert torch.equal(wa["head.anchor_gate"].float(), torch.ones(192))  # not trained
     assert a["steps_done"] == 3 and math.isfinite(a["final_val_loss"])
     log = json.loads((tmp_path / "a" / "train_log.json").read_text())
     assert len(log["train_loss"]) == 3 and [s for s, _ in log["val_loss"]] == [0, 1, 2]
@@ -118,7 +119,7 @@ def test_window_loss_is_the_live_timeline_with_teacher_forced_predictions():
     windows = Windows(x0, torch.tensor([1, 3]), torch.tensor([0.5, 0.9]), eps, horizon=2)
     loss = noisy_history_loss(model, windows, cond=cond, window=2)
     # the same number by hand: row 0 is [obs 2 | pred 3, 4], row 1 [obs 0, 1, 2 | pred 3, 4]
-    expected, count = 0.0, 0
+    expected, expected_log, count = 0.0, 0.0, 0
     for row, first in ((0, 2), (1, 0)):
         x = x0[row, first:].clone()
         held = x[2 - first, lay.actions].reshape(cfg.action_horizon, cfg.action_dim)[-1]
@@ -134,8 +135,14 @@ def test_window_loss_is_the_live_timeline_with_teacher_forced_predictions():
             v = forward_sequence(model, x_in, sig, cond[row], window=2)[:, :nvp]
         err = (v - (eps[row, first:] - x[:, :nvp])).pow(2).mean(-1)
         expected += err[3 - first :].sum().item()
+        # log_mse: each predicted chunk's x0 error (in the frame's units), in log
+        x0_hat = x_in[:, :nvp] - sig[:, None] * v
+        x0_mse = (x0_hat - x[:, :nvp]).pow(2).mean(-1)
+        expected_log += torch.log(x0_mse[3 - first :] + 2e-5).sum().item()
         count += 2
     assert np.isclose(loss.item(), expected / count, rtol=1e-5)
+    log_loss = noisy_history_loss(model, windows, cond=cond, window=2, loss="log_mse")
+    assert np.isclose(log_loss.item(), expected_log / count, rtol=1e-4)
     # noised context: the observed chunks at the row's sigma too, and a different loss
     noised = noisy_history_loss(model, windows, cond=cond, window=2, context_noise="noised")
     assert abs(noised.item() - loss.item()) > 1e-5
