@@ -192,7 +192,8 @@ class Controller:
             )
         st.pending.append(_Pending(slot, FLAG_CONTEXT, x, slot))
         st.newest_observed = slot
-        st.newest_observed_x = x
+        if self.cfg.anchor_residual:  # kept only where a generated chunk starts from it
+            st.newest_observed_x = x
         st.next_slot = max(st.next_slot, slot + 1)
         return slot
 
