@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from engine_helpers import actions, context_x
-from stream_plans import live_skeleton
+from engine_helpers import SAMPLER, actions, context_x
+from stream_plans import live_skeleton, rollout_skeleton
 
 from physis_ros.engine import oracle
 from physis_ros.engine.model import make_cond
@@ -21,6 +21,32 @@ def live_plan(model, stream: int, *, horizon: int, observations: int = 6, with_a
         else ("generate", actions(model, 1000 * stream + i) if with_actions else None)
         for i, item in enumerate(live_skeleton(stream, horizon=horizon, observations=observations))
     ]
+
+
+def rollout_plan(model, stream: int, *, horizon: int, observations: int = 6, with_actions=False):
+    """``stream_plans.rollout_skeleton`` with this model's observed chunks (and actions)."""
+    return [
+        ("observe", item[1], context_x(model, 10 * stream + item[1]))
+        if item[0] == "observe"
+        else ("generate", actions(model, 1000 * stream + i) if with_actions else None, item[1])
+        for i, item in enumerate(
+            rollout_skeleton(stream, horizon=horizon, observations=observations)
+        )
+    ]
+
+
+def worst_rollout_error(model, plans, out) -> float:
+    """Max |out - oracle| over every generated version of every stream (seed 7 + s, prompt
+    70 + s), after checking that each stream got exactly the oracle's versions."""
+    worst = 0.0
+    for s, plan in plans.items():
+        ref = oracle.sample_noisy(
+            model, SAMPLER, plan, seed=7 + s, cond=make_cond(model.cfg, 70 + s), by_anchor=True
+        )
+        assert sorted(out[s]) == sorted(ref), f"stream {s}: {sorted(out[s])} != {sorted(ref)}"
+        for key, x in ref.items():
+            worst = max(worst, (out[s][key].x - x).abs().max().item())
+    return worst
 
 
 def replaced_slots(plan, window: int) -> int:

@@ -8,9 +8,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from engine_helpers import SAMPLER, TOL, context_x
-from live_helpers import run_live_inline, run_live_threads
-from stream_plans import rollout_skeleton
+from engine_helpers import SAMPLER, TOL
+from live_helpers import rollout_plan, run_live_inline, run_live_threads, worst_rollout_error
 
 from physis_ros.engine import oracle
 from physis_ros.engine.model import chunk_layout, head_velocity, make_cond
@@ -29,30 +28,14 @@ HORIZON = 3
 
 
 def plan(model, stream: int) -> list:
-    return [
-        ("observe", item[1], context_x(model, 10 * stream + item[1]))
-        if item[0] == "observe"
-        else ("generate", torch.randn(model.cfg.action_horizon, model.cfg.action_dim), item[1])
-        for item in rollout_skeleton(stream, horizon=HORIZON, observations=6)
-    ]
+    return rollout_plan(model, stream, horizon=HORIZON, with_actions=True)
 
 
-def reference(model, plans):
-    return {
-        s: oracle.sample_noisy(
-            model, SAMPLER, p, seed=7 + s, cond=make_cond(model.cfg, 70 + s), by_anchor=True
-        )
-        for s, p in plans.items()
-    }
-
-
-def worst_error(out, ref) -> float:
-    worst = 0.0
-    for s, versions in ref.items():
-        assert sorted(out[s]) == sorted(versions)
-        for key, x in versions.items():
-            worst = max(worst, (out[s][key].x - x).abs().max().item())
-    return worst
+def reference(model, p) -> dict:
+    """(slot, anchor) -> x of every generated version of stream 0's plan ``p``, the oracle's."""
+    return oracle.sample_noisy(
+        model, SAMPLER, p, seed=7, cond=make_cond(model.cfg, 70), by_anchor=True
+    )
 
 
 def test_the_anchor_is_the_newest_frame_repeated(tiny_anchor):
@@ -73,8 +56,8 @@ def test_the_anchor_is_the_newest_frame_repeated(tiny_anchor):
 def test_the_anchor_moves_the_output(tiny_anchor):
     """The check below can fail: the anchor changes every generated chunk."""
     p = plan(tiny_anchor, 0)
-    shifted = [(k, s, x + 0.5) if k == "observe" else (k, s, x) for k, s, x in p]
-    a, b = reference(tiny_anchor, {0: p})[0], reference(tiny_anchor, {0: shifted})[0]
+    shifted = [(i[0], i[1], i[2] + 0.5) if i[0] == "observe" else i for i in p]
+    a, b = reference(tiny_anchor, p), reference(tiny_anchor, shifted)
     assert all((a[key] - b[key]).abs().max() > 1e-2 for key in a)
 
 
@@ -86,7 +69,7 @@ def test_inline_executors_equal_the_oracle(tiny_anchor):
             rt, plans, mode="pipelined", horizon=HORIZON, seed=len(layout), by_anchor=True
         )
         assert feed.mid_flight > 5
-        assert worst_error(out, reference(tiny_anchor, plans)) <= TOL
+        assert worst_rollout_error(tiny_anchor, plans, out) <= TOL
 
 
 def test_threaded_workers_equal_the_oracle(tiny_anchor):
@@ -96,7 +79,7 @@ def test_threaded_workers_equal_the_oracle(tiny_anchor):
         rt, plans, mode="pipelined", horizon=HORIZON, seed=3, by_anchor=True
     )
     assert feed.mid_flight > 5
-    assert worst_error(out, reference(tiny_anchor, plans)) <= TOL
+    assert worst_rollout_error(tiny_anchor, plans, out) <= TOL
 
 
 def test_a_head_that_predicts_no_change_copies_the_last_frame(tiny_anchor):
@@ -108,7 +91,7 @@ def test_a_head_that_predicts_no_change_copies_the_last_frame(tiny_anchor):
         model.head.head.bias.zero_()
     p = plan(model, 0)
     observed = {s: x for kind, s, x in p if kind == "observe"}
-    ref = reference(model, {0: p})[0]
+    ref = reference(model, p)
     cfg = model.cfg
     nvp = cfg.video_tokens * cfg.patch_dim
     for (slot, anchor), x in ref.items():

@@ -6,9 +6,8 @@ the previous rollout is in flight."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import SAMPLER, TOL, actions, context_x
-from live_helpers import run_live_inline, run_live_threads
-from stream_plans import rollout_skeleton
+from engine_helpers import SAMPLER, TOL, context_x
+from live_helpers import rollout_plan, run_live_inline, run_live_threads, worst_rollout_error
 
 from physis_ros.engine import oracle
 from physis_ros.engine.model import make_cond
@@ -16,29 +15,6 @@ from physis_ros.engine.placement import layout_groups, layout_single
 from physis_ros.engine.runtime import InProcRuntime
 
 K, L = SAMPLER.steps, 2
-
-
-def rollout_plan(model, stream: int, *, horizon: int, observations: int = 6, with_actions=False):
-    return [
-        ("observe", item[1], context_x(model, 10 * stream + item[1]))
-        if item[0] == "observe"
-        else ("generate", actions(model, 1000 * stream + i) if with_actions else None, item[1])
-        for i, item in enumerate(
-            rollout_skeleton(stream, horizon=horizon, observations=observations)
-        )
-    ]
-
-
-def worst_error(model, plans, out) -> float:
-    worst = 0.0
-    for s, plan in plans.items():
-        ref = oracle.sample_noisy(
-            model, SAMPLER, plan, seed=7 + s, cond=make_cond(model.cfg, 70 + s), by_anchor=True
-        )
-        assert sorted(out[s]) == sorted(ref), f"stream {s}: {sorted(out[s])} != {sorted(ref)}"
-        for key, x in ref.items():
-            worst = max(worst, (out[s][key].x - x).abs().max().item())
-    return worst
 
 
 def test_rollout_plans_generate_slots_again(tiny):
@@ -68,7 +44,7 @@ def test_inline_executors_equal_the_oracle_version_by_version(tiny, layout, batc
         rt, plans, mode="pipelined", horizon=horizon, seed=len(layout), by_anchor=True
     )
     assert feed.mid_flight > 5
-    assert worst_error(tiny, plans, out) <= TOL
+    assert worst_rollout_error(tiny, plans, out) <= TOL
     assert all(not w.stats.drops for w in rt.workers)
 
 
@@ -83,7 +59,7 @@ def test_threaded_workers_with_commands_equal_the_oracle(tiny_condition):
         rt, plans, mode="pipelined", horizon=horizon, seed=3, by_anchor=True
     )
     assert feed.mid_flight > 5
-    assert worst_error(tiny_condition, plans, out) <= TOL
+    assert worst_rollout_error(tiny_condition, plans, out) <= TOL
 
 
 def test_the_controller_generates_again_only_after_the_newest_observation(tiny):
