@@ -5,6 +5,7 @@ them (most through the program's own ``main``, a few as the installed command)."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -408,6 +409,38 @@ def test_physis_serve_stops_on_a_signal_another_thread_received(tmp_path):
             proc.wait()
     assert proc.returncode == 0, err
     assert "shutting down" in err, err
+
+
+def test_physis_serve_ends_cleanly_however_many_ctrl_c_follow(tmp_path):
+    """Ctrl-C under ``ros2 launch`` reaches physis-serve twice: the terminal signals the
+    whole group, then launch signals each process. A late second SIGINT found Python's
+    exit-time SIG_DFL and killed the server (-2) after it had stopped. Here SIGINT keeps
+    coming every few milliseconds until the server exits: still exit 0, no traceback."""
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen(
+        [str(BIN / "physis-serve"), "--model", "tiny", "--port", "0", "--port-file",
+         str(port_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert port_file.exists(), "physis-serve never served"
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):  # it exited between the two
+                proc.send_signal(signal.SIGINT)
+            time.sleep(0.002)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
 
 
 def test_physis_torchrun_raises_on_the_first_sigint_only(monkeypatch):

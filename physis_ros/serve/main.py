@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -252,10 +253,21 @@ def serve_single_process(
         engine, description = build_local(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda _signum, _frame: stop.set())
+        signal.signal(sig, functools.partial(_stop_serving, stop))
     return run_frontend(
         engine, description, config, port_file=args.port_file, stop=stop, loop_options=loop_options
     )
+
+
+def _stop_serving(stop: threading.Event, _signum: int, _frame) -> None:
+    """The first SIGINT or SIGTERM stops the server; a further SIGINT is spent. Ctrl-C under
+    ``ros2 launch`` signals the whole group and launch then signals each process again: that
+    second SIGINT, arriving once Python had put SIG_DFL back at exit, killed the server (-2)
+    after it had stopped. SIG_IGN survives interpreter exit. A later SIGTERM is launch's
+    escalation: a hard stop."""
+    stop.set()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 MODEL_FLAGS = ("model", "dtype", "vae", "resolution", "latent_frames")
