@@ -11,7 +11,8 @@ What belongs here (numpy only: the bridge, the closed-loop eval and the server s
   chunk with none left is refused), never lets an older chunk replace a newer one, keeps what
   was commanded before now unchanged, and joins the new rows to the committed ones either by
   ``replace`` (the new rows from the first future one on) or ``crossfade`` (blended over the
-  rows where the old plan and the new chunk overlap). Without delay handling
+  rows where the old plan and the new chunk overlap, or from the target the old plan holds
+  after its last row when they do not). Without delay handling
   (``delay_aware=False``) a chunk's first row is executed on arrival, as if it had been
   computed instantly: the baseline it is measured against.
 - ``known_rows``: the rows of a chunk that the robot already knows (executed, or committed
@@ -166,8 +167,11 @@ class ChunkExecutor:
         overlap = times <= old_end
         old_at = interpolate(self._times, self._values, times)
         discontinuity = float(np.abs(rows[0] - old_at[0]).max())
-        if self.join == "crossfade" and overlap.any():
-            n = min(int(overlap.sum()), self.fade_rows)
+        if self.join == "crossfade":
+            # Over the overlap; a chunk that starts after the plan's last row (the first
+            # chunk after seed, one after a gap) fades from the target held there instead:
+            # otherwise the largest jump of an episode, its first join, was replace's.
+            n = min(int(overlap.sum()) or self.fade_rows, self.fade_rows, len(rows))
             w = np.ones(len(rows))
             w[:n] = (np.arange(n) + 1.0) / (n + 1.0)
             rows = (1.0 - w[:, None]) * old_at + w[:, None] * rows

@@ -69,7 +69,7 @@ def test_a_late_chunk_never_reverses_the_committed_trajectory(join):
 
 
 def test_an_older_chunk_never_replaces_a_newer_one():
-    ex = ChunkExecutor()
+    ex = ChunkExecutor(join="replace")  # the newer chunk's own rows, unblended, to compare
     ex.seed(0, np.zeros(2))
     assert ex.accept(_ramp(100 * MS, 8, at=1.0), now_ns=100 * MS, chunk_id=5).accepted
     report = ex.accept(_ramp(150 * MS, 8, at=-1.0), now_ns=120 * MS, chunk_id=4)
@@ -93,6 +93,26 @@ def test_crossfade_spreads_the_join_and_replace_jumps():
         jumps[join] = np.abs(np.diff(ticks)).max()
         assert ticks[-1] == pytest.approx(0.5)  # both end on the new chunk
     assert jumps["replace"] == pytest.approx(0.5)
+    assert jumps["crossfade"] <= jumps["replace"] / 2
+
+
+def test_crossfade_fades_from_the_held_target_when_the_chunks_do_not_overlap():
+    """The first chunk after seed (or one after a gap) starts after the old plan's last row:
+    the robot holds that target until then. Crossfade blends from the held target; it used
+    to step like replace there, so an episode's largest jump was the same in both modes."""
+    jumps = {}
+    for join in ("replace", "crossfade"):
+        ex = ChunkExecutor(join=join, fade_rows=4)
+        ex.seed(0, np.zeros(2))
+        report = ex.accept(TimedRows(200 * MS, DT, np.full((12, 2), 0.6)), now_ns=190 * MS,
+                           chunk_id=1)  # fmt: skip
+        assert report.accepted and report.overlap_rows == 0
+        assert report.discontinuity == pytest.approx(0.6)
+        np.testing.assert_allclose(ex.target_at(190 * MS), [0.0, 0.0])  # the past: held
+        ticks = np.array([ex.target_at(t * MS)[0] for t in range(190, 800, 10)])
+        jumps[join] = np.abs(np.diff(ticks)).max()
+        assert ticks[-1] == pytest.approx(0.6)
+    assert jumps["replace"] == pytest.approx(0.6)
     assert jumps["crossfade"] <= jumps["replace"] / 2
 
 
