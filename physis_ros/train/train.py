@@ -44,6 +44,12 @@ from physis_ros.engine.sampler import anchor_tokens, sigmas, state_numel
 from physis_ros.train.data import SequenceSampler, load_dataset
 from physis_ros.train.warmstart import load_init
 
+DEFAULT_LOG_FLOOR = 1e-8
+"""log_mse's floor: about 86 dB PSNR, below one level of 255 in every pixel. The per-window
+PSNR a user sees counts a frame copy-last-frame gets exactly as 100 dB; with a floor of 2e-5
+(53 dB) the loss could not tell a still scene reproduced exactly from one off by a level in
+a few pixels, and those frames alone cost 0.3-0.6 dB of the mean (docs/push_wm)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -106,9 +112,9 @@ class TrainConfig:
     chunks of log(x0 MSE + ``log_floor``), a chunk's PSNR up to sign and scale: each chunk
     counts alike, as in the per-window PSNR a user sees, so a still scene is copied exactly
     rather than blurred."""
-    log_floor: float = 2e-5
-    """``log_mse``: the MSE (on [-1, 1] values) below which a chunk is not pushed further,
-    about 53 dB PSNR."""
+    log_floor: float = DEFAULT_LOG_FLOOR
+    """``log_mse``: the MSE (on [-1, 1] values) below which a chunk is not pushed further
+    (DEFAULT_LOG_FLOOR)."""
     stop_after_steps: int = 0
     """0: run all ``steps``; else stop after this many, with the learning-rate schedule of
     ``steps`` — reproduces exactly a run that ``max_minutes`` cut short at that step."""
@@ -217,7 +223,7 @@ def noisy_history_loss(
     window: int,
     context_noise: str = "clean",
     loss: str = "mse",
-    log_floor: float = 2e-5,
+    log_floor: float = DEFAULT_LOG_FLOOR,
 ):
     """Mean squared velocity error over the predicted chunks' video values of windows ``w``
     (``loss`` ``log_mse``: the mean of log(x0 MSE + log_floor) over the predicted chunks;

@@ -22,7 +22,7 @@ from physis_ros.engine.model import (
 )
 from physis_ros.engine.sampler import latent_to_tokens, tokens_to_latent
 from physis_ros.sim.record import RecordConfig, record_episode
-from physis_ros.train.train import TrainConfig, Windows, noisy_history_loss
+from physis_ros.train.train import DEFAULT_LOG_FLOOR, TrainConfig, Windows, noisy_history_loss
 from physis_ros.weights import engine_kwargs, read_metadata
 
 
@@ -138,7 +138,7 @@ def test_window_loss_is_the_live_timeline_with_teacher_forced_predictions():
         # log_mse: each predicted chunk's x0 error (in the frame's units), in log
         x0_hat = x_in[:, :nvp] - sig[:, None] * v
         x0_mse = (x0_hat - x[:, :nvp]).pow(2).mean(-1)
-        expected_log += torch.log(x0_mse[3 - first :] + 2e-5).sum().item()
+        expected_log += torch.log(x0_mse[3 - first :] + DEFAULT_LOG_FLOOR).sum().item()
         count += 2
     assert np.isclose(loss.item(), expected / count, rtol=1e-5)
     log_loss = noisy_history_loss(model, windows, cond=cond, window=2, loss="log_mse")
