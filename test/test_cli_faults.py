@@ -382,11 +382,10 @@ def _signal_a_thread_other_than_main(pid: int, sig: int) -> int:
     return tids[0]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill and /proc are Linux")
-def test_physis_serve_stops_on_a_signal_another_thread_received(tmp_path):
-    """SIGINT handed to a gRPC or engine thread, not the main one, still stops physis-serve:
-    Python only trips a flag there, and a main thread in an untimed wait never looked at it
-    (under torchrun, rank 0 stayed up until torchrun's SIGTERM)."""
+@contextlib.contextmanager
+def _serving_tiny(tmp_path):
+    """physis-serve --model tiny on an ephemeral port, yielded once it serves; killed on the
+    way out if it still runs."""
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [str(BIN / "physis-serve"), "--model", "tiny", "--port", "0", "--port-file",
@@ -401,12 +400,21 @@ def test_physis_serve_stops_on_a_signal_another_thread_received(tmp_path):
         while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert port_file.exists(), "physis-serve never served"
-        _signal_a_thread_other_than_main(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill and /proc are Linux")
+def test_physis_serve_stops_on_a_signal_another_thread_received(tmp_path):
+    """SIGINT handed to a gRPC or engine thread, not the main one, still stops physis-serve:
+    Python only trips a flag there, and a main thread in an untimed wait never looked at it
+    (under torchrun, rank 0 stayed up until torchrun's SIGTERM)."""
+    with _serving_tiny(tmp_path) as proc:
+        _signal_a_thread_other_than_main(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "shutting down" in err, err
 
@@ -416,29 +424,13 @@ def test_physis_serve_ends_cleanly_however_many_ctrl_c_follow(tmp_path):
     whole group, then launch signals each process. A late second SIGINT found Python's
     exit-time SIG_DFL and killed the server (-2) after it had stopped. Here SIGINT keeps
     coming every few milliseconds until the server exits: still exit 0, no traceback."""
-    port_file = tmp_path / "port"
-    proc = subprocess.Popen(
-        [str(BIN / "physis-serve"), "--model", "tiny", "--port", "0", "--port-file",
-         str(port_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )  # fmt: skip
-    try:
+    with _serving_tiny(tmp_path) as proc:
         deadline = time.monotonic() + 240
-        while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert port_file.exists(), "physis-serve never served"
         while proc.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(ProcessLookupError):  # it exited between the two
                 proc.send_signal(signal.SIGINT)
             time.sleep(0.002)
         _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, err
     assert "Traceback" not in err, err
 
