@@ -18,6 +18,7 @@ import argparse
 import functools
 import math
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -53,6 +54,16 @@ class RuntimeFailure(CliError):
     """The work could not be done (environment, network, peers): exit 1."""
 
     exit_code = EXIT_RUNTIME
+
+
+def ignore_further_interrupts() -> None:
+    """Once a program is stopping, SIGINT is spent and SIGTERM is a hard stop. Ctrl-C under
+    ``ros2 launch`` signals the whole process group and launch then signals each process
+    again; that second SIGINT killed a program mid-teardown, or after it had stopped, when
+    Python had put SIG_DFL back at exit (exit -2 instead of 0). SIG_IGN survives interpreter
+    exit. SIGTERM is what ``ros2 launch`` sends when SIGINT did not end a process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def debug_enabled() -> bool:

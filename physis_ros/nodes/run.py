@@ -24,6 +24,8 @@ from rclpy._rclpy_pybind11 import RCLError  # rclpy 9 exports it only here
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 
+from physis_ros.cli_errors import ignore_further_interrupts
+
 EXECUTORS = ("single", "events")
 
 
@@ -109,14 +111,14 @@ def run_node(
                 spinner.add_node(node)
                 _spin(spinner, node, context, stop, tolerate_bare_errors=executor == "events")
             finally:
-                _ignore_further_interrupts()
+                ignore_further_interrupts()
                 _stop_node(spinner, node)
                 del spinner  # the EventsExecutor's destructor puts SIGINT back to default
-                _ignore_further_interrupts()
+                ignore_further_interrupts()
     except KeyboardInterrupt:
         pass
     finally:
-        _ignore_further_interrupts()
+        ignore_further_interrupts()
     return 0
 
 
@@ -166,15 +168,6 @@ def _stop_node(spinner, node) -> None:
     if callable(hook):
         hook()
     node.destroy_node()
-
-
-def _ignore_further_interrupts() -> None:
-    """Once the node is stopping, SIGINT is spent: Ctrl-C in a terminal signals the whole
-    process group and ``ros2 launch`` then signals each process again; that second SIGINT
-    killed sim_robot mid-teardown (exit -2) instead of letting it finish (exit 0). SIGTERM
-    stays a hard stop (``ros2 launch`` sends it only when SIGINT did not end a process)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 MAX_CONSECUTIVE_EXECUTOR_ERRORS = 10

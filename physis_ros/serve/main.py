@@ -28,7 +28,14 @@ from typing import Any
 import torch
 import yaml
 
-from physis_ros.cli_errors import UsageError, check_fields, cli_main, log_level, positive_int
+from physis_ros.cli_errors import (
+    UsageError,
+    check_fields,
+    cli_main,
+    ignore_further_interrupts,
+    log_level,
+    positive_int,
+)
 from physis_ros.engine.api import StreamEngine
 from physis_ros.serve import listen
 from physis_ros.serve.engine_loop import EngineLoop
@@ -260,14 +267,9 @@ def serve_single_process(
 
 
 def _stop_serving(stop: threading.Event, _signum: int, _frame) -> None:
-    """The first SIGINT or SIGTERM stops the server; a further SIGINT is spent. Ctrl-C under
-    ``ros2 launch`` signals the whole group and launch then signals each process again: that
-    second SIGINT, arriving once Python had put SIG_DFL back at exit, killed the server (-2)
-    after it had stopped. SIG_IGN survives interpreter exit. A later SIGTERM is launch's
-    escalation: a hard stop."""
+    """The first SIGINT or SIGTERM stops the server; then ignore_further_interrupts."""
     stop.set()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ignore_further_interrupts()
 
 
 MODEL_FLAGS = ("model", "dtype", "vae", "resolution", "latent_frames")
