@@ -77,10 +77,9 @@ def _gain_split(psnr_rows, baseline_rows, j: int) -> tuple[float, float, float] 
 def _chunk_gain_split(result: EvalResult, steps: list[int]) -> dict:
     """The chunk's mean PSNR gain split into what its still frames and its moving frames add
     (averaged over its steps, as the gain is)."""
-    splits = [
-        _gain_split([w.psnr for w in result.windows], [w.baseline_psnr for w in result.windows], j)
-        for j in steps
-    ]
+    psnr_rows = [w.psnr for w in result.windows]
+    baseline_rows = [w.baseline_psnr for w in result.windows]
+    splits = [_gain_split(psnr_rows, baseline_rows, j) for j in steps]
     if not splits or any(s is None for s in splits):
         return {"still_share": None, "gain_from_still_db": None, "gain_from_moving_db": None}
     share, still, moving = (float(np.mean(col)) for col in zip(*splits, strict=True))
