@@ -67,6 +67,10 @@ class WamTrainConfig:
     """W: previous chunks each chunk attends to (the served window)."""
     max_freeze_rows: int = 8
     """Rows after the newest observed frame that may be known (0.4 s at 20 Hz)."""
+    hide_history_fraction: float = 0.5
+    """Training windows (not validation: served requests always carry them) whose rows at
+    or before the newest observed frame are hidden, so the actions must come from the frames
+    and the state."""
     shift: float = 3.0
     sample_steps: int = 4
     """Noise levels of the K-step sampler (this shift) the windows are trained at."""
@@ -100,6 +104,7 @@ class WamTrainConfig:
             "max_obs": 1 <= self.max_obs < self.chunks,
             "window": self.window >= self.max_obs,
             "max_freeze_rows": self.max_freeze_rows >= 0,
+            "hide_history_fraction": 0 <= self.hide_history_fraction <= 1,
             "shift": self.shift > 0,
             "sample_steps": self.sample_steps >= 1,
             "action_weight": self.action_weight >= 0,
@@ -265,7 +270,9 @@ def train_wam(
     val_seeds = list(range(VAL_SEED0, VAL_SEED0 + cfg.val_episodes))
     val_eps = episodes_for(val_seeds, perturb=True, cache_dir=cache, progress=progress)
     common = dict(chunks=cfg.chunks, max_obs=cfg.max_obs, max_freeze_rows=cfg.max_freeze_rows)
-    windows = WamWindows(train_eps, mcfg, seed=cfg.seed, **common)
+    windows = WamWindows(
+        train_eps, mcfg, seed=cfg.seed, hide_history_fraction=cfg.hide_history_fraction, **common
+    )
     val = _val_set(WamWindows(val_eps, mcfg, seed=cfg.seed + 1, **common), cfg)
     model = build_model(mcfg, seed=cfg.seed).train()
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model

@@ -96,12 +96,14 @@ class WamWindows:
         max_freeze_rows: int,
         seed: int,
         per_slot_fraction: float = 0.5,
+        hide_history_fraction: float = 0.0,
     ) -> None:
         if cfg.codec != "pixel" or cfg.codec_stride[0] != 1:
             raise ValueError("push-wam training keeps each frame's pixel-codec latent")
         self.cfg = cfg
         self.chunks, self.max_obs, self.max_freeze_rows = chunks, max_obs, max_freeze_rows
         self.per_slot_fraction = per_slot_fraction
+        self.hide_history_fraction = hide_history_fraction
         self.frames = cfg.frames_per_chunk
         codec = Codec(cfg)
         state_cols = [STATE_NAMES.index(n) for n in STATE_NAMES[: cfg.state_dim]]
@@ -147,6 +149,13 @@ class WamWindows:
             # half the windows: each observed chunk knows its rows as of its own last frame
             # (a live stream takes each observed slot once, when it completes)
             per_slot = bool(self.rng.random() < self.per_slot_fraction)
+            # some windows hide every row at or before the newest frame (only the committed
+            # rows after it stay known): the next rows cannot be extrapolated from the rows
+            # before, so they have to come from the frames and the state (a model always
+            # shown them learned to continue them and ignored the camera)
+            hidden_until = -1
+            if self.rng.random() < self.hide_history_fraction:
+                hidden_until = ROWS_PER_FRAME * (start + obs * f - 1)
             for c in range(c_n):
                 first = start + c * f
                 horizon = last_known
@@ -155,7 +164,8 @@ class WamWindows:
                 latent = torch.from_numpy(ep.latents[first : first + f]).float() / 127.5 - 1
                 video = latent_to_tokens(cfg, latent.permute(1, 0, 2, 3)).reshape(-1)
                 idx = np.minimum(ROWS_PER_FRAME * first + np.arange(h), len(ep.rows) - 1)
-                is_known = ROWS_PER_FRAME * first + np.arange(h) <= horizon
+                row_t = ROWS_PER_FRAME * first + np.arange(h)
+                is_known = (row_t <= horizon) & (row_t > hidden_until)
                 pert = ep.perturbed[idx] & (ROWS_PER_FRAME * first + np.arange(h) < len(ep.rows))
                 x0[b, c, lay.video] = video
                 x0[b, c, lay.actions] = torch.from_numpy(ep.rows[idx].reshape(-1))
