@@ -67,6 +67,25 @@ def test_windows_follow_the_timeline_with_a_known_action_prefix(episodes):
     assert np.isfinite(ep.rows[first : first + h]).all()
 
 
+def test_windows_that_hide_the_history_keep_only_the_committed_rows(episodes):
+    cfg = get_preset("push-wam")
+    common = dict(chunks=4, max_obs=3, max_freeze_rows=8, seed=3)
+    shown = WamWindows(episodes, cfg, **common).batch(64)
+    hidden = WamWindows(episodes, cfg, hide_history_fraction=1.0, **common).batch(64)
+    # the same windows drawn (the same seed), only what is known differs
+    assert torch.equal(shown.n_obs, hidden.n_obs)
+    h, f = cfg.action_horizon, cfg.frames_per_chunk
+    t = torch.arange(4)[:, None] * ROWS_PER_FRAME * f + torch.arange(h)[None, :]
+    for b in range(64):
+        newest = ROWS_PER_FRAME * (int(hidden.n_obs[b]) * f - 1)
+        # nothing at or before the newest frame is known; after it, what the robot committed
+        assert not hidden.known[b][t <= newest].any()
+        assert torch.equal(hidden.known[b][t > newest], shown.known[b][t > newest])
+        # the rows trained on are the same: hiding the history adds no target
+        assert torch.equal(hidden.trained_rows[b], shown.trained_rows[b])
+    assert shown.known[t.expand(64, -1, -1) <= 0].all()  # the shown windows do know row 0
+
+
 def _train(out, seed: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
