@@ -42,7 +42,7 @@ from physis_ros.engine.model import (
 )
 from physis_ros.engine.sampler import sigmas
 from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES
-from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at
+from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
 from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for
 
 VAL_SEED0 = 20_000
@@ -82,6 +82,9 @@ class WamTrainConfig:
     grad_clip: float = 1.0
     ema: float = 0.999
     save_dtype: str = "float16"
+    init: str = ""
+    """Start from these weights (a physis-train-wam checkpoint of the same model: to train
+    on from a run's last checkpoint with a new schedule) instead of the seeded ones."""
     seed: int = 0
     threads: int = 1
     val_every: int = 100
@@ -171,6 +174,18 @@ def wam_loss(
     return loss, {"video": video.item(), "action": action.item(), "state": state.item()}
 
 
+def _load_init(model, cfg: WamTrainConfig) -> None:
+    from safetensors.torch import load_file
+
+    from physis_ros.weights import read_metadata
+
+    trained_as = read_metadata(cfg.init).get("model")
+    if trained_as != cfg.model:
+        raise ValueError(f"--init {cfg.init} holds model {trained_as!r}, not {cfg.model!r}")
+    state = {k: v.float() for k, v in load_file(cfg.init, device="cpu").items()}
+    load_upstream_state_dict(model, state)
+
+
 def _levels(cfg: WamTrainConfig) -> torch.Tensor:
     return torch.tensor(
         sigmas(SamplerConfig(steps=cfg.sample_steps, shift=cfg.shift))[:-1], dtype=torch.float32
@@ -246,6 +261,7 @@ def _save(  # noqa: PLR0917 - one call site per use, all of them here
             "train_wall_s": f"{wall_s:.1f}",
             "train_frames": str(windows.total_frames),
             "train_episodes": str(episodes),
+            **({"init_sha256": _sha256(cfg.init)} if cfg.init else {}),
         },
     )
     save_file(state, str(out / "weights.safetensors"), metadata=meta)
@@ -275,6 +291,8 @@ def train_wam(
     )
     val = _val_set(WamWindows(val_eps, mcfg, seed=cfg.seed + 1, **common), cfg)
     model = build_model(mcfg, seed=cfg.seed).train()
+    if cfg.init:
+        _load_init(model, cfg)
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay

@@ -3,6 +3,7 @@ prefix, a run is reproducible from its seed, and the engine and the closed loop 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -86,13 +87,13 @@ def test_windows_that_hide_the_history_keep_only_the_committed_rows(episodes):
     assert shown.known[t.expand(64, -1, -1) <= 0].all()  # the shown windows do know row 0
 
 
-def _train(out, seed: int) -> dict:
+def _train(out, seed: int, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "physis_ros.train.wam", "--out", str(out),
         "--episodes", "3", "--val-episodes", "2", "--steps", "3", "--batch-size", "2",
         "--val-every", "1", "--checkpoint-every", "2", "--seed", str(seed), "--quiet",
-        "--data-dir", str(out.parent / "data"),
+        "--data-dir", str(out.parent / "data"), *extra,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -114,6 +115,14 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     meta = read_metadata(weights)
     assert meta["format"] == "physis_ros world-action model" and meta["model"] == "push-wam"
     assert meta["state_names"].split(",")[-1] == "torque_z" and meta["action_hz"] == "20.0"
+    # a run started from a's weights names them, and (at a negligible learning rate, the same
+    # seed: the same validation windows) it validates as a did at its end
+    c = _train(tmp_path / "c", 5, "--init", str(weights), "--lr", "1e-9")
+    meta_c = read_metadata(tmp_path / "c" / "weights.safetensors")
+    assert meta_c["init_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    log_c = json.loads((tmp_path / "c" / "train_log.json").read_text())
+    assert log_c["val"][0]["action"] == pytest.approx(a["final_val"]["action"], rel=1e-3)
+    assert c["final_val"]["action"] == pytest.approx(a["final_val"]["action"], rel=1e-3)
     kwargs = engine_kwargs(weights)
     assert kwargs["window"] == 3 and kwargs["steps"] == 4 and kwargs["shift"] == 3.0
 
