@@ -7,7 +7,9 @@ observed (clean: frames, state, the actions the robot reported), the rest genera
 noise level shared by the window (the levels of the served sampler). The robot's known
 actions are a prefix of the timeline: every row up to the newest observed frame plus
 0..``max_freeze_rows`` rows (what it executes while the answer is on its way) enters clean
-and flagged; the model learns frames, the remaining action rows and the state together.
+and flagged; the model learns frames, the remaining action rows and the state together. In a
+share of the windows (``hide_history_fraction``) the rows up to the newest frame are hidden,
+so that the actions come from the camera and the state, not from continuing those rows.
 Loss: velocity MSE of video, action rows and state values, each a mean over what counts
 (rows commanded by a perturbation are never trained on).
 
