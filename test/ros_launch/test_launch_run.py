@@ -193,8 +193,12 @@ def test_two_robots_in_two_namespaces_against_one_workstation(ros_launch_env, tm
                     "sim:=true",
                     "server:=127.0.0.1:0",
                     f"server_port_file:={port_file}",
-                    # the launch default: the interval the camera fills (one stream asking
-                    # for 0 gets the fastest promise, which takes the whole pool)
+                    # Twice the camera's chunk period: the server measures its engine at
+                    # start-up, and on a loaded 2-core host it measured 91.5 ms a chunk, so
+                    # the second stream at 200 ms was rightly refused (admission keeps a
+                    # reserve). At 400 ms both fit. Asking for 0 would give the first stream
+                    # the fastest promise, which takes the whole pool.
+                    "target_interval_ms:=400",
                 ],
                 env=ros_launch_env,
                 log_path=tmp_path / f"robot_{ns}.log",
