@@ -131,6 +131,14 @@ class WamTrainConfig:
             raise ValueError(f"model {self.model!r} is not a world-action model with state")
         if self.episodes + self.val_episodes > VAL_SEED0:
             raise ValueError(f"training seeds would reach the validation seeds ({VAL_SEED0}..)")
+        if self.init:
+            from physis_ros.weights import read_metadata
+
+            if not Path(self.init).is_file():
+                raise ValueError(f"init {self.init} is not a file")
+            trained_as = read_metadata(self.init).get("model")
+            if trained_as != self.model:
+                raise ValueError(f"init {self.init} holds model {trained_as!r}, not {self.model!r}")
 
 
 def wam_loss(
@@ -174,18 +182,6 @@ def wam_loss(
     action = (rows * row_mask).sum() / row_mask.sum().clamp_min(1)
     loss = video + action_weight * action + state_weight * state
     return loss, {"video": video.item(), "action": action.item(), "state": state.item()}
-
-
-def _load_init(model, cfg: WamTrainConfig) -> None:
-    from safetensors.torch import load_file
-
-    from physis_ros.weights import read_metadata
-
-    trained_as = read_metadata(cfg.init).get("model")
-    if trained_as != cfg.model:
-        raise ValueError(f"--init {cfg.init} holds model {trained_as!r}, not {cfg.model!r}")
-    state = {k: v.float() for k, v in load_file(cfg.init, device="cpu").items()}
-    load_upstream_state_dict(model, state)
 
 
 def _levels(cfg: WamTrainConfig) -> torch.Tensor:
@@ -293,8 +289,11 @@ def train_wam(
     )
     val = _val_set(WamWindows(val_eps, mcfg, seed=cfg.seed + 1, **common), cfg)
     model = build_model(mcfg, seed=cfg.seed).train()
-    if cfg.init:
-        _load_init(model, cfg)
+    if cfg.init:  # the same model (checked by the config): its weights as they are
+        from safetensors.torch import load_file
+
+        init = load_file(cfg.init, device="cpu")
+        load_upstream_state_dict(model, {k: v.float() for k, v in init.items()})
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay

@@ -166,7 +166,7 @@ class WamWindows:
                 idx = np.minimum(ROWS_PER_FRAME * first + np.arange(h), len(ep.rows) - 1)
                 row_t = ROWS_PER_FRAME * first + np.arange(h)
                 is_known = (row_t <= horizon) & (row_t > hidden_until)
-                pert = ep.perturbed[idx] & (ROWS_PER_FRAME * first + np.arange(h) < len(ep.rows))
+                pert = ep.perturbed[idx] & (row_t < len(ep.rows))
                 x0[b, c, lay.video] = video
                 x0[b, c, lay.actions] = torch.from_numpy(ep.rows[idx].reshape(-1))
                 x0[b, c, lay.state] = torch.from_numpy(ep.state[first : first + f].reshape(-1))

@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+import physis_ros.weights
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import get_preset
 from physis_ros.engine.model import chunk_layout
@@ -123,6 +125,12 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     log_c = json.loads((tmp_path / "c" / "train_log.json").read_text())
     assert log_c["val"][0]["action"] == pytest.approx(a["final_val"]["action"], rel=1e-3)
     assert c["final_val"]["action"] == pytest.approx(a["final_val"]["action"], rel=1e-3)
+    # weights of another model are refused in one line before anything runs
+    wm = str(Path(physis_ros.weights.__file__).parent / "push_wm.safetensors")
+    cmd = [sys.executable, "-m", "physis_ros.train.wam", "--out", str(tmp_path / "d"), "--init"]
+    proc = subprocess.run([*cmd, wm], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "holds model 'push-wm', not 'push-wam'" in proc.stderr
+    assert not (tmp_path / "d").exists()
     kwargs = engine_kwargs(weights)
     assert kwargs["window"] == 3 and kwargs["steps"] == 4 and kwargs["shift"] == 3.0
 
