@@ -163,8 +163,8 @@ class WamWindows:
                     horizon = ROWS_PER_FRAME * (first + f - 1) + freeze
                 latent = torch.from_numpy(ep.latents[first : first + f]).float() / 127.5 - 1
                 video = latent_to_tokens(cfg, latent.permute(1, 0, 2, 3)).reshape(-1)
-                idx = np.minimum(ROWS_PER_FRAME * first + np.arange(h), len(ep.rows) - 1)
                 row_t = ROWS_PER_FRAME * first + np.arange(h)
+                idx = np.minimum(row_t, len(ep.rows) - 1)
                 is_known = (row_t <= horizon) & (row_t > hidden_until)
                 pert = ep.perturbed[idx] & (row_t < len(ep.rows))
                 x0[b, c, lay.video] = video
