@@ -5,6 +5,13 @@ holds (no deserialisation), paced by the bag's receive times (scaled by ``--rate
 header stamps are shifted so that the first message carries "now" (ROS wall clock) and the
 spacing is kept — nodes that drop stale observations accept a replay; ``--keep-stamps``
 publishes them as recorded. The only module of physis_ros.eval that imports rclpy.
+
+The command runs the replay in a child process of its own and reads its result (one JSON
+line) before the child tears ROS down: Fast DDS can deadlock in that teardown (a node
+destroyed while a peer participant leaves; seen once in CI, the main thread stuck in
+``destroy_node`` holding the GIL, so no thread of that process can time it out). A child
+whose teardown outlasts ``TEARDOWN_TIMEOUT_S`` is killed, said so, and the replay's result
+stands.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ import importlib
 import json
 import signal
 import struct
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from physis_ros.children import stop_child
 from physis_ros.cli_errors import RuntimeFailure, cli_main, finite_float
 
 HEADER_TYPE = "std_msgs/msg/Header"
@@ -28,6 +37,10 @@ DISCOVERY_SETTLE_S = 0.5
 """After every publisher has seen its subscriber: discovery is two-sided, and a subscriber
 that has not yet matched the publisher drops what comes first (seen once on a loaded host:
 the first image of a replay lost), so replay waits this long more before it starts."""
+TEARDOWN_TIMEOUT_S = 20.0
+"""After the replay's result: the longest wait for its process to destroy its node and end."""
+WORKER_FLAG = "--ros-worker"
+"""The child process's flag: replay, print the result line, then tear ROS down."""
 
 
 @dataclass
@@ -127,10 +140,12 @@ def replay(
     reliable: bool = False,
     loops: int = 1,
     on_warning=lambda text: None,
+    on_finished=lambda stats: None,
 ) -> ReplayStats:
     """Publish ``bag`` once (or ``loops`` times); returns what was published and skipped.
     ``on_warning(text)`` hears each problem as it is found (a topic nobody subscribes to,
-    the first message of each kind that is skipped)."""
+    the first message of each kind that is skipped); ``on_finished(stats)`` hears the result
+    before the node is destroyed."""
     import rclpy
     from rclpy._rclpy_pybind11 import RCLError
     from rclpy.duration import Duration
@@ -226,6 +241,7 @@ def replay(
             for topic, pub in topics_of.items():
                 if not pub.wait_for_all_acked(Duration(seconds=ACK_TIMEOUT_S)):
                     stats.unacknowledged.append(topic)
+            on_finished(stats)
         finally:
             node.destroy_node()
             rclpy.try_shutdown()
@@ -236,8 +252,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-@cli_main("physis-replay")
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="physis-replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("bag", type=Path, help="rosbag2 folder, or a .mcap / .db3 file")
     parser.add_argument(
@@ -258,6 +273,76 @@ def main(argv: list[str] | None = None) -> int:
         "--reliable", action="store_true", help="reliable QoS (default: sensor data, best effort)"
     )
     parser.add_argument("--loop", type=int, default=1, help="play the bag this many times")
+    parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _result_line(stats: ReplayStats) -> str:
+    return json.dumps(
+        {
+            "published": stats.published,
+            "skipped": stats.skipped,
+            "late_ms_max": round(stats.late_ms_max, 3),
+            "wall_s": round(stats.wall_s, 3),
+            "unacknowledged": stats.unacknowledged,
+            "unheard": stats.unheard,
+        }
+    )
+
+
+def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace, remap: dict) -> int:
+    """The child: replay, print the result line (flushed, before the node is destroyed)."""
+
+    def finished(stats: ReplayStats) -> None:
+        print(_result_line(stats), flush=True)
+
+    try:
+        replay(
+            args.bag,
+            rate=args.rate,
+            topics=args.topics,
+            remap=remap,
+            keep_stamps=args.keep_stamps,
+            wait_subscribers_s=args.wait_subscribers_s,
+            reliable=args.reliable,
+            loops=args.loop,
+            on_warning=lambda text: print(f"physis-replay: warning: {text}", file=sys.stderr),
+            on_finished=finished,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    except KeyboardInterrupt:
+        return 130  # stopped by the command, which says so
+    return 0
+
+
+def supervise(cmd: list[str], teardown_timeout_s: float = TEARDOWN_TIMEOUT_S) -> tuple[int, str]:
+    """Runs the worker ``cmd`` (its stderr passes through): (its exit status, its result
+    line, "" when it printed none). A worker that has printed its result and does not end
+    within ``teardown_timeout_s`` is killed and counts as done (status 0)."""
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().strip()
+        try:
+            return child.wait(teardown_timeout_s if line else None), line
+        except subprocess.TimeoutExpired:
+            print(
+                f"physis-replay: warning: the replay finished, but its ROS teardown did not "
+                f"end within {teardown_timeout_s:g} s (a middleware hang); stopped it",
+                file=sys.stderr,
+                flush=True,
+            )
+            stop_child(child, timeout_s=2.0)
+            return 0, line
+    finally:  # Ctrl-C or SIGTERM here: the worker goes too (it destroys its node on SIGTERM)
+        stop_child(child, timeout_s=TEARDOWN_TIMEOUT_S)
+        child.stdout.close()
+
+
+@cli_main("physis-replay")
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
     args = parser.parse_args(argv)
     remap = {}
     for item in args.remap:
@@ -271,38 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--loop must be >= 1, got {args.loop}")
     # SIGTERM ends the replay like Ctrl-C does (clean rclpy shutdown)
     signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        stats = replay(
-            args.bag,
-            rate=args.rate,
-            topics=args.topics,
-            remap=remap,
-            keep_stamps=args.keep_stamps,
-            wait_subscribers_s=args.wait_subscribers_s,
-            reliable=args.reliable,
-            loops=args.loop,
-            on_warning=lambda text: print(f"physis-replay: warning: {text}", file=sys.stderr),
-        )
-    except ValueError as err:
-        parser.error(str(err))
-    print(
-        json.dumps(
-            {
-                "published": stats.published,
-                "skipped": stats.skipped,
-                "late_ms_max": round(stats.late_ms_max, 3),
-                "wall_s": round(stats.wall_s, 3),
-                "unacknowledged": stats.unacknowledged,
-                "unheard": stats.unheard,
-            }
-        )
-    )
-    if not any(stats.published.values()):
+    if args.ros_worker:
+        return _worker(parser, args, remap)
+    status, line = supervise([sys.executable, "-m", "physis_ros.eval.replay", *argv, WORKER_FLAG])
+    if not line:
+        return status  # the worker failed before its result; its stderr said why
+    print(line, flush=True)
+    if not any(json.loads(line)["published"].values()):
         raise RuntimeFailure(
             f"nothing was published from {args.bag}",
             "see the warnings above (topics, --remap, --topics)",
         )
-    return 0
+    return status
 
 
 if __name__ == "__main__":

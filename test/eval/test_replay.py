@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from physis_ros.children import stop_child
-from physis_ros.eval.replay import restamp
+from physis_ros.eval.replay import restamp, supervise
 from physis_ros.sim.record import EPOCH_S
 
 from .bagtools import record_small, rewrite_bag
@@ -33,6 +33,26 @@ def test_restamp_moves_only_the_header_stamp():
     assert int.from_bytes(out[4:8], "little") == 6 and int.from_bytes(out[8:12], "little") == 1
     with pytest.raises(ValueError, match="too short"):
         restamp(b"\x00\x01\x00\x00", 0)
+
+
+def test_a_replay_whose_ros_teardown_hangs_is_stopped_and_its_result_stands():
+    """The worker printed its result, then hangs (as Fast DDS's node teardown once did in
+    CI): the command stops it after the teardown timeout, says so and keeps the result."""
+    result = {"published": {"/camera/image_raw": 3}}
+    hanging = [
+        sys.executable,
+        "-c",
+        f"import time; print({json.dumps(result)!r}, flush=True); time.sleep(3600)",
+    ]
+    t0 = time.monotonic()
+    status, line = supervise(hanging, teardown_timeout_s=1.0)
+    assert status == 0 and json.loads(line) == result
+    assert time.monotonic() - t0 < 600  # stopped, not waited out
+
+
+def test_a_worker_that_fails_before_its_result_keeps_its_status():
+    status, line = supervise([sys.executable, "-c", "import sys; sys.exit(3)"])
+    assert (status, line) == (3, "")
 
 
 def _run_replay(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
