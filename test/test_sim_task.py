@@ -41,6 +41,23 @@ def test_the_expert_pushes_the_box_onto_the_goal_and_recovers_from_perturbations
     assert perturbed >= 1  # and reached the goal all the same
 
 
+def test_training_episodes_start_with_the_arm_held_as_a_served_robot_waits_for_its_first_chunk():
+    """The held rows repeat the start, are flagged (never trained as output) and last
+    0-0.6 s, different per seed; the expert's own episodes move from their second row."""
+    holds = []
+    for seed in range(8):
+        ep = run_expert_episode(sample_task(seed), perturb=True)
+        moving = np.abs(np.diff(ep.rows, axis=0)).max(axis=1) > 0
+        first_move = int(np.argmax(moving)) + 1  # the first row that differs from the one before
+        held = first_move - 1
+        np.testing.assert_array_equal(ep.rows[:first_move], np.repeat(ep.rows[:1], first_move, 0))
+        assert ep.perturbed[1:first_move].all() and not ep.perturbed[first_move]
+        holds.append(held / 20)  # rows at 20 Hz
+    assert max(holds) <= 0.6 and len(set(holds)) >= 4, holds
+    plain = run_expert_episode(sample_task(3), perturb=False)
+    assert np.abs(plain.rows[1] - plain.rows[0]).max() > 0 and not plain.perturbed.any()
+
+
 def test_the_camera_shows_the_goal():
     sim = TaskSim(sample_task(2))
     with_goal = sim.render()

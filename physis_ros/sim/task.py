@@ -266,18 +266,29 @@ class Perturbations:
     targets wander to a random nearby configuration (an external push, a bad command), then
     the expert takes over from wherever that left the arm and the box: the recoveries a
     learned policy needs to have seen. Rows commanded during a perturbation are flagged (the
-    model is never trained to produce them)."""
+    model is never trained to produce them).
+
+    Every episode also starts with the arm held still for 0-``MAX_START_HOLD_S``: a served
+    policy's robot holds until its first chunk arrives, so the first requests it sees carry
+    committed rows that stand still. Trained only on an expert that moves from its first row,
+    the model read a standing arm as the end of a push and planned away from the box."""
 
     MEAN_GAP_S = 3.0
     SPEED_RAD_S = 1.5
+    MAX_START_HOLD_S = 0.6
 
     def __init__(self, seed: int) -> None:
         self._rng = np.random.default_rng([seed, 0x5EED])
         self._next_s = 1.0 + float(self._rng.exponential(self.MEAN_GAP_S))
         self._end_s = -1.0
         self._goal: np.ndarray | None = None
+        self._start_hold_s = float(self._rng.uniform(0.0, self.MAX_START_HOLD_S))
+        self._holding = False
 
     def active(self, t_s: float, previous: np.ndarray) -> bool:
+        self._holding = t_s < self._start_hold_s
+        if self._holding:
+            return True
         if t_s >= self._next_s and self._goal is None:
             self._goal = previous + self._rng.uniform(-0.6, 0.6, 2)
             self._end_s = t_s + float(self._rng.uniform(0.3, 0.8))
@@ -287,6 +298,8 @@ class Perturbations:
         return self._goal is not None
 
     def joint_targets(self, previous: np.ndarray, dt_s: float) -> np.ndarray:
+        if self._holding:
+            return previous.copy()
         assert self._goal is not None
         limit = self.SPEED_RAD_S * dt_s
         return previous + np.clip(self._goal - previous, -limit, limit)

@@ -29,7 +29,7 @@ from physis_ros.sim.episodes import TaskEpisode, load_episodes, run_expert_episo
 from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES, sample_task
 
 ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
-DATA_VERSION = 2
+DATA_VERSION = 3
 """Bumped whenever the task, the expert or the perturbations change: cached episodes made
 by another version are not reused."""
 
