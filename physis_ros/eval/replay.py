@@ -332,7 +332,10 @@ def supervise(cmd: list[str], teardown_timeout_s: float = TEARDOWN_TIMEOUT_S) ->
                 file=sys.stderr,
                 flush=True,
             )
-            stop_child(child, timeout_s=2.0)
+            # SIGKILL at once: a process stuck in a C call that holds the GIL never runs the
+            # Python handler a SIGTERM would need
+            child.kill()
+            child.wait()
             return 0, line
     finally:  # Ctrl-C or SIGTERM here: the worker goes too (it destroys its node on SIGTERM)
         stop_child(child, timeout_s=TEARDOWN_TIMEOUT_S)
