@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows
+from physis_ros.sim.episodes import TaskEpisode
 from physis_ros.sim.task import (
     CONTROL_HZ,
     FRAME_HZ,
@@ -44,6 +45,7 @@ ROW_NS = NS // CONTROL_HZ
 FRAME_NS = NS // FRAME_HZ
 POLICIES = ("model", "expert")
 JUMP_WINDOW_ROWS = 2
+ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +136,9 @@ class EpisodeResult:
     """Camera frames (kept for the strip of one episode)."""
     predicted: dict = field(default_factory=dict)
     """slot -> predicted frames of that slot."""
+    record: TaskEpisode | None = None
+    """With takeovers: the episode as training data (the model's rows flagged, the expert's
+    rows the targets)."""
 
 
 class ModelDecider:
@@ -167,20 +172,55 @@ class ModelDecider:
             eng.close_stream(sid)
 
 
+class Takeovers:
+    """When the expert takes the robot over from the model (on-policy training data, the
+    idea of DAgger: the expert's rows from the states the model's own actions lead to are
+    the labels the model is missing): the model drives for MODEL_S, then the expert for
+    EXPERT_S, alternating, both drawn from the seed. The model drives first, so its first
+    requests see the arm at rest as a served robot's do."""
+
+    MODEL_S = (0.4, 1.6)
+    EXPERT_S = (0.6, 1.4)
+
+    def __init__(self, seed: int, time_limit_s: float) -> None:
+        rng = np.random.default_rng([seed, 0xDA66E4])
+        self.spans_ns: list[tuple[int, int]] = []
+        t = 0.0
+        while t < time_limit_s:
+            start = t + float(rng.uniform(*self.MODEL_S))
+            t = start + float(rng.uniform(*self.EXPERT_S))
+            self.spans_ns.append((round(start * NS), round(t * NS)))
+
+    def expert_at(self, t_ns: int) -> bool:
+        return any(a <= t_ns < b for a, b in self.spans_ns)
+
+
 def run_episode(
-    cfg: ClosedLoopConfig, seed: int, decider: ModelDecider | None, *, keep_frames=False
+    cfg: ClosedLoopConfig,
+    seed: int,
+    decider: ModelDecider | None,
+    *,
+    keep_frames=False,
+    takeovers: Takeovers | None = None,
 ) -> EpisodeResult:
-    """One episode (see the module docstring); ``decider`` answers for the model policy."""
-    return _Episode(cfg, seed, decider).run(keep_frames=keep_frames)
+    """One episode (see the module docstring); ``decider`` answers for the model policy;
+    ``takeovers``: when the expert drives instead (the rows it commands are recorded)."""
+    return _Episode(cfg, seed, decider, takeovers).run(keep_frames=keep_frames)
 
 
 class _Episode:
     """The state of one running episode: the sim, the executor, the requests in flight."""
 
-    def __init__(self, cfg: ClosedLoopConfig, seed: int, decider: ModelDecider | None) -> None:
+    def __init__(
+        self,
+        cfg: ClosedLoopConfig,
+        seed: int,
+        decider: ModelDecider | None,
+        takeovers: Takeovers | None = None,
+    ) -> None:
         if cfg.policy == "model" and decider is None:
             raise ValueError("the model policy needs a decider")
-        self.cfg, self.seed, self.decider = cfg, seed, decider
+        self.cfg, self.seed, self.decider, self.takeovers = cfg, seed, decider, takeovers
         self.sim = TaskSim(sample_task(seed))
         self.shadow = GoalPushExpert(self.sim.goal)
         self.expert = cfg.policy == "expert"
@@ -199,9 +239,12 @@ class _Episode:
         self.frames: list[np.ndarray] = []
         self.states: list[np.ndarray] = []
         self.box: list[np.ndarray] = []
+        self.box_yaw: list[float] = []
         self.pending: list[tuple[int, int, Answer, int]] = []
         """(arrival tick, generated slot, answer, ns of its first row)"""
         self.commanded: list[np.ndarray] = []
+        self.expert_rows: set[int] = set()
+        """Control rows the expert commanded (all of them for the expert policy)."""
         self.switches: list[int] = []
         self.errors: list[float] = []
         self.proposal: np.ndarray | None = None
@@ -229,13 +272,17 @@ class _Episode:
         sim, f = self.sim, self.frames_per_slot
         self.frames.append(sim.render())
         self.states.append(sim.proprio())
-        self.box.append(sim.scene.box_pose()[:2].copy())
+        pose = sim.scene.box_pose()
+        self.box.append(pose[:2].copy())
+        self.box_yaw.append(float(pose[2]))
         if self.decider is None or len(self.frames) % f:
             return
         o = len(self.frames) // f - 1  # slot o is complete: ask for slot o + 1
         self.slots.append(
             SlotObservation(o, np.stack(self.frames[-f:]), np.stack(self.states[-f:]))
         )
+        if self._expert_drives((sim.tick + self.delay_ticks) * TICK_NS):
+            return  # its answer would arrive while the expert drives
         answer, first_row_ns = self._ask(o, t_ns)
         self.pending.append((sim.tick + self.delay_ticks, o + 1, answer, first_row_ns))
 
@@ -264,6 +311,8 @@ class _Episode:
             self.pending.remove(item)
             _, slot, answer, first_row_ns = item
             self.result.predicted[slot] = answer.frames
+            if self._expert_drives(t_ns):
+                continue
             report = self.executor.accept(
                 TimedRows(first_row_ns, ROW_NS, answer.rows), now_ns=t_ns, chunk_id=slot
             )
@@ -283,12 +332,14 @@ class _Episode:
         if self.proposal is not None:
             self.errors.append(float(np.sum((current - self.proposal) ** 2)))
         self.proposal = self.shadow.joint_targets(self.sim.scene, current, 1.0 / CONTROL_HZ)
-        if self.expert:
-            self.executor.accept(
-                TimedRows(t_ns, ROW_NS, np.stack([current, self.proposal])),
-                now_ns=t_ns - 1,
-                chunk_id=self.sim.tick,
+        if self.expert or self._expert_drives(t_ns):
+            self.expert_rows.add(self.sim.tick // TICKS_PER_ROW + 1)
+            self.executor.take_over(
+                TimedRows(t_ns, ROW_NS, np.stack([current, self.proposal])), now_ns=t_ns - 1
             )
+
+    def _expert_drives(self, t_ns: int) -> bool:
+        return self.takeovers is not None and self.takeovers.expert_at(t_ns)
 
     def _finish(self, keep_frames: bool) -> EpisodeResult:
         sim, r = self.sim, self.result
@@ -299,11 +350,33 @@ class _Episode:
         r.box_path = np.asarray(self.box)
         r.action_rmse_rad = float(np.sqrt(np.mean(self.errors) / 2)) if self.errors else 0.0
         _jumps(r, np.asarray(self.commanded), self.switches)
+        if self.takeovers is not None:
+            r.record = self._record()
         if keep_frames:
             r.observed = self.frames
         else:
             r.predicted = {}
         return r
+
+    def _record(self) -> TaskEpisode:
+        """Frames, state and box at each frame; the commanded target at each control row
+        (row i at i / CONTROL_HZ: the knots of the commanded trajectory lie on that grid),
+        flagged where the model, not the expert, commanded it."""
+        n_rows = (len(self.frames) - 1) * ROWS_PER_FRAME + 1
+        ticks = np.arange(1, n_rows) * TICKS_PER_ROW - 1  # commanded[k]: the target at k + 1
+        start = self.sim.setup.joints
+        rows = np.concatenate([[start], np.asarray(self.commanded)[ticks]])
+        flags = np.array([i > 0 and i not in self.expert_rows for i in range(n_rows)])
+        box = np.column_stack([np.asarray(self.box), np.asarray(self.box_yaw)])
+        return TaskEpisode(
+            setup=self.sim.setup,
+            frames=np.stack(self.frames),
+            proprio=np.stack(self.states),
+            rows=rows.astype(np.float32),
+            perturbed=flags,
+            box=box.astype(np.float32),
+            reached_s=self.sim.reached_s,
+        )
 
 
 def _jumps(result: EpisodeResult, commanded: np.ndarray, switches: list[int]) -> None:

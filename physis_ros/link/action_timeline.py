@@ -14,7 +14,9 @@ What belongs here (numpy only: the bridge, the closed-loop eval and the server s
   rows where the old plan and the new chunk overlap, or from the target the old plan holds
   after its last row when they do not). Without delay handling
   (``delay_aware=False``) a chunk's first row is executed on arrival, as if it had been
-  computed instantly: the baseline it is measured against.
+  computed instantly: the baseline it is measured against. ``take_over`` lets another
+  controller (a teleoperator, a safety controller; the expert when on-policy training data
+  is collected) replace the plan for a while; the stream's next chunk joins from its rows.
 - ``known_rows``: the rows of a chunk that the robot already knows (executed, or committed
   and executed before the answer can arrive), read off the command timeline; the model takes
   them clean and generates the rest to continue them (real-time chunking).
@@ -146,6 +148,17 @@ class ChunkExecutor:
         self._values = np.asarray(target, np.float64).reshape(1, -1)
 
     # ---- joining a chunk -----------------------------------------------------------------
+    def take_over(self, rows: TimedRows, *, now_ns: int) -> JoinReport:
+        """Another controller's ``rows`` replace the plan from their first future row on,
+        whatever chunk the stream has reached (its later chunks are still accepted and join
+        from these rows); what was commanded before now stays."""
+        last_id, join, aware = self._last_id, self.join, self.delay_aware
+        self._last_id, self.join, self.delay_aware = None, "replace", True
+        try:
+            return self.accept(rows, now_ns=now_ns, chunk_id=0)
+        finally:
+            self._last_id, self.join, self.delay_aware = last_id, join, aware
+
     def accept(self, chunk: TimedRows, *, now_ns: int, chunk_id: int) -> JoinReport:
         """Join ``chunk`` (``chunk_id``: its position in the stream, increasing) at now_ns."""
         if self._last_id is not None and chunk_id <= self._last_id:

@@ -13,6 +13,11 @@ so that the actions come from the camera and the state, not from continuing thos
 Loss: velocity MSE of video, action rows and state values, each a mean over what counts
 (rows commanded by a perturbation are never trained on).
 
+With ``--on-policy-from CHECKPOINTS --on-policy-episodes N`` (a DAgger round), each checkpoint
+first drives N more training episodes in the closed loop while the expert takes over now and
+then (``wam_onpolicy``): the expert's rows from the states the model's own actions led to
+join the training data, the model's rows as known history only.
+
 Writes ``weights.safetensors`` (fp16, with the metadata the engine and the eval read),
 ``train_log.json`` and ``loss_curve.png`` into ``--out``. Reproducible from ``--seed`` on one
 CPU thread. The engine-side layout is ``physis_ros.engine.sampler``; the data
@@ -46,8 +51,11 @@ from physis_ros.engine.sampler import sigmas
 from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
 from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for
+from physis_ros.train.wam_onpolicy import on_policy_episodes
 
 VAL_SEED0 = 20_000
+HELD_OUT_SEED0 = 10_000
+"""physis-eval --closed-loop's episodes start here: no training episode may use them."""
 """Validation episodes' seeds start here; held-out evaluation uses 10000.. (physis-eval)."""
 
 
@@ -87,6 +95,11 @@ class WamTrainConfig:
     init: str = ""
     """Start from these weights (a physis-train-wam checkpoint of the same model: to train
     on from a run's last checkpoint with a new schedule) instead of the seeded ones."""
+    on_policy_from: str = ""
+    """Comma-separated push-wam checkpoints: each drives ``on_policy_episodes`` training
+    episodes in the closed loop with expert takeovers (``wam_onpolicy``; cached), added to
+    the expert's episodes (DAgger: list every earlier round's checkpoint to aggregate)."""
+    on_policy_episodes: int = 0
     seed: int = 0
     threads: int = 1
     val_every: int = 100
@@ -98,6 +111,10 @@ class WamTrainConfig:
     stop_after_steps: int = 0
     """0: run all ``steps``; else stop after this many with the learning-rate schedule of
     ``steps``: reproduces exactly the checkpoint a longer run wrote at that step."""
+
+    @property
+    def on_policy_checkpoints(self) -> list[str]:
+        return [p for p in self.on_policy_from.split(",") if p]
 
     def __post_init__(self) -> None:
         checks = {
@@ -122,6 +139,9 @@ class WamTrainConfig:
             "checkpoint_every": self.checkpoint_every >= 0,
             "max_minutes": self.max_minutes >= 0,
             "stop_after_steps": 0 <= self.stop_after_steps <= self.steps,
+            "on_policy_episodes": self.on_policy_episodes >= 0
+            and (self.on_policy_episodes > 0) == bool(self.on_policy_from)
+            and len(self.on_policy_checkpoints) * self.on_policy_episodes <= HELD_OUT_SEED0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -131,6 +151,9 @@ class WamTrainConfig:
             raise ValueError(f"model {self.model!r} is not a world-action model with state")
         if self.episodes + self.val_episodes > VAL_SEED0:
             raise ValueError(f"training seeds would reach the validation seeds ({VAL_SEED0}..)")
+        for path in self.on_policy_checkpoints:
+            if not Path(path).is_file():
+                raise ValueError(f"on_policy_from: {path} is not a file")
         if self.init:
             from physis_ros.weights import read_metadata
 
@@ -281,6 +304,10 @@ def train_wam(
     mcfg = get_preset(cfg.model)
     cache = data_dir if data_dir is not None else out / "data"
     train_eps = episodes_for(list(range(cfg.episodes)), perturb=True, cache_dir=cache)
+    n_on = cfg.on_policy_episodes
+    for r, checkpoint in enumerate(cfg.on_policy_checkpoints):  # round r: seeds of its own
+        seeds = list(range(r * n_on, (r + 1) * n_on))
+        train_eps += on_policy_episodes(checkpoint, seeds, cache_dir=cache, progress=progress)
     val_seeds = list(range(VAL_SEED0, VAL_SEED0 + cfg.val_episodes))
     val_eps = episodes_for(val_seeds, perturb=True, cache_dir=cache, progress=progress)
     common = dict(chunks=cfg.chunks, max_obs=cfg.max_obs, max_freeze_rows=cfg.max_freeze_rows)

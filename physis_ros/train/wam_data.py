@@ -42,12 +42,20 @@ def episodes_for(
 
     key = hashlib.sha256(json.dumps([DATA_VERSION, seeds, perturb]).encode()).hexdigest()[:12]
     path = None if cache_dir is None else Path(cache_dir) / f"episodes_{key}.npz"
+    return cached_episodes(
+        path,
+        lambda: [
+            run_expert_episode(sample_task(seed), perturb=perturb)
+            for seed in tqdm(seeds, desc="expert episodes", unit="ep", disable=not progress)
+        ],
+    )
+
+
+def cached_episodes(path: Path | None, make) -> list[TaskEpisode]:
+    """The episodes saved at ``path``, else ``make()``'s, saved there (None: not cached)."""
     if path is not None and path.exists():
         return load_episodes(path)
-    episodes = [
-        run_expert_episode(sample_task(seed), perturb=perturb)
-        for seed in tqdm(seeds, desc="expert episodes", unit="ep", disable=not progress)
-    ]
+    episodes = make()
     if path is not None:  # written whole, then renamed: a concurrent run never reads half
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")

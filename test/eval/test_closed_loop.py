@@ -74,3 +74,49 @@ def test_closed_loop_command_writes_the_report(untrained_wam, tmp_path):
         assert (out / f"box_paths_{name}.png").stat().st_size > 1000
     assert (out / "strip.png").stat().st_size > 1000
     assert "| model_naive_200ms | 200 (4) |" in (out / "report.md").read_text()
+
+
+class _ConstantDecider:
+    """Answers every request with rows that hold the arm where it started (a model that
+    never moves), counting the requests."""
+
+    def __init__(self, cfg, hold: np.ndarray):
+        self.engine = type("E", (), {"cfg": cfg})()
+        self.hold, self.requests = hold, 0
+
+    def answer(self, contexts, known, gen_known, seed):
+        from physis_ros.eval.closed_loop import Answer
+
+        self.requests += 1
+        return Answer(rows=np.tile(self.hold, (self.engine.cfg.action_horizon, 1)))
+
+
+def test_on_policy_episodes_label_the_models_states_with_the_experts_rows():
+    """DAgger data: the model drives, the expert takes over in the spans Takeovers draws.
+    The record's rows are what was commanded; the model's are flagged (history only), the
+    expert's are not, and they move the arm where the still model does not."""
+    from physis_ros.engine.config import get_preset
+    from physis_ros.eval.closed_loop import NS, ROW_NS, Takeovers
+    from physis_ros.sim.task import sample_task
+
+    seed = 3
+    start = np.array(sample_task(seed).joints)
+    decider = _ConstantDecider(get_preset("push-wam"), start)
+    cfg = ClosedLoopConfig(time_limit_s=4.0, after_goal_s=1.0)
+    takeovers = Takeovers(seed, cfg.time_limit_s)
+    r = run_episode(cfg, seed, decider, takeovers=takeovers)
+    ep = r.record
+    assert ep is not None and len(ep.rows) == 2 * (len(ep.frames) - 1) + 1
+    assert len(ep.proprio) == len(ep.frames) == len(ep.box)
+    np.testing.assert_allclose(ep.rows[0], start, atol=1e-6)
+    expert = np.array([takeovers.expert_at((i - 1) * ROW_NS) for i in range(len(ep.rows))])
+    expert[0] = False
+    np.testing.assert_array_equal(~ep.perturbed[1:], expert[1:])
+    assert 0.2 < expert.mean() < 0.8  # both drive a fair share
+    moves = np.abs(np.diff(ep.rows, axis=0)).max(axis=1)  # row i -> i + 1
+    first = -(-takeovers.spans_ns[0][0] // ROW_NS)  # the expert's first control period
+    assert all(moves[i] < 1e-6 for i in range(first))  # the still model's rows hold
+    assert moves[first] > 1e-3  # the expert moves from its first row
+    # no request whose answer would arrive while the expert drives: fewer than one a slot
+    slots = int(r.duration_s * NS // (2 * ROW_NS * 2))
+    assert 0 < decider.requests < slots

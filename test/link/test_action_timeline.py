@@ -125,3 +125,25 @@ def test_known_rows_are_the_commanded_prefix_up_to_the_latency():
     rows = known_rows(grid, row_start_ns=400 * MS, dt_ns=DT, known_until_ns=450 * MS)
     np.testing.assert_allclose(rows[:2, 0], [0.8, 0.9])
     assert np.isnan(rows[2:]).all()
+
+
+def test_a_takeover_replaces_the_plan_and_the_stream_goes_on_after_it():
+    """Another controller (a teleoperator; the expert when on-policy data is collected)
+    takes over mid-chunk: its rows replace the plan from their first future row, what was
+    commanded before stays, and the stream's next chunk still joins, from the takeover's
+    rows, though its id is lower than anything the takeover might have used."""
+    ex = ChunkExecutor(join="crossfade")
+    ex.seed(0, np.zeros(2))
+    assert ex.accept(_ramp(0, 12), now_ns=0, chunk_id=5).accepted
+    before = [ex.target_at(t * MS).copy() for t in range(0, 101, 10)]
+    hold = TimedRows(100 * MS, DT, np.array([[0.2, -0.2], [0.2, -0.2]]))
+    report = ex.take_over(hold, now_ns=100 * MS - 1)
+    assert report.accepted and report.skipped_rows == 0
+    assert [ex.target_at(t * MS).tolist() for t in range(0, 101, 10)] == [
+        b.tolist() for b in before
+    ]
+    np.testing.assert_allclose(ex.target_at(400 * MS), [0.2, -0.2])  # the ramp is gone
+    assert not ex.accept(_ramp(200 * MS, 4), now_ns=200 * MS, chunk_id=5).accepted  # stale
+    nxt = ex.accept(_ramp(200 * MS, 12, at=0.3), now_ns=200 * MS, chunk_id=6)
+    assert nxt.accepted and nxt.discontinuity == pytest.approx(0.1)
+    assert ex.join == "crossfade" and ex.delay_aware  # the stream's settings are restored

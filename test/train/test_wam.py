@@ -144,3 +144,27 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     # an untrained model: it need not succeed, but every chunk was answered and joined
     assert result.chunks_accepted == 4 and len(result.predicted) == 4
     assert result.box_path.shape == (11, 2) and result.boundary_jumps
+
+
+def test_a_dagger_round_adds_the_models_own_episodes_to_the_training_data(tmp_path):
+    """physis-train-wam --on-policy-from W --on-policy-episodes N: W drives N training
+    episodes with expert takeovers first (cached beside the expert's), and they are trained
+    on with the rest."""
+    from physis_ros.sim.episodes import load_episodes
+
+    first = _train(tmp_path / "a", seed=5)
+    weights = str(tmp_path / "a" / "weights.safetensors")
+    dagger = _train(tmp_path / "b", 5, "--init", weights, "--on-policy-from", weights,
+                    "--on-policy-episodes", "2")  # fmt: skip
+    assert dagger["train_episodes"] == first["train_episodes"] + 2
+    (cached,) = (tmp_path / "data").glob("on_policy_*.npz")
+    episodes = load_episodes(cached)
+    assert [ep.setup.seed for ep in episodes] == [0, 1]
+    for ep in episodes:  # the model's rows are history, the expert's the targets
+        assert ep.perturbed[1:].any() and not ep.perturbed[1:].all()
+    assert dagger["train_frames"] == first["train_frames"] + sum(len(e.frames) for e in episodes)
+    # a count without checkpoints (or the reverse) is refused in one line
+    cmd = [sys.executable, "-m", "physis_ros.train.wam", "--out", str(tmp_path / "c"),
+           "--on-policy-episodes", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "on_policy_episodes has an invalid value" in proc.stderr
