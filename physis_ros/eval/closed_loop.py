@@ -29,6 +29,7 @@ from physis_ros.sim.episodes import TaskEpisode
 from physis_ros.sim.task import (
     CONTROL_HZ,
     FRAME_HZ,
+    GOAL_PROMPT,
     PHYSICS_HZ,
     STATE_NAMES,
     TICKS_PER_FRAME,
@@ -36,6 +37,7 @@ from physis_ros.sim.task import (
     TIME_LIMIT_S,
     GoalPushExpert,
     TaskSim,
+    goal_prompt,
     sample_task,
 )
 
@@ -143,20 +145,33 @@ class EpisodeResult:
 
 class ModelDecider:
     """Answers a request with a ``StreamEngine``: one stream per request (the observed slots,
-    then the generated slot), so each answer sees exactly the window it was trained on."""
+    then the generated slot), so each answer sees exactly the window it was trained on; a
+    model trained on goal prompts (metadata ``prompt``) gets the episode's goal as its
+    stream's prompt."""
 
-    def __init__(self, engine, *, state_names: tuple[str, ...], poll_timeout_s: float = 120.0):
+    def __init__(self, engine, *, meta: dict[str, str], poll_timeout_s: float = 120.0) -> None:
         self.engine = engine
-        self.state_cols = [STATE_NAMES.index(n) for n in state_names]
+        self.state_cols = [STATE_NAMES.index(n) for n in meta["state_names"].split(",")]
+        self.prompt = meta.get("prompt", "")
+        if self.prompt not in ("", GOAL_PROMPT):
+            raise ValueError(f"unknown prompt kind {self.prompt!r} in the weights' metadata")
         self.poll_timeout_s = poll_timeout_s
 
     def answer(
-        self, contexts: list[SlotObservation], known: list[np.ndarray], gen_known, seed: int
+        self,
+        contexts: list[SlotObservation],
+        known: list[np.ndarray],
+        gen_known,
+        seed: int,
+        goal_xy=None,
     ) -> Answer:
         from physis_ros.engine.api import StreamSpec
 
         eng = self.engine
-        sid = eng.open_stream(StreamSpec(seed=seed)).stream_id
+        prompt = None
+        if self.prompt == GOAL_PROMPT:
+            prompt = goal_prompt(goal_xy, eng.cfg.text_dim)
+        sid = eng.open_stream(StreamSpec(seed=seed, prompt_embedding=prompt)).stream_id
         try:
             for ctx, rows in zip(contexts, known, strict=True):
                 eng.submit_context(sid, ctx.frames, rows, ctx.state[:, self.state_cols])
@@ -301,7 +316,11 @@ class _Episode:
 
         ctx = self.slots[-cfg.context_chunks :]
         answer = self.decider.answer(
-            ctx, [known_from(s.slot) for s in ctx], known_from(o + 1), self.seed * 10_000 + o
+            ctx,
+            [known_from(s.slot) for s in ctx],
+            known_from(o + 1),
+            self.seed * 10_000 + o,
+            goal_xy=self.sim.goal,
         )
         return answer, (o + 1) * f * FRAME_NS
 

@@ -55,7 +55,7 @@ def run_closed_loop(args, parser, argv) -> int:
         parser.error(str(err))
     runs = run_names(args.delay_ms, with_expert=not args.no_expert, modes=args.modes)
     with LocalEngine(**kwargs, workers=args.workers, mode=args.mode) as engine:
-        decider = ModelDecider(engine, state_names=tuple(meta["state_names"].split(",")))
+        decider = ModelDecider(engine, meta=meta)
         results = run_all(base, runs, decider, progress=not args.quiet)
     command = "physis-eval " + shlex.join(sys.argv[1:] if argv is None else argv)
     engine_entry = {k: v for k, v in kwargs.items()} | {"workers": args.workers}

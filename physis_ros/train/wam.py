@@ -45,10 +45,11 @@ from physis_ros.engine.model import (
     forward_sequence,
     load_upstream_state_dict,
     make_cond,
+    pad_text,
     to_upstream_state_dict,
 )
 from physis_ros.engine.sampler import sigmas
-from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES
+from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, GOAL_PROMPT, STATE_NAMES, goal_prompt
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
 from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for
 from physis_ros.train.wam_onpolicy import on_policy_episodes
@@ -95,6 +96,10 @@ class WamTrainConfig:
     init: str = ""
     """Start from these weights (a physis-train-wam checkpoint of the same model: to train
     on from a run's last checkpoint with a new schedule) instead of the seeded ones."""
+    prompt: str = GOAL_PROMPT
+    """``goal_xy``: each window's stream is conditioned on its goal (``sim.task.goal_prompt``),
+    as the served streams are; "": on the fixed stand-in prompt (the goal only in the
+    camera)."""
     on_policy_from: str = ""
     """Comma-separated push-wam checkpoints: each drives ``on_policy_episodes`` training
     episodes in the closed loop with expert takeovers (``wam_onpolicy``; cached), added to
@@ -139,6 +144,7 @@ class WamTrainConfig:
             "checkpoint_every": self.checkpoint_every >= 0,
             "max_minutes": self.max_minutes >= 0,
             "stop_after_steps": 0 <= self.stop_after_steps <= self.steps,
+            "prompt": self.prompt in ("", GOAL_PROMPT),
             "on_policy_episodes": self.on_policy_episodes >= 0
             and (self.on_policy_episodes > 0) == bool(self.on_policy_from)
             and len(self.on_policy_checkpoints) * self.on_policy_episodes <= HELD_OUT_SEED0,
@@ -213,11 +219,19 @@ def _levels(cfg: WamTrainConfig) -> torch.Tensor:
     )
 
 
+def window_cond(mcfg, prompt: str, goal: torch.Tensor) -> torch.Tensor:
+    """[B, text_len, text_dim]: each window's prompt (its goal's, or the fixed stand-in)."""
+    if not prompt:
+        return make_cond(mcfg, 0).expand(len(goal), -1, -1)
+    tokens = [torch.from_numpy(goal_prompt(g.tolist(), mcfg.text_dim)) for g in goal]
+    return pad_text(mcfg, torch.stack(tokens))
+
+
 @torch.no_grad()
 def _validate(model, val: tuple, cfg: WamTrainConfig) -> dict[str, float]:
     model.eval()
     batch, sigma, eps = val
-    cond = make_cond(model.cfg, 0).expand(len(sigma), -1, -1)
+    cond = window_cond(model.cfg, cfg.prompt, batch.goal)
     loss, parts = wam_loss(
         model,
         batch,
@@ -258,7 +272,7 @@ def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
         "context_noise": "clean",
         "horizon": "1",
         "max_known_rows_ahead": str(cfg.max_freeze_rows),
-        "cond_seed": "0",
+        **({"prompt": cfg.prompt} if cfg.prompt else {"cond_seed": "0"}),
         "train_config": json.dumps(asdict(cfg)),
         "torch": torch.__version__,
         **extra,
@@ -328,7 +342,6 @@ def train_wam(
     noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
     levels = _levels(cfg)
     denoised = chunk_layout(mcfg).denoised
-    cond = make_cond(mcfg, 0).expand(cfg.batch_size, -1, -1)
     log: dict = {"train_loss": [], "train_parts": [], "val": [], "config": asdict(cfg)}
     t0 = time.perf_counter()
     stopped_early = False
@@ -344,7 +357,7 @@ def train_wam(
             batch,
             sigma=sigma,
             eps=eps,
-            cond=cond,
+            cond=window_cond(mcfg, cfg.prompt, batch.goal),
             window=cfg.window,
             action_weight=cfg.action_weight,
             state_weight=cfg.state_weight,

@@ -74,6 +74,8 @@ class _Episode:
     """[M, A] float32 normalised joint-target rows."""
     perturbed: np.ndarray
     """[M] bool."""
+    goal: np.ndarray
+    """[2] the goal (table frame, m)."""
 
 
 @dataclass
@@ -89,6 +91,8 @@ class WamBatch:
     trained_chunks: torch.Tensor
     """[B, C] bool: generated chunks whose video and state error count (no unknown
     perturbed row in the chunk's own period: the model never learns to produce those)."""
+    goal: torch.Tensor
+    """[B, 2] each window's goal (table frame, m): its stream's prompt."""
 
 
 class WamWindows:
@@ -126,7 +130,13 @@ class WamWindows:
             )
             rows = _normalize(torch.from_numpy(ep.rows), cfg.action_center, cfg.action_scale)
             self.episodes.append(
-                _Episode(latents.numpy(), state.numpy(), rows.numpy(), ep.perturbed.copy())
+                _Episode(
+                    latents.numpy(),
+                    state.numpy(),
+                    rows.numpy(),
+                    ep.perturbed.copy(),
+                    np.asarray(ep.setup.goal_xy, np.float32),
+                )
             )
         if not self.episodes:
             raise ValueError(f"no episode has the {chunks * self.frames} frames a window needs")
@@ -147,8 +157,10 @@ class WamWindows:
         known = torch.zeros(size, c_n, h, dtype=torch.bool)
         trained_rows = torch.zeros(size, c_n, h, dtype=torch.bool)
         trained_chunks = torch.zeros(size, c_n, dtype=torch.bool)
+        goal = torch.zeros(size, 2)
         for b, i in enumerate(self.rng.choice(len(self.episodes), size=size, p=self.weights)):
             ep = self.episodes[i]
+            goal[b] = torch.from_numpy(ep.goal)
             start = int(self.rng.integers(0, len(ep.latents) - c_n * f + 1))
             obs = int(self.rng.integers(1, self.max_obs + 1))
             freeze = int(self.rng.integers(0, self.max_freeze_rows + 1))
@@ -184,4 +196,4 @@ class WamWindows:
                     trained_rows[b, c] = torch.from_numpy(~is_known & ~pert)
                     own = slice(0, ROWS_PER_FRAME * f)
                     trained_chunks[b, c] = not bool((pert & ~is_known)[own].any())
-        return WamBatch(x0, n_obs, known, trained_rows, trained_chunks)
+        return WamBatch(x0, n_obs, known, trained_rows, trained_chunks, goal)

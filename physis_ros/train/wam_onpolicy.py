@@ -50,7 +50,7 @@ def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEp
     kwargs = engine_kwargs(weights)
     episodes = []
     with LocalEngine(**kwargs) as engine:
-        decider = ModelDecider(engine, state_names=tuple(meta["state_names"].split(",")))
+        decider = ModelDecider(engine, meta=meta)
         bar = tqdm(seeds, desc="on-policy episodes", unit="ep", disable=not progress)
         for i, seed in enumerate(bar):
             cfg = ClosedLoopConfig(

@@ -84,7 +84,7 @@ class _ConstantDecider:
         self.engine = type("E", (), {"cfg": cfg})()
         self.hold, self.requests = hold, 0
 
-    def answer(self, contexts, known, gen_known, seed):
+    def answer(self, contexts, known, gen_known, seed, goal_xy=None):
         from physis_ros.eval.closed_loop import Answer
 
         self.requests += 1

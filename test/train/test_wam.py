@@ -138,7 +138,7 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider, run_episode
 
     with LocalEngine(**kwargs) as engine:
-        decider = ModelDecider(engine, state_names=tuple(meta["state_names"].split(",")))
+        decider = ModelDecider(engine, meta=meta)
         cfg = ClosedLoopConfig(delay_ms=150.0, time_limit_s=1.0)
         result = run_episode(cfg, 10_000, decider, keep_frames=True)
     # an untrained model: it need not succeed, but every chunk was answered and joined
