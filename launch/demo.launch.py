@@ -94,6 +94,9 @@ def generate_launch_description():
                     "sim_task": PythonExpression(
                         ["'goal_push' if '", arg("drive"), "' == 'true' else 'free'"]
                     ),
+                    "goal_topic": PythonExpression(
+                        ["'goal' if '", arg("drive"), "' == 'true' else ''"]
+                    ),
                     "sim_idle_policy": PythonExpression(
                         ["'hold' if '", arg("drive"), "' == 'true' else 'scripted'"]
                     ),

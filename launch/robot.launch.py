@@ -77,6 +77,12 @@ def generate_launch_description():
             "on: every observation gets the whole horizon generated again from it; off: only the "
             "chunk a horizon ahead; default: the server's (on for world models)",
         ),
+        (
+            "goal_topic",
+            "",
+            "the task's goal (PointStamped) a goal-prompted model's stream opens with ('' = none; "
+            "sim_robot's goal_push episodes publish theirs on goal)",
+        ),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
         (
             "sim_task",
@@ -124,6 +130,7 @@ def generate_launch_description():
                         "act_on_previews": ParameterValue(arg("act_on_previews"), value_type=bool),
                         "horizon": ParameterValue(arg("horizon"), value_type=int),
                         "rollouts": ParameterValue(arg("rollouts"), value_type=str),
+                        "goal_topic": ParameterValue(arg("goal_topic"), value_type=str),
                     },
                 ],
             ),

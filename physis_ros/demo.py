@@ -155,7 +155,7 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
     """For a preset with shipped weights (or the ``weights`` file given): the camera the
     weights were trained on (image size, frame rate) and the video one chunk covers; None for
     the others. Reads the safetensors header only (no torch in this process)."""
-    from physis_ros.weights import SHIPPED, read_metadata
+    from physis_ros.weights import GOAL_PROMPT, SHIPPED, read_metadata
 
     path = Path(weights) if weights else SHIPPED.get(model)
     if path is None or not path.exists():
@@ -170,6 +170,7 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
         "camera_rate_hz": frame_hz,
         "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
         "drives": meta.get("format") == "physis_ros world-action model",
+        "goal_prompted": meta.get("prompt") == GOAL_PROMPT,
         "action_names": meta.get("action_names", "").split(","),
         "lacks": [k for k in WAM_METADATA if k not in meta],
     }
@@ -292,6 +293,8 @@ def main(argv=None) -> int:
                 join=args.join,
                 act_on_previews=args.act_on_previews,
             )
+            if camera["goal_prompted"]:  # its streams open with sim_robot's episode goals
+                bridge_params.update(goal_topic="goal")
         elif args.act_on_previews:  # a world model's previews are for looking at only
             print(
                 "physis-demo: --act-on-previews: the model commands nothing (a world model); "

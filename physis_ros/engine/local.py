@@ -34,7 +34,7 @@ from physis_ros.engine.placement import (
     layout_even,
     validate_layout,
 )
-from physis_ros.engine.prompts import PromptBook, trained_empty_prompt
+from physis_ros.engine.prompts import PromptBook, goal_prompted, trained_empty_prompt
 from physis_ros.engine.runtime import MODES, ChunkResult, InProcRuntime
 from physis_ros.engine.sampler import (
     pack_chunk,
@@ -119,7 +119,9 @@ class LocalEngine:
             self.model.load_safetensors(checkpoint)
             meta = read_metadata(checkpoint)
         empty = None if resolved.weights is not None else trained_empty_prompt(self.cfg, meta)
-        self.prompts = PromptBook(self.cfg, list(prompts), empty=empty)
+        self.prompts = PromptBook(
+            self.cfg, list(prompts), empty=empty, goal_prompts=goal_prompted(meta)
+        )
         self.codec = make_codec(self.cfg, device=device)
         log.info("\n%s", summary(resolved, self.sampler, dtype, checkpoint=checkpoint or ""))
         L = self.cfg.num_blocks

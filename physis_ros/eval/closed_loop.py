@@ -29,7 +29,6 @@ from physis_ros.sim.episodes import TaskEpisode
 from physis_ros.sim.task import (
     CONTROL_HZ,
     FRAME_HZ,
-    GOAL_PROMPT,
     PHYSICS_HZ,
     STATE_NAMES,
     TICKS_PER_FRAME,
@@ -37,9 +36,9 @@ from physis_ros.sim.task import (
     TIME_LIMIT_S,
     GoalPushExpert,
     TaskSim,
-    goal_prompt,
     sample_task,
 )
+from physis_ros.weights import GOAL_PROMPT
 
 NS = 1_000_000_000
 TICK_NS = NS // PHYSICS_HZ
@@ -166,6 +165,7 @@ class ModelDecider:
         goal_xy=None,
     ) -> Answer:
         from physis_ros.engine.api import StreamSpec
+        from physis_ros.engine.prompts import goal_prompt
 
         eng = self.engine
         prompt = None

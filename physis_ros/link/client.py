@@ -200,6 +200,8 @@ class LinkClient:
         if client_cert_path is not None and root_cert_path is None:
             raise ValueError("client certificates need TLS: give root_cert_path too")
         self._target = target
+        self._reopening = False
+        """set_prompt cancelled the stream (its RpcError is no error)."""
         self._spec = pb.StreamSpec(
             protocol_version=PROTOCOL_VERSION,
             seed=seed,
@@ -284,6 +286,28 @@ class LinkClient:
             freeze_startup_objects()
         self._thread = threading.Thread(target=self._run, name="physis-link", daemon=True)
         self._thread.start()
+
+    def set_prompt(self, prompt: str) -> None:
+        """Streams from now on are opened with ``prompt`` (a task's new instruction: a goal
+        for a goal-prompted model). A different prompt ends the stream now on the server
+        (its context goes: it belonged to the old task) and a new one opens at once."""
+        with self._cv:
+            if prompt == self._spec.prompt:
+                return
+            self._spec.prompt = prompt
+        stub, promise, call = self._stub, self._promise, self._call
+        if stub is not None and promise is not None and self._state == "streaming":
+            # (an error: the stream ended meanwhile; the next one opens with the new prompt)
+            with contextlib.suppress(grpc.RpcError, ValueError):
+                stub.CloseStream(
+                    pb.CloseStreamRequest(stream_id=promise.stream_id),
+                    metadata=self._metadata,
+                    timeout=1.0,
+                )
+        if call is not None:
+            with self._cv:
+                self._reopening = True
+            call.cancel()
 
     def send_observation(self, obs: Observation) -> None:
         """Serialises ``obs`` and queues it to be sent; an older one not yet sent is dropped
@@ -371,7 +395,12 @@ class LinkClient:
             try:
                 streamed = self._run_stream()
             except grpc.RpcError as exc:
-                self._set_error(_rpc_error_text(exc))
+                with self._cv:
+                    reopening, self._reopening = self._reopening, False
+                if reopening:  # set_prompt ended it: not an error, open the next one now
+                    streamed = True
+                else:
+                    self._set_error(_rpc_error_text(exc))
             except NotConnected as exc:
                 self._set_error(str(exc))
             except WireError as exc:

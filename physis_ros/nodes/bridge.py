@@ -2,10 +2,12 @@
 
 In: ``camera/image`` (``sensor_msgs/Image``) and/or a ``CompressedImage`` topic, ``wrench``
 (``WrenchStamped``), ``joint_states`` (``JointState``), ``joint_command`` (``JointTrajectory``,
-the commanded joint targets), sensor-data QoS by default. The callbacks validate and
-convert, pair by stamp (approximate time, bounded slop; the command in force when the image
-was taken, ``pairing.CommandHistory``) and hand the newest observation, with that command as
-its ``action``, to the link client, which is non-blocking: no network in callbacks.
+the commanded joint targets), sensor-data QoS by default; with ``goal_topic`` the task's
+goal (``PointStamped``, kept for late joiners), which a goal-prompted model's stream is opened
+with. The callbacks validate and convert, pair by stamp (approximate time, bounded slop; the
+command in force when the image was taken, ``pairing.CommandHistory``) and hand the newest
+observation, with that command as its ``action``, to the link client, which is non-blocking:
+no network in callbacks.
 
 Out, at the rate the server delivers (published from the link's receive thread):
 ``predicted/image`` (each frame stamped at its predicted time), ``predicted/side_by_side``
@@ -31,9 +33,14 @@ from collections import OrderedDict
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray
-from geometry_msgs.msg import WrenchStamped
+from geometry_msgs.msg import PointStamped, WrenchStamped
 from rclpy.node import Node
-from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.qos import (
+    DurabilityPolicy,
+    QoSProfile,
+    ReliabilityPolicy,
+    qos_profile_sensor_data,
+)
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 from visualization_msgs.msg import MarkerArray
@@ -77,6 +84,7 @@ from physis_ros.nodes.stats import (
     RollingWindow,
 )
 from physis_ros.nodes.wam_execution import ActionExecution, ExecutionConfig
+from physis_ros.sim.task import goal_prompt_name
 
 _OBSERVED_IMAGES_KEPT = 16  # recent observed images (full size), for the side-by-side view
 _MEASURED_INTERVAL_MIN_SAMPLES = 10
@@ -158,7 +166,10 @@ class Bridge(Node):
         self._receiver = threading.Thread(
             target=self._receive_loop, name="bridge-receive", daemon=True
         )
-        self.client.start()
+        self.goal_prompt = ""
+        """The prompt naming the newest goal ('' before the first, or without goal_topic)."""
+        if not self.p.goal_topic:  # else the stream opens with the first goal (_on_goal)
+            self.client.start()
         self._receiver.start()
 
     # ---- setup -------------------------------------------------------------------------
@@ -207,6 +218,13 @@ class Bridge(Node):
         self.create_subscription(JointState, p.joint_states_topic, self._on_joints, in_qos)
         if p.command_topic:
             self.create_subscription(JointTrajectory, p.command_topic, self._on_command, in_qos)
+        if p.goal_topic:  # kept for late joiners: a goal is published once per episode
+            goal_qos = QoSProfile(
+                depth=1,
+                reliability=ReliabilityPolicy.RELIABLE,
+                durability=DurabilityPolicy.TRANSIENT_LOCAL,
+            )
+            self.create_subscription(PointStamped, p.goal_topic, self._on_goal, goal_qos)
 
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         latest = QoSProfile(depth=2, reliability=ReliabilityPolicy.RELIABLE)
@@ -244,6 +262,21 @@ class Bridge(Node):
         )
         if paired is not None:
             self._send(paired)
+
+    def _on_goal(self, msg: PointStamped) -> None:
+        try:
+            goal = validate_vector([msg.point.x, msg.point.y], size=2, reason="bad_goal")
+            name = goal_prompt_name(goal)  # one the server cannot take: the link says why
+        except ValueError as exc:  # ConversionError
+            self.drops.add("bad_goal")
+            self.get_logger().warning(f"goal dropped: {exc}", throttle_duration_sec=2.0)
+            return
+        if name == self.goal_prompt:
+            return
+        self.get_logger().info(f"goal ({goal[0]:.3f}, {goal[1]:.3f}) m: stream prompt {name}")
+        self.goal_prompt = name
+        self.client.set_prompt(name)
+        self.client.start()  # no-op once started
 
     def _on_wrench(self, msg: WrenchStamped) -> None:
         self.rates["wrench"].tick()

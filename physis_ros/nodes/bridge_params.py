@@ -73,6 +73,10 @@ class BridgeParams:
     prompt: str = ""
     """Name of a prompt embedding the server holds (its --prompts files); '' for the model's
     empty prompt."""
+    goal_topic: str = ""
+    """geometry_msgs/PointStamped: the task's goal (table frame, m) for a goal-prompted model
+    (push-wam): the stream opens once a goal arrives, with the prompt goal_xy_<x>_<y>, and
+    reopens with each new goal ('' to disable; then prompt applies)."""
     target_interval_ms: float = 0.0
     """Interval the robot needs between chunks (0: as fast as the server can)."""
     response_latency_budget_ms: float = 0.0
@@ -207,7 +211,7 @@ _READ_ONLY = {
     "command_topic", "command_joint_names",
     "input_reliability", "input_depth", "server", "server_port_file", "token", "token_file",
     "root_cert_path", "client_cert_path", "client_key_path", "seed", "target_interval_ms",
-    "prompt",
+    "prompt", "goal_topic",
     "response_latency_budget_ms", "previews", "act_on_previews", "horizon", "rollouts",
 }  # fmt: skip
 _ARRAY_TYPES = {

@@ -11,7 +11,9 @@ the ``idle_policy``: the scene's scripted policy, or holding the last target.
 table, the box and arm at a start drawn from ``seed`` (then seed + 1, ...); an episode ends
 when the box centre is within GOAL_TOLERANCE_M of the goal (success, then
 ``episode_pause_s``) or after TIME_LIMIT_S, and the next one starts; the scripted policy there
-is the task's expert. Episode results go to the log and to ``/diagnostics``.
+is the task's expert. Episode results go to the log and to ``/diagnostics``; each episode's
+goal goes out on ``goal`` (``PointStamped`` in the table frame, kept for late joiners: what a
+goal-prompted model's bridge opens its stream with).
 
 Every physics step it publishes the joint targets it applied on
 ``joint_command`` (``JointTrajectory``, one point, positions in the scene's joint order,
@@ -31,7 +33,7 @@ import threading
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from geometry_msgs.msg import WrenchStamped
+from geometry_msgs.msg import PointStamped, WrenchStamped
 from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
@@ -209,7 +211,17 @@ class SimRobot(Node):
             QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
         )
         if self.episodes is not None:
+            self.goal_pub = self.create_publisher(
+                PointStamped,
+                "goal",
+                QoSProfile(
+                    depth=1,
+                    reliability=ReliabilityPolicy.RELIABLE,
+                    durability=DurabilityPolicy.TRANSIENT_LOCAL,
+                ),
+            )
             self.episodes.start(self.scene, self.get_clock().now().nanoseconds)
+            self._publish_goal()
             self.create_timer(1.0, self._on_diagnostics_timer)
         self.create_timer(self._state_period_s, self._on_state_timer)
         self.create_timer(1.0 / p["camera_rate_hz"], self._on_camera_timer)
@@ -258,6 +270,7 @@ class SimRobot(Node):
                     self.get_logger().info(ended)
                     self.follower.clear()
                     self._held = None
+                    self._publish_goal()
             q, qd, wrench = (
                 self.scene.joint_positions(),
                 self.scene.joint_velocities(),
@@ -293,6 +306,10 @@ class SimRobot(Node):
         return self.policy.joint_targets(self.scene, t_s)
 
     @quiet_at_shutdown
+    def _publish_goal(self) -> None:
+        stamp = self.get_clock().now().to_msg()
+        self.goal_pub.publish(_goal_msg(stamp, self.scene.goal_xy, self._table_frame))
+
     def _on_diagnostics_timer(self) -> None:
         values = self.episodes.report(self.scene)
         values["executing_trajectory"] = str(self.executing_trajectory)
@@ -316,6 +333,13 @@ class SimRobot(Node):
         msg = Image()
         fill_image_msg(msg, rgb, stamp=stamp, frame_id=self._camera_frame)
         self.image_pub.publish(msg)
+
+
+def _goal_msg(stamp, goal_xy, frame_id: str) -> PointStamped:
+    msg = PointStamped()
+    msg.header.stamp, msg.header.frame_id = stamp, frame_id
+    msg.point.x, msg.point.y = (float(v) for v in goal_xy)
+    return msg
 
 
 class GoalEpisodes:

@@ -27,7 +27,6 @@ from physis_ros.sim.scene import (
     JOINT_LIMITS,
     LINK_LENGTHS_M,
     PUSHER_RADIUS_M,
-    TABLE_HALF_M,
     PushScene,
     SceneConfig,
     forward_kinematics,
@@ -65,27 +64,10 @@ _MIN_REACH_M, _MAX_REACH_M = 0.24, 0.62
 """Where the expert's waypoints may lie (the arm folds to 0.16 m and reaches 0.70 m)."""
 
 
-GOAL_PROMPT = "goal_xy"
-"""A push-wam trained on goal prompts names this in its metadata (``prompt``): each of its
-streams is opened with ``goal_prompt(goal, text_dim)`` as its prompt embedding."""
-
-
-def goal_prompt(goal_xy, text_dim: int) -> np.ndarray:
-    """[1, text_dim] float32: the task's instruction ("push the box to this point") as one
-    conditioning token, where a text encoder's output would go: the goal's table coordinates
-    (/ TABLE_HALF_M) and their sines and cosines at three scales. The camera shows the goal
-    too, as a few green pixels; a model trained on those alone planned the same motion for a
-    goal and its mirror image through the box (docs/push_wam)."""
-    x, y = (float(v) / TABLE_HALF_M for v in goal_xy)
-    features = [x, y]
-    for k in range(3):
-        w = math.pi * 2**k
-        features += [math.sin(w * x), math.cos(w * x), math.sin(w * y), math.cos(w * y)]
-    if text_dim < len(features):
-        raise ValueError(f"a goal prompt needs text_dim >= {len(features)}, got {text_dim}")
-    out = np.zeros((1, text_dim), np.float32)
-    out[0, : len(features)] = features
-    return out
+def goal_prompt_name(goal_xy) -> str:
+    """The prompt a goal-prompted model's stream is opened with for this goal (table frame, m;
+    1 mm steps): ``engine.prompts.parse_goal_prompt_name`` reads it on the server."""
+    return "goal_xy_{:.3f}_{:.3f}".format(*(float(v) for v in goal_xy))
 
 
 @dataclass(frozen=True)

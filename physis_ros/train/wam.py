@@ -48,11 +48,13 @@ from physis_ros.engine.model import (
     pad_text,
     to_upstream_state_dict,
 )
+from physis_ros.engine.prompts import goal_prompt
 from physis_ros.engine.sampler import sigmas
-from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, GOAL_PROMPT, STATE_NAMES, goal_prompt
+from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
 from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for
 from physis_ros.train.wam_onpolicy import on_policy_episodes
+from physis_ros.weights import GOAL_PROMPT
 
 VAL_SEED0 = 20_000
 HELD_OUT_SEED0 = 10_000

@@ -134,3 +134,36 @@ def test_empty_prompt_of_models_without_a_text_encoder():
     assert torch.equal(shipped, make_cond(cfg, 0))
     assert trained_empty_prompt(get_preset("tiny"), None).shape == (0, 16)  # random weights
     assert torch.equal(cond_from_json(cond_to_json(shipped)), shipped)  # to the ranks, exact
+
+
+def test_a_goal_prompted_model_takes_its_goal_by_name_and_refuses_a_stream_without_one():
+    """push-wam trained on goal prompts (metadata prompt=goal_xy): a stream opened with the
+    prompt goal_xy_<x>_<y> is conditioned on goal_prompt((x, y)); without a goal it is refused
+    with what to send; a model not trained on goals refuses a goal name with the reason."""
+    import numpy as np
+
+    from physis_ros.engine.prompts import (
+        goal_prompt,
+        goal_prompted,
+        parse_goal_prompt_name,
+        trained_empty_prompt,
+    )
+    from physis_ros.sim.task import goal_prompt_name
+
+    cfg = get_preset("push-wam")
+    meta = {"prompt": "goal_xy"}
+    assert goal_prompted(meta) and not goal_prompted({"cond_seed": "0"})
+    book = PromptBook(cfg, empty=trained_empty_prompt(cfg, meta), goal_prompts=True)
+    name = goal_prompt_name((0.12, -0.305))
+    assert name == "goal_xy_0.120_-0.305" and parse_goal_prompt_name(name) == (0.12, -0.305)
+    cond = book.resolve(name)
+    np.testing.assert_array_equal(cond.numpy(), goal_prompt((0.12, -0.305), cfg.text_dim))
+    assert not torch.equal(cond, book.resolve(goal_prompt_name((-0.12, -0.305))))
+    with pytest.raises(ValueError, match=r"conditioned on the task.s goal.*goal_xy_0\.100_-0\.300"):
+        book.resolve("")
+    with pytest.raises(ValueError, match="off the table"):
+        book.resolve("goal_xy_0.900_0.000")
+    plain = PromptBook(cfg, empty=trained_empty_prompt(cfg, {"cond_seed": "0"}))
+    with pytest.raises(ValueError, match="not trained on goal prompts"):
+        plain.resolve(name)
+    assert torch.equal(plain.resolve(""), trained_empty_prompt(cfg, {"cond_seed": "0"}))

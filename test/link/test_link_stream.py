@@ -639,3 +639,29 @@ def test_server_healthy_after_everything(server, channel):
     info = server_info(server.target)
     assert info.protocol_version == PROTOCOL_VERSION
     assert STREAM_ID_METADATA_KEY  # the key the Stream call is addressed by
+
+
+def test_a_new_prompt_reopens_the_stream_with_it(server):
+    """A task's new instruction (a goal-prompted model's new goal): set_prompt ends the
+    stream on the server and opens the next one with the new prompt; one the server does not
+    hold is refused with its reason, and the client keeps trying until the prompt is good."""
+    client = LinkClient(server.target, client_name="reprompt", connect_timeout_s=10)
+    client.start()
+    try:
+        wait_for(lambda: client.stats().state == "streaming", 20, what="streaming")
+        first = client.stats().promise.stream_id
+        client.set_prompt("no_such_prompt")
+        wait_for(
+            lambda: "unknown prompt 'no_such_prompt'" in client.stats().last_error,
+            20,
+            what="the refusal",
+        )
+        assert client.stats().state != "streaming"
+        client.set_prompt("")  # the model's empty prompt, which the server holds
+        wait_for(lambda: client.stats().state == "streaming", 20, what="streaming again")
+        stats = client.stats()
+        assert stats.promise.stream_id != first and stats.connections == 2
+        names = [s.client_name for s in server_info(server.target).streams]
+        assert names.count("reprompt") == 1  # the first stream was closed, not left behind
+    finally:
+        client.close()

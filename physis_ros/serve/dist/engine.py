@@ -36,7 +36,12 @@ from physis_ros.engine.api import (
 from physis_ros.engine.checkpoints import summary
 from physis_ros.engine.codec import check_stream_codec, make_codec
 from physis_ros.engine.placement import Layout, Placement, validate_layout
-from physis_ros.engine.prompts import PromptBook, cond_to_json, trained_empty_prompt
+from physis_ros.engine.prompts import (
+    PromptBook,
+    cond_to_json,
+    goal_prompted,
+    trained_empty_prompt,
+)
 from physis_ros.engine.runtime import ChunkResult, Controller
 from physis_ros.engine.sampler import (
     pack_chunk,
@@ -114,7 +119,15 @@ class DistEngine(PlacementControl):
         self.model_cfg = cfg.model_config
         self.controller = Controller(self.host.model, cfg.sampler_config, self.transport.send)
         self.codec = make_codec(self.model_cfg, device=ctx.device)
-        self.prompts = PromptBook(self.model_cfg, list(prompts), empty=self._empty_prompt())
+        meta = self._checkpoint_meta()
+        self.prompts = PromptBook(
+            self.model_cfg,
+            list(prompts),
+            empty=None if cfg.resolved.weights is not None else trained_empty_prompt(
+                self.model_cfg, meta
+            ),
+            goal_prompts=goal_prompted(meta),
+        )
         log.info("\n%s", summary(cfg.resolved, cfg.sampler_config, cfg.torch_dtype,
                                  checkpoint=cfg.weights_path))
         self._lock = threading.RLock()
@@ -156,15 +169,14 @@ class DistEngine(PlacementControl):
                 raise
         freeze_startup_objects()
 
-    def _empty_prompt(self) -> torch.Tensor | None:
-        if self.cfg.resolved.weights is not None:
-            return None  # a Wan checkpoint's empty prompt is its text encoder's: a prompts file
-        meta = None
-        if self.cfg.weights_path:
-            from physis_ros.weights import read_metadata
+    def _checkpoint_meta(self) -> dict[str, str] | None:
+        """A physis-train checkpoint's metadata (a Wan checkpoint's empty prompt is its text
+        encoder's: a prompts file)."""
+        if self.cfg.resolved.weights is not None or not self.cfg.weights_path:
+            return None
+        from physis_ros.weights import read_metadata
 
-            meta = read_metadata(self.cfg.weights_path)
-        return trained_empty_prompt(self.model_cfg, meta)
+        return read_metadata(self.cfg.weights_path)
 
     @classmethod
     def launch_local(
