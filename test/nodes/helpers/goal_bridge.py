@@ -1,0 +1,101 @@
+"""Child process for the goal test: the real bridge node with ``goal_topic``, a link client
+that records what the bridge asks of it, and a publisher of goals on the real topic (kept
+for late joiners, as sim_robot's are).
+
+    goal_bridge.py
+
+Publishes a first goal before the bridge exists (a late joiner must still get it), then the
+same goal again, a NaN goal and a second goal; prints one JSON line: the prompts the client
+was given, whether it had been started before the first goal, the bridge's drops.
+"""
+
+import json
+import sys
+import time
+
+import rclpy
+from geometry_msgs.msg import PointStamped
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+
+from physis_ros.link.client import LinkStats
+from physis_ros.nodes.bridge import Bridge
+
+GOALS = [(0.1, -0.3), (0.1, -0.3), (float("nan"), 0.0), (-0.2, -0.25)]
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+        self.started_with: list[str] | None = None
+        self.clock_ns = time.time_ns
+
+    def start(self) -> None:
+        if self.started_with is None:
+            self.started_with = list(self.prompts)
+
+    def set_prompt(self, prompt: str) -> None:
+        self.prompts.append(prompt)
+
+    def send_observation(self, obs) -> None:
+        pass
+
+    def get_prediction(self, timeout_s: float):
+        time.sleep(timeout_s)
+
+    def stats(self) -> LinkStats:
+        return LinkStats(
+            state="connecting", promise=None, clock_offset_ms=None,
+            clock_offset_uncertainty_ms=None, robot_time_ns=self.clock_ns(), server_time_ns=None,
+            observations_sent=0,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+def spin_until(nodes, done, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not done():
+        for node in nodes:
+            rclpy.spin_once(node, timeout_sec=0.02)
+
+
+def main() -> int:
+    rclpy.init(args=["--ros-args", "-p", "goal_topic:=goal"])
+    teacher = rclpy.create_node("goal_teacher")
+    qos = QoSProfile(
+        depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL
+    )
+    pub = teacher.create_publisher(PointStamped, "goal", qos)
+
+    def publish(x: float, y: float) -> None:
+        msg = PointStamped()
+        msg.header.frame_id = "table"
+        msg.point.x, msg.point.y = x, y
+        pub.publish(msg)
+
+    publish(*GOALS[0])  # before the bridge exists
+    client = RecordingClient()
+    node = Bridge(client=client)
+    started_before_goal = client.started_with is not None
+    spin_until([node, teacher], lambda: len(client.prompts) >= 1)
+    for goal in GOALS[1:]:
+        publish(*goal)
+        spin_until([node, teacher], lambda: False, timeout_s=0.5)
+    spin_until([node, teacher], lambda: len(client.prompts) >= 2)
+    node.shutdown()
+    report = {
+        "prompts": client.prompts,
+        "started_before_goal": started_before_goal,
+        "started_with": client.started_with,
+        "drops": node.drops.snapshot(),
+    }
+    print(json.dumps(report), flush=True)
+    node.destroy_node()
+    teacher.destroy_node()
+    rclpy.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
