@@ -329,7 +329,7 @@ PRESETS: dict[str, ModelConfig] = {
     # 20 Hz (0.6 s from the chunk's first frame: one chunk period of its own and two beyond,
     # so consecutive chunks overlap and a chunk that arrives up to ~0.4 s late still has rows
     # to execute), a known/committed flag per row, and one state token per frame (joint
-    # positions, velocities, wrench).
+    # positions, velocities, wrench, and the task's goal: sim.task.MODEL_STATE_NAMES).
     # Normalisation: the spread of the expert's joint targets and of the contact forces.
     "push-wam": ModelConfig(
         name="push-wam",
@@ -350,13 +350,14 @@ PRESETS: dict[str, ModelConfig] = {
         action_dim=2,
         action_horizon=12,
         action_mode="predict",
-        state_dim=10,
+        state_dim=12,
         committed_actions=True,
         action_center=_PUSH_JOINT_CENTER,
         action_scale=_PUSH_JOINT_SCALE,
-        state_center=_PUSH_JOINT_CENTER + (0.0,) * 8,
-        # rad/s; N (about the contact forces' spread); N·m (the planar tip torque is small)
-        state_scale=(*_PUSH_JOINT_SCALE, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.02),
+        state_center=_PUSH_JOINT_CENTER + (0.0,) * 10,
+        # rad/s; N (about the contact forces' spread); N·m (the planar tip torque is small);
+        # the goal's m (the goals' spread)
+        state_scale=(*_PUSH_JOINT_SCALE, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.02, 0.3, 0.3),
         prediction="x0",
     ),
     # Wan2.1 T2V 1.3B at 480x832: 1560 tokens per latent frame, 3 latent frames per chunk.
@@ -400,6 +401,7 @@ PRESETS["tiny-wam"] = dataclasses.replace(
     latent_width=4,
     codec_stride=(1, 2, 2),
     action_horizon=6,
+    state_dim=10,  # no goal columns: its streams need no goal
     state_center=(),
     state_scale=(),
 )

@@ -164,11 +164,10 @@ def trained_empty_prompt(
 ) -> torch.Tensor | None:
     """The empty prompt of a model without a text encoder: for a physis-train checkpoint the
     conditioning it was trained with (metadata ``cond_seed``: ``model.make_cond``); for random
-    weights no tokens (all padding); none for a goal-prompted model."""
+    weights or a goal-prompted model no tokens (all padding: the engine's own measuring
+    streams; physis-serve refuses a client's stream without its goal)."""
     from physis_ros.engine.model import make_cond
 
-    if goal_prompted(checkpoint_meta):
-        return None  # a stream without its goal is refused (PromptBook.resolve)
     if checkpoint_meta and "cond_seed" in checkpoint_meta:
         return make_cond(cfg, int(checkpoint_meta["cond_seed"]))
     return torch.zeros(0, cfg.text_dim)
@@ -223,11 +222,6 @@ class PromptBook:
             if goal is not None:
                 return self._fit(torch.from_numpy(goal_prompt(goal, self.cfg.text_dim)), key)
         if key not in self.prompts:
-            if key == EMPTY and self.goal_prompts:
-                raise ValueError(
-                    f"model {self.cfg.name} is conditioned on the task's goal: open the stream "
-                    "with the prompt goal_xy_<x>_<y> (table frame, m; e.g. goal_xy_0.100_-0.300)"
-                )
             if key == EMPTY:
                 raise ValueError(
                     f"model {self.cfg.name} has no empty-prompt embedding for a stream without "

@@ -29,8 +29,8 @@ from physis_ros.sim.episodes import TaskEpisode
 from physis_ros.sim.task import (
     CONTROL_HZ,
     FRAME_HZ,
+    MODEL_STATE_NAMES,
     PHYSICS_HZ,
-    STATE_NAMES,
     TICKS_PER_FRAME,
     TICKS_PER_ROW,
     TIME_LIMIT_S,
@@ -150,7 +150,7 @@ class ModelDecider:
 
     def __init__(self, engine, *, meta: dict[str, str], poll_timeout_s: float = 120.0) -> None:
         self.engine = engine
-        self.state_cols = [STATE_NAMES.index(n) for n in meta["state_names"].split(",")]
+        self.state_cols = [MODEL_STATE_NAMES.index(n) for n in meta["state_names"].split(",")]
         self.prompt = meta.get("prompt", "")
         if self.prompt not in ("", GOAL_PROMPT):
             raise ValueError(f"unknown prompt kind {self.prompt!r} in the weights' metadata")
@@ -162,7 +162,8 @@ class ModelDecider:
         known: list[np.ndarray],
         gen_known,
         seed: int,
-        goal_xy=None,
+        *,
+        goal_xy,
     ) -> Answer:
         from physis_ros.engine.api import StreamSpec
         from physis_ros.engine.prompts import goal_prompt
@@ -174,7 +175,9 @@ class ModelDecider:
         sid = eng.open_stream(StreamSpec(seed=seed, prompt_embedding=prompt)).stream_id
         try:
             for ctx, rows in zip(contexts, known, strict=True):
-                eng.submit_context(sid, ctx.frames, rows, ctx.state[:, self.state_cols])
+                goal = np.broadcast_to(np.asarray(goal_xy, np.float32), (len(ctx.state), 2))
+                state = np.concatenate([ctx.state, goal], axis=1)  # as MODEL_STATE_NAMES
+                eng.submit_context(sid, ctx.frames, rows, state[:, self.state_cols])
             chunk = eng.submit_generate(sid, gen_known)
             waited = 0.0
             while waited < self.poll_timeout_s:

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from physis_ros.engine.api import DEFAULT_HORIZON, AdmissionRefused, StreamFailed, StreamSpec
+from physis_ros.engine.prompts import parse_goal_prompt_name
 from physis_ros.link.memtune import IdleTrim, freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
@@ -218,6 +219,25 @@ class Frontend:
             with self._lock:
                 self._opening -= 1
 
+    def _goal(self, spec: pb.StreamSpec, context) -> tuple[float, float] | None:
+        """The goal a model with goal state columns takes from the stream's prompt (also its
+        cross-attention's: engine.prompts.PromptBook resolves the same name)."""
+        wam = self._description.wam
+        if wam is None or not wam.takes_goal:
+            return None
+        try:
+            goal = parse_goal_prompt_name(spec.prompt)
+        except ValueError as exc:
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
+        if goal is None:
+            self._refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "bad stream spec: the model is conditioned on the task's goal: open the stream "
+                "with the prompt goal_xy_<x>_<y> (table frame, m; e.g. goal_xy_0.100_-0.300)",
+            )
+        return goal
+
     def _admit(self, spec: pb.StreamSpec, embedding, context) -> pb.OpenStreamReply:
         # A served stream always has a horizon: observations replace predicted slots.
         horizon = spec.horizon or self._description.horizon or DEFAULT_HORIZON
@@ -232,6 +252,7 @@ class Frontend:
             and self._description.action_mode != "predict"
             and horizon > 1,
         )
+        goal = self._goal(spec, context)
         engine_spec = StreamSpec(
             seed=spec.seed,
             target_interval_ms=spec.target_interval_ms,
@@ -275,6 +296,7 @@ class Frontend:
             limits=self._config.limits,
             client_name=spec.client_name,
             wam=self._description.wam,
+            goal=goal,
         )
         session.on_end = lambda why: self._finish(session, why)
         with self._lock:

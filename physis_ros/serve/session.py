@@ -157,11 +157,13 @@ class Session:
         limits: SessionLimits,
         client_name: str = "",
         wam: WamTiming | None = None,
+        goal: tuple[float, float] | None = None,
     ) -> None:
         """``wam``: the timing of a world-action model with state values and committed
-        actions (its observations carry state and commands; its replies are timed)."""
+        actions (its observations carry state and commands; its replies are timed);
+        ``goal``: the task's goal its stream was opened with (a goal-prompted model)."""
         self.promise = promise
-        self.wam = WamStream(wam) if wam is not None else None
+        self.wam = WamStream(wam, goal) if wam is not None else None
         self.stream_id = promise.stream_id
         self.limits = limits
         self.client_name = client_name

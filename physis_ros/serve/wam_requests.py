@@ -32,6 +32,7 @@ import numpy as np
 
 from physis_ros.link.action_timeline import interpolate
 from physis_ros.link.wire import Observation, WireError
+from physis_ros.sim.task import GOAL_STATE_NAMES
 
 POSITION, VELOCITY = "_pos", "_vel"
 WRENCH_NAMES = ("force_x", "force_y", "force_z", "torque_x", "torque_y", "torque_z")
@@ -50,6 +51,10 @@ class WamTiming:
     """Known rows end at most this many rows after the newest frame (as trained)."""
     action_names: tuple[str, ...]
     state_names: tuple[str, ...]
+
+    @property
+    def takes_goal(self) -> bool:
+        return any(n in GOAL_STATE_NAMES for n in self.state_names)
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str], *, rows: int, frames_per_chunk: int):
@@ -75,12 +80,18 @@ class WamTiming:
         return newest_capture_ns + max(0, ahead) * self.row_dt_ns
 
 
-def state_vector(obs: Observation, timing: WamTiming) -> np.ndarray:
+def state_vector(obs: Observation, timing: WamTiming, goal=None) -> np.ndarray:
     """[S] float32 in ``timing.state_names`` order: ``<joint>_pos``/``<joint>_vel`` by joint
-    name (the action names are the joints), the wrench's six values by their names."""
+    name (the action names are the joints), the wrench's six values by their names, the
+    stream's ``goal`` (from its prompt, not the observation) as goal_x, goal_y."""
     values = []
     names = list(obs.joint_names)
     for name in timing.state_names:
+        if name in GOAL_STATE_NAMES:
+            if goal is None:  # the front end refuses such a stream before it opens
+                raise WireError("no_goal", "the model takes the goal; the stream has none")
+            values.append(float(goal[GOAL_STATE_NAMES.index(name)]))
+            continue
         if name in WRENCH_NAMES:
             if obs.wrench is None:
                 raise WireError("no_wrench", "the model takes the wrench; the observation has none")
@@ -167,15 +178,17 @@ class WamStream:
     """One served stream of a world-action model (see the module docstring). ``check`` runs
     on the gRPC reader thread; the rest on the engine thread."""
 
-    def __init__(self, timing: WamTiming) -> None:
+    def __init__(self, timing: WamTiming, goal: tuple[float, float] | None = None) -> None:
         self.timing = timing
+        self.goal = goal
+        """The task's goal from the stream's prompt (a model with goal state columns)."""
         self._replies: dict[int, ActionTiming] = {}
         """Generated slot -> its timing, until its chunk is out."""
 
     def check(self, obs: Observation) -> tuple[np.ndarray, CommandTimeline | None]:
         """(state [S], command timeline) of one observation; WireError when it lacks what
         the model takes."""
-        return state_vector(obs, self.timing), command_timeline(obs, self.timing)
+        return state_vector(obs, self.timing, self.goal), command_timeline(obs, self.timing)
 
     def first_frame_ns(self, anchor, slot: int) -> int:
         """Robot clock of slot's first camera frame, from ``anchor`` (an ObservedChunk: its

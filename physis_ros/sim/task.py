@@ -57,6 +57,12 @@ STATE_NAMES = (
 )
 """The proprioceptive vector per camera frame: joint_states positions and velocities, then
 the wrench (force N, torque N·m), as the bridge forwards them."""
+GOAL_STATE_NAMES = ("goal_x", "goal_y")
+"""push-wam's state columns after the proprioception: the task's goal (table frame, m), the
+same in every frame. The server fills them from the stream's goal prompt; the bridge sends
+no goal with an observation."""
+MODEL_STATE_NAMES = STATE_NAMES + GOAL_STATE_NAMES
+"""A model with state_dim S takes the first S of these (push-wam all of them)."""
 WRENCH_SLICE = slice(4, 10)
 CONTACT_M = BOX_HALF_M + PUSHER_RADIUS_M
 """Pusher centre to box centre when the pusher touches the middle of a face."""

@@ -50,7 +50,7 @@ from physis_ros.engine.model import (
 )
 from physis_ros.engine.prompts import goal_prompt
 from physis_ros.engine.sampler import sigmas
-from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, STATE_NAMES
+from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, MODEL_STATE_NAMES
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
 from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for
 from physis_ros.train.wam_onpolicy import on_policy_episodes
@@ -172,6 +172,18 @@ class WamTrainConfig:
                 raise ValueError(f"init {self.init} holds model {trained_as!r}, not {self.model!r}")
 
 
+def _widened(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``old`` inside ``new``'s shape, zeros around it: a checkpoint trained with fewer state
+    columns (before the goal's) starts the wider model exactly where it was."""
+    if old.shape == new.shape:
+        return old
+    if old.dim() != new.dim() or any(o > n for o, n in zip(old.shape, new.shape, strict=True)):
+        raise ValueError(f"init weights of shape {tuple(old.shape)} do not fit {tuple(new.shape)}")
+    out = torch.zeros_like(new)
+    out[tuple(slice(0, n) for n in old.shape)] = old
+    return out
+
+
 def wam_loss(
     model,
     batch: WamBatch,
@@ -270,7 +282,7 @@ def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
         "image_size": f"{mcfg.image_size[0]}x{mcfg.image_size[1]}",
         "frames_per_chunk": str(mcfg.frames_per_chunk),
         "action_names": "shoulder,elbow",
-        "state_names": ",".join(STATE_NAMES[: mcfg.state_dim]),
+        "state_names": ",".join(MODEL_STATE_NAMES[: mcfg.state_dim]),
         "context_noise": "clean",
         "horizon": "1",
         "max_known_rows_ahead": str(cfg.max_freeze_rows),
@@ -336,7 +348,8 @@ def train_wam(
         from safetensors.torch import load_file
 
         init = load_file(cfg.init, device="cpu")
-        load_upstream_state_dict(model, {k: v.float() for k, v in init.items()})
+        ours = to_upstream_state_dict(model)
+        load_upstream_state_dict(model, {k: _widened(v.float(), ours[k]) for k, v in init.items()})
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay

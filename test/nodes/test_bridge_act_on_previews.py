@@ -29,7 +29,7 @@ def _weights(path) -> None:
     from physis_ros.engine.model import build_model, to_upstream_state_dict
     from physis_ros.train.wam import WamTrainConfig, metadata
 
-    cfg = WamTrainConfig(model="tiny-wam", window=2, max_obs=2, chunks=3, sample_steps=4)
+    cfg = WamTrainConfig(model="tiny-wam", window=2, max_obs=2, chunks=3, sample_steps=4, prompt="")
     model = build_model(get_preset("tiny-wam"), seed=3)
     save_file(to_upstream_state_dict(model), str(path), metadata=metadata(cfg, {}))
 

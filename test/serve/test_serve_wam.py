@@ -55,7 +55,7 @@ def weights(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("tiny_wam") / "weights.safetensors"
     model = build_model(get_preset(MODEL), seed=3)
-    cfg = WamTrainConfig(model=MODEL, window=2, max_obs=2, chunks=3, sample_steps=2)
+    cfg = WamTrainConfig(model=MODEL, window=2, max_obs=2, chunks=3, sample_steps=2, prompt="")
     meta = metadata(
         cfg, {"max_known_rows_ahead": str(MAX_KNOWN_ROWS_AHEAD), "frame_hz": str(1e9 / FRAME_NS)}
     )
@@ -311,3 +311,40 @@ def test_two_gloo_ranks_serve_it_as_the_in_process_engine(weights, tmp_path):
         finally:
             stop_child(proc, timeout_s=10)
     _check(weights, requests, preds)
+
+
+def test_a_goal_conditioned_model_is_served_only_streams_with_a_goal(tmp_path):
+    """push-wam takes the task's goal (state columns goal_x, goal_y and its prompt): a
+    client's stream opens with the prompt goal_xy_<x>_<y>; one without a goal, or with a goal
+    off the table, is refused with what to send, and the server goes on."""
+    import grpc
+    from safetensors.torch import save_file
+
+    from physis_ros.engine.config import get_preset
+    from physis_ros.engine.model import build_model, to_upstream_state_dict
+    from physis_ros.link.proto_gen import physis_pb2 as pb
+    from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
+    from physis_ros.train.wam import WamTrainConfig, metadata
+
+    path = tmp_path / "push_wam.safetensors"
+    model = build_model(get_preset("push-wam"), seed=0)
+    save_file(to_upstream_state_dict(model), str(path), metadata=metadata(WamTrainConfig(), {}))
+    proc, port = _serve(path, tmp_path, ranks=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.PhysisStub(channel)
+
+            def open_with(prompt: str):
+                spec = pb.StreamSpec(protocol_version=1, prompt=prompt, target_interval_ms=1000)
+                return stub.OpenStream(spec, timeout=60)
+
+            for prompt, why in (("", "conditioned on the task's goal"),
+                                ("goal_xy_0.900_0.000", "off the table")):  # fmt: skip
+                with pytest.raises(grpc.RpcError) as refused:
+                    open_with(prompt)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert why in refused.value.details()
+            promise = open_with("goal_xy_0.120_-0.300").promise
+            assert promise.action_mode == "predict" and promise.stream_id > 0
+    finally:
+        assert stop_child(proc, timeout_s=30) == 0

@@ -116,7 +116,8 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     weights = tmp_path / "a" / "weights.safetensors"
     meta = read_metadata(weights)
     assert meta["format"] == "physis_ros world-action model" and meta["model"] == "push-wam"
-    assert meta["state_names"].split(",")[-1] == "torque_z" and meta["action_hz"] == "20.0"
+    assert meta["state_names"].split(",")[-3:] == ["torque_z", "goal_x", "goal_y"]
+    assert meta["action_hz"] == "20.0" and meta["prompt"] == "goal_xy"
     # a run started from a's weights names them, and (at a negligible learning rate, the same
     # seed: the same validation windows) it validates as a did at its end
     c = _train(tmp_path / "c", 5, "--init", str(weights), "--lr", "1e-9")
