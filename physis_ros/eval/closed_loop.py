@@ -9,6 +9,9 @@ measurements: success (box within GOAL_TOLERANCE_M of the goal within the time l
 to goal, the action error against what the expert would command in the same state, and the
 joint-target jumps where chunks join. Reports and plots: ``closed_loop_report.py``; the
 command line: ``physis-eval --closed-loop`` (``cli.py``).
+With ``Takeovers`` the expert drives now and then instead of the model, and the episode is
+kept as training data (``EpisodeResult.record``: the on-policy episodes of a DAgger round,
+``physis_ros.train.wam_onpolicy``).
 
 The model's request on the live timeline (DESIGN.md §3; docs/push_wam/README.md): when the
 camera completes slot o (frames oF..oF+F-1), the observed slots o-n+1..o go in as context
