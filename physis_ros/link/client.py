@@ -423,9 +423,10 @@ class LinkClient:
         try:
             self._wait_ready(channel)
             stub = pb_grpc.PhysisStub(channel)
-            reply = stub.OpenStream(
-                self._spec, metadata=self._metadata, timeout=self._connect_timeout_s
-            )
+            with self._cv:  # set_prompt may change it from another thread
+                spec = pb.StreamSpec()
+                spec.CopyFrom(self._spec)
+            reply = stub.OpenStream(spec, metadata=self._metadata, timeout=self._connect_timeout_s)
             if reply.protocol_version != PROTOCOL_VERSION:
                 raise WireError(
                     "protocol_version",
