@@ -35,12 +35,7 @@ import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray
 from geometry_msgs.msg import PointStamped, WrenchStamped
 from rclpy.node import Node
-from rclpy.qos import (
-    DurabilityPolicy,
-    QoSProfile,
-    ReliabilityPolicy,
-    qos_profile_sensor_data,
-)
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from trajectory_msgs.msg import JointTrajectory
 from visualization_msgs.msg import MarkerArray
@@ -74,7 +69,7 @@ from physis_ros.nodes.pairing import (
     Sample,
 )
 from physis_ros.nodes.preview_out import PreviewOutput
-from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
+from physis_ros.nodes.run import LATCHED_QOS, NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.nodes.safety import ActionGate, SafetyConfig
 from physis_ros.nodes.stats import (
     ChunkOverlap,
@@ -218,13 +213,8 @@ class Bridge(Node):
         self.create_subscription(JointState, p.joint_states_topic, self._on_joints, in_qos)
         if p.command_topic:
             self.create_subscription(JointTrajectory, p.command_topic, self._on_command, in_qos)
-        if p.goal_topic:  # kept for late joiners: a goal is published once per episode
-            goal_qos = QoSProfile(
-                depth=1,
-                reliability=ReliabilityPolicy.RELIABLE,
-                durability=DurabilityPolicy.TRANSIENT_LOCAL,
-            )
-            self.create_subscription(PointStamped, p.goal_topic, self._on_goal, goal_qos)
+        if p.goal_topic:  # latched: a goal is published once per episode
+            self.create_subscription(PointStamped, p.goal_topic, self._on_goal, LATCHED_QOS)
 
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         latest = QoSProfile(depth=2, reliability=ReliabilityPolicy.RELIABLE)

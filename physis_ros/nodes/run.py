@@ -22,9 +22,15 @@ from dataclasses import dataclass
 import rclpy
 from rclpy._rclpy_pybind11 import RCLError  # rclpy 9 exports it only here
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
 
 from physis_ros.cli_errors import ignore_further_interrupts
+
+LATCHED_QOS = QoSProfile(
+    depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL
+)
+"""A topic whose last message is kept for late joiners (tf2's tf_static, a task's goal)."""
 
 EXECUTORS = ("single", "events")
 

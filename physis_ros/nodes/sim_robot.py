@@ -36,7 +36,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PointStamped, WrenchStamped
 from rcl_interfaces.msg import FloatingPointRange, ParameterDescriptor
 from rclpy.node import Node
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image, JointState
 from tf2_msgs.msg import TFMessage
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
@@ -44,7 +44,7 @@ from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 from physis_ros.cli_errors import cli_main
 from physis_ros.nodes import frames
 from physis_ros.nodes.conversions import fill_image_msg
-from physis_ros.nodes.run import NodeUsage, quiet_at_shutdown, run_node
+from physis_ros.nodes.run import LATCHED_QOS, NodeUsage, quiet_at_shutdown, run_node
 from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
 from physis_ros.sim.task import GOAL_TOLERANCE_M, TIME_LIMIT_S, GoalPushExpert, sample_task
 
@@ -184,11 +184,7 @@ class SimRobot(Node):
             static_pub = self.create_publisher(
                 TFMessage,
                 "tf_static",
-                QoSProfile(
-                    depth=1,
-                    reliability=ReliabilityPolicy.RELIABLE,
-                    durability=DurabilityPolicy.TRANSIENT_LOCAL,
-                ),
+                LATCHED_QOS,
             )
             static_pub.publish(
                 TFMessage(
@@ -214,11 +210,7 @@ class SimRobot(Node):
             self.goal_pub = self.create_publisher(
                 PointStamped,
                 "goal",
-                QoSProfile(
-                    depth=1,
-                    reliability=ReliabilityPolicy.RELIABLE,
-                    durability=DurabilityPolicy.TRANSIENT_LOCAL,
-                ),
+                LATCHED_QOS,
             )
             self.episodes.start(self.scene, self.get_clock().now().nanoseconds)
             self._publish_goal()
@@ -305,11 +297,11 @@ class SimRobot(Node):
             return self.episodes.expert.joint_targets(self.scene, previous, self._state_period_s)
         return self.policy.joint_targets(self.scene, t_s)
 
-    @quiet_at_shutdown
     def _publish_goal(self) -> None:
         stamp = self.get_clock().now().to_msg()
         self.goal_pub.publish(_goal_msg(stamp, self.scene.goal_xy, self._table_frame))
 
+    @quiet_at_shutdown
     def _on_diagnostics_timer(self) -> None:
         values = self.episodes.report(self.scene)
         values["executing_trajectory"] = str(self.executing_trajectory)

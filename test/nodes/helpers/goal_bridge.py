@@ -15,10 +15,10 @@ import time
 
 import rclpy
 from geometry_msgs.msg import PointStamped
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from physis_ros.link.client import LinkStats
 from physis_ros.nodes.bridge import Bridge
+from physis_ros.nodes.run import LATCHED_QOS
 
 GOALS = [(0.1, -0.3), (0.1, -0.3), (float("nan"), 0.0), (-0.2, -0.25)]
 
@@ -63,10 +63,7 @@ def spin_until(nodes, done, timeout_s: float = 60.0) -> None:
 def main() -> int:
     rclpy.init(args=["--ros-args", "-p", "goal_topic:=goal"])
     teacher = rclpy.create_node("goal_teacher")
-    qos = QoSProfile(
-        depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL
-    )
-    pub = teacher.create_publisher(PointStamped, "goal", qos)
+    pub = teacher.create_publisher(PointStamped, "goal", LATCHED_QOS)  # as sim_robot's
 
     def publish(x: float, y: float) -> None:
         msg = PointStamped()
