@@ -155,7 +155,7 @@ def parse_goal_prompt_name(name: str) -> tuple[float, float] | None:
 
 
 def goal_prompted(checkpoint_meta: dict[str, str] | None) -> bool:
-    """A push-wam trained on goal prompts (metadata ``prompt``: ``sim.task.GOAL_PROMPT``)."""
+    """A push-wam trained on goal prompts (metadata ``prompt``: ``weights.GOAL_PROMPT``)."""
     return bool(checkpoint_meta) and checkpoint_meta.get("prompt") == GOAL_PROMPT
 
 
@@ -186,7 +186,7 @@ class PromptBook:
     ) -> None:
         """``empty``: the model's empty prompt when no file has one (None: the model needs a
         file with it, e.g. a Wan checkpoint, whose empty prompt is its text encoder's);
-        ``goal_prompts``: names ``goal_xy_<x>_<y>`` resolve to ``sim.task.goal_prompt``."""
+        ``goal_prompts``: names ``goal_xy_<x>_<y>`` resolve to ``goal_prompt``."""
         self.cfg = cfg
         self.goal_prompts = goal_prompts
         self.prompts: dict[str, torch.Tensor] = {}

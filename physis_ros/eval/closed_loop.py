@@ -39,6 +39,7 @@ from physis_ros.sim.task import (
     TIME_LIMIT_S,
     GoalPushExpert,
     TaskSim,
+    model_state,
     sample_task,
 )
 from physis_ros.weights import GOAL_PROMPT
@@ -178,9 +179,8 @@ class ModelDecider:
         sid = eng.open_stream(StreamSpec(seed=seed, prompt_embedding=prompt)).stream_id
         try:
             for ctx, rows in zip(contexts, known, strict=True):
-                goal = np.broadcast_to(np.asarray(goal_xy, np.float32), (len(ctx.state), 2))
-                state = np.concatenate([ctx.state, goal], axis=1)  # as MODEL_STATE_NAMES
-                eng.submit_context(sid, ctx.frames, rows, state[:, self.state_cols])
+                state = model_state(ctx.state, goal_xy)[:, self.state_cols]
+                eng.submit_context(sid, ctx.frames, rows, state)
             chunk = eng.submit_generate(sid, gen_known)
             waited = 0.0
             while waited < self.poll_timeout_s:

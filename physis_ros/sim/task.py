@@ -70,6 +70,12 @@ _MIN_REACH_M, _MAX_REACH_M = 0.24, 0.62
 """Where the expert's waypoints may lie (the arm folds to 0.16 m and reaches 0.70 m)."""
 
 
+def model_state(proprio: np.ndarray, goal_xy) -> np.ndarray:
+    """[N, len(MODEL_STATE_NAMES)] float32: each frame's proprioception [N, S], then the goal."""
+    goal = np.broadcast_to(np.asarray(goal_xy, np.float32), (len(proprio), 2))
+    return np.concatenate([proprio, goal], axis=1).astype(np.float32)
+
+
 def goal_prompt_name(goal_xy) -> str:
     """The prompt a goal-prompted model's stream is opened with for this goal (table frame, m;
     1 mm steps): ``engine.prompts.parse_goal_prompt_name`` reads it on the server."""

@@ -50,6 +50,7 @@ from physis_ros.engine.model import (
 )
 from physis_ros.engine.prompts import goal_prompt
 from physis_ros.engine.sampler import sigmas
+from physis_ros.eval.closed_loop import ClosedLoopConfig
 from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, MODEL_STATE_NAMES
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
 from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for
@@ -57,9 +58,9 @@ from physis_ros.train.wam_onpolicy import on_policy_episodes
 from physis_ros.weights import GOAL_PROMPT
 
 VAL_SEED0 = 20_000
-HELD_OUT_SEED0 = 10_000
-"""physis-eval --closed-loop's episodes start here: no training episode may use them."""
 """Validation episodes' seeds start here; held-out evaluation uses 10000.. (physis-eval)."""
+HELD_OUT_SEED0 = ClosedLoopConfig().seed0
+"""physis-eval --closed-loop's episodes start here: no training episode may use them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,9 +100,9 @@ class WamTrainConfig:
     """Start from these weights (a physis-train-wam checkpoint of the same model: to train
     on from a run's last checkpoint with a new schedule) instead of the seeded ones."""
     prompt: str = GOAL_PROMPT
-    """``goal_xy``: each window's stream is conditioned on its goal (``sim.task.goal_prompt``),
-    as the served streams are; "": on the fixed stand-in prompt (the goal only in the
-    camera)."""
+    """``goal_xy``: each window's stream is conditioned on its goal
+    (``engine.prompts.goal_prompt``), as the served streams are; "": on the fixed stand-in
+    prompt (the goal only in the camera)."""
     on_policy_from: str = ""
     """Comma-separated push-wam checkpoints: each drives ``on_policy_episodes`` training
     episodes in the closed loop with expert takeovers (``wam_onpolicy``; cached), added to

@@ -26,7 +26,7 @@ from physis_ros.engine.config import ModelConfig
 from physis_ros.engine.model import chunk_layout, chunk_numel
 from physis_ros.engine.sampler import _normalize, latent_to_tokens
 from physis_ros.sim.episodes import TaskEpisode, load_episodes, run_expert_episode, save_episodes
-from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, sample_task
+from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, model_state, sample_task
 
 ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
 DATA_VERSION = 3
@@ -62,12 +62,6 @@ def cached_episodes(path: Path | None, make) -> list[TaskEpisode]:
         save_episodes(partial, episodes)
         partial.replace(path)
     return episodes
-
-
-def model_state(ep: TaskEpisode) -> np.ndarray:
-    """[N, len(MODEL_STATE_NAMES)] float32: each frame's proprioception, then the goal."""
-    goal = np.broadcast_to(np.asarray(ep.setup.goal_xy, np.float32), (len(ep.proprio), 2))
-    return np.concatenate([ep.proprio, goal], axis=1).astype(np.float32)
 
 
 @dataclass
@@ -131,7 +125,7 @@ class WamWindows:
             latent = codec.encode_frames(ep.frames)  # [C, N, h, w]
             latents = ((latent.permute(1, 0, 2, 3) + 1.0) * 127.5).round().to(torch.uint8)
             state = _normalize(
-                torch.from_numpy(model_state(ep)[:, : cfg.state_dim]),
+                torch.from_numpy(model_state(ep.proprio, ep.setup.goal_xy)[:, : cfg.state_dim]),
                 cfg.state_center,
                 cfg.state_scale,
             )
