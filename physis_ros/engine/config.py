@@ -329,7 +329,8 @@ PRESETS: dict[str, ModelConfig] = {
     # 20 Hz (0.6 s from the chunk's first frame: one chunk period of its own and two beyond,
     # so consecutive chunks overlap and a chunk that arrives up to ~0.4 s late still has rows
     # to execute), a known/committed flag per row, and one state token per frame (joint
-    # positions, velocities, wrench, and the task's goal: sim.task.MODEL_STATE_NAMES).
+    # positions, velocities, wrench, the task's goal and the box's position from an object
+    # tracker: sim.task.MODEL_STATE_NAMES).
     # Normalisation: the spread of the expert's joint targets and of the contact forces.
     "push-wam": ModelConfig(
         name="push-wam",
@@ -350,14 +351,14 @@ PRESETS: dict[str, ModelConfig] = {
         action_dim=2,
         action_horizon=12,
         action_mode="predict",
-        state_dim=12,
+        state_dim=14,
         committed_actions=True,
         action_center=_PUSH_JOINT_CENTER,
         action_scale=_PUSH_JOINT_SCALE,
-        state_center=_PUSH_JOINT_CENTER + (0.0,) * 10,
+        state_center=_PUSH_JOINT_CENTER + (0.0,) * 12,
         # rad/s; N (about the contact forces' spread); N·m (the planar tip torque is small);
-        # the goal's m (the goals' spread)
-        state_scale=(*_PUSH_JOINT_SCALE, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.02, 0.3, 0.3),
+        # the goal's and the box's m (their spread over the table)
+        state_scale=(*_PUSH_JOINT_SCALE, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.02, 0.3, 0.3, 0.3, 0.3),
         prediction="x0",
     ),
     # Wan2.1 T2V 1.3B at 480x832: 1560 tokens per latent frame, 3 latent frames per chunk.

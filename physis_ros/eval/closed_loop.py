@@ -102,7 +102,9 @@ class SlotObservation:
     frames: np.ndarray
     """[F, H, W, 3] uint8."""
     state: np.ndarray
-    """[F, S] float32 (the model's state columns)."""
+    """[F, S] float32 proprioception (STATE_NAMES)."""
+    box_xy: np.ndarray
+    """[F, 2] the box centre at each frame, as an object tracker reports it."""
 
 
 @dataclass
@@ -179,7 +181,7 @@ class ModelDecider:
         sid = eng.open_stream(StreamSpec(seed=seed, prompt_embedding=prompt)).stream_id
         try:
             for ctx, rows in zip(contexts, known, strict=True):
-                state = model_state(ctx.state, goal_xy)[:, self.state_cols]
+                state = model_state(ctx.state, goal_xy, ctx.box_xy)[:, self.state_cols]
                 eng.submit_context(sid, ctx.frames, rows, state)
             chunk = eng.submit_generate(sid, gen_known)
             waited = 0.0
@@ -300,7 +302,9 @@ class _Episode:
             return
         o = len(self.frames) // f - 1  # slot o is complete: ask for slot o + 1
         self.slots.append(
-            SlotObservation(o, np.stack(self.frames[-f:]), np.stack(self.states[-f:]))
+            SlotObservation(
+                o, np.stack(self.frames[-f:]), np.stack(self.states[-f:]), np.stack(self.box[-f:])
+            )
         )
         if self._expert_drives((sim.tick + self.delay_ticks) * TICK_NS):
             return  # its answer would arrive while the expert drives

@@ -61,7 +61,12 @@ GOAL_STATE_NAMES = ("goal_x", "goal_y")
 """push-wam's state columns after the proprioception: the task's goal (table frame, m), the
 same in every frame. The server fills them from the stream's goal prompt; the bridge sends
 no goal with an observation."""
-MODEL_STATE_NAMES = STATE_NAMES + GOAL_STATE_NAMES
+BOX_STATE_NAMES = ("box_x", "box_y")
+"""push-wam's last state columns: the box centre (table frame, m) at each frame, as an object
+tracker on the robot (a fiducial tag, motion capture) publishes it. The camera shows the box
+too, but one of its 32x32 pixels spans 3.4 cm of table: coarse for pushing the box onto a
+goal 5 cm wide."""
+MODEL_STATE_NAMES = STATE_NAMES + GOAL_STATE_NAMES + BOX_STATE_NAMES
 """A model with state_dim S takes the first S of these (push-wam all of them)."""
 WRENCH_SLICE = slice(4, 10)
 CONTACT_M = BOX_HALF_M + PUSHER_RADIUS_M
@@ -70,10 +75,11 @@ _MIN_REACH_M, _MAX_REACH_M = 0.24, 0.62
 """Where the expert's waypoints may lie (the arm folds to 0.16 m and reaches 0.70 m)."""
 
 
-def model_state(proprio: np.ndarray, goal_xy) -> np.ndarray:
-    """[N, len(MODEL_STATE_NAMES)] float32: each frame's proprioception [N, S], then the goal."""
+def model_state(proprio: np.ndarray, goal_xy, box_xy: np.ndarray) -> np.ndarray:
+    """[N, len(MODEL_STATE_NAMES)] float32: each frame's proprioception [N, S], the goal, then
+    the box centre ``box_xy`` [N, 2] at that frame."""
     goal = np.broadcast_to(np.asarray(goal_xy, np.float32), (len(proprio), 2))
-    return np.concatenate([proprio, goal], axis=1).astype(np.float32)
+    return np.concatenate([proprio, goal, box_xy], axis=1).astype(np.float32)
 
 
 def goal_prompt_name(goal_xy) -> str:

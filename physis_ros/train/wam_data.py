@@ -125,7 +125,7 @@ class WamWindows:
             latent = codec.encode_frames(ep.frames)  # [C, N, h, w]
             latents = ((latent.permute(1, 0, 2, 3) + 1.0) * 127.5).round().to(torch.uint8)
             state = _normalize(
-                torch.from_numpy(model_state(ep.proprio, ep.setup.goal_xy)[:, : cfg.state_dim]),
+                torch.from_numpy(model_state(ep.proprio, ep.setup.goal_xy, ep.box[:, :2])[:, : cfg.state_dim]),
                 cfg.state_center,
                 cfg.state_scale,
             )

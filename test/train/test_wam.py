@@ -116,7 +116,7 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     weights = tmp_path / "a" / "weights.safetensors"
     meta = read_metadata(weights)
     assert meta["format"] == "physis_ros world-action model" and meta["model"] == "push-wam"
-    assert meta["state_names"].split(",")[-3:] == ["torque_z", "goal_x", "goal_y"]
+    assert meta["state_names"].split(",")[-5:] == ["torque_z", "goal_x", "goal_y", "box_x", "box_y"]
     assert meta["action_hz"] == "20.0" and meta["prompt"] == "goal_xy"
     # a run started from a's weights names them, and (at a negligible learning rate, the same
     # seed: the same validation windows) it validates as a did at its end
