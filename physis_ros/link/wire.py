@@ -105,6 +105,9 @@ class Observation:
     what was commanded before the capture and what is committed after it."""
     commands_start_ns: int = 0
     commands_dt_ns: int = 0
+    object_position: np.ndarray | None = None
+    """[3] float32 xyz (table frame, m): a tracked object's position at the capture, from an
+    object tracker on the robot (push-wam's box_x, box_y state columns)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,6 +315,8 @@ def observation_to_proto(
         array_to_tensor(np.asarray(obs.commands, dtype=np.float32), o.commands)
         o.commands_start_ns = obs.commands_start_ns
         o.commands_dt_ns = obs.commands_dt_ns
+    if obs.object_position is not None:
+        array_to_tensor(np.asarray(obs.object_position, dtype=np.float32), o.object_position)
     return msg
 
 
@@ -522,6 +527,11 @@ def observation_from_proto(
             f"commands have shape {commands.shape} and dt {o.commands_dt_ns} ns, expected "
             "[N, A] and dt > 0",
         )
+    object_position = opt("object_position")
+    if object_position is not None and object_position.shape != (3,):
+        raise WireError(
+            "bad_tensor", f"object_position has shape {object_position.shape}, expected (3,)"
+        )
     image = None
     if o.HasField("image"):
         img = o.image
@@ -544,6 +554,7 @@ def observation_from_proto(
         commands=commands,
         commands_start_ns=o.commands_start_ns if commands is not None else 0,
         commands_dt_ns=o.commands_dt_ns if commands is not None else 0,
+        object_position=object_position,
     )
 
 

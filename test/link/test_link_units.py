@@ -117,6 +117,26 @@ def test_observation_round_trip_and_checks():
         observation_from_proto(observation_to_proto(bad, send_stamp_ns=0).observation)
 
 
+def test_object_position_crosses_as_three_floats_and_is_checked_like_the_wrench():
+    def crossed(position) -> Observation:
+        obs = Observation(seq=1, capture_stamp_ns=2, object_position=position)
+        raw = serialize_observation(obs, send_stamp_ns=3)
+        return observation_from_proto(pb.ClientMessage.FromString(raw).observation)
+
+    back = crossed(np.array([0.1, -0.3, 0.02]))
+    assert back.object_position.dtype == np.float32
+    np.testing.assert_array_equal(back.object_position, np.float32([0.1, -0.3, 0.02]))
+    assert crossed(None).object_position is None  # optional: a robot without a tracker
+    for position, reason in (
+        (np.zeros(2), "bad_tensor"),
+        (np.zeros((1, 3)), "bad_tensor"),
+        (np.array([0.1, np.nan, 0.0]), "non_finite"),
+    ):
+        with pytest.raises(WireError) as err:
+            crossed(position)
+        assert err.value.reason == reason
+
+
 def test_raw_encodings_and_row_padding():
     rgb = np.random.default_rng(1).integers(0, 255, (3, 4, 3), dtype=np.uint8)
     padded = np.zeros((3, 4 * 3 + 5), np.uint8)  # step > width * 3
