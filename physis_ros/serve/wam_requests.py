@@ -3,11 +3,11 @@
 What belongs here (numpy only): the model's timing (camera frames and joint-target rows per
 second, rows per chunk, how far ahead known rows may reach — from the weights' metadata),
 the state vector of one observation (joint positions and velocities in the model's joint
-order, then the wrench, as the weights' ``state_names`` list them), and the known rows of a
-chunk read off the command timeline the robot sends with each observation (what it
-commanded before the capture and has committed after it): rows up to the capture plus the
-pipeline's response latency are known — the robot executes them before the answer can
-arrive — and enter clean; the rest is generated to continue them.
+order, the wrench, the goal, a tracked object's x and y, as the weights' ``state_names``
+list them), and the known rows of a chunk read off the command timeline the robot sends
+with each observation (what it commanded before the capture and has committed after it):
+rows up to the capture plus the pipeline's response latency are known — the robot executes
+them before the answer can arrive — and enter clean; the rest is generated to continue them.
 
 Chunk (slot) c's rows are for the time of its first camera frame plus i rows; a generated
 chunk's reply states that time (``Prediction.action_start_ns``), so the robot executes each
@@ -15,12 +15,12 @@ row when it is due (``link.action_timeline``).
 
 ``WamStream`` is what a served stream does with these (serve/session.py and
 engine_loop.py call it): each observation is checked and gives its state and command timeline
-(a bad one is dropped by reason: ``no_joint_state``, ``no_wrench``, ``commands_shape``); each
-observed slot goes in with its per-frame state and the rows known as of its newest frame
-(training's per-slot windows); each generate request carries the rows known as of the newest
-observation; each reply states the robot-clock time of its first row. The response latency
-is the stream's promise (``expected_response_latency_ms``): the figure the server stated,
-which its client sees.
+(a bad one is dropped by reason: ``no_joint_state``, ``no_wrench``, ``no_object_position``,
+``commands_shape``); each observed slot goes in with its per-frame state and the rows known
+as of its newest frame (training's per-slot windows); each generate request carries the rows
+known as of the newest observation; each reply states the robot-clock time of its first row.
+The response latency is the stream's promise (``expected_response_latency_ms``): the figure
+the server stated, which its client sees.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 
 from physis_ros.link.action_timeline import interpolate
 from physis_ros.link.wire import Observation, WireError
-from physis_ros.sim.task import GOAL_STATE_NAMES
+from physis_ros.sim.task import BOX_STATE_NAMES, GOAL_STATE_NAMES
 
 POSITION, VELOCITY = "_pos", "_vel"
 WRENCH_NAMES = ("force_x", "force_y", "force_z", "torque_x", "torque_y", "torque_z")
@@ -83,7 +83,8 @@ class WamTiming:
 def state_vector(obs: Observation, timing: WamTiming, goal=None) -> np.ndarray:
     """[S] float32 in ``timing.state_names`` order: ``<joint>_pos``/``<joint>_vel`` by joint
     name (the action names are the joints), the wrench's six values by their names, the
-    stream's ``goal`` (from its prompt, not the observation) as goal_x, goal_y."""
+    stream's ``goal`` (from its prompt, not the observation) as goal_x, goal_y, and the
+    observation's ``object_position`` x, y (the robot's object tracker) as box_x, box_y."""
     values = []
     names = list(obs.joint_names)
     for name in timing.state_names:
@@ -91,6 +92,15 @@ def state_vector(obs: Observation, timing: WamTiming, goal=None) -> np.ndarray:
             if goal is None:  # the front end refuses such a stream before it opens
                 raise WireError("no_goal", "the model takes the goal; the stream has none")
             values.append(float(goal[GOAL_STATE_NAMES.index(name)]))
+            continue
+        if name in BOX_STATE_NAMES:
+            if obs.object_position is None:
+                raise WireError(
+                    "no_object_position",
+                    f"the model takes {', '.join(BOX_STATE_NAMES)} (an object tracker's "
+                    "position); the observation has none: set the bridge's object_topic",
+                )
+            values.append(float(obs.object_position[BOX_STATE_NAMES.index(name)]))
             continue
         if name in WRENCH_NAMES:
             if obs.wrench is None:

@@ -9,7 +9,9 @@ the closed-loop evaluation builds (per-frame state in the weights' order; the ro
 the newest capture plus the promised response latency, read off the command timeline with
 ``ChunkExecutor.rows_on_grid`` and ``known_rows``), and its action timing is the robot-clock
 time of its slot's first frame. Bad observations (no joint state, no wrench, commands of the
-wrong shape) are dropped, counted by reason, and the stream goes on.
+wrong shape) are dropped, counted by reason, and the stream goes on. push-wam (random
+weights) is served only streams with a goal, and fills its box columns from each
+observation's object_position.
 """
 
 from __future__ import annotations
@@ -106,12 +108,16 @@ class Robot:
     of a ChunkExecutor that executes each reply when it arrives, and what each request to the
     model must hold (the closed-loop evaluation's builder)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *, prompt: str = "", image_size: int = 8) -> None:
         from physis_ros.link.client import LinkClient
 
-        self.client = LinkClient(f"127.0.0.1:{port}", seed=SEED, target_interval_ms=200.0)
+        self.client = LinkClient(
+            f"127.0.0.1:{port}", seed=SEED, prompt=prompt, target_interval_ms=200.0
+        )
         self.client.start()
         self.rng = np.random.default_rng(5)
+        self.image_size = image_size
+        """The camera's height and width: the model's (the server takes no other)."""
         self.executor = ChunkExecutor(join="crossfade")
         self.executor.seed(T0_NS, np.array([1.0, 1.7]))
         self.seq = 0
@@ -125,12 +131,15 @@ class Robot:
             time.sleep(0.05)
         return self.client.stats().promise.expected_response_latency_ms
 
-    def observation(self, *, joints=True, wrench=True, commands_cols=2):
-        from physis_ros.link.client import CameraImage, Observation
+    def observation(self, *, joints=True, wrench=True, commands_cols=2, box_xy=None):
+        """``box_xy``: the box centre its object tracker reports (none: no object_position)."""
+        from physis_ros.link.client import Observation
+        from physis_ros.link.wire import rgb_image
 
         n = self.seq
         capture_ns = T0_NS + n * FRAME_NS
-        image = self.rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+        size = self.image_size
+        image = self.rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
         pos, vel = self.rng.normal(1.2, 0.3, 2), self.rng.normal(0, 0.5, 2)
         force = self.rng.normal(0, 2, 6)
         # the timeline the bridge sends: commanded before the capture, committed after it
@@ -142,7 +151,7 @@ class Robot:
         obs = Observation(
             seq=1000 + n,
             capture_stamp_ns=capture_ns,
-            image=CameraImage(encoding="rgb8", height=8, width=8, step=24, data=image.tobytes()),
+            image=rgb_image(image),
             wrench=force.astype(np.float32) if wrench else None,
             joint_names=JOINTS if joints else (),
             joint_positions=pos.astype(np.float32) if joints else None,
@@ -150,6 +159,7 @@ class Robot:
             commands=commands.astype(np.float32),
             commands_start_ns=start_ns,
             commands_dt_ns=ROW_NS,
+            object_position=None if box_xy is None else np.float32([*box_xy, 0.0]),
         )
         state = np.concatenate([pos, vel, force]).astype(np.float32)
         return obs, image, state, capture_ns
@@ -313,38 +323,64 @@ def test_two_gloo_ranks_serve_it_as_the_in_process_engine(weights, tmp_path):
     _check(weights, requests, preds)
 
 
-def test_a_goal_conditioned_model_is_served_only_streams_with_a_goal(tmp_path):
-    """push-wam takes the task's goal (state columns goal_x, goal_y and its prompt): a
-    client's stream opens with the prompt goal_xy_<x>_<y>; one without a goal, or with a goal
-    off the table, is refused with what to send, and the server goes on."""
-    import grpc
+@pytest.fixture(scope="module")
+def push_wam_server(tmp_path_factory):
+    """The port of physis-serve serving push-wam on random weights with the metadata
+    physis-train-wam writes: its state ends with goal_x, goal_y, box_x, box_y."""
     from safetensors.torch import save_file
 
     from physis_ros.engine.config import get_preset
     from physis_ros.engine.model import build_model, to_upstream_state_dict
-    from physis_ros.link.proto_gen import physis_pb2 as pb
-    from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
     from physis_ros.train.wam import WamTrainConfig, metadata
 
-    path = tmp_path / "push_wam.safetensors"
+    folder = tmp_path_factory.mktemp("push_wam")
+    path = folder / "push_wam.safetensors"
     model = build_model(get_preset("push-wam"), seed=0)
     save_file(to_upstream_state_dict(model), str(path), metadata=metadata(WamTrainConfig(), {}))
-    proc, port = _serve(path, tmp_path, ranks=0)
+    proc, port = _serve(path, folder, ranks=0)
+    yield port
+    assert stop_child(proc, timeout_s=30) == 0
+
+
+def test_a_goal_conditioned_model_is_served_only_streams_with_a_goal(push_wam_server):
+    """push-wam takes the task's goal (state columns goal_x, goal_y and its prompt): a
+    client's stream opens with the prompt goal_xy_<x>_<y>; one without a goal, or with a goal
+    off the table, is refused with what to send, and the server goes on."""
+    import grpc
+
+    from physis_ros.link.proto_gen import physis_pb2 as pb
+    from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{push_wam_server}") as channel:
+        stub = pb_grpc.PhysisStub(channel)
+
+        def open_with(prompt: str):
+            spec = pb.StreamSpec(protocol_version=1, prompt=prompt, target_interval_ms=1000)
+            return stub.OpenStream(spec, timeout=60)
+
+        for prompt, why in (("", "conditioned on the task's goal"),
+                            ("goal_xy_0.900_0.000", "off the table")):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as refused:
+                open_with(prompt)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert why in refused.value.details()
+        promise = open_with("goal_xy_0.120_-0.300").promise
+        assert promise.action_mode == "predict" and promise.stream_id > 0
+
+
+def test_push_wam_takes_the_box_from_each_observations_object_position(push_wam_server):
+    """push-wam's box_x, box_y come from the robot's object tracker (the observation's
+    object_position): an observation without one is dropped and counted
+    (no_object_position), and the stream goes on with those that carry it."""
+    robot = Robot(push_wam_server, prompt="goal_xy_0.120_-0.300", image_size=32)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.PhysisStub(channel)
-
-            def open_with(prompt: str):
-                spec = pb.StreamSpec(protocol_version=1, prompt=prompt, target_interval_ms=1000)
-                return stub.OpenStream(spec, timeout=60)
-
-            for prompt, why in (("", "conditioned on the task's goal"),
-                                ("goal_xy_0.900_0.000", "off the table")):  # fmt: skip
-                with pytest.raises(grpc.RpcError) as refused:
-                    open_with(prompt)
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert why in refused.value.details()
-            promise = open_with("goal_xy_0.120_-0.300").promise
-            assert promise.action_mode == "predict" and promise.stream_id > 0
+        robot.latency_ms()  # the stream is open
+        robot.send(robot.observation()[0])  # no tracker: dropped
+        for _ in range(4):  # two slots observed: the next one is generated
+            robot.send(robot.observation(box_xy=(0.05, -0.25))[0])
+        pred = robot.prediction(1, at_least=True)
+        assert pred.actions.shape == (12, 2) and np.isfinite(pred.actions).all()
+        drops = robot.client.stats().drops
     finally:
-        assert stop_child(proc, timeout_s=30) == 0
+        robot.client.close()
+    assert drops == {"server:no_object_position": 1}, drops

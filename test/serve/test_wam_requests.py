@@ -12,6 +12,7 @@ from physis_ros.link.wire import Observation, WireError
 from physis_ros.serve.observations import ContextInput
 from physis_ros.serve.slots import SlotAssembler
 from physis_ros.serve.wam_requests import WamStream, WamTiming
+from physis_ros.sim.task import BOX_STATE_NAMES, GOAL_STATE_NAMES, STATE_NAMES
 
 MS = 1_000_000
 META = {
@@ -49,6 +50,24 @@ def test_state_follows_the_weights_names_and_missing_parts_are_named():
         with pytest.raises(WireError) as err:
             WamStream(TIMING).check(_obs(**bad))
         assert err.value.reason == reason
+
+
+def test_box_columns_come_from_the_object_position_and_are_required():
+    """push-wam's last state columns: the goal from the stream's prompt, the box centre from
+    the robot's object tracker (the observation's object_position x, y; z is not taken)."""
+    names = ",".join((*STATE_NAMES, *GOAL_STATE_NAMES, *BOX_STATE_NAMES))
+    timing = WamTiming.from_metadata(META | {"state_names": names}, rows=6, frames_per_chunk=2)
+    stream = WamStream(timing, goal=(0.1, -0.3))
+    state, _ = stream.check(_obs(object_position=np.float32([0.05, -0.25, 0.02])))
+    assert state.shape == (14,)
+    np.testing.assert_array_equal(state[-4:], np.float32([0.1, -0.3, 0.05, -0.25]))
+    with pytest.raises(WireError) as err:
+        stream.check(_obs())
+    assert err.value.reason == "no_object_position"
+    assert "object_topic" in err.value.detail
+    # a model without the box columns (tiny-wam) takes an observation with or without one
+    for position in (None, np.zeros(3, np.float32)):
+        assert WamStream(TIMING).check(_obs(object_position=position))[0].shape == (6,)
 
 
 def test_known_rows_reach_the_capture_plus_the_latency_at_most_as_far_as_trained():
