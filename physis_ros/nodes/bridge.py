@@ -2,12 +2,14 @@
 
 In: ``camera/image`` (``sensor_msgs/Image``) and/or a ``CompressedImage`` topic, ``wrench``
 (``WrenchStamped``), ``joint_states`` (``JointState``), ``joint_command`` (``JointTrajectory``,
-the commanded joint targets), sensor-data QoS by default; with ``goal_topic`` the task's
-goal (``PointStamped``, kept for late joiners), which a goal-prompted model's stream is opened
-with. The callbacks validate and convert, pair by stamp (approximate time, bounded slop; the
-command in force when the image was taken, ``pairing.CommandHistory``) and hand the newest
-observation, with that command as its ``action``, to the link client, which is non-blocking:
-no network in callbacks.
+the commanded joint targets), with ``object_topic`` a tracked object's position
+(``PointStamped``, from an object tracker), sensor-data QoS by default; with ``goal_topic``
+the task's goal (``PointStamped``, kept for late joiners), which a goal-prompted model's
+stream is opened with. The callbacks validate and convert, pair by stamp (approximate time,
+bounded slop; the command in force when the image was taken, ``pairing.CommandHistory``) and
+hand the newest observation, with that command as its ``action`` and the object's position
+as its ``object_position``, to the link client, which is non-blocking: no network in
+callbacks.
 
 Out, at the rate the server delivers (published from the link's receive thread):
 ``predicted/image`` (each frame stamped at its predicted time), ``predicted/side_by_side``
@@ -98,6 +100,7 @@ class Bridge(Node):
             slop_s=self.p.slop_s,
             require_wrench=self.p.require_wrench,
             require_joints=self.p.require_joints,
+            require_object=bool(self.p.object_topic) and self.p.require_object,
             drops=self.drops,
         )
         self.gate = ActionGate(
@@ -120,7 +123,10 @@ class Bridge(Node):
         )
         # The action columns' joints: fixed by parameter, else on the first command.
         self._command_order: tuple[str, ...] = self.p.command_joint_names or self.p.action_names
-        self.rates = {name: RateMeter() for name in ("image", "wrench", "joints", "command")}
+        inputs = ["image", "wrench", "joints", "command"]
+        if self.p.object_topic:  # (no object_rate_hz on /diagnostics without a tracker)
+            inputs.append("object")
+        self.rates = {name: RateMeter() for name in inputs}
         self.chunk_rate = RateMeter()
         self.interval_ms = RollingWindow()
         self.response_ms = RollingWindow()
@@ -211,6 +217,8 @@ class Bridge(Node):
             )
         self.create_subscription(WrenchStamped, p.wrench_topic, self._on_wrench, in_qos)
         self.create_subscription(JointState, p.joint_states_topic, self._on_joints, in_qos)
+        if p.object_topic:
+            self.create_subscription(PointStamped, p.object_topic, self._on_object, in_qos)
         if p.command_topic:
             self.create_subscription(JointTrajectory, p.command_topic, self._on_command, in_qos)
         if p.goal_topic:  # latched: a goal is published once per episode
@@ -278,6 +286,17 @@ class Bridge(Node):
             self.get_logger().warning(f"wrench dropped: {exc}", throttle_duration_sec=2.0)
             return
         self._take_aux("wrench", msg.header, wrench)
+
+    def _on_object(self, msg: PointStamped) -> None:
+        self.rates["object"].tick()
+        point = msg.point
+        try:
+            position = validate_vector([point.x, point.y, point.z], size=3, reason="nan_object")
+        except ConversionError as exc:
+            self.drops.add(exc.reason)
+            self.get_logger().warning(f"object position dropped: {exc}", throttle_duration_sec=2.0)
+            return
+        self._take_aux("object", msg.header, position.astype(np.float32))
 
     def _on_joints(self, msg: JointState) -> None:
         self.rates["joints"].tick()
@@ -438,6 +457,7 @@ class Bridge(Node):
             commands=None if timeline is None else timeline[0],
             commands_start_ns=0 if timeline is None else timeline[1],
             commands_dt_ns=0 if timeline is None else timeline[2],
+            object_position=paired.object_position.value if paired.object_position else None,
         )
         self.client.send_observation(obs)  # non-blocking: newest wins inside the client
         self.counts["sent"] += 1

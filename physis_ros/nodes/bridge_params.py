@@ -26,6 +26,10 @@ class BridgeParams:
     """geometry_msgs/WrenchStamped force/torque topic."""
     joint_states_topic: str = "joint_states"
     """sensor_msgs/JointState topic."""
+    object_topic: str = ""
+    """geometry_msgs/PointStamped: a tracked object's position (table frame, m) from an object
+    tracker (fiducial tag, motion capture), paired with each image by stamp like the wrench
+    and sent as its object_position: push-wam takes the box's x, y ('' to disable)."""
     command_topic: str = "joint_command"
     """trajectory_msgs/JointTrajectory commanded joint targets, one point, sent with each
     observation as the action the world model is conditioned on ('' to disable)."""
@@ -43,11 +47,13 @@ class BridgeParams:
     input_depth: int = 5
     """History depth of the input subscriptions."""
     slop_s: float = 0.02
-    """Largest stamp gap between an image and the wrench/joints it is paired with."""
+    """Largest stamp gap between an image and the wrench/joints/object it is paired with."""
     require_wrench: bool = True
     """Only send images that have a wrench within the slop."""
     require_joints: bool = True
     """Only send images that have joint states within the slop."""
+    require_object: bool = True
+    """With object_topic: only send images that have an object position within the slop."""
     resize_to_model: bool = True
     """Downscale raw images to the model's image size before sending (less to send)."""
     # link
@@ -207,7 +213,7 @@ class BridgeParams:
 
 
 _READ_ONLY = {
-    "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic",
+    "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic", "object_topic",
     "command_topic", "command_joint_names",
     "input_reliability", "input_depth", "server", "server_port_file", "token", "token_file",
     "root_cert_path", "client_cert_path", "client_key_path", "seed", "target_interval_ms",

@@ -1,10 +1,11 @@
-"""Approximate-time pairing of a camera with wrench and joint states, latest-only.
+"""Approximate-time pairing of a camera with wrench, joint states and a tracked object's
+position, latest-only.
 
-The camera is the pivot: each image is paired with the wrench and joint sample nearest to
-its stamp within ``slop_s``. Auxiliary streams keep a short history (they run faster than
-the camera); at most one image waits for a partner, and a newer image replaces it (the
-older one is counted as ``unpaired``). Stamps must increase per stream: an older or equal
-stamp is dropped as ``out_of_order_stamp``. All drops go to the shared DropCounter.
+The camera is the pivot: each image is paired with the wrench, joint and object sample
+nearest to its stamp within ``slop_s``. Auxiliary streams keep a short history (they run
+faster than the camera); at most one image waits for a partner, and a newer image replaces
+it (the older one is counted as ``unpaired``). Stamps must increase per stream: an older or
+equal stamp is dropped as ``out_of_order_stamp``. All drops go to the shared DropCounter.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ class PairedObservation:
     image: Sample
     wrench: Sample | None
     joints: Sample | None
+    object_position: Sample | None = None
 
 
 class ApproxTimePairer:
-    """Pairs images with the nearest wrench/joint samples; thread-safe."""
+    """Pairs images with the nearest wrench/joint/object samples (aux streams ``wrench``,
+    ``joints``, ``object``); thread-safe."""
 
     def __init__(
         self,
@@ -41,6 +44,7 @@ class ApproxTimePairer:
         slop_s: float,
         require_wrench: bool,
         require_joints: bool,
+        require_object: bool = False,
         drops,
         history: int = 64,
     ) -> None:
@@ -49,11 +53,14 @@ class ApproxTimePairer:
         if history <= 0:
             raise ValueError(f"history must be positive, got {history}")
         self._slop_ns = int(slop_s * 1e9)
-        self._require = {"wrench": require_wrench, "joints": require_joints}
+        self._require = {
+            "wrench": require_wrench,
+            "joints": require_joints,
+            "object": require_object,
+        }
         self._drops = drops
         self._aux: dict[str, deque[Sample]] = {
-            "wrench": deque(maxlen=history),
-            "joints": deque(maxlen=history),
+            name: deque(maxlen=history) for name in self._require
         }
         self._last_stamp_ns: dict[str, int] = {}
         self._pending: Sample | None = None
@@ -79,7 +86,12 @@ class ApproxTimePairer:
         found = {name: self._nearest(name, image.stamp_ns) for name in self._aux}
         if any(self._require[name] and found[name] is None for name in found):
             return None
-        return PairedObservation(image=image, wrench=found["wrench"], joints=found["joints"])
+        return PairedObservation(
+            image=image,
+            wrench=found["wrench"],
+            joints=found["joints"],
+            object_position=found["object"],
+        )
 
     def add_image(self, sample: Sample) -> PairedObservation | None:
         """A paired observation if one is complete now, else None (image waits or dropped)."""
@@ -98,7 +110,8 @@ class ApproxTimePairer:
             return None
 
     def add_aux(self, stream: str, sample: Sample) -> PairedObservation | None:
-        """Adds a wrench/joints sample; returns the waiting image if it is now complete."""
+        """Adds a wrench/joints/object sample; returns the waiting image if it is now
+        complete."""
         with self._lock:
             if not self._accept_stamp(stream, sample.stamp_ns):
                 return None

@@ -116,7 +116,11 @@ def test_side_by_side_and_forward_kinematics():
 
 def _pairer(drops, **kw):
     return ApproxTimePairer(
-        slop_s=0.02, require_wrench=kw.get("wrench", True), require_joints=True, drops=drops
+        slop_s=0.02,
+        require_wrench=kw.get("wrench", True),
+        require_joints=True,
+        require_object=kw.get("object", False),
+        drops=drops,
     )
 
 
@@ -162,6 +166,20 @@ def test_optional_partner_is_attached_when_near_and_skipped_when_not():
     pairer.add_aux("joints", s(10))
     paired = pairer.add_image(s(10))
     assert paired.wrench is None and paired.joints is not None
+
+
+def test_an_object_position_pairs_like_the_wrench_and_is_optional_unless_required():
+    drops = DropCounter()
+    pairer = _pairer(drops)
+    for stream in ("wrench", "joints"):
+        pairer.add_aux(stream, s(10))
+    assert pairer.add_image(s(10)).object_position is None  # no tracker: the image goes
+    required = _pairer(drops, object=True)
+    for stream in ("wrench", "joints"):
+        required.add_aux(stream, s(10))
+    assert required.add_image(s(10)) is None  # waits for the tracker
+    paired = required.add_aux("object", s(12, "box"))
+    assert paired.object_position.value == "box" and drops.snapshot() == {}
 
 
 def test_command_history_takes_the_newest_command_strictly_before_the_image():
