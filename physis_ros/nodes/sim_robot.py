@@ -2,10 +2,12 @@
 
 Wraps ``physis_ros.sim.scene.PushScene`` (a planar 2-link arm pushing a box, top-down
 camera): publishes ``camera/image`` (rgb8 ``sensor_msgs/Image``), ``wrench``
-(``WrenchStamped``) and ``joint_states`` at their own rates, and executes the
-``joint_trajectory`` (``trajectory_msgs/JointTrajectory``) it receives. When no trajectory
-is fresh (none yet, or its last point ended ``trajectory_timeout_s`` ago) it falls back to
-the ``idle_policy``: the scene's scripted policy, or holding the last target.
+(``WrenchStamped``), ``joint_states`` and ``object_position`` (``PointStamped``: the box
+centre in the table frame, as an object tracker on a real robot would report it; whatever
+the task) at their own rates, and executes the ``joint_trajectory``
+(``trajectory_msgs/JointTrajectory``) it receives. When no trajectory is fresh (none yet, or
+its last point ended ``trajectory_timeout_s`` ago) it falls back to the ``idle_policy``: the
+scene's scripted policy, or holding the last target.
 
 ``task: goal_push`` runs goal-push episodes (``physis_ros.sim.task``): a goal drawn on the
 table, the box and arm at a start drawn from ``seed`` (then seed + 1, ...); an episode ends
@@ -57,7 +59,8 @@ PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
     (
         "state_rate_hz",
         100.0,
-        "physics steps, wrench, joint states, joint commands and arm TF per second",
+        "physics steps, wrench, joint states, object positions, joint commands and arm TF per "
+        "second",
         "rate",
     ),
     ("image_height", 64, "camera height in pixels", "fixed"),
@@ -167,6 +170,9 @@ class SimRobot(Node):
         self.image_pub = self.create_publisher(Image, "camera/image", qos_profile_sensor_data)
         self.wrench_pub = self.create_publisher(WrenchStamped, "wrench", qos_profile_sensor_data)
         self.joints_pub = self.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
+        self.object_pub = self.create_publisher(
+            PointStamped, "object_position", qos_profile_sensor_data
+        )
         # Reliable, as a command stream usually is; a best-effort subscriber (the bridge's
         # default sensor-data QoS) matches it too.
         self.command_pub = self.create_publisher(
@@ -263,10 +269,11 @@ class SimRobot(Node):
                     self.follower.clear()
                     self._held = None
                     self._publish_goal()
-            q, qd, wrench = (
+            q, qd, wrench, box = (
                 self.scene.joint_positions(),
                 self.scene.joint_velocities(),
                 self.scene.wrench(),
+                self.scene.box_pose(),
             )
         stamp = now.to_msg()
         self.command_pub.publish(
@@ -288,6 +295,7 @@ class SimRobot(Node):
         w.wrench.force.x, w.wrench.force.y, w.wrench.force.z = (float(v) for v in wrench[:3])
         w.wrench.torque.x, w.wrench.torque.y, w.wrench.torque.z = (float(v) for v in wrench[3:])
         self.wrench_pub.publish(w)
+        self.object_pub.publish(_point_msg(stamp, box[:2], self._table_frame))
 
     def _idle_targets(self, t_s: float) -> np.ndarray:
         if self._idle_policy == "hold":
@@ -299,7 +307,7 @@ class SimRobot(Node):
 
     def _publish_goal(self) -> None:
         stamp = self.get_clock().now().to_msg()
-        self.goal_pub.publish(_goal_msg(stamp, self.scene.goal_xy, self._table_frame))
+        self.goal_pub.publish(_point_msg(stamp, self.scene.goal_xy, self._table_frame))
 
     @quiet_at_shutdown
     def _on_diagnostics_timer(self) -> None:
@@ -327,10 +335,11 @@ class SimRobot(Node):
         self.image_pub.publish(msg)
 
 
-def _goal_msg(stamp, goal_xy, frame_id: str) -> PointStamped:
+def _point_msg(stamp, xy_m, frame_id: str) -> PointStamped:
+    """A point on the table (z 0: the scene is planar), e.g. the goal or the box centre."""
     msg = PointStamped()
     msg.header.stamp, msg.header.frame_id = stamp, frame_id
-    msg.point.x, msg.point.y = (float(v) for v in goal_xy)
+    msg.point.x, msg.point.y = (float(v) for v in xy_m)
     return msg
 
 
