@@ -37,7 +37,8 @@ def generate_launch_description():
             "drive",
             "false",
             "the served world-action model drives sim_robot: goal-push episodes, the arm holds "
-            "when no trajectory comes (with model:=push-wam)",
+            "when no trajectory comes, the bridge sends sim_robot's goal and box centre (with "
+            "model:=push-wam)",
         ),
         ("execution", "delay_aware", "the bridge's execution of chunks: delay_aware or naive"),
         ("join", "crossfade", "how the bridge joins chunks: crossfade or replace"),
@@ -96,6 +97,9 @@ def generate_launch_description():
                     ),
                     "goal_topic": PythonExpression(
                         ["'goal' if '", arg("drive"), "' == 'true' else ''"]
+                    ),
+                    "object_topic": PythonExpression(
+                        ["'object_position' if '", arg("drive"), "' == 'true' else ''"]
                     ),
                     "sim_idle_policy": PythonExpression(
                         ["'hold' if '", arg("drive"), "' == 'true' else 'scripted'"]

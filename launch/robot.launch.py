@@ -83,6 +83,13 @@ def generate_launch_description():
             "the task's goal (PointStamped) a goal-prompted model's stream opens with ('' = none; "
             "sim_robot's goal_push episodes publish theirs on goal)",
         ),
+        (
+            "object_topic",
+            "",
+            "a tracked object's position (PointStamped, table frame, from an object tracker) sent "
+            "with each image: push-wam's box_x, box_y ('' = none; sim_robot publishes its box "
+            "centre on object_position)",
+        ),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
         (
             "sim_task",
@@ -131,6 +138,7 @@ def generate_launch_description():
                         "horizon": ParameterValue(arg("horizon"), value_type=int),
                         "rollouts": ParameterValue(arg("rollouts"), value_type=str),
                         "goal_topic": ParameterValue(arg("goal_topic"), value_type=str),
+                        "object_topic": ParameterValue(arg("object_topic"), value_type=str),
                     },
                 ],
             ),

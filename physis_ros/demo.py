@@ -8,7 +8,8 @@ trajectories the bridge publishes (a world model publishes none: its scripted po
 With ``--model push-wam`` the world-action model drives: sim_robot runs goal-push episodes
 (a goal drawn on the table; it holds still when no trajectory comes), the bridge executes
 the model's chunks delay-aware (``--execution``, ``--join``), and the episodes' successes
-are printed and summarised.
+are printed and summarised; the bridge takes sim_robot's goal (``goal_topic``) and box
+centre (``object_topic``) where the weights take them (a goal prompt; box_x, box_y).
 Prints once a second the achieved interval against the server's promise, the response
 latency, the chunk overlap (the share of chunks that entered the server's pipeline before
 the previous one left it: the assembly line at work) and drops; stops ``--duration-s``
@@ -155,6 +156,7 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
     """For a preset with shipped weights (or the ``weights`` file given): the camera the
     weights were trained on (image size, frame rate) and the video one chunk covers; None for
     the others. Reads the safetensors header only (no torch in this process)."""
+    from physis_ros.sim.task import BOX_STATE_NAMES
     from physis_ros.weights import GOAL_PROMPT, SHIPPED, read_metadata
 
     path = Path(weights) if weights else SHIPPED.get(model)
@@ -171,6 +173,7 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
         "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
         "drives": meta.get("format") == "physis_ros world-action model",
         "goal_prompted": meta.get("prompt") == GOAL_PROMPT,
+        "tracks_object": bool(set(BOX_STATE_NAMES) & set(meta.get("state_names", "").split(","))),
         "action_names": meta.get("action_names", "").split(","),
         "lacks": [k for k in WAM_METADATA if k not in meta],
     }
@@ -295,6 +298,8 @@ def main(argv=None) -> int:
             )
             if camera["goal_prompted"]:  # its streams open with sim_robot's episode goals
                 bridge_params.update(goal_topic="goal")
+            if camera["tracks_object"]:  # box_x, box_y: sim_robot's box, as a tracker's
+                bridge_params.update(object_topic="object_position")
         elif args.act_on_previews:  # a world model's previews are for looking at only
             print(
                 "physis-demo: --act-on-previews: the model commands nothing (a world model); "

@@ -75,7 +75,8 @@ def test_demo_world_action_model_drives_sim_robot(tmp_path, ros_env):
     """physis-demo --model push-wam --weights FILE (a checkpoint as physis-train-wam writes
     it, untrained here): physis-serve serves it, sim_robot runs goal-push episodes on the
     trajectories the bridge publishes from its timed chunks, and the server drops none of the
-    bridge's observations for lack of joint state, wrench or command timeline."""
+    bridge's observations for lack of joint state, wrench, command timeline or the box's
+    position (sim_robot's object_position, the bridge's object_topic)."""
     from safetensors.torch import save_file
 
     from physis_ros.engine.config import get_preset
@@ -97,7 +98,7 @@ def test_demo_world_action_model_drives_sim_robot(tmp_path, ros_env):
     assert summary["children_exit_codes"] == {"server": 0, "sim_robot": 0, "bridge": 0}
     assert summary["chunks_published"] > 5 and summary["topic_messages_seen"]["action_chunk"] > 5
     assert summary["goal_push"]["executing_trajectory"] == "True", summary["goal_push"]
-    bad = {"no_joint_state", "no_wrench", "commands_shape", "internal_error"}
+    bad = {"no_joint_state", "no_wrench", "no_object_position", "commands_shape", "internal_error"}
     assert not [k for k in summary["drops"] if k.split(":")[-1] in bad], summary["drops"]
 
 
