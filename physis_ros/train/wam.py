@@ -85,6 +85,8 @@ class WamTrainConfig:
     """Training windows (not validation: served requests always carry them) whose rows at
     or before the newest observed frame are hidden, so the actions must come from the frames
     and the state."""
+    start_fraction: float = 0.0
+    """Training windows that open their episode (the first plan, from the arm at rest)."""
     shift: float = 3.0
     sample_steps: int = 4
     """Noise levels of the K-step sampler (this shift) the windows are trained at."""
@@ -135,6 +137,7 @@ class WamTrainConfig:
             "window": self.window >= self.max_obs,
             "max_freeze_rows": self.max_freeze_rows >= 0,
             "hide_history_fraction": 0 <= self.hide_history_fraction <= 1,
+            "start_fraction": 0 <= self.start_fraction <= 1,
             "shift": self.shift > 0,
             "sample_steps": self.sample_steps >= 1,
             "action_weight": self.action_weight >= 0,
@@ -341,7 +344,12 @@ def train_wam(
     val_eps = episodes_for(val_seeds, perturb=True, cache_dir=cache, progress=progress)
     common = dict(chunks=cfg.chunks, max_obs=cfg.max_obs, max_freeze_rows=cfg.max_freeze_rows)
     windows = WamWindows(
-        train_eps, mcfg, seed=cfg.seed, hide_history_fraction=cfg.hide_history_fraction, **common
+        train_eps,
+        mcfg,
+        seed=cfg.seed,
+        hide_history_fraction=cfg.hide_history_fraction,
+        start_fraction=cfg.start_fraction,
+        **common,
     )
     val = _val_set(WamWindows(val_eps, mcfg, seed=cfg.seed + 1, **common), cfg)
     model = build_model(mcfg, seed=cfg.seed).train()

@@ -109,6 +109,7 @@ class WamWindows:
         seed: int,
         per_slot_fraction: float = 0.5,
         hide_history_fraction: float = 0.0,
+        start_fraction: float = 0.0,
     ) -> None:
         if cfg.codec != "pixel" or cfg.codec_stride[0] != 1:
             raise ValueError("push-wam training keeps each frame's pixel-codec latent")
@@ -116,6 +117,7 @@ class WamWindows:
         self.chunks, self.max_obs, self.max_freeze_rows = chunks, max_obs, max_freeze_rows
         self.per_slot_fraction = per_slot_fraction
         self.hide_history_fraction = hide_history_fraction
+        self.start_fraction = start_fraction
         self.frames = cfg.frames_per_chunk
         codec = Codec(cfg)
         self.episodes = []
@@ -163,6 +165,11 @@ class WamWindows:
             ep = self.episodes[i]
             goal[b] = torch.from_numpy(ep.goal)
             start = int(self.rng.integers(0, len(ep.latents) - c_n * f + 1))
+            # some windows open the episode: the first plan (from the arm at rest, where only
+            # the box and the goal say which way to go) decides the episode, yet a window
+            # drawn anywhere covers it rarely
+            if self.start_fraction and self.rng.random() < self.start_fraction:
+                start = 0
             obs = int(self.rng.integers(1, self.max_obs + 1))
             freeze = int(self.rng.integers(0, self.max_freeze_rows + 1))
             n_obs[b] = obs
