@@ -358,7 +358,7 @@ PRESETS: dict[str, ModelConfig] = {
         state_center=_PUSH_JOINT_CENTER + (0.0,) * 12,
         # rad/s; N (about the contact forces' spread); N·m (the planar tip torque is small);
         # the goal's and the box's m (their spread over the table)
-        state_scale=(*_PUSH_JOINT_SCALE, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.02, 0.3, 0.3, 0.3, 0.3),
+        state_scale=(*_PUSH_JOINT_SCALE, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.02, *(0.3,) * 4),
         prediction="x0",
     ),
     # Wan2.1 T2V 1.3B at 480x832: 1560 tokens per latent frame, 3 latent frames per chunk.
@@ -407,13 +407,14 @@ PRESETS["tiny-wam"] = dataclasses.replace(
     state_scale=(),
 )
 
-# push-wam without the wrench: joint positions and velocities only (what removing it costs)
+# push-wam without the wrench (columns 4-9): what removing it costs
+_NO_WRENCH = (*range(4), *range(10, PRESETS["push-wam"].state_dim))
 PRESETS["push-wam-nowrench"] = dataclasses.replace(
     PRESETS["push-wam"],
     name="push-wam-nowrench",
-    state_dim=4,
-    state_center=PRESETS["push-wam"].state_center[:4],
-    state_scale=PRESETS["push-wam"].state_scale[:4],
+    state_dim=len(_NO_WRENCH),
+    state_center=tuple(PRESETS["push-wam"].state_center[i] for i in _NO_WRENCH),
+    state_scale=tuple(PRESETS["push-wam"].state_scale[i] for i in _NO_WRENCH),
 )
 
 

@@ -51,9 +51,9 @@ from physis_ros.engine.model import (
 from physis_ros.engine.prompts import goal_prompt
 from physis_ros.engine.sampler import sigmas
 from physis_ros.eval.closed_loop import ClosedLoopConfig
-from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, MODEL_STATE_NAMES
+from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
-from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for
+from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for, state_names
 from physis_ros.train.wam_onpolicy import on_policy_episodes
 from physis_ros.weights import GOAL_PROMPT
 
@@ -286,7 +286,7 @@ def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
         "image_size": f"{mcfg.image_size[0]}x{mcfg.image_size[1]}",
         "frames_per_chunk": str(mcfg.frames_per_chunk),
         "action_names": "shoulder,elbow",
-        "state_names": ",".join(MODEL_STATE_NAMES[: mcfg.state_dim]),
+        "state_names": ",".join(state_names(mcfg)),
         "context_noise": "clean",
         "horizon": "1",
         "max_known_rows_ahead": str(cfg.max_freeze_rows),

@@ -26,12 +26,28 @@ from physis_ros.engine.config import ModelConfig
 from physis_ros.engine.model import chunk_layout, chunk_numel
 from physis_ros.engine.sampler import _normalize, latent_to_tokens
 from physis_ros.sim.episodes import TaskEpisode, load_episodes, run_expert_episode, save_episodes
-from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ, model_state, sample_task
+from physis_ros.sim.task import (
+    CONTROL_HZ,
+    FRAME_HZ,
+    MODEL_STATE_NAMES,
+    WRENCH_SLICE,
+    model_state,
+    sample_task,
+)
 
 ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
 DATA_VERSION = 3
 """Bumped whenever the task, the expert or the perturbations change: cached episodes made
 by another version are not reused."""
+
+
+def state_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The state columns a preset is trained on: the first ``state_dim`` of MODEL_STATE_NAMES,
+    except push-wam-nowrench, which leaves out the wrench (the ablation of what it is worth)."""
+    names = MODEL_STATE_NAMES
+    if cfg.name == "push-wam-nowrench":
+        names = names[: WRENCH_SLICE.start] + names[WRENCH_SLICE.stop :]
+    return names[: cfg.state_dim]
 
 
 def episodes_for(
@@ -120,6 +136,7 @@ class WamWindows:
         self.start_fraction = start_fraction
         self.frames = cfg.frames_per_chunk
         codec = Codec(cfg)
+        cols = [MODEL_STATE_NAMES.index(n) for n in state_names(cfg)]
         self.episodes = []
         for ep in episodes:
             if len(ep.frames) < chunks * self.frames:
@@ -127,7 +144,7 @@ class WamWindows:
             latent = codec.encode_frames(ep.frames)  # [C, N, h, w]
             latents = ((latent.permute(1, 0, 2, 3) + 1.0) * 127.5).round().to(torch.uint8)
             state = _normalize(
-                torch.from_numpy(model_state(ep.proprio, ep.setup.goal_xy, ep.box[:, :2])[:, : cfg.state_dim]),
+                torch.from_numpy(model_state(ep.proprio, ep.setup.goal_xy, ep.box[:, :2])[:, cols]),
                 cfg.state_center,
                 cfg.state_scale,
             )

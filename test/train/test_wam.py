@@ -169,3 +169,15 @@ def test_a_dagger_round_adds_the_models_own_episodes_to_the_training_data(tmp_pa
            "--on-policy-episodes", "2"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2 and "on_policy_episodes has an invalid value" in proc.stderr
+
+
+def test_the_wrench_ablation_leaves_out_only_the_wrench():
+    from physis_ros.engine.config import get_preset
+    from physis_ros.sim.task import MODEL_STATE_NAMES, WRENCH_SLICE
+    from physis_ros.train.wam_data import state_names
+
+    full = state_names(get_preset("push-wam"))
+    ablated = state_names(get_preset("push-wam-nowrench"))
+    assert full == MODEL_STATE_NAMES
+    assert ablated == tuple(n for n in full if n not in MODEL_STATE_NAMES[WRENCH_SLICE])
+    assert len(ablated) == get_preset("push-wam-nowrench").state_dim == len(full) - 6
