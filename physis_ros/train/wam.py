@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import platform
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -114,8 +115,9 @@ class WamTrainConfig:
     threads: int = 1
     val_every: int = 100
     checkpoint_every: int = 250
-    """Write the weights so far (``weights.safetensors``) every this many steps (0: only at
-    the end): a long run can be evaluated, or stopped, midway."""
+    """Write the weights so far (``weights.safetensors``, and kept as ``w<steps>.safetensors``)
+    every this many steps (0: only at the end): a long run can be evaluated, or stopped,
+    midway."""
     max_minutes: float = 0.0
     """0: no limit; otherwise stop after this many minutes of training."""
     stop_after_steps: int = 0
@@ -407,6 +409,8 @@ def train_wam(
             ema_copy = copy.deepcopy(shipped)
             elapsed = time.perf_counter() - t0
             _save(ema_copy, cfg, out, step + 1, elapsed, windows, len(train_eps), None)
+            # kept by step too: the next round's --init or --on-policy-from names one
+            shutil.copyfile(out / "weights.safetensors", out / f"w{step + 1}.safetensors")
         if cfg.stop_after_steps and step + 1 >= cfg.stop_after_steps:
             stopped_early = step + 1 < cfg.steps
             break

@@ -113,10 +113,13 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     assert a["steps_done"] == 3 and np.isfinite(a["final_val"]["action"])
     log = json.loads((tmp_path / "a" / "train_log.json").read_text())
     assert [v["step"] for v in log["val"]] == [0, 1, 2]
+    # the checkpoint at step 2 is kept by its step, the end's weights beside it
+    assert read_metadata(tmp_path / "a" / "w2.safetensors")["steps_done"] == "2"
     weights = tmp_path / "a" / "weights.safetensors"
     meta = read_metadata(weights)
     assert meta["format"] == "physis_ros world-action model" and meta["model"] == "push-wam"
-    assert meta["state_names"].split(",")[-5:] == ["torque_z", "goal_x", "goal_y", "box_x", "box_y"]
+    names = meta["state_names"].split(",")
+    assert names[-5:] == ["torque_z", "goal_x", "goal_y", "box_x", "box_y"]
     assert meta["action_hz"] == "20.0" and meta["prompt"] == "goal_xy"
     # a run started from a's weights names them, and (at a negligible learning rate, the same
     # seed: the same validation windows) it validates as a did at its end
