@@ -89,6 +89,22 @@ def test_windows_that_hide_the_history_keep_only_the_committed_rows(episodes):
     assert shown.known[t.expand(64, -1, -1) <= 0].all()  # the shown windows do know row 0
 
 
+def test_windows_that_open_their_episode_start_at_its_first_frame(episodes):
+    cfg = get_preset("push-wam")
+    lay = chunk_layout(cfg)
+    common = dict(chunks=4, max_obs=3, max_freeze_rows=8, seed=4)
+    firsts = [
+        torch.from_numpy(e.state[:2].reshape(-1))
+        for e in WamWindows(episodes, cfg, **common).episodes
+    ]
+
+    def opens(batch) -> list[bool]:
+        return [any(torch.equal(x[0, lay.state], s) for s in firsts) for x in batch.x0]
+
+    assert all(opens(WamWindows(episodes, cfg, start_fraction=1.0, **common).batch(64)))
+    assert not all(opens(WamWindows(episodes, cfg, **common).batch(64)))
+
+
 def _train(out, seed: int, *extra: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
