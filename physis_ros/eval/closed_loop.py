@@ -322,7 +322,13 @@ class _Episode:
         def known_from(slot: int) -> np.ndarray:
             start = slot * f * FRAME_NS
             grid = self.executor.rows_on_grid(start, ROW_NS, h)
-            return known_rows(grid, row_start_ns=start, dt_ns=ROW_NS, known_until_ns=known_until)
+            return known_rows(
+                grid,
+                row_start_ns=start,
+                dt_ns=ROW_NS,
+                known_until_ns=known_until,
+                known_after_ns=t_obs_ns,
+            )
 
         ctx = self.slots[-cfg.context_chunks :]
         answer = self.decider.answer(

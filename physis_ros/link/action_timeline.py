@@ -17,9 +17,12 @@ What belongs here (numpy only: the bridge, the closed-loop eval and the server s
   computed instantly: the baseline it is measured against. ``take_over`` lets another
   controller (a teleoperator, a safety controller; the expert when on-policy training data
   is collected) replace the plan for a while; the stream's next chunk joins from its rows.
-- ``known_rows``: the rows of a chunk that the robot already knows (executed, or committed
-  and executed before the answer can arrive), read off the command timeline; the model takes
-  them clean and generates the rest to continue them (real-time chunking).
+- ``known_rows``: the rows of a chunk that the robot has committed after the newest frame
+  (executed before the answer can arrive), read off the command timeline; the model takes
+  them clean and generates the rest to continue them (real-time chunking). The rows at or
+  before the newest frame are not given: a model shown its own past rows learned to continue
+  them rather than correct them (push-wam: 3-4 of 20 held-out episodes with them, 8-11
+  without; docs/push_wam).
 """
 
 from __future__ import annotations
@@ -208,11 +211,20 @@ class ChunkExecutor:
 
 
 def known_rows(
-    timeline: np.ndarray, *, row_start_ns: int, dt_ns: int, known_until_ns: int
+    timeline: np.ndarray,
+    *,
+    row_start_ns: int,
+    dt_ns: int,
+    known_until_ns: int,
+    known_after_ns: int | None = None,
 ) -> np.ndarray:
     """A chunk's known rows [H, A]: ``timeline`` holds the commanded targets at the chunk's
-    row times (NaN where none); rows after known_until_ns become NaN (to be generated)."""
+    row times (NaN where none); rows after known_until_ns become NaN (to be generated), and
+    so do rows at or before known_after_ns (the newest frame: what the robot did before it is
+    in the frames and the state, not given as rows)."""
     out = np.array(timeline, dtype=np.float32, copy=True)
     times = row_start_ns + dt_ns * np.arange(len(out), dtype=np.int64)
     out[times > known_until_ns] = np.nan
+    if known_after_ns is not None:
+        out[times <= known_after_ns] = np.nan
     return out

@@ -149,17 +149,20 @@ def chunk_known_rows(
     *,
     first_frame_ns: int,
     known_until_ns: int,
+    known_after_ns: int,
 ) -> np.ndarray:
     """[H, A] rows of the chunk whose first frame is at first_frame_ns, from the command
-    timeline: interpolated where it covers them and they are at or before known_until_ns,
-    NaN elsewhere (generated; all of them without a timeline)."""
+    timeline: interpolated where it covers them and they are after known_after_ns (the
+    newest frame) and at or before known_until_ns, NaN elsewhere (generated; all of them
+    without a timeline). As ``link.action_timeline.known_rows``, which says why."""
     out = np.full((timing.rows, len(timing.action_names)), np.nan, np.float32)
     if timeline is None:
         return out
     commands = timeline.values.astype(np.float64)
     times = timeline.start_ns + timeline.dt_ns * np.arange(len(commands), dtype=np.int64)
     rows_t = first_frame_ns + timing.row_dt_ns * np.arange(timing.rows, dtype=np.int64)
-    inside = (rows_t >= times[0]) & (rows_t <= times[-1]) & (rows_t <= known_until_ns)
+    inside = (rows_t >= times[0]) & (rows_t <= times[-1])
+    inside &= (rows_t > known_after_ns) & (rows_t <= known_until_ns)
     if inside.any():
         out[inside] = interpolate(times, commands, rows_t[inside])
     return out
@@ -214,6 +217,7 @@ class WamStream:
             self.timing,
             first_frame_ns=self.first_frame_ns(anchor, slot),
             known_until_ns=self.timing.known_until_ns(anchor.newest.capture_stamp_ns, latency_ms),
+            known_after_ns=anchor.newest.capture_stamp_ns,
         )
 
     def generate_rows(self, anchor, slot: int, latency_ms: float) -> np.ndarray:
