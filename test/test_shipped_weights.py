@@ -1,4 +1,4 @@
-"""A preset whose shipped weights are not in the install (push-wam until they are trained and
+"""A preset whose shipped weights are not in the install (as push-wam was until they were trained
 committed) is refused by every command that would serve it, in one line that names the
 command making them; never served on random weights unasked."""
 
