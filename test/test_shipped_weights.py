@@ -1,5 +1,5 @@
 """A preset whose shipped weights are not in the install (as push-wam was until they were trained
-committed) is refused by every command that would serve it, in one line that names the
+and committed) is refused by every command that would serve it, in one line that names the
 command making them; never served on random weights unasked."""
 
 import numpy as np
