@@ -11,53 +11,15 @@ was given, whether it had been started before the first goal, the bridge's drops
 
 import json
 import sys
-import time
 
 import rclpy
 from geometry_msgs.msg import PointStamped
+from recording_link import RecordingClient, spin_until
 
-from physis_ros.link.client import LinkStats
 from physis_ros.nodes.bridge import Bridge
 from physis_ros.nodes.run import LATCHED_QOS
 
 GOALS = [(0.1, -0.3), (0.1, -0.3), (float("nan"), 0.0), (-0.2, -0.25)]
-
-
-class RecordingClient:
-    def __init__(self) -> None:
-        self.prompts: list[str] = []
-        self.started_with: list[str] | None = None
-        self.clock_ns = time.time_ns
-
-    def start(self) -> None:
-        if self.started_with is None:
-            self.started_with = list(self.prompts)
-
-    def set_prompt(self, prompt: str) -> None:
-        self.prompts.append(prompt)
-
-    def send_observation(self, obs) -> None:
-        pass
-
-    def get_prediction(self, timeout_s: float):
-        time.sleep(timeout_s)
-
-    def stats(self) -> LinkStats:
-        return LinkStats(
-            state="connecting", promise=None, clock_offset_ms=None,
-            clock_offset_uncertainty_ms=None, robot_time_ns=self.clock_ns(), server_time_ns=None,
-            observations_sent=0,
-        )  # fmt: skip
-
-    def close(self) -> None:
-        pass
-
-
-def spin_until(nodes, done, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not done():
-        for node in nodes:
-            rclpy.spin_once(node, timeout_sec=0.02)
 
 
 def main() -> int:

@@ -17,47 +17,15 @@ import numpy as np
 import rclpy
 from geometry_msgs.msg import PointStamped, WrenchStamped
 from rclpy.qos import qos_profile_sensor_data
+from recording_link import RecordingClient, spin_until
 from sensor_msgs.msg import Image, JointState
 
-from physis_ros.link.client import LinkStats
 from physis_ros.nodes.bridge import Bridge
 from physis_ros.nodes.conversions import fill_image_msg
 
 POSITIONS_M = [(0.1, -0.2, 0.0), (float("nan"), -0.2, 0.0), (0.3, -0.1, 0.05)]
 STEP_NS = 100_000_000
 """Between instants: past the bridge's slop, so no sample pairs with another instant's."""
-
-
-class RecordingClient:
-    def __init__(self) -> None:
-        self.observations = []
-        self.clock_ns = time.time_ns
-
-    def start(self) -> None:
-        pass
-
-    def send_observation(self, obs) -> None:
-        self.observations.append(obs)
-
-    def get_prediction(self, timeout_s: float):
-        time.sleep(timeout_s)
-
-    def stats(self) -> LinkStats:
-        return LinkStats(
-            state="connecting", promise=None, clock_offset_ms=None,
-            clock_offset_uncertainty_ms=None, robot_time_ns=self.clock_ns(), server_time_ns=None,
-            observations_sent=len(self.observations),
-        )  # fmt: skip
-
-    def close(self) -> None:
-        pass
-
-
-def spin_until(nodes, done, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not done():
-        for node in nodes:
-            rclpy.spin_once(node, timeout_sec=0.02)
 
 
 class Robot:
