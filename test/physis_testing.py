@@ -60,3 +60,20 @@ def restore_env(saved: dict[str, str | None]) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def child_report(args: list[str], env: dict[str, str], timeout_s: float = 300.0) -> dict:
+    """Runs a helper process to its end (killed if it outlives ``timeout_s``) and returns the
+    JSON report on its last line of output; a failed helper fails the test with its stderr."""
+    import json
+    import subprocess
+
+    child = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = child.communicate(timeout=timeout_s)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])

@@ -6,28 +6,19 @@ test/engine/test_embed.py's."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from physis_testing import child_report
 
 HELPER = str(Path(__file__).parent / "helpers" / "goal_bridge.py")
 
 
 @pytest.mark.ros
 def test_the_stream_opens_with_the_goal_and_reopens_with_each_new_one(ros_env):
-    child = subprocess.Popen(
-        [sys.executable, HELPER], env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        out, err = child.communicate(timeout=300)
-    finally:
-        child.kill()
-    assert child.returncode == 0, err
-    report = json.loads(out.strip().splitlines()[-1])
+    report = child_report([sys.executable, HELPER], ros_env)
     assert not report["started_before_goal"]
     assert report["started_with"] == ["goal_xy_0.100_-0.300"]  # the late joiner got it
     # the same goal again changes nothing; the NaN one is dropped; the new one reopens

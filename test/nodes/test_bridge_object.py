@@ -7,7 +7,6 @@ test/link/test_link_units.py's and test/serve/test_serve_wam.py's."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,21 +17,14 @@ import pytest
 from physis_ros.children import stop_child
 from physis_ros.nodes.system import ros_args
 
+from physis_testing import child_report
+
 HELPER = str(Path(__file__).parent / "helpers" / "object_bridge.py")
 pytestmark = pytest.mark.ros
 
 
 def test_each_image_goes_with_the_object_position_stamped_with_it(ros_env):
-    child = subprocess.Popen(
-        [sys.executable, HELPER], env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        out, err = child.communicate(timeout=300)
-    finally:
-        child.kill()
-    assert child.returncode == 0, err
-    report = json.loads(out.strip().splitlines()[-1])
+    report = child_report([sys.executable, HELPER], ros_env)
     sent = report["object_positions"]
     assert len(sent) == 2, report  # the NaN one's image was not sent
     np.testing.assert_allclose(sent, [[0.1, -0.2, 0.0], [0.3, -0.1, 0.05]], atol=1e-6)
