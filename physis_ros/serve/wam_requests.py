@@ -6,8 +6,10 @@ the state vector of one observation (joint positions and velocities in the model
 order, the wrench, the goal, a tracked object's x and y, as the weights' ``state_names``
 list them), and the known rows of a chunk read off the command timeline the robot sends
 with each observation (what it commanded before the capture and has committed after it):
-rows up to the capture plus the pipeline's response latency are known — the robot executes
-them before the answer can arrive — and enter clean; the rest is generated to continue them.
+the rows after the capture, up to it plus the pipeline's response latency, are known — the
+robot executes them before the answer can arrive — and enter clean; the rest is generated to
+continue them. The rows before the capture are not given
+(``link.action_timeline.known_rows`` says why).
 
 Chunk (slot) c's rows are for the time of its first camera frame plus i rows; a generated
 chunk's reply states that time (``Prediction.action_start_ns``), so the robot executes each
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from physis_ros.link.action_timeline import interpolate
+from physis_ros.link.action_timeline import interpolate, known_rows
 from physis_ros.link.wire import Observation, WireError
 from physis_ros.sim.task import BOX_STATE_NAMES, GOAL_STATE_NAMES
 
@@ -151,21 +153,26 @@ def chunk_known_rows(
     known_until_ns: int,
     known_after_ns: int,
 ) -> np.ndarray:
-    """[H, A] rows of the chunk whose first frame is at first_frame_ns, from the command
-    timeline: interpolated where it covers them and they are after known_after_ns (the
-    newest frame) and at or before known_until_ns, NaN elsewhere (generated; all of them
-    without a timeline). As ``link.action_timeline.known_rows``, which says why."""
-    out = np.full((timing.rows, len(timing.action_names)), np.nan, np.float32)
-    if timeline is None:
-        return out
-    commands = timeline.values.astype(np.float64)
-    times = timeline.start_ns + timeline.dt_ns * np.arange(len(commands), dtype=np.int64)
-    rows_t = first_frame_ns + timing.row_dt_ns * np.arange(timing.rows, dtype=np.int64)
-    inside = (rows_t >= times[0]) & (rows_t <= times[-1])
-    inside &= (rows_t > known_after_ns) & (rows_t <= known_until_ns)
-    if inside.any():
-        out[inside] = interpolate(times, commands, rows_t[inside])
-    return out
+    """[H, A] rows of the chunk whose first frame is at first_frame_ns: the command timeline
+    interpolated where it covers them, then kept only after known_after_ns (the newest
+    frame) and at or before known_until_ns by ``link.action_timeline.known_rows`` (the rule
+    the closed loop uses, and why); NaN elsewhere (generated; all of them without a
+    timeline)."""
+    grid = np.full((timing.rows, len(timing.action_names)), np.nan, np.float32)
+    if timeline is not None:
+        commands = timeline.values.astype(np.float64)
+        times = timeline.start_ns + timeline.dt_ns * np.arange(len(commands), dtype=np.int64)
+        rows_t = first_frame_ns + timing.row_dt_ns * np.arange(timing.rows, dtype=np.int64)
+        covered = (rows_t >= times[0]) & (rows_t <= times[-1])
+        if covered.any():
+            grid[covered] = interpolate(times, commands, rows_t[covered])
+    return known_rows(
+        grid,
+        row_start_ns=first_frame_ns,
+        dt_ns=timing.row_dt_ns,
+        known_until_ns=known_until_ns,
+        known_after_ns=known_after_ns,
+    )
 
 
 def leading_known(rows: np.ndarray) -> int:
