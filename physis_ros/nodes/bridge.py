@@ -277,26 +277,24 @@ class Bridge(Node):
         self.client.start()  # no-op once started
 
     def _on_wrench(self, msg: WrenchStamped) -> None:
-        self.rates["wrench"].tick()
         f, t = msg.wrench.force, msg.wrench.torque
-        try:
-            wrench = validate_vector([f.x, f.y, f.z, t.x, t.y, t.z], size=6, reason="nan_wrench")
-        except ConversionError as exc:
-            self.drops.add(exc.reason)
-            self.get_logger().warning(f"wrench dropped: {exc}", throttle_duration_sec=2.0)
-            return
-        self._take_aux("wrench", msg.header, wrench)
+        self._take_vector("wrench", msg.header, [f.x, f.y, f.z, t.x, t.y, t.z], "nan_wrench")
 
     def _on_object(self, msg: PointStamped) -> None:
-        self.rates["object"].tick()
-        point = msg.point
+        p = msg.point
+        self._take_vector("object", msg.header, [p.x, p.y, p.z], "nan_object")
+
+    def _take_vector(self, stream: str, header, values: list[float], reason: str) -> None:
+        """An aux stream's vector sample, paired by its stamp; a non-finite one is dropped
+        (``reason``) and said, at most every 2 s."""
+        self.rates[stream].tick()
         try:
-            position = validate_vector([point.x, point.y, point.z], size=3, reason="nan_object")
+            vector = validate_vector(values, size=len(values), reason=reason)
         except ConversionError as exc:
             self.drops.add(exc.reason)
-            self.get_logger().warning(f"object position dropped: {exc}", throttle_duration_sec=2.0)
+            self.get_logger().warning(f"{stream} dropped: {exc}", throttle_duration_sec=2.0)
             return
-        self._take_aux("object", msg.header, position.astype(np.float32))
+        self._take_aux(stream, header, vector)
 
     def _on_joints(self, msg: JointState) -> None:
         self.rates["joints"].tick()
