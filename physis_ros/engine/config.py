@@ -407,7 +407,8 @@ PRESETS["tiny-wam"] = dataclasses.replace(
     state_scale=(),
 )
 
-# push-wam without the wrench (columns 4-9): what removing it costs
+# push-wam without the wrench (columns 4-9, sim.task.WRENCH_SLICE; its state_names are
+# train.wam_data.state_names'): what removing it costs
 _NO_WRENCH = (*range(4), *range(10, PRESETS["push-wam"].state_dim))
 PRESETS["push-wam-nowrench"] = dataclasses.replace(
     PRESETS["push-wam"],

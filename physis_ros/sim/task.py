@@ -67,7 +67,8 @@ tracker on the robot (a fiducial tag, motion capture) publishes it. The camera s
 too, but one of its 32x32 pixels spans 3.4 cm of table: coarse for pushing the box onto a
 goal 5 cm wide."""
 MODEL_STATE_NAMES = STATE_NAMES + GOAL_STATE_NAMES + BOX_STATE_NAMES
-"""A model with state_dim S takes the first S of these (push-wam all of them)."""
+"""A model with state_dim S takes the first S of these (push-wam all of them; the wrench
+ablation push-wam-nowrench all but WRENCH_SLICE: ``train.wam_data.state_names``)."""
 WRENCH_SLICE = slice(4, 10)
 CONTACT_M = BOX_HALF_M + PUSHER_RADIUS_M
 """Pusher centre to box centre when the pusher touches the middle of a face."""
