@@ -52,11 +52,11 @@ def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEp
     with LocalEngine(**kwargs) as engine:
         decider = ModelDecider(engine, meta=meta)
         bar = tqdm(seeds, desc="on-policy episodes", unit="ep", disable=not progress)
-        for i, seed in enumerate(bar):
+        for seed in bar:
             cfg = ClosedLoopConfig(
                 episodes=1,
                 seed0=seed,
-                delay_ms=DELAYS_MS[i % len(DELAYS_MS)],
+                delay_ms=DELAYS_MS[seed % len(DELAYS_MS)],
                 context_chunks=min(3, kwargs["window"]),
                 max_known_rows_ahead=int(meta.get("max_known_rows_ahead", 8)),
                 after_goal_s=AFTER_GOAL_S,
