@@ -120,6 +120,9 @@ class LinkStats:
     connections: int = 0
     """Streams opened so far (1 + reconnects)."""
     last_error: str = ""
+    last_error_ns: int = 0
+    """Robot clock when ``last_error`` happened: an error from before the stream came back
+    is history, not the reason chunks are missing now."""
 
 
 class LinkClient:
@@ -268,6 +271,7 @@ class LinkClient:
         self._predictions_received = 0
         self._connections = 0
         self._last_error = ""
+        self._last_error_ns = 0
         self._client_drops: collections.Counter[str] = collections.Counter()
         self._server_drops_past: collections.Counter[str] = collections.Counter()
         self._server_drops_now: dict[str, int] = {}
@@ -356,6 +360,7 @@ class LinkClient:
                 predictions_received=self._predictions_received,
                 connections=self._connections,
                 last_error=self._last_error,
+                last_error_ns=self._last_error_ns,
             )
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -674,9 +679,12 @@ class LinkClient:
         drops = dict(counters.drops) if counters.drops else {}
         detail = counters.last_drop_detail
         with self._stats_lock:
+            # every message repeats the stream's newest drop: it is news when the count grew
+            dropped_more = sum(drops.values()) > sum(self._server_drops_now.values())
             self._server_drops_now = drops
-            if detail:
+            if detail and dropped_more:
                 self._last_error = f"server dropped: {detail}"
+                self._last_error_ns = self._clock_ns()
         return drops
 
     def _count_client_drop(self, reason: str) -> None:
@@ -690,6 +698,7 @@ class LinkClient:
     def _set_error(self, text: str) -> None:
         with self._stats_lock:
             self._last_error = text
+            self._last_error_ns = self._clock_ns()
 
 
 ROLLOUTS = {

@@ -274,6 +274,8 @@ class Bridge(Node):
         self.get_logger().info(f"goal ({goal[0]:.3f}, {goal[1]:.3f}) m: stream prompt {name}")
         self.goal_prompt = name
         self.client.set_prompt(name)
+        # the old stream's chunks stop by intent: the new one has a whole deadline to start
+        self.gate.restart_deadline(self.now_ns())
         self.client.start()  # no-op once started
 
     def _on_wrench(self, msg: WrenchStamped) -> None:
@@ -801,9 +803,13 @@ class Bridge(Node):
             else (len(held) if held is not None else 0)
         )
         link = self.client.stats()
+        # an error older than the deadline came before the last chunk: not why chunks stopped
+        news = link.last_error and link.robot_time_ns - link.last_error_ns <= int(
+            self.gate.deadline_s * 1e9
+        )
         self.holding = (
             f"no chunk for {self.gate.deadline_s * 1e3:.0f} ms (link {link.state}"
-            + (f": {link.last_error}" if link.last_error else "")
+            + (f": {link.last_error}" if news else "")
             + ")"
         )
         self.get_logger().error(

@@ -118,6 +118,14 @@ class ActionGate:
                 return True
             return False
 
+    def restart_deadline(self, now_ns: int) -> None:
+        """A stream ended on purpose (a new prompt) and the next opens: its first chunk is
+        due a deadline from now, not from the old stream's last chunk. No effect before the
+        first chunk (the deadline is not running yet)."""
+        with self._lock:
+            if self._last_arrival_ns is not None:
+                self._last_arrival_ns = max(self._last_arrival_ns, now_ns)
+
     def reset_stream(self) -> None:
         """A new stream (e.g. after a server restart) restarts chunk numbering."""
         with self._lock:

@@ -472,6 +472,33 @@ def _camera(*clients: LinkClient, period_s: float = 0.02):
         thread.join(5)
 
 
+def test_an_error_keeps_the_robot_time_it_happened_at():
+    """A reader (the bridge's fallback reason) tells the error that stopped the chunks from
+    one before them by ``last_error_ns``; the server's newest drop, repeated in every
+    message, is news only when the drop count grew."""
+    now_ns = [1_000]
+    client = LinkClient(
+        "127.0.0.1:1", clock_ns=lambda: now_ns[0], connect_timeout_s=5,
+        reconnect_backoff_s=(0.05, 0.2),
+    )  # fmt: skip
+    client.start()
+    try:
+        wait_for(lambda: client.stats().last_error, 10, what="the refused connect")
+        assert "nothing listens" in client.stats().last_error
+        assert client.stats().last_error_ns == 1_000
+    finally:
+        client.close()
+    detail = "bad_image: 3 bytes"
+    for t_ns, count, expect_ns in ((2_000, 1, 2_000), (3_000, 1, 2_000), (4_000, 2, 4_000)):
+        now_ns[0] = t_ns
+        client._take_counters(
+            pb.StreamCounters(drops={"bad_image": count}, last_drop_detail=detail)
+        )
+        stats = client.stats()
+        assert stats.last_error == f"server dropped: {detail}"
+        assert stats.last_error_ns == expect_ns, (t_ns, stats.last_error_ns)
+
+
 def test_stuck_engine_ends_the_stream_and_the_client_reconnects():
     engine = FakeEngine(slots=4, chunk_ms=1e7)  # never finishes a chunk
     config = FrontendConfig(port=0, limits=SessionLimits(stall_timeout_s=0.3))

@@ -265,6 +265,19 @@ def test_gate_goes_stale_once_after_the_deadline_and_recovers():
     np.testing.assert_array_equal(rows, [[0.5, -0.5, 0.0], [0.5, -0.5, 0.0]])
 
 
+def test_a_new_prompt_gives_the_next_stream_a_whole_deadline():
+    gate = ActionGate(SafetyConfig(deadline_s=0.1))
+    gate.restart_deadline(0)  # before the first chunk the deadline is not running
+    assert not gate.armed() and not gate.check_deadline(10_000 * MS)
+    actions = np.ones((2, 2), np.float32)
+    gate.on_chunk(now_ns=0, chunk_index=0, actions=actions, start_ns=0, dt_s=0.01,
+                  observation_stamp_ns=0)  # fmt: skip
+    gate.restart_deadline(80 * MS)  # the goal changed 80 ms after the last chunk
+    gate.restart_deadline(50 * MS)  # an earlier time never moves the deadline back
+    assert not gate.check_deadline(170 * MS)  # past the old stream's deadline: no fallback
+    assert gate.check_deadline(181 * MS)  # the new stream did not start within its own
+
+
 def test_configs_name_the_bad_value():
     with pytest.raises(ValueError, match="fallback 'brake'"):
         SafetyConfig(fallback="brake")
