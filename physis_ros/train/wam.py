@@ -115,6 +115,7 @@ class WamTrainConfig:
     on_policy_episodes: int = 0
     seed: int = 0
     threads: int = 1
+    """Torch threads for training, and worker processes for the on-policy episodes."""
     val_every: int = 100
     checkpoint_every: int = 250
     """Write the weights so far (``weights.safetensors``, and kept as ``w<steps>.safetensors``)
@@ -343,7 +344,9 @@ def train_wam(
     n_on = cfg.on_policy_episodes
     for r, checkpoint in enumerate(cfg.on_policy_checkpoints):  # round r: seeds of its own
         seeds = list(range(r * n_on, (r + 1) * n_on))
-        train_eps += on_policy_episodes(checkpoint, seeds, cache_dir=cache, progress=progress)
+        train_eps += on_policy_episodes(
+            checkpoint, seeds, cache_dir=cache, progress=progress, workers=cfg.threads
+        )
     val_seeds = list(range(VAL_SEED0, VAL_SEED0 + cfg.val_episodes))
     val_eps = episodes_for(val_seeds, perturb=True, cache_dir=cache, progress=progress)
     common = dict(chunks=cfg.chunks, max_obs=cfg.max_obs, max_freeze_rows=cfg.max_freeze_rows)

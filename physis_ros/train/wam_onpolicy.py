@@ -5,15 +5,24 @@ known history, never a target; the expert's rows from the states the model's own
 led to are the targets. An expert-only dataset never shows those states, and a model trained
 on it alone compounds its small errors in the loop.
 
-Episodes alternate the two served timelines (no delay, and 150 ms: three control periods of
-rows committed while the answer is on its way). Seeds are training seeds: never the held-out
-closed-loop seeds nor the validation seeds.
+Episodes alternate the two served timelines by seed parity (no delay, and 150 ms: three
+control periods of rows committed while the answer is on its way). Seeds are training seeds:
+never the held-out closed-loop seeds nor the validation seeds.
+
+``workers`` processes drive the seeds between them, one torch thread each: a batch-of-one
+model step is too small for two threads to help, so two processes on two cores collect
+about 3x faster than one process with two threads. They hand their episodes back as .npz
+files (arrays only, never pickle).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from physis_ros.sim.episodes import TaskEpisode
@@ -26,17 +35,48 @@ AFTER_GOAL_S = 1.0
 
 
 def on_policy_episodes(
-    weights: str | Path, seeds: list[int], *, cache_dir: Path | None, progress: bool = True
+    weights: str | Path,
+    seeds: list[int],
+    *,
+    cache_dir: Path | None,
+    progress: bool = True,
+    workers: int = 1,
 ) -> list[TaskEpisode]:
     """Episodes of ``seeds`` driven by the model in ``weights`` with expert takeovers (cached
-    under ``cache_dir`` by the weights' hash and the seeds)."""
+    under ``cache_dir`` by the weights' hash and the seeds; the same however many
+    ``workers`` drove them)."""
     from physis_ros.eval.closed_loop import Takeovers
 
     takeovers = (Takeovers.MODEL_S, Takeovers.EXPERT_S)
     key_src = [DATA_VERSION, _sha256(str(weights)), seeds, DELAYS_MS, takeovers, AFTER_GOAL_S]
     key = hashlib.sha256(json.dumps(key_src).encode()).hexdigest()[:12]
     path = None if cache_dir is None else Path(cache_dir) / f"on_policy_{key}.npz"
-    return cached_episodes(path, lambda: _drive(weights, seeds, progress))
+    return cached_episodes(path, lambda: _drive_in_workers(weights, seeds, workers, progress))
+
+
+def _drive_in_workers(
+    weights: str | Path, seeds: list[int], workers: int, progress: bool
+) -> list[TaskEpisode]:
+    from physis_ros.sim.episodes import load_episodes
+
+    workers = min(workers, len(seeds))
+    if workers <= 1:
+        return _drive(weights, seeds, progress)
+    with tempfile.TemporaryDirectory(prefix="physis_on_policy_") as tmp:
+        parts = [Path(tmp) / f"part{w}.npz" for w in range(workers)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", __name__, str(weights), str(parts[w])]
+                + [str(s) for s in seeds[w::workers]]
+                + ([] if progress and w == 0 else ["--quiet"])
+            )
+            for w in range(workers)
+        ]
+        failed = [w for w, proc in enumerate(procs) if proc.wait() != 0]
+        if failed:
+            raise RuntimeError(f"on-policy workers {failed} of {workers} failed (see above)")
+        driven = {ep.setup.seed: ep for part in parts for ep in load_episodes(part)}
+    return [driven[s] for s in seeds]
 
 
 def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEpisode]:
@@ -64,3 +104,23 @@ def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEp
             result = run_episode(cfg, seed, decider, takeovers=Takeovers(seed, cfg.time_limit_s))
             episodes.append(result.record)
     return episodes
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One worker of ``_drive_in_workers``: drives its seeds and saves them to OUT."""
+    import torch
+
+    from physis_ros.sim.episodes import save_episodes
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("weights")
+    ap.add_argument("out")
+    ap.add_argument("seeds", type=int, nargs="+")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    save_episodes(args.out, _drive(args.weights, args.seeds, progress=not args.quiet))
+
+
+if __name__ == "__main__":
+    main()
