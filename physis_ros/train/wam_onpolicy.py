@@ -72,7 +72,13 @@ def _drive_in_workers(
             )
             for w in range(workers)
         ]
-        failed = [w for w, proc in enumerate(procs) if proc.wait() != 0]
+        try:
+            failed = [w for w, proc in enumerate(procs) if proc.wait() != 0]
+        finally:  # interrupted (Ctrl-C, an error): no worker outlives the run
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         if failed:
             raise RuntimeError(f"on-policy workers {failed} of {workers} failed (see above)")
         driven = {ep.setup.seed: ep for part in parts for ep in load_episodes(part)}
