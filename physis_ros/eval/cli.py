@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-expert", action="store_true", help="skip the scripted expert's run")
     c.add_argument("--fade-rows", type=int, default=4, help="rows a crossfade spans")
     c.add_argument(
+        "--known-rows-ahead",
+        type=int,
+        default=None,
+        help="delay-aware runs tell the model at most this many committed rows past the newest "
+        "frame (0: none; default: the weights' max_known_rows_ahead, what it was trained with)",
+    )
+    c.add_argument(
         "--time-limit-s",
         type=finite_float,
         default=None,

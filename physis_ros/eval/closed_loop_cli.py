@@ -45,7 +45,11 @@ def run_closed_loop(args, parser, argv) -> int:
             episodes=args.episodes,
             seed0=args.seed0,
             context_chunks=min(3, kwargs["window"]),
-            max_known_rows_ahead=int(meta.get("max_known_rows_ahead", 8)),
+            max_known_rows_ahead=(
+                int(meta.get("max_known_rows_ahead", 8))
+                if args.known_rows_ahead is None
+                else args.known_rows_ahead
+            ),
             fade_rows=args.fade_rows,
             **({"time_limit_s": args.time_limit_s} if args.time_limit_s else {}),
         )

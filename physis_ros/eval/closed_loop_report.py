@@ -76,6 +76,7 @@ def summarize(cfg: ClosedLoopConfig, results: list[EpisodeResult]) -> dict:
         "delay_control_periods": cfg.delay_ms / (1e3 / CONTROL_HZ),
         "delay_aware": cfg.delay_aware,
         "join": cfg.join,
+        "known_rows_ahead": cfg.max_known_rows_ahead if cfg.delay_aware else 0,
         "episodes": len(results),
         "successes": len(ok),
         "success_rate": len(ok) / len(results),

@@ -83,11 +83,13 @@ class _ConstantDecider:
     def __init__(self, cfg, hold: np.ndarray):
         self.engine = type("E", (), {"cfg": cfg})()
         self.hold, self.requests = hold, 0
+        self.known_rows: list[int] = []  # per request: committed rows given for the new chunk
 
     def answer(self, contexts, known, gen_known, seed, goal_xy=None):
         from physis_ros.eval.closed_loop import Answer
 
         self.requests += 1
+        self.known_rows.append(int(np.isfinite(gen_known).all(axis=1).sum()))
         return Answer(rows=np.tile(self.hold, (self.engine.cfg.action_horizon, 1)))
 
 
@@ -120,3 +122,20 @@ def test_on_policy_episodes_label_the_models_states_with_the_experts_rows():
     # no request whose answer would arrive while the expert drives: fewer than one a slot
     slots = int(r.duration_s * NS // (2 * ROW_NS * 2))
     assert 0 < decider.requests < slots
+
+
+@pytest.mark.parametrize(("ahead", "expect"), [(8, 2), (2, 1), (0, 0)])
+def test_committed_rows_given_are_capped_by_known_rows_ahead(ahead, expect):
+    """150 ms late, the rows up to +150 ms after the newest frame are committed before the
+    answer arrives; the new chunk's are those at +100 ms and +150 ms, and the model is told
+    them up to ``ahead`` rows (50 ms each) past the newest frame (``physis-eval
+    --known-rows-ahead``): both, the first only, or none."""
+    from physis_ros.engine.config import get_preset
+    from physis_ros.sim.task import sample_task
+
+    seed = 3
+    decider = _ConstantDecider(get_preset("push-wam"), np.array(sample_task(seed).joints))
+    cfg = ClosedLoopConfig(time_limit_s=2.0, delay_ms=150.0, max_known_rows_ahead=ahead)
+    run_episode(cfg, seed, decider)
+    assert decider.requests >= 5
+    assert decider.known_rows[1:] == [expect] * (len(decider.known_rows) - 1), decider.known_rows
