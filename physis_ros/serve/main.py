@@ -134,6 +134,7 @@ def serving_spec(args: argparse.Namespace, config: dict[str, dict[str, Any]]) ->
         vae=args.vae,
         resolution=args.resolution,
         latent_frames=args.latent_frames,
+        known_rows_ahead=args.known_rows_ahead,
     )
     if getattr(args, "prompts", None):  # added to the file's, as --prompts says
         spec = dataclasses.replace(spec, prompts=(*spec.prompts, *args.prompts))
@@ -374,6 +375,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="interval of a stream that asks for 0 (overrides pool.default_target_ms; 0: the "
         "fastest the plan can promise one stream, which takes the pool)",
+    )
+    parser.add_argument(
+        "--known-rows-ahead",
+        type=int,
+        default=None,
+        help="a world-action stream is told the committed rows up to this many rows past the "
+        "newest frame (0: none; default: the weights' max_known_rows_ahead; overrides "
+        "engine.known_rows_ahead)",
     )
     parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=None, help="port; 0 = ephemeral")

@@ -52,6 +52,11 @@ class ServingSpec:
     """Chunks ahead of its newest observation a stream predicts unless it asks otherwise
     (DESIGN.md §3.1); None: what the weights were trained for, else 0 (the front end then
     gives served streams ``engine.api.DEFAULT_HORIZON``)."""
+    known_rows_ahead: int | None = None
+    """A world-action stream is told the committed rows up to this many rows past the newest
+    frame (0: none); None: the weights' ``max_known_rows_ahead`` (what they were trained
+    with). A model that copies committed rows instead of correcting them does better with
+    none (docs/push_wam)."""
     context_noise: str | None = None
     """How observations enter the history (``SamplerConfig.context_noise``); None: as the
     weights were trained, else clean."""
@@ -138,6 +143,8 @@ class ServingSpec:
         for name in ("workers", "default_target_ms", "memory_gib", "seed", "latent_frames"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.known_rows_ahead is not None and self.known_rows_ahead < 0:
+            raise ValueError(f"known_rows_ahead must be >= 0, got {self.known_rows_ahead}")
         if self.horizon is not None and self.horizon < 0:
             raise ValueError(f"horizon must be >= 0 (0: no limit), got {self.horizon}")
         if not 0 < self.max_utilization <= 1:
@@ -222,7 +229,10 @@ class ServingSpec:
         cfg = self.model_config
         if not (cfg.state_dim or cfg.committed_actions):
             return None
-        return _wam_timing(cfg, self.weights or None)
+        timing = _wam_timing(cfg, self.weights or None)
+        if self.known_rows_ahead is None:
+            return timing
+        return dataclasses.replace(timing, max_known_rows_ahead=self.known_rows_ahead)
 
     @property
     def resolved(self) -> bool:
@@ -341,6 +351,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "window",
         "shift",
         "horizon",
+        "known_rows_ahead",
         "context_noise",
         "seed",
         "latent_frames",

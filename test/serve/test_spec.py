@@ -39,6 +39,7 @@ def test_sections_and_flags_build_the_spec_and_older_keys_still_work():
         ({"engine": {"steps": 0}}, "steps must be >= 1"),
         ({"gpu": {}}, "unknown config section 'gpu'"),
         ({"engine": {"model_config": {}}}, "set by resolving the model"),
+        ({"engine": {"known_rows_ahead": -1}}, "known_rows_ahead must be >= 0"),
     ],
 )
 def test_bad_values_are_refused_by_name(config, message):
@@ -55,6 +56,22 @@ def test_resolving_takes_the_weights_and_what_they_were_trained_for():
     assert ServingSpec(model="tiny").resolve().weights == ""  # no trained weights: random
     with pytest.raises(ValueError, match="neither a preset"):
         ServingSpec(model="no-such-model").resolve()
+
+
+def test_a_world_action_stream_is_told_the_committed_rows_the_spec_allows():
+    """physis-serve --known-rows-ahead N (engine.known_rows_ahead) replaces the weights'
+    max_known_rows_ahead in the served streams' timing; unset, the weights' value stands."""
+    from physis_ros.serve.main import parse_args, serving_spec
+    from physis_ros.weights import read_metadata
+
+    trained = ServingSpec(model="push-wam").resolve()
+    meta = read_metadata(trained.weights)
+    assert trained.wam_timing().max_known_rows_ahead == int(meta["max_known_rows_ahead"]) > 0
+    args = parse_args(["--model", "push-wam", "--known-rows-ahead", "0"])
+    spec = serving_spec(args, {"engine": {"known_rows_ahead": 3}}).resolve()
+    assert spec.known_rows_ahead == 0  # the flag overrides the file
+    assert spec.wam_timing().max_known_rows_ahead == 0
+    assert ServingSpec.from_json(spec.to_json()).wam_timing().max_known_rows_ahead == 0
 
 
 def test_json_rebuilds_exactly_the_resolved_spec():
