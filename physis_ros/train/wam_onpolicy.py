@@ -43,8 +43,8 @@ def on_policy_episodes(
     workers: int = 1,
 ) -> list[TaskEpisode]:
     """Episodes of ``seeds`` driven by the model in ``weights`` with expert takeovers (cached
-    under ``cache_dir`` by the weights' hash and the seeds; the same however many
-    ``workers`` drove them)."""
+    under ``cache_dir`` by the weights' hash and the seeds; the same, up to float rounding,
+    however many ``workers`` drove them)."""
     from physis_ros.eval.closed_loop import Takeovers
 
     takeovers = (Takeovers.MODEL_S, Takeovers.EXPERT_S)
