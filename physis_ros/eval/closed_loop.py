@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows
+from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
 from physis_ros.sim.episodes import TaskEpisode
 from physis_ros.sim.task import (
     CONTROL_HZ,
@@ -88,10 +88,6 @@ class ClosedLoopConfig:
             raise ValueError("context_chunks and fade_rows must be >= 1, max_known_rows_ahead >= 0")
         if not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
-
-    @property
-    def delay_rows(self) -> float:
-        return self.delay_ms / (1e3 / CONTROL_HZ)
 
 
 @dataclass
@@ -314,8 +310,9 @@ class _Episode:
     def _ask(self, o: int, t_obs_ns: int) -> tuple[Answer, int]:
         cfg, f, h = self.cfg, self.frames_per_slot, self.horizon
         if cfg.delay_aware:
-            ahead = min(math.ceil(cfg.delay_rows - 1e-9), cfg.max_known_rows_ahead)
-            known_until = t_obs_ns + ahead * ROW_NS
+            known_until = known_until_ns(
+                t_obs_ns, cfg.delay_ms * 1e6, dt_ns=ROW_NS, max_rows_ahead=cfg.max_known_rows_ahead
+            )
         else:
             known_until = -1  # the baseline tells the model nothing about its actions
 

@@ -27,6 +27,7 @@ What belongs here (numpy only: the bridge, the closed-loop eval and the server s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,6 +209,15 @@ class ChunkExecutor:
             overlap_rows=int(overlap.sum()),
             discontinuity=discontinuity,
         )
+
+
+def known_until_ns(
+    newest_frame_ns: int, latency_ns: float, *, dt_ns: int, max_rows_ahead: int
+) -> int:
+    """The last committed row time a request gives: the newest frame plus the response
+    latency rounded up to a row, at most ``max_rows_ahead`` rows after the frame."""
+    ahead = min(math.ceil(latency_ns / dt_ns - 1e-9), max_rows_ahead)
+    return newest_frame_ns + max(0, ahead) * dt_ns
 
 
 def known_rows(

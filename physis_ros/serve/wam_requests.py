@@ -27,12 +27,11 @@ the server stated, which its client sees.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from physis_ros.link.action_timeline import interpolate, known_rows
+from physis_ros.link.action_timeline import interpolate, known_rows, known_until_ns
 from physis_ros.link.wire import Observation, WireError
 from physis_ros.sim.task import BOX_STATE_NAMES, GOAL_STATE_NAMES
 
@@ -78,8 +77,12 @@ class WamTiming:
     def known_until_ns(self, newest_capture_ns: int, latency_ms: float) -> int:
         """Rows at or before this are known: the newest capture plus the response latency
         (rounded up to a row), at most max_known_rows_ahead rows ahead."""
-        ahead = min(math.ceil(latency_ms * 1e6 / self.row_dt_ns - 1e-9), self.max_known_rows_ahead)
-        return newest_capture_ns + max(0, ahead) * self.row_dt_ns
+        return known_until_ns(
+            newest_capture_ns,
+            latency_ms * 1e6,
+            dt_ns=self.row_dt_ns,
+            max_rows_ahead=self.max_known_rows_ahead,
+        )
 
 
 def state_vector(obs: Observation, timing: WamTiming, goal=None) -> np.ndarray:
