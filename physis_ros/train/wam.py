@@ -90,6 +90,11 @@ class WamTrainConfig:
     episodes against 3."""
     start_fraction: float = 0.0
     """Training windows that open their episode (the first plan, from the arm at rest)."""
+    committed_drift_rad: float = 0.0
+    """In half the training windows with committed rows, those rows drift off the expert's
+    (spread in rad 0.4 s past the newest frame; ``WamWindows._committed_drift``) while the
+    targets after them stay the expert's: served, the committed rows are the model's own
+    plan, and a model that copies them continues its mistakes. 0: the expert's rows."""
     shift: float = 3.0
     sample_steps: int = 4
     """Noise levels of the K-step sampler (this shift) the windows are trained at."""
@@ -143,6 +148,7 @@ class WamTrainConfig:
             "max_freeze_rows": self.max_freeze_rows >= 0,
             "hide_history_fraction": 0 <= self.hide_history_fraction <= 1,
             "start_fraction": 0 <= self.start_fraction <= 1,
+            "committed_drift_rad": self.committed_drift_rad >= 0,
             "shift": self.shift > 0,
             "sample_steps": self.sample_steps >= 1,
             "action_weight": self.action_weight >= 0,
@@ -356,6 +362,7 @@ def train_wam(
         seed=cfg.seed,
         hide_history_fraction=cfg.hide_history_fraction,
         start_fraction=cfg.start_fraction,
+        committed_drift_rad=cfg.committed_drift_rad,
         **common,
     )
     val = _val_set(WamWindows(val_eps, mcfg, seed=cfg.seed + 1, **common), cfg)

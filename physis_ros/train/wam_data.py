@@ -36,6 +36,8 @@ from physis_ros.sim.task import (
 )
 
 ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
+DRIFT_REFERENCE_ROWS = 8
+"""``committed_drift_rad`` is the drift's spread this many rows (0.4 s) past the newest frame."""
 DATA_VERSION = 3
 """Bumped whenever the task, the expert or the perturbations change: cached episodes made
 by another version are not reused."""
@@ -126,6 +128,8 @@ class WamWindows:
         per_slot_fraction: float = 0.5,
         hide_history_fraction: float = 0.0,
         start_fraction: float = 0.0,
+        committed_drift_rad: float = 0.0,
+        committed_drift_fraction: float = 0.5,
     ) -> None:
         if cfg.codec != "pixel" or cfg.codec_stride[0] != 1:
             raise ValueError("push-wam training keeps each frame's pixel-codec latent")
@@ -134,6 +138,11 @@ class WamWindows:
         self.per_slot_fraction = per_slot_fraction
         self.hide_history_fraction = hide_history_fraction
         self.start_fraction = start_fraction
+        self.committed_drift_fraction = committed_drift_fraction
+        # per row after the newest frame, in normalised units per joint
+        self.drift_per_row = (
+            committed_drift_rad / DRIFT_REFERENCE_ROWS / np.asarray(cfg.action_scale, np.float32)
+        )
         self.frames = cfg.frames_per_chunk
         codec = Codec(cfg)
         cols = [MODEL_STATE_NAMES.index(n) for n in state_names(cfg)]
@@ -163,6 +172,8 @@ class WamWindows:
         starts = np.array([len(e.latents) - chunks * self.frames + 1 for e in self.episodes], float)
         self.weights = starts / starts.sum()
         self.rng = np.random.default_rng(seed)
+        # its own stream: drifting or not draws the same windows
+        self.drift_rng = np.random.default_rng([seed, 0xD21F7])
 
     @property
     def total_frames(self) -> int:
@@ -199,8 +210,10 @@ class WamWindows:
             # before, so they have to come from the frames and the state (a model always
             # shown them learned to continue them and ignored the camera)
             hidden_until = -1
+            newest_row = ROWS_PER_FRAME * (start + obs * f - 1)
             if self.rng.random() < self.hide_history_fraction:
-                hidden_until = ROWS_PER_FRAME * (start + obs * f - 1)
+                hidden_until = newest_row
+            drift = self._committed_drift(freeze)
             for c in range(c_n):
                 first = start + c * f
                 horizon = last_known
@@ -213,7 +226,11 @@ class WamWindows:
                 is_known = (row_t <= horizon) & (row_t > hidden_until)
                 pert = ep.perturbed[idx] & (row_t < len(ep.rows))
                 x0[b, c, lay.video] = video
-                x0[b, c, lay.actions] = torch.from_numpy(ep.rows[idx].reshape(-1))
+                rows = ep.rows[idx]
+                if drift is not None:
+                    ahead = np.where(is_known, np.maximum(row_t - newest_row, 0), 0)
+                    rows = rows + ahead[:, None] * drift
+                x0[b, c, lay.actions] = torch.from_numpy(rows.reshape(-1).astype(np.float32))
                 x0[b, c, lay.state] = torch.from_numpy(ep.state[first : first + f].reshape(-1))
                 x0[b, c, lay.known] = torch.from_numpy(is_known.astype(np.float32))
                 known[b, c] = torch.from_numpy(is_known)
@@ -222,3 +239,20 @@ class WamWindows:
                     own = slice(0, ROWS_PER_FRAME * f)
                     trained_chunks[b, c] = not bool((pert & ~is_known)[own].any())
         return WamBatch(x0, n_obs, known, trained_rows, trained_chunks, goal)
+
+    def _committed_drift(self, freeze: int) -> np.ndarray | None:
+        """[action_dim] per-row drift of the committed rows (after the newest frame), or None.
+
+        Served, the committed rows are the model's own earlier plan, not the expert's: a
+        model only ever shown the expert's committed rows learns to continue them, and in the
+        loop continues its own mistakes (told them, the shipped dg2 lost 8 of 60 episodes at
+        150 ms). Drifted committed rows with the expert's rows still the targets after them
+        teach it to correct what it is told rather than copy it. The drift grows linearly
+        from the newest frame (the robot is where the frames show it), by a normal draw per
+        joint with ``committed_drift_rad`` its spread DRIFT_REFERENCE_ROWS rows ahead."""
+        if freeze == 0 or not self.drift_per_row.any():
+            return None
+        if self.drift_rng.random() >= self.committed_drift_fraction:
+            return None
+        draw = self.drift_rng.standard_normal(len(self.drift_per_row))
+        return (draw * self.drift_per_row).astype(np.float32)

@@ -89,6 +89,37 @@ def test_windows_that_hide_the_history_keep_only_the_committed_rows(episodes):
     assert shown.known[t.expand(64, -1, -1) <= 0].all()  # the shown windows do know row 0
 
 
+def test_drifted_committed_rows_leave_the_history_and_the_targets_the_experts(episodes):
+    cfg = get_preset("push-wam")
+    lay = chunk_layout(cfg)
+    common = dict(chunks=4, max_obs=3, max_freeze_rows=8, seed=5)
+    expert = WamWindows(episodes, cfg, **common).batch(64)
+    drifted = WamWindows(
+        episodes, cfg, committed_drift_rad=0.1, committed_drift_fraction=1.0, **common
+    ).batch(64)
+    # the same windows, the same rows known and trained on
+    assert torch.equal(expert.n_obs, drifted.n_obs)
+    assert torch.equal(expert.known, drifted.known)
+    assert torch.equal(expert.trained_rows, drifted.trained_rows)
+    h, f, a = cfg.action_horizon, cfg.frames_per_chunk, cfg.action_dim
+    t = (torch.arange(4)[:, None] * ROWS_PER_FRAME * f + torch.arange(h)[None, :]).double()
+    moved = 0
+    for b in range(64):
+        diff = (drifted.x0[b, :, lay.actions] - expert.x0[b, :, lay.actions]).double()
+        diff = diff.reshape(4, h, a)
+        ahead = t - ROWS_PER_FRAME * (int(expert.n_obs[b]) * f - 1)
+        committed = expert.known[b] & (ahead > 0)
+        # only the committed rows after the newest frame move: never the history (the
+        # frames show it) nor a target
+        assert diff[~committed].abs().max() == 0
+        if committed.any():
+            # one drift per window, growing linearly from the newest frame
+            slope = diff[committed] / ahead[committed][:, None]
+            assert torch.allclose(slope, slope[:1].expand_as(slope), atol=1e-5)
+            moved += bool(slope.abs().max() > 0)
+    assert moved > 10
+
+
 def test_windows_that_open_their_episode_start_at_its_first_frame(episodes):
     cfg = get_preset("push-wam")
     lay = chunk_layout(cfg)
