@@ -24,6 +24,7 @@ def run_closed_loop(args, parser, argv) -> int:
         engine_kwargs,
         missing_shipped_weights,
         read_metadata,
+        trained_known_rows_ahead,
     )
 
     missing = None if args.weights else missing_shipped_weights("push-wam")
@@ -46,7 +47,7 @@ def run_closed_loop(args, parser, argv) -> int:
             seed0=args.seed0,
             context_chunks=min(3, kwargs["window"]),
             max_known_rows_ahead=(
-                int(meta.get("max_known_rows_ahead", 8))
+                trained_known_rows_ahead(meta)
                 if args.known_rows_ahead is None
                 else args.known_rows_ahead
             ),

@@ -34,6 +34,7 @@ import numpy as np
 from physis_ros.link.action_timeline import interpolate, known_rows, known_until_ns
 from physis_ros.link.wire import Observation, WireError
 from physis_ros.sim.task import BOX_STATE_NAMES, GOAL_STATE_NAMES
+from physis_ros.weights import trained_known_rows_ahead
 
 POSITION, VELOCITY = "_pos", "_vel"
 WRENCH_NAMES = ("force_x", "force_y", "force_z", "torque_x", "torque_y", "torque_z")
@@ -69,7 +70,7 @@ class WamTiming:
             row_dt_ns=round(1e9 / float(meta["action_hz"])),
             rows=rows,
             frames_per_chunk=frames_per_chunk,
-            max_known_rows_ahead=int(meta.get("max_known_rows_ahead", "8")),
+            max_known_rows_ahead=trained_known_rows_ahead(meta),
             action_names=tuple(meta["action_names"].split(",")),
             state_names=tuple(meta["state_names"].split(",")),
         )

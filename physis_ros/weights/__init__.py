@@ -53,6 +53,17 @@ def read_metadata(path: str | Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in meta.items()}
 
 
+TRAINED_KNOWN_ROWS_AHEAD = 8
+"""What a world-action model's weights that do not say were trained with (every push-wam
+run so far wrote 8: physis-train-wam's max_freeze_rows)."""
+
+
+def trained_known_rows_ahead(meta: dict[str, str]) -> int:
+    """How many rows past the newest frame a world-action model was trained to be told as
+    committed: the most a request should give it (``max_known_rows_ahead`` in its metadata)."""
+    return int(meta.get("max_known_rows_ahead", TRAINED_KNOWN_ROWS_AHEAD))
+
+
 def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of a safetensors file, from its header (no tensor is read)."""
     header = read_header(path)
