@@ -55,8 +55,8 @@ class ServingSpec:
     known_rows_ahead: int | None = None
     """A world-action stream is told the committed rows up to this many rows past the newest
     frame (0: none); None: the weights' ``max_known_rows_ahead`` (what they were trained
-    with). A model that copies committed rows instead of correcting them does better with
-    none (docs/push_wam)."""
+    with). A model that copies committed rows instead of correcting them (push-wam before
+    ``physis-train-wam --committed-drift-rad``) does better with none (docs/push_wam)."""
     context_noise: str | None = None
     """How observations enter the history (``SamplerConfig.context_noise``); None: as the
     weights were trained, else clean."""
