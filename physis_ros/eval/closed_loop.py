@@ -42,7 +42,7 @@ from physis_ros.sim.task import (
     model_state,
     sample_task,
 )
-from physis_ros.weights import GOAL_PROMPT
+from physis_ros.weights import GOAL_PROMPT, TRAINED_KNOWN_ROWS_AHEAD
 
 NS = 1_000_000_000
 TICK_NS = NS // PHYSICS_HZ
@@ -69,7 +69,7 @@ class ClosedLoopConfig:
     fade_rows: int = 4
     context_chunks: int = 3
     """Observed chunks per request (at most the model's window)."""
-    max_known_rows_ahead: int = 8
+    max_known_rows_ahead: int = TRAINED_KNOWN_ROWS_AHEAD
     """Known rows end at most this many rows after the newest frame (as trained)."""
     time_limit_s: float = TIME_LIMIT_S
     after_goal_s: float = 0.5
