@@ -153,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         "frame (0: none; default: the weights' max_known_rows_ahead, what it was trained with)",
     )
     c.add_argument(
+        "--min-committed-ms",
+        type=finite_float,
+        default=None,
+        help="delay-aware runs commit the rows up to at least this long after the newest frame "
+        "(told to the model, executed as planned), however soon the answer comes (default: the "
+        "weights' min_committed_ms, as physis-serve does)",
+    )
+    c.add_argument(
         "--time-limit-s",
         type=finite_float,
         default=None,

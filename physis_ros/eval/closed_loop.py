@@ -71,6 +71,9 @@ class ClosedLoopConfig:
     """Observed chunks per request (at most the model's window)."""
     max_known_rows_ahead: int = TRAINED_KNOWN_ROWS_AHEAD
     """Known rows end at most this many rows after the newest frame (as trained)."""
+    min_committed_ms: float = 0.0
+    """Delay-aware: the rows up to at least this long after the newest frame are committed
+    (told to the model and executed as planned) even when the answer comes sooner."""
     time_limit_s: float = TIME_LIMIT_S
     after_goal_s: float = 0.5
     """Simulated time kept after the box reached the goal (the end of the strip)."""
@@ -88,6 +91,8 @@ class ClosedLoopConfig:
             raise ValueError("context_chunks and fade_rows must be >= 1, max_known_rows_ahead >= 0")
         if not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0, got {self.time_limit_s}")
+        if not (math.isfinite(self.min_committed_ms) and self.min_committed_ms >= 0):
+            raise ValueError(f"min_committed_ms must be >= 0, got {self.min_committed_ms}")
 
 
 @dataclass
@@ -311,7 +316,10 @@ class _Episode:
         cfg, f, h = self.cfg, self.frames_per_slot, self.horizon
         if cfg.delay_aware:
             known_until = known_until_ns(
-                t_obs_ns, cfg.delay_ms * 1e6, dt_ns=ROW_NS, max_rows_ahead=cfg.max_known_rows_ahead
+                t_obs_ns,
+                max(cfg.delay_ms, cfg.min_committed_ms) * 1e6,
+                dt_ns=ROW_NS,
+                max_rows_ahead=cfg.max_known_rows_ahead,
             )
         else:
             known_until = -1  # the baseline tells the model nothing about its actions

@@ -22,6 +22,7 @@ def run_closed_loop(args, parser, argv) -> int:
     from physis_ros.weights import (
         WAM_WEIGHTS,
         engine_kwargs,
+        min_committed_ms,
         missing_shipped_weights,
         read_metadata,
         trained_known_rows_ahead,
@@ -52,6 +53,9 @@ def run_closed_loop(args, parser, argv) -> int:
                 else args.known_rows_ahead
             ),
             fade_rows=args.fade_rows,
+            min_committed_ms=(
+                min_committed_ms(meta) if args.min_committed_ms is None else args.min_committed_ms
+            ),
             **({"time_limit_s": args.time_limit_s} if args.time_limit_s else {}),
         )
         if any(d < 0 for d in args.delay_ms):

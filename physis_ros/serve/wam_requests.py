@@ -34,7 +34,7 @@ import numpy as np
 from physis_ros.link.action_timeline import interpolate, known_rows, known_until_ns
 from physis_ros.link.wire import Observation, WireError
 from physis_ros.sim.task import BOX_STATE_NAMES, GOAL_STATE_NAMES
-from physis_ros.weights import trained_known_rows_ahead
+from physis_ros.weights import min_committed_ms, trained_known_rows_ahead
 
 POSITION, VELOCITY = "_pos", "_vel"
 WRENCH_NAMES = ("force_x", "force_y", "force_z", "torque_x", "torque_y", "torque_z")
@@ -51,6 +51,8 @@ class WamTiming:
     frames_per_chunk: int
     max_known_rows_ahead: int
     """Known rows end at most this many rows after the newest frame (as trained)."""
+    min_committed_ms: float
+    """Known rows reach at least this long after the newest frame (the weights' advice)."""
     action_names: tuple[str, ...]
     state_names: tuple[str, ...]
 
@@ -71,16 +73,18 @@ class WamTiming:
             rows=rows,
             frames_per_chunk=frames_per_chunk,
             max_known_rows_ahead=trained_known_rows_ahead(meta),
+            min_committed_ms=min_committed_ms(meta),
             action_names=tuple(meta["action_names"].split(",")),
             state_names=tuple(meta["state_names"].split(",")),
         )
 
     def known_until_ns(self, newest_capture_ns: int, latency_ms: float) -> int:
         """Rows at or before this are known: the newest capture plus the response latency
-        (rounded up to a row), at most max_known_rows_ahead rows ahead."""
+        (at least min_committed_ms; rounded up to a row), at most max_known_rows_ahead rows
+        ahead."""
         return known_until_ns(
             newest_capture_ns,
-            latency_ms * 1e6,
+            max(latency_ms, self.min_committed_ms) * 1e6,
             dt_ns=self.row_dt_ns,
             max_rows_ahead=self.max_known_rows_ahead,
         )

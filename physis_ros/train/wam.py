@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import platform
 import shutil
 import sys
@@ -95,6 +96,11 @@ class WamTrainConfig:
     (spread in rad 0.4 s past the newest frame; ``WamWindows._committed_drift``) while the
     targets after them stay the expert's: served, the committed rows are the model's own
     plan, and a model that copies them continues its mistakes. 0: the expert's rows."""
+    min_committed_ms: float = 0.0
+    """Written into the weights' metadata: served requests (and physis-eval's closed loop)
+    commit the robot's plan at least this long after the newest frame (``weights.
+    min_committed_ms``). Choose it from a closed-loop evaluation (``physis-eval --closed-loop
+    --min-committed-ms``); 0: only what the response latency commits."""
     shift: float = 3.0
     sample_steps: int = 4
     """Noise levels of the K-step sampler (this shift) the windows are trained at."""
@@ -149,6 +155,7 @@ class WamTrainConfig:
             "hide_history_fraction": 0 <= self.hide_history_fraction <= 1,
             "start_fraction": 0 <= self.start_fraction <= 1,
             "committed_drift_rad": self.committed_drift_rad >= 0,
+            "min_committed_ms": math.isfinite(self.min_committed_ms) and self.min_committed_ms >= 0,
             "shift": self.shift > 0,
             "sample_steps": self.sample_steps >= 1,
             "action_weight": self.action_weight >= 0,
@@ -301,6 +308,7 @@ def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
         "context_noise": "clean",
         "horizon": "1",
         "max_known_rows_ahead": str(cfg.max_freeze_rows),
+        "min_committed_ms": str(float(cfg.min_committed_ms)),
         **({"prompt": cfg.prompt} if cfg.prompt else {"cond_seed": "0"}),
         "train_config": json.dumps(asdict(cfg)),
         "torch": torch.__version__,

@@ -90,7 +90,12 @@ def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEp
 
     from physis_ros.engine.local import LocalEngine
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider, Takeovers, run_episode
-    from physis_ros.weights import engine_kwargs, read_metadata, trained_known_rows_ahead
+    from physis_ros.weights import (
+        engine_kwargs,
+        min_committed_ms,
+        read_metadata,
+        trained_known_rows_ahead,
+    )
 
     meta = read_metadata(weights)
     kwargs = engine_kwargs(weights)
@@ -105,6 +110,7 @@ def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEp
                 delay_ms=DELAYS_MS[seed % len(DELAYS_MS)],
                 context_chunks=min(3, kwargs["window"]),
                 max_known_rows_ahead=trained_known_rows_ahead(meta),
+                min_committed_ms=min_committed_ms(meta),
                 after_goal_s=AFTER_GOAL_S,
             )
             result = run_episode(cfg, seed, decider, takeovers=Takeovers(seed, cfg.time_limit_s))

@@ -10,6 +10,7 @@ arguments the checkpoint was trained for. ``push_wm.safetensors`` comes from ``p
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -62,6 +63,18 @@ def trained_known_rows_ahead(meta: dict[str, str]) -> int:
     """How many rows past the newest frame a world-action model was trained to be told as
     committed: the most a request should give it (``max_known_rows_ahead`` in its metadata)."""
     return int(meta.get("max_known_rows_ahead", TRAINED_KNOWN_ROWS_AHEAD))
+
+
+def min_committed_ms(meta: dict[str, str]) -> float:
+    """How long after the newest frame a world-action model's requests commit the robot's
+    plan at least, however soon the answer comes (``min_committed_ms`` in its metadata; 0:
+    only what the response latency commits). A model trained to correct committed rows does
+    better told a few of them than none: consecutive chunks then agree instead of switching
+    plans (docs/push_wam)."""
+    value = float(meta.get("min_committed_ms", 0.0))
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"metadata min_committed_ms must be >= 0, got {value}")
+    return value
 
 
 def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

@@ -139,3 +139,27 @@ def test_committed_rows_given_are_capped_by_known_rows_ahead(ahead, expect):
     run_episode(cfg, seed, decider)
     assert decider.requests >= 5
     assert decider.known_rows[1:] == [expect] * (len(decider.known_rows) - 1), decider.known_rows
+
+
+@pytest.mark.parametrize(
+    ("delay_ms", "floor_ms", "expect"), [(0, 0, 0), (0, 150, 2), (150, 100, 2)]
+)
+def test_committed_rows_reach_at_least_min_committed_ms(delay_ms, floor_ms, expect):
+    """``min_committed_ms``: with no delay nothing is committed before the answer arrives,
+    but with a floor of 150 ms the rows at +100 and +150 ms after the newest frame are told
+    (and executed as planned) all the same; a floor below the delay changes nothing."""
+    from physis_ros.engine.config import get_preset
+    from physis_ros.sim.task import sample_task
+
+    seed = 3
+    decider = _ConstantDecider(get_preset("push-wam"), np.array(sample_task(seed).joints))
+    cfg = ClosedLoopConfig(time_limit_s=2.0, delay_ms=delay_ms, min_committed_ms=floor_ms)
+    run_episode(cfg, seed, decider)
+    assert decider.requests >= 5
+    assert decider.known_rows[1:] == [expect] * (len(decider.known_rows) - 1), decider.known_rows
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_min_committed_ms_must_be_a_finite_nonnegative_time(bad):
+    with pytest.raises(ValueError, match="min_committed_ms"):
+        ClosedLoopConfig(min_committed_ms=bad)

@@ -76,6 +76,23 @@ def test_known_rows_reach_the_capture_plus_the_latency_at_most_as_far_as_trained
     assert TIMING.known_until_ns(1000 * MS, 900.0) == 1150 * MS  # 3 rows at most
 
 
+def test_the_weights_min_committed_ms_is_a_floor_under_the_latency():
+    """A model whose metadata says min_committed_ms 100 is told the rows up to 100 ms after
+    the newest frame however soon the answer comes; a longer latency still reaches further,
+    as far as trained; a metadata value that is not a time is refused when the stream's
+    timing is read."""
+    floored = WamTiming.from_metadata(
+        META | {"min_committed_ms": "100"}, rows=6, frames_per_chunk=2
+    )
+    assert TIMING.min_committed_ms == 0.0  # older weights: no floor
+    assert floored.known_until_ns(1000 * MS, 0.0) == 1100 * MS
+    assert floored.known_until_ns(1000 * MS, 120.0) == 1150 * MS
+    assert floored.known_until_ns(1000 * MS, 900.0) == 1150 * MS
+    for bad in ("-5", "nan"):
+        with pytest.raises(ValueError, match="min_committed_ms"):
+            WamTiming.from_metadata(META | {"min_committed_ms": bad}, rows=6, frames_per_chunk=2)
+
+
 def test_a_slot_with_a_missing_frame_is_timed_from_its_newest_frame():
     """Frames 0, 1, 3 arrive (frame 2 of slot 1 is filled from frame 3): slot 1's first frame
     is at 200 ms, slot 2's at 400 ms; the rows known are the timeline's up to the newest
