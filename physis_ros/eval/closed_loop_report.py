@@ -77,6 +77,7 @@ def summarize(cfg: ClosedLoopConfig, results: list[EpisodeResult]) -> dict:
         "delay_aware": cfg.delay_aware,
         "join": cfg.join,
         "known_rows_ahead": cfg.max_known_rows_ahead if cfg.delay_aware else 0,
+        "min_committed_ms": cfg.min_committed_ms if cfg.delay_aware else 0.0,
         "episodes": len(results),
         "successes": len(ok),
         "success_rate": len(ok) / len(results),
@@ -151,6 +152,13 @@ def render_markdown(report: dict) -> str:
         "| largest jump at joins rad | mean per-join jump rad | largest step anywhere rad |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    floors = {r.get("min_committed_ms", 0.0) for r in report["runs"].values()} - {0.0}
+    if floors:  # before the table: what "no delay" means for the delay-aware runs
+        lines[-3:-3] = [
+            f"Delay-aware runs commit the plan at least {', '.join(f'{f:g}' for f in floors)} "
+            "ms past the newest frame (the weights' `min_committed_ms`).",
+            "",
+        ]
     for name, r in report["runs"].items():
         ttg = r["time_to_goal_s"].get("median")
         lines.append(

@@ -163,3 +163,22 @@ def test_committed_rows_reach_at_least_min_committed_ms(delay_ms, floor_ms, expe
 def test_min_committed_ms_must_be_a_finite_nonnegative_time(bad):
     with pytest.raises(ValueError, match="min_committed_ms"):
         ClosedLoopConfig(min_committed_ms=bad)
+
+
+def test_the_report_states_the_commit_floor_of_delay_aware_runs():
+    from physis_ros.engine.config import get_preset
+    from physis_ros.eval.closed_loop_report import render_markdown, summarize
+    from physis_ros.sim.task import sample_task
+
+    decider = _ConstantDecider(get_preset("push-wam"), np.array(sample_task(3).joints))
+    runs = {}
+    for name, aware in (("model_crossfade_0ms", True), ("model_naive_0ms", False)):
+        cfg = ClosedLoopConfig(time_limit_s=1.0, min_committed_ms=150.0, delay_aware=aware)
+        runs[name] = summarize(cfg, [run_episode(cfg, 3, decider)])
+    assert runs["model_crossfade_0ms"]["min_committed_ms"] == 150.0
+    assert runs["model_naive_0ms"]["min_committed_ms"] == 0.0  # naive commits nothing
+    report = {"command": "c", "success_definition": "s", "control_period_ms": 50.0, "runs": runs}
+    md = render_markdown(report)
+    assert "commit the plan at least 150 ms" in md
+    runs["model_crossfade_0ms"]["min_committed_ms"] = 0.0
+    assert "commit the plan" not in render_markdown(report)
