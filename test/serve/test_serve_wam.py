@@ -9,7 +9,8 @@ the closed-loop evaluation builds (per-frame state in the weights' order; the ro
 the newest capture plus the promised response latency, read off the command timeline with
 ``ChunkExecutor.rows_on_grid`` and ``known_rows``), and its action timing is the robot-clock
 time of its slot's first frame. Bad observations (no joint state, no wrench, commands of the
-wrong shape) are dropped, counted by reason, and the stream goes on. push-wam (random
+wrong shape) are dropped, counted by reason, and the stream goes on. Weights that ask for a
+commit floor (min_committed_ms) get their committed rows that far whatever the latency. push-wam (random
 weights) is served only streams with a goal, and fills its box columns from each
 observation's object_position.
 """
@@ -47,23 +48,30 @@ SLOTS = 5
 WAIT_S = 180.0  # a generous bound for a busy machine: no timing is asserted
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory) -> Path:
+def _tiny_wam_weights(folder: Path, *, min_committed_ms: float = 0.0) -> Path:
     from safetensors.torch import save_file
 
     from physis_ros.engine.config import get_preset
     from physis_ros.engine.model import build_model, to_upstream_state_dict
     from physis_ros.train.wam import WamTrainConfig, metadata
 
-    path = tmp_path_factory.mktemp("tiny_wam") / "weights.safetensors"
+    path = folder / "weights.safetensors"
     model = build_model(get_preset(MODEL), seed=3)
-    cfg = WamTrainConfig(model=MODEL, window=2, max_obs=2, chunks=3, sample_steps=2, prompt="")
+    cfg = WamTrainConfig(
+        model=MODEL, window=2, max_obs=2, chunks=3, sample_steps=2, prompt="",
+        min_committed_ms=min_committed_ms,
+    )  # fmt: skip
     meta = metadata(
         cfg, {"max_known_rows_ahead": str(MAX_KNOWN_ROWS_AHEAD), "frame_hz": str(1e9 / FRAME_NS)}
     )
     assert meta["state_names"].split(",") == list(STATE_NAMES)
     save_file(to_upstream_state_dict(model), str(path), metadata=meta)
     return path
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    return _tiny_wam_weights(tmp_path_factory.mktemp("tiny_wam"))
 
 
 def _env() -> dict[str, str]:
@@ -108,7 +116,9 @@ class Robot:
     of a ChunkExecutor that executes each reply when it arrives, and what each request to the
     model must hold (the closed-loop evaluation's builder)."""
 
-    def __init__(self, port: int, *, prompt: str = "", image_size: int = 8) -> None:
+    def __init__(
+        self, port: int, *, prompt: str = "", image_size: int = 8, min_committed_ms: float = 0.0
+    ) -> None:
         from physis_ros.link.client import LinkClient
 
         self.client = LinkClient(
@@ -118,6 +128,8 @@ class Robot:
         self.rng = np.random.default_rng(5)
         self.image_size = image_size
         """The camera's height and width: the model's (the server takes no other)."""
+        self.min_committed_ms = min_committed_ms
+        """The weights' floor under the latency the committed rows reach."""
         self.executor = ChunkExecutor(join="crossfade")
         self.executor.seed(T0_NS, np.array([1.0, 1.7]))
         self.seq = 0
@@ -175,7 +187,8 @@ class Robot:
 
     def known(self, slot: int, capture_ns: int, latency_ms: float) -> np.ndarray:
         """The closed-loop evaluation's rows of ``slot`` known at ``capture_ns``."""
-        ahead = min(math.ceil(latency_ms * 1e6 / ROW_NS - 1e-9), MAX_KNOWN_ROWS_AHEAD)
+        reach_ms = max(latency_ms, self.min_committed_ms)
+        ahead = min(math.ceil(reach_ms * 1e6 / ROW_NS - 1e-9), MAX_KNOWN_ROWS_AHEAD)
         start = T0_NS + slot * 2 * FRAME_NS
         grid = self.executor.rows_on_grid(start, ROW_NS, 6)
         return known_rows(grid, row_start_ns=start, dt_ns=ROW_NS,
@@ -220,8 +233,8 @@ class Robot:
         assert report.accepted, report
 
 
-def _run_stream(port: int) -> tuple[list[dict], list]:
-    robot = Robot(port)
+def _run_stream(port: int, min_committed_ms: float = 0.0) -> tuple[list[dict], list]:
+    robot = Robot(port, min_committed_ms=min_committed_ms)
     try:
         latency_ms = robot.latency_ms()
         requests, preds = [], []
@@ -290,6 +303,21 @@ def _check(weights: Path, requests: list[dict], preds: list) -> None:
 def test_served_world_action_stream_equals_the_in_process_engine(weights, server):
     requests, preds = _run_stream(server)
     _check(weights, requests, preds)
+
+
+def test_the_weights_commit_floor_reaches_the_served_requests(tmp_path):
+    """Weights whose metadata says min_committed_ms 200 (four rows, beyond this stream's
+    promised latency): every generated chunk is asked with the committed rows up to 200 ms
+    after the newest capture, and says so (known_action_rows), as the closed loop builds it."""
+    weights = _tiny_wam_weights(tmp_path, min_committed_ms=200.0)
+    proc, port = _serve(weights, tmp_path, ranks=0)
+    try:
+        requests, preds = _run_stream(port, min_committed_ms=200.0)
+    finally:
+        assert stop_child(proc, timeout_s=30) == 0
+    assert requests[0]["latency_ms"] < 150.0  # the floor, not the latency, sets the reach
+    _check(weights, requests, preds)
+    assert max(p.known_action_rows for p in preds) >= 3, [p.known_action_rows for p in preds]
 
 
 def test_bad_observations_are_counted_and_the_stream_goes_on(server):
