@@ -154,7 +154,7 @@ def render_markdown(report: dict) -> str:
     ]
     floors = {r.get("min_committed_ms", 0.0) for r in report["runs"].values()} - {0.0}
     if floors:  # before the table: what "no delay" means for the delay-aware runs
-        lines[-3:-3] = [
+        lines[-2:-2] = [
             f"Delay-aware runs commit the plan at least {', '.join(f'{f:g}' for f in floors)} "
             "ms past the newest frame (the weights' `min_committed_ms`).",
             "",
