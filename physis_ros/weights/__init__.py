@@ -71,9 +71,13 @@ def min_committed_ms(meta: dict[str, str]) -> float:
     only what the response latency commits). A model trained to correct committed rows does
     better told a few of them than none: consecutive chunks then agree instead of switching
     plans (docs/push_wam)."""
-    value = float(meta.get("min_committed_ms", 0.0))
+    text = meta.get("min_committed_ms", "0")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"metadata min_committed_ms must be >= 0, got {value}")
+        raise ValueError(f"metadata min_committed_ms must be a time >= 0 in ms, got {text!r}")
     return value
 
 

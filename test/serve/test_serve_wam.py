@@ -10,9 +10,9 @@ the newest capture plus the promised response latency, read off the command time
 ``ChunkExecutor.rows_on_grid`` and ``known_rows``), and its action timing is the robot-clock
 time of its slot's first frame. Bad observations (no joint state, no wrench, commands of the
 wrong shape) are dropped, counted by reason, and the stream goes on. Weights that ask for a
-commit floor (min_committed_ms) get their committed rows that far whatever the latency. push-wam (random
-weights) is served only streams with a goal, and fills its box columns from each
-observation's object_position.
+commit floor (min_committed_ms) get their committed rows that far whatever the latency.
+push-wam (random weights) is served only streams with a goal, and fills its box columns from
+each observation's object_position.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_the_weights_min_committed_ms_is_a_floor_under_the_latency():
     assert floored.known_until_ns(1000 * MS, 0.0) == 1100 * MS
     assert floored.known_until_ns(1000 * MS, 120.0) == 1150 * MS
     assert floored.known_until_ns(1000 * MS, 900.0) == 1150 * MS
-    for bad in ("-5", "nan"):
+    for bad in ("-5", "nan", "soon"):
         with pytest.raises(ValueError, match="min_committed_ms"):
             WamTiming.from_metadata(META | {"min_committed_ms": bad}, rows=6, frames_per_chunk=2)
 
