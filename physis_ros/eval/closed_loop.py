@@ -317,9 +317,10 @@ class _Episode:
         if cfg.delay_aware:
             known_until = known_until_ns(
                 t_obs_ns,
-                max(cfg.delay_ms, cfg.min_committed_ms) * 1e6,
+                cfg.delay_ms * 1e6,
                 dt_ns=ROW_NS,
                 max_rows_ahead=cfg.max_known_rows_ahead,
+                min_committed_ns=cfg.min_committed_ms * 1e6,
             )
         else:
             known_until = -1  # the baseline tells the model nothing about its actions

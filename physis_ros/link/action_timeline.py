@@ -212,11 +212,18 @@ class ChunkExecutor:
 
 
 def known_until_ns(
-    newest_frame_ns: int, latency_ns: float, *, dt_ns: int, max_rows_ahead: int
+    newest_frame_ns: int,
+    latency_ns: float,
+    *,
+    dt_ns: int,
+    max_rows_ahead: int,
+    min_committed_ns: float = 0.0,
 ) -> int:
     """The last committed row time a request gives: the newest frame plus the response
-    latency rounded up to a row, at most ``max_rows_ahead`` rows after the frame."""
-    ahead = min(math.ceil(latency_ns / dt_ns - 1e-9), max_rows_ahead)
+    latency (or ``min_committed_ns``, the plan the robot keeps however soon the answer comes,
+    if longer) rounded up to a row, at most ``max_rows_ahead`` rows after the frame."""
+    reach_ns = max(latency_ns, min_committed_ns)
+    ahead = min(math.ceil(reach_ns / dt_ns - 1e-9), max_rows_ahead)
     return newest_frame_ns + max(0, ahead) * dt_ns
 
 

@@ -84,9 +84,10 @@ class WamTiming:
         ahead."""
         return known_until_ns(
             newest_capture_ns,
-            max(latency_ms, self.min_committed_ms) * 1e6,
+            latency_ms * 1e6,
             dt_ns=self.row_dt_ns,
             max_rows_ahead=self.max_known_rows_ahead,
+            min_committed_ns=self.min_committed_ms * 1e6,
         )
 
 

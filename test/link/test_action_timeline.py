@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows
+from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
 
 MS = 1_000_000
 DT = 50 * MS
@@ -125,6 +125,16 @@ def test_known_rows_are_the_commanded_prefix_up_to_the_latency():
     rows = known_rows(grid, row_start_ns=400 * MS, dt_ns=DT, known_until_ns=450 * MS)
     np.testing.assert_allclose(rows[:2, 0], [0.8, 0.9])
     assert np.isnan(rows[2:]).all()
+
+
+def test_known_until_reaches_the_latency_or_the_commit_floor_if_longer():
+    """Rounded up to a row, capped at max_rows_ahead: the floor only ever lengthens it."""
+    assert known_until_ns(1000 * MS, 0.0, dt_ns=DT, max_rows_ahead=8) == 1000 * MS
+    assert known_until_ns(1000 * MS, 60 * MS, dt_ns=DT, max_rows_ahead=8) == 1100 * MS
+    floored = dict(dt_ns=DT, max_rows_ahead=8, min_committed_ns=150 * MS)
+    assert known_until_ns(1000 * MS, 0.0, **floored) == 1150 * MS
+    assert known_until_ns(1000 * MS, 210 * MS, **floored) == 1250 * MS
+    assert known_until_ns(1000 * MS, 0.0, **(floored | {"max_rows_ahead": 2})) == 1100 * MS
 
 
 def test_a_takeover_replaces_the_plan_and_the_stream_goes_on_after_it():
