@@ -4,20 +4,19 @@ A real physis-serve (one process, and 2 gloo ranks under torchrun) serves ``tiny
 random weights saved with the metadata physis-train-wam writes. A robot stream (LinkClient)
 sends camera frames with joint states, the wrench and its command timeline, kept by a
 ``ChunkExecutor`` that executes the replies as the bridge does. Every reply's actions equal
-(<= 1e-5, fp32) what the in-process engine gives for the same stream seed and the requests
-the closed-loop evaluation builds (per-frame state in the weights' order; the rows known up to
-the newest capture plus the promised response latency, read off the command timeline with
-``ChunkExecutor.rows_on_grid`` and ``known_rows``), and its action timing is the robot-clock
-time of its slot's first frame. Bad observations (no joint state, no wrench, commands of the
-wrong shape) are dropped, counted by reason, and the stream goes on. Weights that ask for a
-commit floor (min_committed_ms) get their committed rows that far whatever the latency.
-push-wam (random weights) is served only streams with a goal, and fills its box columns from
-each observation's object_position.
+(<= 1e-5, fp32) what the in-process engine gives for the same stream seed and the requests the
+closed-loop evaluation builds (per-frame state in the weights' order; the rows known up to the
+newest capture plus the promised response latency (``known_until_ns``), read off the command
+timeline with ``ChunkExecutor.rows_on_grid`` and ``known_rows``), and its action timing is the
+robot-clock time of its slot's first frame. Bad observations (no joint state, no wrench,
+commands of the wrong shape) are dropped, counted by reason, and the stream goes on. Weights
+that ask for a commit floor (min_committed_ms) get their committed rows that far whatever the
+latency. push-wam (random weights) is served only streams with a goal, and fills its box columns
+from each observation's object_position.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 
 from physis_ros.children import stop_child
-from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows
+from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -187,12 +186,13 @@ class Robot:
 
     def known(self, slot: int, capture_ns: int, latency_ms: float) -> np.ndarray:
         """The closed-loop evaluation's rows of ``slot`` known at ``capture_ns``."""
-        reach_ms = max(latency_ms, self.min_committed_ms)
-        ahead = min(math.ceil(reach_ms * 1e6 / ROW_NS - 1e-9), MAX_KNOWN_ROWS_AHEAD)
+        until_ns = known_until_ns(
+            capture_ns, latency_ms * 1e6, dt_ns=ROW_NS, max_rows_ahead=MAX_KNOWN_ROWS_AHEAD,
+            min_committed_ns=self.min_committed_ms * 1e6,
+        )  # fmt: skip
         start = T0_NS + slot * 2 * FRAME_NS
         grid = self.executor.rows_on_grid(start, ROW_NS, 6)
-        return known_rows(grid, row_start_ns=start, dt_ns=ROW_NS,
-                          known_until_ns=capture_ns + ahead * ROW_NS,
+        return known_rows(grid, row_start_ns=start, dt_ns=ROW_NS, known_until_ns=until_ns,
                           known_after_ns=capture_ns)  # fmt: skip
 
     def observe_slot(self, slot: int, latency_ms: float) -> dict:
