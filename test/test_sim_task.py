@@ -11,6 +11,7 @@ from physis_ros.sim.task import (
     GOAL_TOLERANCE_M,
     STATE_NAMES,
     TIME_LIMIT_S,
+    GoalPushExpert,
     TaskSim,
     sample_task,
 )
@@ -39,6 +40,24 @@ def test_the_expert_pushes_the_box_onto_the_goal_and_recovers_from_perturbations
         assert perturb or not ep.perturbed.any()
         perturbed += int(ep.perturbed.any())
     assert perturbed >= 1  # and reached the goal all the same
+
+
+def test_going_round_the_expert_backs_straight_out_from_a_box_it_is_too_near():
+    """Near the box at its side, the expert heads straight out to its orbit (sliding round at
+    that distance would catch the box's corners); far off, or behind the box, it does not."""
+    box, goal = np.array([0.0, 0.4]), np.array([0.25, 0.4])  # push +x: behind is at -x
+    side = np.array([0.0, -1.0])  # the pusher below the box: 90 degrees from behind
+    for r in (0.106, 0.12, GoalPushExpert.BACK_OFF_M - 0.005):
+        expert = GoalPushExpert(goal)
+        way = expert.waypoint(box, box + side * r)
+        assert expert.phase == "approach"
+        np.testing.assert_allclose(way, box + side * GoalPushExpert._ORBIT_M, atol=1e-12)
+    far = GoalPushExpert(goal).waypoint(box, box + side * (GoalPushExpert.BACK_OFF_M + 0.02))
+    assert abs(float(np.linalg.norm(far - box)) - GoalPushExpert._ORBIT_M) < 0.06
+    assert abs(far[0] - box[0]) > 0.05  # round the box, not straight out
+    behind = np.array([-1.0, 0.0])
+    way = GoalPushExpert(goal).waypoint(box, box + behind * 0.12)
+    np.testing.assert_allclose(way, box + behind * GoalPushExpert._BEHIND_M, atol=1e-12)
 
 
 def test_training_episodes_start_with_the_arm_held_as_a_served_robot_waits_for_its_first_chunk():

@@ -193,7 +193,12 @@ class GoalPushExpert:
     towards the goal while the pusher stays behind it and near the line, else approach again;
     ``done``: back off once the box is on the goal (and approach again if it leaves). The
     pusher moves in straight lines at a bounded speed (inverse kinematics of small steps), so
-    the joint targets are smooth."""
+    the joint targets are smooth.
+
+    Going round, it keeps clear of the box with a margin for a learned imitation's errors: a
+    pusher nearer than BACK_OFF_M (and not behind the box) first backs straight out to the
+    orbit instead of sliding round. A model trained on the expert that slid round from
+    contact did the same from closer still and swept the box off (docs/push_wam)."""
 
     MAX_EE_SPEED_M_S = 0.35
     MIN_PUSH_SPEED_M_S = 0.06
@@ -201,8 +206,12 @@ class GoalPushExpert:
     STOP_M = 0.015
     """The box counts as on the goal for the expert (tighter than GOAL_TOLERANCE_M)."""
     _BEHIND_M = CONTACT_M + 0.045
-    _ORBIT_M = 0.165
-    """Orbit radius round the box centre: clear of its corners (0.099 m) and the pusher."""
+    _ORBIT_M = 0.19
+    """Orbit radius round the box centre: clear of its corners (0.099 m), the pusher (0.035 m)
+    and 5.6 cm more."""
+    BACK_OFF_M = 0.145
+    """Going round, a pusher centre nearer the box centre than this backs straight out first:
+    at a corner the pusher touches the box at 0.134 m."""
 
     def __init__(self, goal_xy: np.ndarray) -> None:
         self.goal = np.asarray(goal_xy, dtype=np.float64)
@@ -237,6 +246,9 @@ class GoalPushExpert:
         gap = (math.atan2(-d[1], -d[0]) - at + math.pi) % (2 * math.pi) - math.pi
         if abs(gap) < math.radians(25):  # already behind the box: straight in
             return behind
+        r = float(np.linalg.norm(rel))
+        if 1e-6 < r < self.BACK_OFF_M:  # too near to go round: straight out to the orbit first
+            return box_xy + rel / r * self._ORBIT_M
         far = box_xy - d * self._ORBIT_M
         if _segment_clearance(ee_xy, far, box_xy) >= self._ORBIT_M - 0.01:
             return far

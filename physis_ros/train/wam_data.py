@@ -38,7 +38,7 @@ from physis_ros.sim.task import (
 ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
 DRIFT_REFERENCE_ROWS = 8
 """``committed_drift_rad`` is the drift's spread this many rows (0.4 s) past the newest frame."""
-DATA_VERSION = 3
+DATA_VERSION = 4
 """Bumped whenever the task, the expert or the perturbations change: cached episodes made
 by another version are not reused."""
 
