@@ -254,7 +254,7 @@ class GoalPushExpert:
             return far
         # orbit: a point on the circle, at most 50 degrees further round towards behind, the
         # way round that the arm can reach (near its base it cannot)
-        radius = max(self._ORBIT_M, min(float(np.linalg.norm(rel)), self._ORBIT_M + 0.05))
+        radius = max(self._ORBIT_M, min(r, self._ORBIT_M + 0.05))
         arc = min(
             (gap, gap - math.copysign(2 * math.pi, gap)),
             key=lambda a: (not self._arc_reachable(box_xy, radius, at, a), abs(a)),
