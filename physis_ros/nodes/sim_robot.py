@@ -371,12 +371,15 @@ class GoalEpisodes:
         elapsed_s = (now_ns - self.started_ns) / 1e9
         if self.reached_ns is None and error <= GOAL_TOLERANCE_M:
             self.reached_ns = now_ns
-            self.successes += 1
-            self.times_to_goal_s.append(elapsed_s)
         done = self.reached_ns is not None and now_ns - self.reached_ns >= self.pause_ns
         if not done and not (self.reached_ns is None and elapsed_s >= TIME_LIMIT_S):
             return None
+        # Counted as the episode ends (after its pause), so successes never run ahead of
+        # the finished episodes they are a share of.
         self.finished += 1
+        if self.reached_ns is not None:
+            self.successes += 1
+            self.times_to_goal_s.append((self.reached_ns - self.started_ns) / 1e9)
         line = (
             f"goal_push episode {self.index} (seed {self.seed0 + self.index}): "
             + (

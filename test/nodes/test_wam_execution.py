@@ -77,6 +77,8 @@ def test_goal_push_episodes_end_on_success_or_time_out_and_start_the_next():
     assert episodes.after_step(scene, 1_000 * MS) is None
     scene.set_state(joints=scene.joint_positions(), box_xy=scene.goal_xy, box_yaw=0.0)
     assert episodes.after_step(scene, 2_000 * MS) is None  # reached: the pause starts
+    # during the pause the success is not yet counted: never "1 of 0 finished"
+    assert (episodes.report(scene)["successes"], episodes.report(scene)["finished"]) == (0, 0)
     line = episodes.after_step(scene, 3_000 * MS)
     assert "reached the goal in 2.00 s" in line and "1 of 1" in line
     assert np.allclose(scene.goal_xy, sample_task(41).goal_xy) and episodes.started_ns == 3_000 * MS
