@@ -56,6 +56,10 @@ TARGET_MEDIAN_MS = 2.0
 TARGET_P99_MS = 5.0
 TARGET_ROUND_TRIP_RATIO = 1.2
 """Observation -> action reply through the link, over the bare gRPC stream of the same bytes."""
+PAUSE_S = 0.020
+"""The breakdown also times the link's per-message steps alone in one thread after a sleep
+this long (a 50 Hz stream's gap): what a pause costs on this host, without the link."""
+AFTER_PAUSE_KEY = f"cpu_us_alone_after_{PAUSE_S * 1e3:g}ms_sleep"
 
 
 class EchoEngine:
@@ -243,7 +247,8 @@ def run(
             server = json.loads(trace.read_text()) if trace.exists() else []
             result["breakdown"] = {
                 **link_trace.breakdown(link_trace.STAMPS, server, link.first_reply(), warmup),
-                "cpu_us_warm_back_to_back": link_trace.warm_cpu_us(),
+                "cpu_us_warm_back_to_back": link_trace.step_cpu_us(),
+                AFTER_PAUSE_KEY: link_trace.step_cpu_us(repeats=60, pause_s=PAUSE_S),
             }
         return result
 
@@ -502,9 +507,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"where the link's round trip goes (medians over {b['pairs']} pairs, ms):")
         for name, ms in b["segments_ms_median"].items():
             print(f"  {name:42s} {ms:8.3f}")
-        print("processor us per call: as run in the link (cold) / back to back (warm)")
+        print(
+            "processor us per call: as run in the link / back to back (warm) / alone in one "
+            f"thread after a {PAUSE_S * 1e3:g} ms sleep"
+        )
         for name, us in b["cpu_us_median_per_call"].items():
-            print(f"  {name:42s} {us:8.1f} / {b['cpu_us_warm_back_to_back'][name]:.1f}")
+            print(
+                f"  {name:42s} {us:8.1f} / {b['cpu_us_warm_back_to_back'][name]:.1f} / "
+                f"{b[AFTER_PAUSE_KEY][name]:.1f}"
+            )
     return 0
 
 

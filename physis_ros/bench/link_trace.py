@@ -138,8 +138,10 @@ def breakdown(client: list, server: list, first_reply: dict[int, int], skip: int
     }
 
 
-def warm_cpu_us(repeats: int = 300) -> dict[str, float]:
-    """The same four steps back to back in this thread (caches warm): processor us each."""
+def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
+    """The same four steps in this thread alone: processor us each. ``pause_s`` 0: back to
+    back (caches warm); else a sleep that long before each call, as the link's threads idle
+    between messages, which tells the host's cost of a pause from the link's own."""
     from physis_ros.bench.link import ACTION_HA, IMAGE_HW, prediction_reply_bytes
     from physis_ros.engine.api import ChunkOutput, StreamPromise
     from physis_ros.link.client import LinkClient, Observation
@@ -206,6 +208,8 @@ def warm_cpu_us(repeats: int = 300) -> dict[str, float]:
     for name, step in steps.items():
         samples = []
         for _ in range(repeats):
+            if pause_s:
+                time.sleep(pause_s)
             t0 = time.thread_time_ns()
             step()
             samples.append(time.thread_time_ns() - t0)

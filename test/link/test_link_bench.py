@@ -69,3 +69,7 @@ def test_bench_link_json():
     assert len(b["segments_ms_median"]) == 6
     assert all(ms >= 0 for ms in b["segments_ms_median"].values())
     assert set(b["cpu_us_median_per_call"]) == set(b["cpu_us_warm_back_to_back"])
+    # the same steps alone after a sleep: measured, each a positive processor time
+    after_pause = b["cpu_us_alone_after_20ms_sleep"]
+    assert set(after_pause) == set(b["cpu_us_warm_back_to_back"])
+    assert all(us > 0 for us in after_pause.values())
