@@ -12,8 +12,14 @@ as the link's reader, engine loop and writer do. Its first 16 bytes carry the en
 (request in -> reply handed over, ns), which the client leaves out as the link's round trip
 leaves out the wait for the slot.
 
+``Read``: the least any protocol that reads its messages does, with upb and the link's wire
+format: the client joins the observation's header and pixels into one message (the one copy
+of the pixels a single message costs), the handler parses the header (the pixels left as a
+view) and serialises a reply with a fresh stamp, the client parses the reply before taking
+it. No checks, no hand-offs beyond the echo's: the floor for the link's per-message code.
+
 The client hands each request to gRPC through a queue-fed request iterator (as the link
-client does) and stamps each reply as the receiving thread gets it. grpc only (no torch).
+client does) and stamps each reply as the receiving thread gets it. No torch.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+
+from physis_ros.link.proto_gen import physis_pb2 as pb
+from physis_ros.link.wire import parse_client_message
 
 SERVICE = "physis.bench.Bare"
 WAIT = struct.Struct("<qq")
@@ -74,6 +83,13 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
         while (item := ready.get()) is not None:
             yield item
 
+    def read(requests: Iterator[bytes], context) -> Iterator[bytes]:
+        answer = pb.ServerMessage.FromString(reply)
+        for raw in requests:
+            parse_client_message(raw)
+            answer.prediction.server_times.sent_ns = time.time_ns()
+            yield answer.SerializeToString()
+
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers(
         [
@@ -82,6 +98,7 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
                 {
                     "Echo": grpc.stream_stream_rpc_method_handler(echo),
                     "Slotted": grpc.stream_stream_rpc_method_handler(slotted),
+                    "Read": grpc.stream_stream_rpc_method_handler(read),
                 },
             )
         ]
@@ -97,16 +114,22 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
     return 0
 
 
+METHODS = ("Echo", "Slotted", "Read")
+
+
 class BareClient:
-    """One bare stream (``method``: ``Echo`` or ``Slotted``): ``round_trip_ms(request)``
-    sends and waits for the reply."""
+    """One bare stream (``method``: one of ``METHODS``): ``round_trip_ms(parts)`` sends the
+    parts as one message and waits for the reply."""
 
     def __init__(self, target: str, method: str) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method {method!r} is not one of {METHODS}")
         self._slotted = method == "Slotted"
+        self._reads = method == "Read"
         self._channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=30)
         self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._replies: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue[tuple[int, bytes | grpc.RpcError]] = queue.SimpleQueue()
         self._call = self._channel.stream_stream(
             f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None
         )(self._requests())
@@ -120,15 +143,22 @@ class BareClient:
     def _read(self) -> None:
         try:
             for raw in self._call:
+                if self._reads:
+                    pb.ServerMessage.FromString(raw)
                 self._replies.put((time.perf_counter_ns(), raw))
-        except grpc.RpcError:
-            return  # cancelled at close
+        except grpc.RpcError as exc:  # cancelled at close, or the server ended the call
+            self._replies.put((time.perf_counter_ns(), exc))
 
-    def round_trip_ms(self, request: bytes, timeout_s: float = 10.0) -> float:
-        """Request out to reply in, less (``Slotted``) the server's wait for its slot."""
+    def round_trip_ms(self, parts: tuple[bytes, ...], timeout_s: float = 10.0) -> float:
+        """``parts`` joined (when more than one) and sent, to the reply in, less (``Slotted``)
+        the server's wait for its slot."""
         t0 = time.perf_counter_ns()
+        request = parts[0] if len(parts) == 1 else b"".join(parts)
         self._out.put(request)
         t1, raw = self._replies.get(timeout=timeout_s)
+        if isinstance(raw, grpc.RpcError):
+            self._replies.put((t1, raw))  # every later call fails the same way
+            raise RuntimeError(f"the bare stream ended: {raw.code()} {raw.details()}")
         wait_ns = 0
         if self._slotted:
             taken, handed = WAIT.unpack_from(raw)

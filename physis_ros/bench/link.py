@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from physis_ros.bench.bare_grpc import BareClient
+from physis_ros.bench.bare_grpc import METHODS, BareClient
 from physis_ros.bench.bare_grpc import serve as serve_bare
 from physis_ros.children import stop_child
 from physis_ros.cli_errors import finite_float
@@ -222,18 +222,21 @@ def run(
             if breakdown:
                 link_trace.install_client()
             link = _LinkRun(f"127.0.0.1:{echo_port}", interval_ms, context_input)
-            bare = {m: BareClient(f"127.0.0.1:{bare_port}", m) for m in ("Echo", "Slotted")}
+            bare = {m: BareClient(f"127.0.0.1:{bare_port}", m) for m in METHODS}
             try:
                 per_round = max(samples // rounds, 1)
-                request = link.request_bytes()
+                head, pixels = link.request_parts()
+                # Echo and Slotted send the same joined bytes every time; Read joins them each
+                # time, as every message carrying a header and the pixels must.
+                parts = {m: (head, pixels) if m == "Read" else (head + pixels,) for m in bare}
                 link.observe(warmup, rate_hz, measured=False)
-                for client in bare.values():
-                    _bare_round(client, request, warmup, rate_hz)
+                for m, client in bare.items():
+                    _bare_round(client, parts[m], warmup, rate_hz)
                 bare_ms: dict[str, list[list[float]]] = {m: [] for m in bare}
                 for _ in range(rounds):
                     link.observe(per_round, rate_hz, measured=True)
                     for m, client in bare.items():
-                        bare_ms[m].append(_bare_round(client, request, per_round, rate_hz))
+                        bare_ms[m].append(_bare_round(client, parts[m], per_round, rate_hz))
                 time.sleep(0.2)  # the last predictions come home
             finally:
                 for client in bare.values():
@@ -253,10 +256,12 @@ def run(
         return result
 
 
-def _bare_round(client: BareClient, request: bytes, n: int, rate_hz: float) -> list[float]:
+def _bare_round(
+    client: BareClient, parts: tuple[bytes, ...], n: int, rate_hz: float
+) -> list[float]:
     period_s, next_s, out = 1.0 / rate_hz, time.monotonic(), []
     for _ in range(n):
-        out.append(client.round_trip_ms(request))
+        out.append(client.round_trip_ms(parts))
         next_s += period_s
         time.sleep(max(0.0, next_s - time.monotonic()))
     return out
@@ -305,10 +310,14 @@ class _LinkRun:
                 raise RuntimeError(f"no stream: {self.client.stats().last_error}")
             time.sleep(0.01)
 
-    def request_bytes(self) -> bytes:
-        """What the client puts on the wire for one observation."""
+    def request_parts(self) -> tuple[bytes, bytes]:
+        """What the client puts on the wire for one observation: (the header, the pixels)."""
         obs = Observation(seq=0, capture_stamp_ns=time.time_ns(), image=self.image)
-        return serialize_observation(obs, send_stamp_ns=time.time_ns())
+        raw = serialize_observation(obs, send_stamp_ns=time.time_ns())
+        pixels = self.image.data
+        if not raw.endswith(pixels):
+            raise RuntimeError("the serialised observation does not end with its pixels")
+        return raw[: len(raw) - len(pixels)], pixels
 
     def observe(self, n: int, rate_hz: float, *, measured: bool) -> None:
         period_s, next_s = 1.0 / rate_hz, time.monotonic()
@@ -390,6 +399,10 @@ class _LinkRun:
                 ),
                 "vs_bare_slotted": _round_trips(
                     round_trip, sorted(self.measured), bare_rounds["Slotted"]
+                ),
+                # the floor for any protocol that reads its messages: not a target, a bound
+                "vs_bare_read": _round_trips(
+                    round_trip, sorted(self.measured), bare_rounds["Read"]
                 ),
             },
             "warmup_samples": warmup,
@@ -495,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, rt in (
         ("bare gRPC echo", result["round_trip"]["vs_bare_echo"]),
         ("bare gRPC, slotted reply", result["round_trip"]["vs_bare_slotted"]),
+        ("bare gRPC, joined and read", result["round_trip"]["vs_bare_read"]),
     ):
         print(
             f"observation -> action reply: link {rt['link_ms_median']:.3f} ms, {name} "

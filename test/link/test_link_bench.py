@@ -7,8 +7,14 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from link_server import REPO_ROOT, child_env
+
+from physis_ros.bench.bare_grpc import BareClient
+from physis_ros.bench.link import _start_child
+from physis_ros.children import stop_child
+from physis_ros.link.wire import Observation, rgb_image, serialize_observation
 
 CHILD = """
 import contextlib, io, json, sys
@@ -56,7 +62,7 @@ def test_bench_link_json():
     # The observation -> action reply against the bare gRPC streams, side by side per round.
     trips = result["round_trip"]
     assert trips["target_ratio"] == 1.2
-    for name in ("vs_bare_echo", "vs_bare_slotted"):
+    for name in ("vs_bare_echo", "vs_bare_slotted", "vs_bare_read"):
         rt = trips[name]
         assert len(rt["rounds"]) == 2, rt
         assert rt["bare_ms_median"] > 0 and rt["link_ms_median"] > 0
@@ -73,3 +79,28 @@ def test_bench_link_json():
     after_pause = b["cpu_us_alone_after_20ms_sleep"]
     assert set(after_pause) == set(b["cpu_us_warm_back_to_back"])
     assert all(us > 0 for us in after_pause.values())
+
+
+def test_the_read_baseline_parses_what_it_is_sent_and_the_echo_does_not(tmp_path):
+    """The bound the link is held to: ``Read`` reads each message (a malformed one ends its
+    call), ``Echo`` answers anything unread."""
+    child, port = _start_child("--serve-bare", tmp_path / "bare")
+    clients = []
+    try:
+        image = rgb_image(np.zeros((480, 640, 3), np.uint8))
+        raw = serialize_observation(
+            Observation(seq=3, capture_stamp_ns=1, image=image), send_stamp_ns=2
+        )
+        head, pixels = raw[: len(raw) - len(image.data)], image.data
+        assert head + pixels == raw
+        read, echo = (BareClient(f"127.0.0.1:{port}", m) for m in ("Read", "Echo"))
+        clients += [read, echo]
+        assert read.round_trip_ms((head, pixels), timeout_s=60) > 0
+        malformed = (b"\xff" * 64,)
+        assert echo.round_trip_ms(malformed, timeout_s=60) > 0
+        with pytest.raises(RuntimeError, match="bare stream ended"):
+            read.round_trip_ms(malformed, timeout_s=60)
+    finally:
+        for client in clients:
+            client.close()
+        stop_child(child)
