@@ -15,8 +15,12 @@ leaves out the wait for the slot.
 ``Read``: the least any protocol that reads its messages does, with upb and the link's wire
 format: the client joins the observation's header and pixels into one message (the one copy
 of the pixels a single message costs), the handler parses the header (the pixels left as a
-view) and serialises a reply with a fresh stamp, the client parses the reply before taking
+view) and serialises a reply with fresh stamps, the client parses the reply before taking
 it. No checks, no hand-offs beyond the echo's: the floor for the link's per-message code.
+
+``SlottedRead``: both: the reader parses, the engine thread serialises the reply at the slot
+boundary (its wait in the reply's ``received`` and ``decoded`` stamps), the client parses
+it. The floor for a server whose model computes on a thread of its own, as the link's does.
 
 The client hands each request to gRPC through a queue-fed request iterator (as the link
 client does) and stamps each reply as the receiving thread gets it. No torch.
@@ -51,8 +55,9 @@ CHANNEL_OPTIONS = [
 
 
 def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
-    """A child process: both bare streams on 127.0.0.1 until SIGTERM (``Echo`` answers with
-    ``reply``; ``Slotted`` with ``reply`` after the next ``slot_ms`` boundary)."""
+    """A child process: the bare streams (``METHODS``) on 127.0.0.1 until SIGTERM, answering
+    with ``reply`` (a serialised ServerMessage), at once or after the next ``slot_ms``
+    boundary."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -61,28 +66,6 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
         for _ in requests:
             yield reply
 
-    def slotted(requests: Iterator[bytes], context) -> Iterator[bytes]:
-        taken: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        ready: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-
-        def read() -> None:
-            for _ in requests:
-                taken.put(time.perf_counter_ns())
-            taken.put(None)
-
-        def engine() -> None:
-            while (t0 := taken.get()) is not None:
-                slot_ns = int(slot_ms * 1e6)
-                due_ns = (t0 // slot_ns + 1) * slot_ns
-                time.sleep(max(due_ns - time.perf_counter_ns(), 0) / 1e9)
-                ready.put(WAIT.pack(t0, time.perf_counter_ns()) + reply[WAIT.size :])
-            ready.put(None)
-
-        threading.Thread(target=read, daemon=True).start()
-        threading.Thread(target=engine, daemon=True).start()
-        while (item := ready.get()) is not None:
-            yield item
-
     def read(requests: Iterator[bytes], context) -> Iterator[bytes]:
         answer = pb.ServerMessage.FromString(reply)
         for raw in requests:
@@ -90,16 +73,56 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
             answer.prediction.server_times.sent_ns = time.time_ns()
             yield answer.SerializeToString()
 
+    def slotted(requests: Iterator[bytes], reads: bool) -> Iterator[bytes]:
+        taken: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        ready: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        answer = pb.ServerMessage.FromString(reply)
+
+        failed: list[Exception] = []
+
+        def take() -> None:
+            try:
+                for raw in requests:
+                    if reads:
+                        parse_client_message(raw)
+                    taken.put(time.perf_counter_ns())
+            except Exception as exc:  # noqa: BLE001 - ends the call, as in the Read stream
+                failed.append(exc)
+            finally:
+                taken.put(None)
+
+        def engine() -> None:
+            slot_ns = int(slot_ms * 1e6)
+            while (t0 := taken.get()) is not None:
+                due_ns = (t0 // slot_ns + 1) * slot_ns
+                time.sleep(max(due_ns - time.perf_counter_ns(), 0) / 1e9)
+                if reads:
+                    times = answer.prediction.server_times
+                    times.received_ns, times.decoded_ns = t0, time.perf_counter_ns()
+                    ready.put(answer.SerializeToString())
+                else:
+                    ready.put(WAIT.pack(t0, time.perf_counter_ns()) + reply[WAIT.size :])
+            ready.put(None)
+
+        threading.Thread(target=take, daemon=True).start()
+        threading.Thread(target=engine, daemon=True).start()
+        while (item := ready.get()) is not None:
+            yield item
+        if failed:
+            raise failed[0]
+
+    handlers = {
+        "Echo": echo,
+        "Read": read,
+        "Slotted": lambda requests, context: slotted(requests, reads=False),
+        "SlottedRead": lambda requests, context: slotted(requests, reads=True),
+    }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers(
         [
             grpc.method_handlers_generic_handler(
                 SERVICE,
-                {
-                    "Echo": grpc.stream_stream_rpc_method_handler(echo),
-                    "Slotted": grpc.stream_stream_rpc_method_handler(slotted),
-                    "Read": grpc.stream_stream_rpc_method_handler(read),
-                },
+                {m: grpc.stream_stream_rpc_method_handler(h) for m, h in handlers.items()},
             )
         ]
     )
@@ -114,7 +137,7 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
     return 0
 
 
-METHODS = ("Echo", "Slotted", "Read")
+METHODS = ("Echo", "Slotted", "Read", "SlottedRead")
 
 
 class BareClient:
@@ -124,12 +147,13 @@ class BareClient:
     def __init__(self, target: str, method: str) -> None:
         if method not in METHODS:
             raise ValueError(f"method {method!r} is not one of {METHODS}")
-        self._slotted = method == "Slotted"
-        self._reads = method == "Read"
+        self._slotted = method in ("Slotted", "SlottedRead")
+        self._reads = method in ("Read", "SlottedRead")
         self._channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=30)
         self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._replies: queue.SimpleQueue[tuple[int, bytes | grpc.RpcError]] = queue.SimpleQueue()
+        # (when, the reply; or, once the call ended, None or the error that ended it)
+        self._replies: queue.SimpleQueue[tuple[int, object]] = queue.SimpleQueue()
         self._call = self._channel.stream_stream(
             f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None
         )(self._requests())
@@ -143,11 +167,12 @@ class BareClient:
     def _read(self) -> None:
         try:
             for raw in self._call:
-                if self._reads:
-                    pb.ServerMessage.FromString(raw)
-                self._replies.put((time.perf_counter_ns(), raw))
-        except grpc.RpcError as exc:  # cancelled at close, or the server ended the call
+                reply = pb.ServerMessage.FromString(raw) if self._reads else raw
+                self._replies.put((time.perf_counter_ns(), reply))
+        except grpc.RpcError as exc:  # cancelled at close, or the server failed the call
             self._replies.put((time.perf_counter_ns(), exc))
+            return
+        self._replies.put((time.perf_counter_ns(), None))  # the server ended the call
 
     def round_trip_ms(self, parts: tuple[bytes, ...], timeout_s: float = 10.0) -> float:
         """``parts`` joined (when more than one) and sent, to the reply in, less (``Slotted``)
@@ -155,13 +180,17 @@ class BareClient:
         t0 = time.perf_counter_ns()
         request = parts[0] if len(parts) == 1 else b"".join(parts)
         self._out.put(request)
-        t1, raw = self._replies.get(timeout=timeout_s)
-        if isinstance(raw, grpc.RpcError):
-            self._replies.put((t1, raw))  # every later call fails the same way
-            raise RuntimeError(f"the bare stream ended: {raw.code()} {raw.details()}")
+        t1, reply = self._replies.get(timeout=timeout_s)
+        if reply is None or isinstance(reply, grpc.RpcError):
+            self._replies.put((t1, reply))  # every later call fails the same way
+            why = "" if reply is None else f": {reply.code()} {reply.details()}"
+            raise RuntimeError(f"the bare stream ended{why}")
         wait_ns = 0
-        if self._slotted:
-            taken, handed = WAIT.unpack_from(raw)
+        if self._slotted and self._reads:
+            times = reply.prediction.server_times
+            wait_ns = times.decoded_ns - times.received_ns
+        elif self._slotted:
+            taken, handed = WAIT.unpack_from(reply)
             wait_ns = handed - taken
         return (t1 - t0 - wait_ns) / 1e6
 

@@ -12,8 +12,8 @@ Both processes share the host's wall clock, so one-way times are read directly:
 - observation -> action reply: the two together for each observation and the first chunk
   conditioned on it (the wait for the stream's next slot left out), against the round trip
   of the same bytes over bare gRPC bidirectional streams (``bare_grpc``: an immediate echo,
-  and a reply with the link's slot timing and thread hand-offs) measured in the same run, in
-  alternating rounds.
+  a reply with the link's slot timing and thread hand-offs, and the least a protocol that
+  reads its messages does) measured in the same run, in alternating rounds.
 
 The in-process baseline, measured in the same run next to each sample, is the call a
 co-located consumer would make for the same payload (decode/check the observation into the
@@ -226,9 +226,9 @@ def run(
             try:
                 per_round = max(samples // rounds, 1)
                 head, pixels = link.request_parts()
-                # Echo and Slotted send the same joined bytes every time; Read joins them each
-                # time, as every message carrying a header and the pixels must.
-                parts = {m: (head, pixels) if m == "Read" else (head + pixels,) for m in bare}
+                # Echo and Slotted send the same joined bytes every time; the Read streams join
+                # them each time, as every message carrying a header and the pixels must.
+                parts = {m: (head, pixels) if "Read" in m else (head + pixels,) for m in bare}
                 link.observe(warmup, rate_hz, measured=False)
                 for m, client in bare.items():
                     _bare_round(client, parts[m], warmup, rate_hz)
@@ -400,9 +400,13 @@ class _LinkRun:
                 "vs_bare_slotted": _round_trips(
                     round_trip, sorted(self.measured), bare_rounds["Slotted"]
                 ),
-                # the floor for any protocol that reads its messages: not a target, a bound
+                # floors for any protocol that reads its messages (answering at once, or from
+                # an engine thread at the slot): not targets, bounds
                 "vs_bare_read": _round_trips(
                     round_trip, sorted(self.measured), bare_rounds["Read"]
+                ),
+                "vs_bare_slotted_read": _round_trips(
+                    round_trip, sorted(self.measured), bare_rounds["SlottedRead"]
                 ),
             },
             "warmup_samples": warmup,
@@ -509,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         ("bare gRPC echo", result["round_trip"]["vs_bare_echo"]),
         ("bare gRPC, slotted reply", result["round_trip"]["vs_bare_slotted"]),
         ("bare gRPC, joined and read", result["round_trip"]["vs_bare_read"]),
+        ("bare gRPC, read, slotted reply", result["round_trip"]["vs_bare_slotted_read"]),
     ):
         print(
             f"observation -> action reply: link {rt['link_ms_median']:.3f} ms, {name} "

@@ -62,7 +62,7 @@ def test_bench_link_json():
     # The observation -> action reply against the bare gRPC streams, side by side per round.
     trips = result["round_trip"]
     assert trips["target_ratio"] == 1.2
-    for name in ("vs_bare_echo", "vs_bare_slotted", "vs_bare_read"):
+    for name in ("vs_bare_echo", "vs_bare_slotted", "vs_bare_read", "vs_bare_slotted_read"):
         rt = trips[name]
         assert len(rt["rounds"]) == 2, rt
         assert rt["bare_ms_median"] > 0 and rt["link_ms_median"] > 0
@@ -81,11 +81,11 @@ def test_bench_link_json():
     assert all(us > 0 for us in after_pause.values())
 
 
-def test_the_read_baseline_parses_what_it_is_sent_and_the_echo_does_not(tmp_path):
-    """The bound the link is held to: ``Read`` reads each message (a malformed one ends its
-    call), ``Echo`` answers anything unread."""
+def test_the_read_baselines_parse_what_they_are_sent_and_the_echo_does_not(tmp_path):
+    """The bounds the link is held to: ``Read`` and ``SlottedRead`` read each message (a
+    malformed one ends the call), ``Echo`` answers anything unread."""
     child, port = _start_child("--serve-bare", tmp_path / "bare")
-    clients = []
+    clients = {}
     try:
         image = rgb_image(np.zeros((480, 640, 3), np.uint8))
         raw = serialize_observation(
@@ -93,14 +93,16 @@ def test_the_read_baseline_parses_what_it_is_sent_and_the_echo_does_not(tmp_path
         )
         head, pixels = raw[: len(raw) - len(image.data)], image.data
         assert head + pixels == raw
-        read, echo = (BareClient(f"127.0.0.1:{port}", m) for m in ("Read", "Echo"))
-        clients += [read, echo]
-        assert read.round_trip_ms((head, pixels), timeout_s=60) > 0
+        for method in ("Echo", "Read", "SlottedRead"):
+            clients[method] = BareClient(f"127.0.0.1:{port}", method)
         malformed = (b"\xff" * 64,)
-        assert echo.round_trip_ms(malformed, timeout_s=60) > 0
-        with pytest.raises(RuntimeError, match="bare stream ended"):
-            read.round_trip_ms(malformed, timeout_s=60)
+        assert clients["Echo"].round_trip_ms(malformed, timeout_s=60) > 0
+        for method in ("Read", "SlottedRead"):
+            # the slotted reply's wait for its slot (<= 20 ms here) is left out
+            assert clients[method].round_trip_ms((head, pixels), timeout_s=60) > 0
+            with pytest.raises(RuntimeError, match="bare stream ended"):
+                clients[method].round_trip_ms(malformed, timeout_s=60)
     finally:
-        for client in clients:
+        for client in clients.values():
             client.close()
         stop_child(child)
