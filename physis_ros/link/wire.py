@@ -260,15 +260,18 @@ def tensor_to_array(
     around) is checked against ``max_bytes`` and against the bytes present before any array
     is made, so a shape that disagrees with its data is a counted ``bad_tensor``, never an
     exception from numpy."""
-    if msg.dtype not in TENSOR_DTYPES:
+    # Every reply and observation runs this on a cold processor: no generator, one numpy call.
+    dtype = _LITTLE_ENDIAN.get(msg.dtype)
+    if dtype is None:
         raise WireError("bad_tensor", f"{name}: dtype {msg.dtype!r} is not one of {TENSOR_DTYPES}")
-    shape = tuple(int(d) for d in msg.shape)
-    if len(shape) > MAX_TENSOR_DIMS or any(d < 0 for d in shape):
+    shape = tuple(msg.shape)
+    if len(shape) > MAX_TENSOR_DIMS or (shape and min(shape) < 0):
         raise WireError("bad_tensor", f"{name}: shape {shape} is not allowed")
-    dtype = _LITTLE_ENDIAN[msg.dtype]
     declared = math.prod(shape) * dtype.itemsize
-    # The non-zero dimensions bound too: numpy refuses [0, 2**31, 2**32] although it is empty.
-    if max(declared, math.prod(d for d in shape if d) * dtype.itemsize) > max_bytes:
+    # An empty shape's non-zero dimensions bound too: numpy refuses [0, 2**31, 2**32].
+    if declared > max_bytes or (
+        not declared and math.prod(d for d in shape if d) * dtype.itemsize > max_bytes
+    ):
         raise WireError(
             "bad_tensor",
             f"{name}: shape {shape} {msg.dtype} declares more than {max_bytes} bytes",
@@ -280,7 +283,7 @@ def tensor_to_array(
             "bad_tensor",
             f"{name}: {len(data)} bytes for shape {shape} {msg.dtype} (expected {declared})",
         )
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    return np.ndarray(shape, dtype, data)
 
 
 def observation_to_proto(
