@@ -77,7 +77,6 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
         taken: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         ready: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         answer = pb.ServerMessage.FromString(reply)
-
         failed: list[Exception] = []
 
         def take() -> None:
@@ -175,8 +174,8 @@ class BareClient:
         self._replies.put((time.perf_counter_ns(), None))  # the server ended the call
 
     def round_trip_ms(self, parts: tuple[bytes, ...], timeout_s: float = 10.0) -> float:
-        """``parts`` joined (when more than one) and sent, to the reply in, less (``Slotted``)
-        the server's wait for its slot."""
+        """``parts`` joined (when more than one) and sent, to the reply in, less (the slotted
+        streams) the server's wait for its slot."""
         t0 = time.perf_counter_ns()
         request = parts[0] if len(parts) == 1 else b"".join(parts)
         self._out.put(request)
