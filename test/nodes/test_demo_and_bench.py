@@ -3,21 +3,41 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
+BUSY_HOST_REFUSAL = "physis-demo: the server refused the stream (RESOURCE_EXHAUSTED: compute"
+DEMO_ATTEMPTS = 3
+
+
+def run_demo(args: list[str], env: dict[str, str], out) -> subprocess.CompletedProcess:
+    """``physis-demo ARGS`` as a user runs it. push-wm's 4-chunk rollouts every 200 ms take
+    most of a 2-core host: physis-serve measures the host at start-up and refuses the stream
+    when, busy at that moment, it measured itself too slow (its refusal is tested below). Such
+    a refusal is run again after a pause, up to DEMO_ATTEMPTS times in all."""
+    for attempt in range(DEMO_ATTEMPTS):
+        if attempt:
+            time.sleep(10.0)
+            shutil.rmtree(out, ignore_errors=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "physis_ros.demo", *args, "--out", str(out),
+             "--domain-id", env["ROS_DOMAIN_ID"]],
+            check=False, env=env, capture_output=True, text=True, timeout=420,
+        )  # fmt: skip
+        if proc.returncode != 1 or BUSY_HOST_REFUSAL not in proc.stderr:
+            break
+    return proc
+
 
 def test_demo_runs_the_closed_loop_and_leaves_a_summary_and_a_strip(tmp_path, ros_env):
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "physis_ros.demo", "--duration-s", "8", "--out", str(out),
-         "--domain-id", ros_env["ROS_DOMAIN_ID"]],
-        check=False, env=ros_env, capture_output=True, text=True, timeout=420,
-    )  # fmt: skip
+    proc = run_demo(["--duration-s", "8"], ros_env, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
     assert any("interval" in line and "response" in line for line in lines), proc.stdout
@@ -58,11 +78,7 @@ def test_demo_says_in_one_line_that_the_server_refused_its_stream(tmp_path, ros_
 
 def test_demo_with_previews_says_how_much_sooner_they_came(tmp_path, ros_env):
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "physis_ros.demo", "--previews", "--duration-s", "8",
-         "--out", str(out), "--domain-id", ros_env["ROS_DOMAIN_ID"]],
-        check=False, env=ros_env, capture_output=True, text=True, timeout=420,
-    )  # fmt: skip
+    proc = run_demo(["--previews", "--duration-s", "8"], ros_env, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     sooner = summary["preview_sooner_median_ms"]  # push-wm: K = 4, previews after steps 1..3
