@@ -137,6 +137,10 @@ def serve(port_file: str, reply: bytes, slot_ms: float) -> int:
 
 
 METHODS = ("Echo", "Slotted", "Read", "SlottedRead")
+SLOTTED = ("Slotted", "SlottedRead")
+"""The streams answered at the next slot, their wait for it left out of the round trip."""
+READING = ("Read", "SlottedRead")
+"""The streams that read their messages: their client joins the parts of each request."""
 
 
 class BareClient:
@@ -146,8 +150,8 @@ class BareClient:
     def __init__(self, target: str, method: str) -> None:
         if method not in METHODS:
             raise ValueError(f"method {method!r} is not one of {METHODS}")
-        self._slotted = method in ("Slotted", "SlottedRead")
-        self._reads = method in ("Read", "SlottedRead")
+        self._slotted = method in SLOTTED
+        self._reads = method in READING
         self._channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
         grpc.channel_ready_future(self._channel).result(timeout=30)
         self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from physis_ros.bench.bare_grpc import METHODS, BareClient
+from physis_ros.bench.bare_grpc import METHODS, READING, BareClient
 from physis_ros.bench.bare_grpc import serve as serve_bare
 from physis_ros.children import stop_child
 from physis_ros.cli_errors import finite_float
@@ -228,7 +228,7 @@ def run(
                 head, pixels = link.request_parts()
                 # Echo and Slotted send the same joined bytes every time; the Read streams join
                 # them each time, as every message carrying a header and the pixels must.
-                parts = {m: (head, pixels) if "Read" in m else (head + pixels,) for m in bare}
+                parts = {m: (head, pixels) if m in READING else (head + pixels,) for m in bare}
                 link.observe(warmup, rate_hz, measured=False)
                 for m, client in bare.items():
                     _bare_round(client, parts[m], warmup, rate_hz)
@@ -410,8 +410,7 @@ class _LinkRun:
                 ),
                 # how far above the echo a protocol can get at best, on this host, this run
                 "floors_over_echo": {
-                    m: _floor_over_echo(bare_rounds[m], bare_rounds["Echo"])
-                    for m in ("Read", "SlottedRead")
+                    m: _floor_over_echo(bare_rounds[m], bare_rounds["Echo"]) for m in READING
                 },
             },
             "warmup_samples": warmup,
@@ -434,17 +433,8 @@ class _LinkRun:
 def _floor_over_echo(floor_rounds: list[list[float]], echo_rounds: list[list[float]]) -> float:
     """A baseline's round trip over the echo's: the median over rounds of the ratio of their
     medians (each round's two measured back to back)."""
-    return round(
-        float(
-            np.median(
-                [
-                    np.median(f) / np.median(e)
-                    for f, e in zip(floor_rounds, echo_rounds, strict=True)
-                ]
-            )
-        ),
-        3,
-    )
+    ratios = [np.median(f) / np.median(e) for f, e in zip(floor_rounds, echo_rounds, strict=True)]
+    return round(float(np.median(ratios)), 3)
 
 
 def _round_trips(
