@@ -29,9 +29,9 @@ from physis_ros.engine.checkpoints import load_weights, resolve_model_config
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.model import build_model, make_cond
 from physis_ros.engine.oracle import sample_noisy
+from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.runtime import RuntimeConfig
 from physis_ros.engine.stage import measure_block_ms
-from physis_ros.serve.dist.engine import DistEngine
-from physis_ros.serve.dist.runtime import RuntimeConfig
 
 
 def _share(before: dict, after: dict, key: str) -> float:

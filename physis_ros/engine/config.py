@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 ACTION_MODES = ("none", "condition", "predict")
 CODECS = ("pixel", "vae_standin", "wan_vae")
@@ -426,3 +427,12 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def model_config_from_json(data: dict[str, Any]) -> ModelConfig:
+    """A ``ModelConfig`` from ``dataclasses.asdict`` output (JSON lists back to tuples)."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"model config has unknown fields {unknown}")
+    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

@@ -20,7 +20,6 @@ import grpc
 import numpy as np
 
 from physis_ros.link.clock import ClockOffsetEstimator
-from physis_ros.link.memtune import freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.link.wire import (
@@ -38,6 +37,7 @@ from physis_ros.link.wire import (
     serialize_observation,
     tensor_to_array,
 )
+from physis_ros.memtune import freeze_startup_objects, retain_freed_memory
 
 __all__ = [
     "CameraImage",
@@ -165,12 +165,12 @@ class LinkClient:
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
 
         ``tune_process``: on start, (1) let this process reuse freed large buffers instead
-        of page-faulting each camera image's buffers in afresh (physis_ros.link.memtune,
+        of page-faulting each camera image's buffers in afresh (physis_ros.memtune,
         glibc only; ~0.5 ms per fresh 0.9 MB buffer measured here), and (2) collect once,
         then ``gc.freeze()`` what exists by then (modules, the node), so that a full garbage
         collection, which stops every thread of the process, does not walk it (measured
         18 ms with the link's imports, 29 ms with rclpy, before freezing). Both are
-        process-wide (physis_ros.link.memtune).
+        process-wide (physis_ros.memtune).
 
         ``response_latency_budget_ms``: the most response latency the stream accepts (an
         observation in to the first chunk conditioned on it out); the server refuses to open

@@ -3,7 +3,7 @@ start-up or read from a physis-profile file), the pool's memory, the placement p
 default target (or given by hand and checked), and the engine with the pool in front of it.
 
 ``build_local`` is the single-process server (worker threads on one device);
-``physis_ros.serve.dist.serve`` builds the torchrun one with the helpers here.
+``physis_ros.serve.torchrun_main`` builds the torchrun one with the helpers here.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def load_profile(spec: ServingSpec, cfg: ModelConfig, sampler: SamplerConfig) ->
 def hand_layout(spec: ServingSpec, workers: int, block_ms: list[float] | None = None):
     """The placement given by hand over ``workers`` workers, as stage -> worker."""
     from physis_ros.engine.placement import layout_balanced, stage_costs
-    from physis_ros.serve.dist.runtime import parse_placement
+    from physis_ros.engine.ranks.runtime import parse_placement
 
     cfg, sampler = spec.model_config, spec.sampler()
     K, L = sampler.steps, cfg.num_blocks

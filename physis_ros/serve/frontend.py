@@ -23,7 +23,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from physis_ros.engine.api import DEFAULT_HORIZON, AdmissionRefused, StreamFailed, StreamSpec
 from physis_ros.engine.prompts import parse_goal_prompt_name
-from physis_ros.link.memtune import IdleTrim, freeze_startup_objects, retain_freed_memory
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     PROTOCOL_VERSION,
@@ -31,6 +30,7 @@ from physis_ros.link.wire import (
     WireError,
     tensor_to_array,
 )
+from physis_ros.memtune import IdleTrim, freeze_startup_objects, retain_freed_memory
 from physis_ros.serve import listen
 from physis_ros.serve.auth import TokenAuthInterceptor
 from physis_ros.serve.engine_loop import EngineLoop

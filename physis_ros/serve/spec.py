@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from physis_ros.cli_errors import UsageError, check_fields
-from physis_ros.engine.config import ModelConfig, SamplerConfig
+from physis_ros.engine.config import ModelConfig, SamplerConfig, model_config_from_json
 from physis_ros.engine.pool.admission import POLICIES
 from physis_ros.engine.runtime import MODES
 
@@ -123,7 +123,7 @@ class ServingSpec:
     poll_interval_s: float = 0.002
 
     def __post_init__(self) -> None:
-        from physis_ros.serve.dist.runtime import check_placement_spec
+        from physis_ros.engine.ranks.runtime import check_placement_spec
 
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
@@ -262,7 +262,7 @@ class ServingSpec:
 
     def runtime_config(self, world_size: int):
         """The per-rank ``RuntimeConfig`` of the torch.distributed runtime."""
-        from physis_ros.serve.dist.runtime import RuntimeConfig
+        from physis_ros.engine.ranks.runtime import RuntimeConfig
 
         self._need_resolved()
         if self.workers not in (0, world_size):
@@ -332,15 +332,6 @@ class ServingSpec:
         values["model_config"] = model_config_from_json(values["model_config"])
         values["prompts"] = tuple(values["prompts"])
         return cls(**values)
-
-
-def model_config_from_json(data: dict[str, Any]) -> ModelConfig:
-    """A ``ModelConfig`` from ``dataclasses.asdict`` output (JSON lists back to tuples)."""
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        raise ValueError(f"model config has unknown fields {unknown}")
-    return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {

@@ -260,8 +260,8 @@ def latencycheck(
     from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
     from physis_ros.engine.pool.gate import AdmittedEngine
     from physis_ros.engine.pool.memory import MemoryModel
+    from physis_ros.engine.ranks.engine import DistEngine
     from physis_ros.engine.stage import BlockTimer
-    from physis_ros.serve.dist.engine import DistEngine
 
     torch.set_num_threads(1)  # rank 0 lives in this process
     t_start = time.perf_counter()

@@ -33,7 +33,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
-from physis_ros.serve.dist.calibrate import (  # noqa: F401 - the calibration's pieces live there
+from physis_ros.engine.ranks.calibrate import (  # noqa: F401 - the calibration's pieces live there
     WARM_CHUNKS,
     ForeignLoad,
     K,
@@ -77,7 +77,7 @@ def wait_for_quiet(max_wait_s: float, below: float = 0.15) -> float:
 
 
 def runtime_config(model: str = "tiny", steps: int = K, window: int = W):
-    from physis_ros.serve.dist.runtime import RuntimeConfig
+    from physis_ros.engine.ranks.runtime import RuntimeConfig
 
     return RuntimeConfig(
         model=model,
@@ -104,7 +104,7 @@ def calibrate_gloo(
     medians of ``repeats`` calibrations (``calibrate_on``; the worker's scale and cost per
     message fitted over all of them), counting only those during which other jobs used
     under ``QUIET_CORES`` (up to ``3 * repeats`` tries; all of them when none was quiet)."""
-    from physis_ros.serve.dist.engine import DistEngine
+    from physis_ros.engine.ranks.engine import DistEngine
 
     older = set(_all_tasks_cpu_ms())
     quiet, noisy = [], []
@@ -375,7 +375,7 @@ class _Job:
     runs: dict[int, list[tuple[float, float]]]
 
     def run(self, rounds: int, runs_per_round: int) -> None:
-        from physis_ros.serve.dist.engine import DistEngine
+        from physis_ros.engine.ranks.engine import DistEngine
 
         older = set(_all_tasks_cpu_ms())
         with DistEngine.launch_local(runtime_config(self.model), self.world) as engine:

@@ -36,8 +36,8 @@ from physis_ros.link.wire import (
     tensor_header,
     tensor_to_array,
 )
+from physis_ros.serve.config import frontend_config
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription
-from physis_ros.serve.main import frontend_config
 from physis_ros.serve.observations import decode_image
 from physis_ros.serve.session import SessionLimits
 
@@ -574,7 +574,7 @@ def _glibc() -> bool:
 
 
 def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
-    from physis_ros.link.memtune import retain_freed_memory
+    from physis_ros.memtune import retain_freed_memory
 
     with pytest.raises(ValueError, match="mmap_threshold_bytes"):
         retain_freed_memory(mmap_threshold_bytes=64 * 1024 * 1024)
@@ -584,7 +584,7 @@ def test_retain_freed_memory_checks_its_values_and_applies_on_glibc():
 
 
 def test_idle_trim_trims_once_after_large_messages_stop():
-    from physis_ros.link.memtune import IdleTrim
+    from physis_ros.memtune import IdleTrim
 
     now = [100.0]
     trim = IdleTrim(2.0, large_bytes=1000, clock=lambda: now[0])
@@ -609,7 +609,7 @@ def _rss_mb() -> float:
 
 @pytest.mark.skipif(not _glibc(), reason="malloc_trim is glibc's")
 def test_idle_trim_gives_the_buffers_a_burst_left_back_to_the_kernel():
-    from physis_ros.link.memtune import IdleTrim, _malloc_trim, retain_freed_memory
+    from physis_ros.memtune import IdleTrim, _malloc_trim, retain_freed_memory
 
     retain_freed_memory()  # as the server runs: freed buffers are kept for reuse
     trim = IdleTrim(1.0, clock=lambda: 0.0)

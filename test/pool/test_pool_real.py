@@ -16,7 +16,7 @@ from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
 from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
-from physis_ros.serve.dist.engine import DistEngine
+from physis_ros.engine.ranks.engine import DistEngine
 
 from .realcheck import K, W, intervals_ms, profile_gloo, realcheck, runtime_config
 

@@ -14,7 +14,7 @@ from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
-from physis_ros.serve.dist.engine import DistEngine
+from physis_ros.engine.ranks.engine import DistEngine
 
 from .realcheck import K, W, runtime_config
 

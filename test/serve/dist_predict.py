@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from stream_plans import observed_plan
 
 from physis_ros.engine.api import StreamSpec
-from physis_ros.serve.dist.engine import DistEngine
-from physis_ros.serve.dist.runtime import exit_now
-from physis_ros.serve.dist.serve import join_serving
+from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.runtime import exit_now
 from physis_ros.serve.main import parse_args
+from physis_ros.serve.torchrun_main import join_serving
 
 SEED = 7
 

@@ -26,9 +26,9 @@ from stream_plans import (
 from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamFailed, StreamSpec
 from physis_ros.engine.config import get_preset
-from physis_ros.serve.dist.engine import DistEngine
-from physis_ros.serve.dist.launch import RANK_VARS
-from physis_ros.serve.dist.runtime import RuntimeConfig
+from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.launch import RANK_VARS
+from physis_ros.engine.ranks.runtime import RuntimeConfig
 
 torch.set_num_threads(1)
 TOL = 1e-5

@@ -18,15 +18,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from physis_ros.engine.transport import Activation
-from physis_ros.serve.dist import transport as dist_transport
-from physis_ros.serve.dist.launch import as_rank, free_port, spawn_ranks, stop_ranks, tie_to_parent
-from physis_ros.serve.dist.runtime import exit_now
-from physis_ros.serve.dist.transport import (
+from physis_ros.engine.ranks import transport as dist_transport
+from physis_ros.engine.ranks.launch import (
+    as_rank,
+    free_port,
+    spawn_ranks,
+    stop_ranks,
+    tie_to_parent,
+)
+from physis_ros.engine.ranks.runtime import exit_now
+from physis_ros.engine.ranks.transport import (
     ActivationShapes,
     TorchDistTransport,
     check_shapes_agree,
 )
+from physis_ros.engine.transport import Activation
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ActivationShapes(x_numel=6, h_tokens=3, h_dim=4, steps=3)
@@ -220,7 +226,7 @@ if __name__ == "__main__":
 def test_a_stopping_rank_wakes_its_receive_wait_and_the_wake_is_never_delivered():
     """StopFlag.set wakes the transport's queues: a worker blocked in a receive must not rely
     on the get's own timeout (a signal near its deadline makes CPython 3.11 wait forever)."""
-    from physis_ros.serve.dist.runtime import StopFlag
+    from physis_ros.engine.ranks.runtime import StopFlag
 
     inbox = dist_transport.queue.SimpleQueue()
     stop = StopFlag()

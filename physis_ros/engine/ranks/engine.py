@@ -42,6 +42,24 @@ from physis_ros.engine.prompts import (
     goal_prompted,
     trained_empty_prompt,
 )
+from physis_ros.engine.ranks.launch import (
+    RankContext,
+    as_rank,
+    broadcast_text,
+    free_port,
+    init_from_env,
+    spawn_ranks,
+    stop_ranks,
+)
+from physis_ros.engine.ranks.placement import PlacementControl
+from physis_ros.engine.ranks.runtime import (
+    ECHO_STREAM_ID,
+    RuntimeConfig,
+    StageHost,
+    blocks_for_rank,
+    parse_placement,
+)
+from physis_ros.engine.ranks.transport import TorchDistTransport, check_shapes_agree
 from physis_ros.engine.runtime import ChunkResult, Controller
 from physis_ros.engine.sampler import (
     pack_chunk,
@@ -51,25 +69,7 @@ from physis_ros.engine.sampler import (
     unpack_state,
 )
 from physis_ros.engine.transport import Activation
-from physis_ros.link.memtune import freeze_startup_objects
-from physis_ros.serve.dist.launch import (
-    RankContext,
-    as_rank,
-    broadcast_text,
-    free_port,
-    init_from_env,
-    spawn_ranks,
-    stop_ranks,
-)
-from physis_ros.serve.dist.placement import PlacementControl
-from physis_ros.serve.dist.transport import TorchDistTransport, check_shapes_agree
-from physis_ros.serve.dist.runtime import (
-    ECHO_STREAM_ID,
-    RuntimeConfig,
-    StageHost,
-    blocks_for_rank,
-    parse_placement,
-)
+from physis_ros.memtune import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -123,13 +123,15 @@ class DistEngine(PlacementControl):
         self.prompts = PromptBook(
             self.model_cfg,
             list(prompts),
-            empty=None if cfg.resolved.weights is not None else trained_empty_prompt(
-                self.model_cfg, meta
-            ),
+            empty=None
+            if cfg.resolved.weights is not None
+            else trained_empty_prompt(self.model_cfg, meta),
             goal_prompts=goal_prompted(meta),
         )
-        log.info("\n%s", summary(cfg.resolved, cfg.sampler_config, cfg.torch_dtype,
-                                 checkpoint=cfg.weights_path))
+        log.info(
+            "\n%s",
+            summary(cfg.resolved, cfg.sampler_config, cfg.torch_dtype, checkpoint=cfg.weights_path),
+        )
         self._lock = threading.RLock()
         self._host_control: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -196,7 +198,7 @@ class DistEngine(PlacementControl):
             "OMP_NUM_THREADS": str(cfg.threads),
         }
         # Only how to join travels as flags; the config itself follows as JSON (broadcast).
-        argv = ["-m", "physis_ros.serve.dist.runtime", "--device", cfg.device]
+        argv = ["-m", "physis_ros.engine.ranks.runtime", "--device", cfg.device]
         argv += ["--comm-timeout-s", str(cfg.comm_timeout_s)]
         procs = spawn_ranks(
             world_size=world_size, master_port=port, argv=argv, extra_env=env, log_dir=log_dir
@@ -313,7 +315,9 @@ class DistEngine(PlacementControl):
         with self._lock:
             if not self.failed_ranks:
                 return ""
-            return "; ".join(f"rank {r} failed: {why}" for r, why in sorted(self.failed_ranks.items()))
+            return "; ".join(
+                f"rank {r} failed: {why}" for r, why in sorted(self.failed_ranks.items())
+            )
 
     # ---------------------------------------------------------------- StreamEngine
     def open_stream(

@@ -25,8 +25,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from physis_ros.cli_errors import UsageError
 import torch.distributed as dist
+
+from physis_ros.cli_errors import UsageError
 
 _PR_SET_PDEATHSIG = 1
 _PARENT_PID_ENV = "PHYSIS_PARENT_PID"
@@ -170,7 +171,7 @@ def spawn_ranks(
     log_dir: str | None = None,
 ) -> list[subprocess.Popen]:
     """Start ``python <argv...>`` once per rank in ``ranks`` (default 1..N-1), e.g.
-    ``argv = ["-m", "physis_ros.serve.dist.runtime", "--model", "tiny"]``."""
+    ``argv = ["-m", "physis_ros.engine.ranks.runtime", "--model", "tiny"]``."""
     procs = []
     for rank in ranks if ranks is not None else range(1, world_size):
         env = dict(os.environ)

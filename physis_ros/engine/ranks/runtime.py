@@ -1,7 +1,7 @@
 """The per-rank runtime: configuration, the worker loop of ranks 1..N-1, control, shutdown.
 
 Every rank runs one engine ``Worker`` (``StageHost`` below) on its device over a
-``TorchDistTransport``. Rank 0 is also the controller (``physis_ros.serve.dist.engine``):
+``TorchDistTransport``. Rank 0 is also the controller (``physis_ros.engine.ranks.engine``):
 it places streams and sends control messages; the other ranks run ``run_worker_rank``:
 
     loop: apply control messages -> worker.run_once(poll_interval_s) -> heartbeat to rank 0
@@ -23,7 +23,7 @@ Faults: a worker exits (code 3) when it hears nothing from rank 0 for ``fault_ti
 rank 0 detects a silent worker the same way (see dist/engine.py). SIGINT/SIGTERM end the loop,
 say ``bye`` and leave the process group.
 
-Run as ``python -m physis_ros.serve.dist.runtime [flags]`` under the torchrun environment (the
+Run as ``python -m physis_ros.engine.ranks.runtime [flags]`` under the torchrun environment (the
 programmatic launcher ``launch.spawn_ranks`` sets the same variables).
 """
 
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import faulthandler
 import functools
 import gc
+import json
 import logging
 import os
 import signal
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model
-from physis_ros.engine.config import ModelConfig, SamplerConfig
+from physis_ros.engine.config import ModelConfig, SamplerConfig, model_config_from_json
 from physis_ros.engine.placement import (
     Layout,
     layout_even,
@@ -58,13 +58,13 @@ from physis_ros.engine.placement import (
     validate_layout,
 )
 from physis_ros.engine.prompts import cond_from_json
-from physis_ros.link.memtune import freeze_startup_objects
-from physis_ros.serve.dist.launch import RankContext, init_from_env, tie_to_parent
-from physis_ros.serve.dist.transport import (
+from physis_ros.engine.ranks.launch import RankContext, init_from_env, tie_to_parent
+from physis_ros.engine.ranks.transport import (
     ActivationShapes,
     TorchDistTransport,
     check_shapes_agree,
 )
+from physis_ros.memtune import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +210,6 @@ class RuntimeConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RuntimeConfig:
-        from physis_ros.serve.spec import model_config_from_json
-
         try:
             values = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -554,9 +552,9 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
 
 def main(argv: list[str] | None = None) -> int:
     """Entry of a worker rank started by ``DistEngine.launch_local``: ``python -m
-    physis_ros.serve.dist.runtime --device D --comm-timeout-s S`` (how to join); the
+    physis_ros.engine.ranks.runtime --device D --comm-timeout-s S`` (how to join); the
     ``RuntimeConfig`` comes from rank 0 as JSON (``launch.broadcast_text``)."""
-    from physis_ros.serve.dist.launch import broadcast_text
+    from physis_ros.engine.ranks.launch import broadcast_text
 
     tie_to_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack

@@ -583,9 +583,9 @@ def check_shapes_agree(shapes: ActivationShapes, device: torch.device) -> None:
         if version != PROTOCOL_VERSION or crc != SOURCE_CRC32:
             what = f"wire protocol {version}" if version else "a version before wire protocol 2"
             raise RuntimeError(
-                f"rank {rank} runs {what} (serve/dist/transport.py crc32 {crc:#010x}), rank {me} runs "
-                f"{PROTOCOL_VERSION} (crc32 {SOURCE_CRC32:#010x}): every rank must run the same "
-                "physis_ros code (reinstall, or restart rank 0 after an update)"
+                f"rank {rank} runs {what} (engine/ranks/transport.py crc32 {crc:#010x}), "
+                f"rank {me} runs {PROTOCOL_VERSION} (crc32 {SOURCE_CRC32:#010x}): every rank "
+                "must run the same physis_ros code (reinstall, or restart rank 0 after an update)"
             )
         values[3] &= 0xFF
         if values != shapes.as_tensor().tolist():

@@ -37,7 +37,25 @@ import sys
 import torch
 
 from physis_ros.cli_errors import describe
-from physis_ros.serve.dist.runtime import StopFlag, exit_now, run_worker_rank
+from physis_ros.engine.placement import layout_even
+from physis_ros.engine.pool.costmodel import ProfileCostModel
+from physis_ros.engine.pool.service import PoolSimulation
+from physis_ros.engine.ranks.calibrate import host_cores, startup_profile
+from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.launch import broadcast_text, init_from_env, tie_to_parent
+from physis_ros.engine.ranks.runtime import StopFlag, exit_now, run_worker_rank
+from physis_ros.serve.build import (
+    burst_scaled,
+    check_default_target,
+    hand_layout,
+    load_profile,
+    plan_pool,
+    pooled,
+    usable_bytes,
+)
+from physis_ros.serve.build import describe as describe_server
+from physis_ros.serve.config import checked_frontend, load_config, serving_spec
+from physis_ros.serve.spec import ServingSpec
 
 log = logging.getLogger("physis-serve")
 
@@ -50,29 +68,10 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
-def serve_torchrun(args: argparse.Namespace) -> int:
-    """Entry of every rank of ``torchrun ... -m physis_ros.serve.main``."""
-    from physis_ros.serve.main import serve_single_process
-
-    ctx, spec = join_serving(args)  # worker ranks serve inside and never return
-
-    def factory(resolved):
-        return build_dist(resolved, ctx)
-
-    code = serve_single_process(args, engine_factory=factory, spec=spec)
-    log.info("rank 0 done")
-    exit_now(code)
-    return code
-
-
 def join_serving(args: argparse.Namespace):
     """Join the job and agree on the serving spec (module docstring). Rank 0 returns
     ``(RankContext, resolved ServingSpec)``; every other rank runs its worker loop with that
     spec and exits the process (as every rank does when the spec is refused)."""
-    from physis_ros.serve.dist.launch import broadcast_text, init_from_env, tie_to_parent
-    from physis_ros.serve.main import checked_frontend, load_config, serving_spec
-    from physis_ros.serve.spec import ServingSpec
-
     rank = int(os.environ["RANK"])
     tie_to_parent(os.getppid())  # a killed torchrun takes its ranks with it
     if rank != 0:
@@ -124,29 +123,15 @@ def join_serving(args: argparse.Namespace):
 
 def build_dist(spec, ctx):
     """Rank 0's engine: a ``DistEngine`` over every rank, measured, planned and pooled."""
-    from physis_ros.engine.placement import layout_even
-    from physis_ros.engine.pool.costmodel import ProfileCostModel
-    from physis_ros.engine.pool.service import PoolSimulation
-    from physis_ros.serve.build import (
-        burst_scaled,
-        check_default_target,
-        describe,
-        hand_layout,
-        load_profile,
-        plan_pool,
-        pooled,
-        usable_bytes,
-    )
-    from physis_ros.serve.dist.calibrate import host_cores, startup_profile
-    from physis_ros.serve.dist.engine import DistEngine
-
     cfg = spec.runtime_config(ctx.world_size)
     engine = DistEngine(cfg, ctx, prompts=spec.prompts)
     try:
         sampler = spec.sampler()
         profile = load_profile(spec, spec.model_config, sampler)
         if profile is None:
-            log.info("measuring the job: block, loop and message costs on %d ranks", engine.world_size)
+            log.info(
+                "measuring the job: block, loop and message costs on %d ranks", engine.world_size
+            )
             profile = startup_profile(engine)
         cpu = ctx.device.type == "cpu"
         simulation = PoolSimulation(
@@ -159,7 +144,8 @@ def build_dist(spec, ctx):
         if spec.plan == "balanced":
             costs = engine.measure_block_costs()
             block_ms = [
-                min(c[b] for c in costs.values() if b in c) for b in range(cfg.model_config.num_blocks)
+                min(c[b] for c in costs.values() if b in c)
+                for b in range(cfg.model_config.num_blocks)
             ]
         given = hand_layout(spec, engine.world_size, block_ms) if spec.plan != "auto" else None
         # CPU ranks of one host share its memory; a GPU rank has its own.
@@ -201,5 +187,5 @@ def build_dist(spec, ctx):
         engine.shutdown()
         raise
     served = pooled(engine, pool, spec)
-    description = describe(spec, served, pool, kind=f"DistEngine ({ctx.backend})")
+    description = describe_server(spec, served, pool, kind=f"DistEngine ({ctx.backend})")
     return served, description

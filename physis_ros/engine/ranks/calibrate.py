@@ -30,6 +30,8 @@ a run that starts after the host sat idle for a moment is slower, for longer tha
 chunks. On this VM, 120-chunk one-rank runs after 0.3 s idle had a median of 1.53 ms, right
 after another run 1.26 ms (16 runs each); an engine serving streams is never idle that
 long."""
+
+
 def host_cores() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -374,17 +376,14 @@ def mean_block_entries(timers: dict, window_s: float = 0.4) -> list:
     ]
 
 
-
-
 def startup_profile(engine, *, chunks: int = 16, warm_chunks: int = 6, window_s: float = 0.3):
     """A ``Profile`` of this job measured now (physis-serve under torchrun, CPU ranks): block
     times by batch size probed on rank 0's middle block and levelled by the worker's own
     forwards, then one ``calibrate_on`` of ``chunks`` chunks per run on the job's ranks (a
     few seconds for a small model; ``physis-profile --runtime gloo`` measures longer)."""
+    from physis_ros.engine.placement import layout_single
     from physis_ros.engine.pool.costmodel import Profile
     from physis_ros.engine.stage import BlockTimer
-
-    from physis_ros.engine.placement import layout_single
 
     cfg, sampler = engine.model_cfg, engine.cfg.sampler_config
     K, L = sampler.steps, cfg.num_blocks
