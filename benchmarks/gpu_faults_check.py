@@ -3,7 +3,7 @@
     python benchmarks/gpu_faults_check.py     # prints one JSON object; exit 1 if a check fails
 
 On the GPU: a device this machine lacks is refused by name (checked_device), a checkpoint
-with a NaN tensor is refused naming the tensor, a LocalEngine on cuda reports its chunks
+with a NaN tensor is refused naming the tensor, a local_engine on cuda reports its chunks
 finite, and the same engine with a poisoned weight reports them non-finite (ChunkOutput.finite
 False: the server never publishes them).
 """
@@ -20,11 +20,12 @@ import torch
 
 from physis_ros.cli_errors import UsageError
 from physis_ros.engine.api import StreamSpec
+from physis_ros.engine.core import EngineCore
 from physis_ros.engine.devices import checked_device
-from physis_ros.engine.local import LocalEngine
+from physis_ros.engine.threads import local_engine
 
 
-def _chunks(engine: LocalEngine, n: int) -> list:
+def _chunks(engine: EngineCore, n: int) -> list:
     sid = engine.open_stream(StreamSpec(seed=1)).stream_id
     for _ in range(n):
         engine.submit_generate(sid)
@@ -49,7 +50,7 @@ def main() -> int:
         result["missing_device"] = "accepted (wrong)"
     except UsageError as exc:
         result["missing_device"] = str(exc)
-    engine = LocalEngine("tiny", device="cuda")
+    engine = local_engine("tiny", device="cuda")
     try:
         good = _chunks(engine, 3)
         result["finite_chunks"] = [c.finite for c in good]
@@ -63,7 +64,7 @@ def main() -> int:
             state[name][..., 0] = float("nan")
             save_file(state, str(path))
             try:
-                LocalEngine("tiny", device="cuda", checkpoint=str(path)).shutdown()
+                local_engine("tiny", device="cuda", checkpoint=str(path)).shutdown()
                 result["nan_checkpoint"] = "accepted (wrong)"
             except UsageError as exc:
                 result["nan_checkpoint"] = str(exc)

@@ -1,6 +1,6 @@
 """Test helper: random stream plans (observed context chunks, then generated chunks),
-running them on an engine that takes raw chunk states (DistEngine, a pool gate over it), and
-comparing what came back with the oracle."""
+running them on an engine that takes raw chunk states (the engine core over ranks, a pool
+gate over it), and comparing what came back with the oracle."""
 
 from __future__ import annotations
 

@@ -25,12 +25,14 @@ from physis_ros.engine import fused
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import PRESETS, SamplerConfig
+from physis_ros.engine.controller import MODES
 from physis_ros.engine.model import build_model, make_cond, param_count
 from physis_ros.engine.oracle import sample as oracle_sample
+from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import layout_by_block_even, layout_even
-from physis_ros.engine.runtime import MODES, InProcRuntime, run_plan
 from physis_ros.engine.sampler import pack_chunk
 from physis_ros.engine.stage import BlockTimer
+from physis_ros.engine.threads import InProcRuntime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

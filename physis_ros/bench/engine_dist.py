@@ -1,7 +1,7 @@
 """``physis-bench engine --ranks N``: the engine benchmark over N torch.distributed ranks.
 
 This process becomes rank 0 (controller + a worker); ranks 1..N-1 are child processes started
-the way torchrun starts them (``DistEngine.launch_local``). The same S streams of C chunks as
+the way torchrun starts them (``ranks_engine``). The same S streams of C chunks as
 the in-process bench (``physis_ros.bench.engine._plans``) run twice in this run: on 1 rank
 (the baseline) and on N ranks (stages placed evenly), every rank on ``--threads`` threads.
 Reported on top of the in-process keys: ``ranks``, ``backend``, ``comm_ms`` (median of one
@@ -27,9 +27,10 @@ import torch
 from physis_ros.engine.api import StreamSpec
 from physis_ros.engine.checkpoints import load_weights, resolve_model_config
 from physis_ros.engine.codec import Codec
+from physis_ros.engine.core import EngineCore
 from physis_ros.engine.model import build_model, make_cond
 from physis_ros.engine.oracle import sample_noisy
-from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.runtime import RuntimeConfig
 from physis_ros.engine.stage import measure_block_ms
 
@@ -53,7 +54,7 @@ def _runtime_config(args: argparse.Namespace) -> RuntimeConfig:
     )
 
 
-def _collect(engine: DistEngine, expected: int, timeout_s: float) -> list:
+def _collect(engine: EngineCore, expected: int, timeout_s: float) -> list:
     out, deadline = [], time.monotonic() + timeout_s
     while len(out) < expected:
         if time.monotonic() > deadline:
@@ -62,11 +63,11 @@ def _collect(engine: DistEngine, expected: int, timeout_s: float) -> list:
     return out
 
 
-def _block_ms(engine: DistEngine, window: int, repeats: int) -> list[float]:
-    blocks = sorted(engine.host.blocks)
+def _block_ms(engine: EngineCore, window: int, repeats: int) -> list[float]:
+    blocks = sorted(engine.executor.host.blocks)
     block = blocks[len(blocks) // 2]
     return [
-        measure_block_ms(engine.host.model, [window], block=block, repeats=1, warmup=0)
+        measure_block_ms(engine.model, [window], block=block, repeats=1, warmup=0)
         for _ in range(repeats)
     ]
 
@@ -75,8 +76,8 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
     """Run ``plans`` on ``ranks`` ranks; timings and the outputs."""
     cfg = _runtime_config(args)
     K = args.steps
-    with DistEngine.launch_local(cfg, ranks) as engine:
-        hops = engine.measure_hop_ms() if ranks > 1 else []
+    with ranks_engine(cfg, world_size=ranks) as engine:
+        hops = engine.executor.measure_hop_ms() if ranks > 1 else []
         # warm-up (excluded): allocator, kernels, caches on every rank
         warm = engine.open_stream(StreamSpec(seed=999), max_in_flight=in_flight).stream_id
         warm_plan = plans[0][: 2 + min(K, args.chunks)]
@@ -90,11 +91,11 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
         block_before = _block_ms(engine, args.window, 20)
         sids = {}
         for s in plans:
-            cond = make_cond(engine.model_cfg, 100 + s).numpy()
+            cond = make_cond(engine.cfg, 100 + s).numpy()
             spec = StreamSpec(seed=args.seed + s, prompt_embedding=cond)
             sids[s] = engine.open_stream(spec, max_in_flight=in_flight).stream_id
         expected = 0
-        usage0 = engine.rank_usage()
+        usage0 = engine.executor.rank_usage()
         t0 = time.monotonic()
         for s, plan in plans.items():
             for kind, val in plan:
@@ -105,13 +106,13 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
                     expected += 1
         results = _collect(engine, expected, 600.0)
         wall_s = time.monotonic() - t0
-        usage1 = engine.rank_usage()
+        usage1 = engine.executor.rank_usage()
         entered = {s: dict(engine.controller.streams[sids[s]].context_entered_s) for s in plans}
         block_after = _block_ms(engine, args.window, 20)
-        backend = engine.ctx.backend
-        drops = sum(engine.host.worker.stats.drops.values())
-        batches = engine.host.worker.stats.batches
-        tasks = engine.host.worker.stats.tasks
+        backend = engine.executor.ctx.backend
+        drops = sum(engine.executor.host.worker.stats.drops.values())
+        batches = engine.executor.host.worker.stats.batches
+        tasks = engine.executor.host.worker.stats.tasks
     by_stream = {s: {r.chunk: r for r in results if r.stream_id == sids[s]} for s in plans}
     skip = args.skip if args.skip >= 0 else K
     gaps, fills, responses = [], [], []

@@ -16,7 +16,12 @@ Imports torch; never rclpy. Modules (pool/ is the shared-pool admission and simu
   placement  stages (k, l) -> virtual ranks -> worker ranks; printable
   worker     Worker.run_once: receive -> ready tasks -> group by block -> forward -> send
   transport  Activation and the Transport interface (InProcTransport here)
-  runtime    Controller (pipelined / sequential-noisy / sequential-clean) + in-process drivers
-  local      LocalEngine: the StreamEngine of one process
+  controller slots, anchors, tickets; the release policy (pipelined / sequential-noisy /
+             sequential-clean)
+  executor   what the core asks of whatever runs the stages (Executor, StreamOrder)
+  pipeline   a controller driving an executor: packed chunks in, results out (run_plan)
+  threads    the executor of one process (worker threads); local_engine
+  ranks/     the executor of a torch.distributed job (one rank per device); ranks_engine
+  core       EngineCore: the one StreamEngine (codec, prompts, promises) over an executor
   api        what the server front end asks of an engine
 """

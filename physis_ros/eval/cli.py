@@ -1,6 +1,6 @@
 """``physis-eval BAG [BAG...]``: replay bags through the engine, write report.json/.md and plots.
 
-In process (the default): a ``LocalEngine`` on the embedded default weights unless told
+In process (the default): a ``local_engine`` on the embedded default weights unless told
 otherwise (``--weights``, ``--model``, ``--steps``, ``--window``, ``--shift``, ``--workers``),
 fed window by window. Over the link: ``--link HOST:PORT`` streams the bags to a running
 physis-serve, ``--serve-local`` to a physis-serve child on 127.0.0.1 serving those same engine
@@ -204,7 +204,7 @@ def _expand(paths: list[str]) -> list[str]:
 
 
 def engine_settings(args) -> tuple[dict, dict]:
-    """LocalEngine keyword arguments for the arguments, and the settings reported (those plus
+    """local_engine keyword arguments for the arguments, and the settings reported (those plus
     the frame rate the weights were trained at)."""
     from physis_ros.engine.checkpoints import is_model_dir
     from physis_ros.weights import DEFAULT_STEPS, DEFAULT_WEIGHTS, engine_kwargs, read_metadata
@@ -239,11 +239,11 @@ def engine_settings(args) -> tuple[dict, dict]:
 
 
 def engine_from_args(args) -> tuple[object, dict]:
-    """A LocalEngine for the arguments, and the settings it runs with."""
-    from physis_ros.engine.local import LocalEngine
+    """A local_engine for the arguments, and the settings it runs with."""
+    from physis_ros.engine.threads import local_engine
 
     kwargs, settings = engine_settings(args)
-    return LocalEngine(**kwargs), settings
+    return local_engine(**kwargs), settings
 
 
 @cli_main("physis-eval")

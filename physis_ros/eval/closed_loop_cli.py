@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def run_closed_loop(args, parser, argv) -> int:
-    from physis_ros.engine.local import LocalEngine
+    from physis_ros.engine.threads import local_engine
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider
     from physis_ros.eval.closed_loop_report import run_all, run_names, write_report
     from physis_ros.weights import (
@@ -63,7 +63,7 @@ def run_closed_loop(args, parser, argv) -> int:
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     runs = run_names(args.delay_ms, with_expert=not args.no_expert, modes=args.modes)
-    with LocalEngine(**kwargs, workers=args.workers, mode=args.mode) as engine:
+    with local_engine(**kwargs, workers=args.workers, mode=args.mode) as engine:
         decider = ModelDecider(engine, meta=meta)
         results = run_all(base, runs, decider, progress=not args.quiet)
     command = "physis-eval " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -18,10 +18,18 @@ import torch
 
 from physis_ros.cli_errors import UsageError
 from physis_ros.engine.config import ModelConfig, SamplerConfig
+from physis_ros.engine.placement import layout_balanced, layout_single, stage_costs
 from physis_ros.engine.pool.admission import PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import GIB, CostModel, Profile, ProfileCostModel
 from physis_ros.engine.pool.gate import plan_layout
-from physis_ros.engine.pool.measure import run_burst, scaled_profile
+from physis_ros.engine.pool.measure import (
+    device_name,
+    entries_from_forwards,
+    recorded_forwards,
+    run_burst,
+    run_sequential,
+    scaled_profile,
+)
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.service import (
     DefaultPlan,
@@ -30,6 +38,9 @@ from physis_ros.engine.pool.service import (
     plan_default_target,
 )
 from physis_ros.engine.pool.simulator import SimStream, simulate
+from physis_ros.engine.ranks.runtime import parse_placement
+from physis_ros.engine.stage import measure_block_ms
+from physis_ros.engine.threads import local_engine
 from physis_ros.serve.frontend import ServerDescription
 from physis_ros.serve.spec import ServingSpec
 
@@ -107,9 +118,6 @@ def load_profile(spec: ServingSpec, cfg: ModelConfig, sampler: SamplerConfig) ->
 
 def hand_layout(spec: ServingSpec, workers: int, block_ms: list[float] | None = None):
     """The placement given by hand over ``workers`` workers, as stage -> worker."""
-    from physis_ros.engine.placement import layout_balanced, stage_costs
-    from physis_ros.engine.ranks.runtime import parse_placement
-
     cfg, sampler = spec.model_config, spec.sampler()
     K, L = sampler.steps, cfg.num_blocks
     if spec.plan == "balanced" and block_ms is not None:
@@ -193,9 +201,6 @@ def pooled(engine, pool: Pool, spec: ServingSpec) -> PooledEngine:
 def build_local(spec: ServingSpec) -> tuple[PooledEngine, ServerDescription]:
     """The single-process server's engine: worker threads on one device, planned (or given by
     hand), with the pool in front."""
-    from physis_ros.engine.local import LocalEngine
-    from physis_ros.engine.stage import measure_block_ms
-
     cfg, sampler = spec.model_config, spec.sampler()
     device = torch_device(spec)
     cores = len(os.sched_getaffinity(0))
@@ -206,7 +211,7 @@ def build_local(spec: ServingSpec) -> tuple[PooledEngine, ServerDescription]:
         candidates = [spec.workers]
     else:  # 1, 2, 4, ... and all of them
         candidates = sorted({2**i for i in range(most.bit_length()) if 2**i <= most} | {most})
-    engine = LocalEngine(
+    engine = local_engine(
         # a directory loads its own weights; otherwise the resolved config and weights file
         spec.model if spec.model_directory else cfg,
         steps=sampler.steps,
@@ -265,7 +270,7 @@ def build_local(spec: ServingSpec) -> tuple[PooledEngine, ServerDescription]:
         raise
     log.info("planned %s", pool.default.describe())
     served = pooled(engine, pool, spec)
-    return served, describe(spec, served, pool, kind="LocalEngine")
+    return served, describe(spec, served, pool, kind="threads")
 
 
 def describe(spec: ServingSpec, served: PooledEngine, pool: Pool, *, kind: str):
@@ -319,17 +324,9 @@ def engine_profile(engine, spec: ServingSpec, device) -> tuple[Profile, float]:
     on it: block time by batch size from the forwards it ran (pairs sent one at a time, then a
     free-running burst), and the rest of the burst's wall time per task (worker loop,
     controller, codec) as the task overhead. Returns it and the burst's ms per chunk."""
-    from physis_ros.engine.placement import layout_single
-    from physis_ros.engine.pool.measure import (
-        device_name,
-        entries_from_forwards,
-        recorded_forwards,
-        run_sequential,
-    )
-
     sampler, L = spec.sampler(), spec.model_config.num_blocks
     layout = layout_single(sampler.steps, L)
-    worker = engine.runtime.workers[0]
+    worker = engine.executor.workers[0]
     run_burst(engine, layout, pairs=8, skip=2)  # first-use costs, caches
     alone, _ = recorded_forwards(worker, lambda: run_sequential(engine, layout, pairs=6))
     bursts: list[float] = []

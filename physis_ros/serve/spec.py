@@ -21,8 +21,8 @@ from typing import Any
 
 from physis_ros.cli_errors import UsageError, check_fields
 from physis_ros.engine.config import ModelConfig, SamplerConfig, model_config_from_json
+from physis_ros.engine.controller import MODES
 from physis_ros.engine.pool.admission import POLICIES
-from physis_ros.engine.runtime import MODES
 
 SPEC_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")

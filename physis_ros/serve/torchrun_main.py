@@ -1,6 +1,6 @@
-"""``physis-serve`` under torchrun: rank 0 serves the front end over a ``DistEngine`` with the
-pool in front of it (admission, placement, promises); every other rank runs a worker loop
-(``runtime.run_worker_rank``).
+"""``physis-serve`` under torchrun: rank 0 serves the front end over the engine core on every
+rank, with the pool in front of it (admission, placement, promises); every other rank runs a
+worker loop (``runtime.run_worker_rank``).
 
 One node, 4 GPUs (or 4 CPU ranks with gloo)::
 
@@ -41,7 +41,7 @@ from physis_ros.engine.placement import layout_even
 from physis_ros.engine.pool.costmodel import ProfileCostModel
 from physis_ros.engine.pool.service import PoolSimulation
 from physis_ros.engine.ranks.calibrate import host_cores, startup_profile
-from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.launch import broadcast_text, init_from_env, tie_to_parent
 from physis_ros.engine.ranks.runtime import StopFlag, exit_now, run_worker_rank
 from physis_ros.serve.build import (
@@ -122,53 +122,54 @@ def join_serving(args: argparse.Namespace):
 
 
 def build_dist(spec, ctx):
-    """Rank 0's engine: a ``DistEngine`` over every rank, measured, planned and pooled."""
+    """Rank 0's engine: the core over every rank, measured, planned and pooled."""
     cfg = spec.runtime_config(ctx.world_size)
-    engine = DistEngine(cfg, ctx, prompts=spec.prompts)
+    engine = ranks_engine(cfg, ctx, prompts=spec.prompts)
+    ranks = engine.executor
     try:
         sampler = spec.sampler()
         profile = load_profile(spec, spec.model_config, sampler)
         if profile is None:
             log.info(
-                "measuring the job: block, loop and message costs on %d ranks", engine.world_size
+                "measuring the job: block, loop and message costs on %d ranks", ranks.world_size
             )
             profile = startup_profile(engine)
         cpu = ctx.device.type == "cpu"
         simulation = PoolSimulation(
             host_cores=host_cores() if cpu else 0.0,
-            forward_scale=profile.rank_work_scale if engine.world_size > 1 else 1.0,
-            worker_message_ms=profile.worker_message_ms if engine.world_size > 1 else 0.0,
+            forward_scale=profile.rank_work_scale if ranks.world_size > 1 else 1.0,
+            worker_message_ms=profile.worker_message_ms if ranks.world_size > 1 else 0.0,
             batching=spec.batching,
         )
         block_ms = None
         if spec.plan == "balanced":
-            costs = engine.measure_block_costs()
+            costs = ranks.measure_block_costs()
             block_ms = [
                 min(c[b] for c in costs.values() if b in c)
                 for b in range(cfg.model_config.num_blocks)
             ]
-        given = hand_layout(spec, engine.world_size, block_ms) if spec.plan != "auto" else None
+        given = hand_layout(spec, ranks.world_size, block_ms) if spec.plan != "auto" else None
         # CPU ranks of one host share its memory; a GPU rank has its own.
-        sharing = engine.world_size if cpu else 1
+        sharing = ranks.world_size if cpu else 1
         pool = plan_pool(
             spec,
             ProfileCostModel(profile),
             simulation,
-            workers=engine.world_size,
+            workers=ranks.world_size,
             usable=usable_bytes(spec, ctx.device, sharing),
             stage_devices=given,
         )
         if not spec.profile:  # a given profile is taken as it is
             # Scaled on a burst over every rank (what messages cost included), then planned.
             probe = pool
-            if engine.world_size > 1 and given is None:
+            if ranks.world_size > 1 and given is None:
                 K, L = sampler.steps, cfg.model_config.num_blocks
-                even = tuple(r for row in layout_even(K, L, engine.world_size) for r in row)
+                even = tuple(r for row in layout_even(K, L, ranks.world_size) for r in row)
                 probe = plan_pool(
                     spec,
                     pool.cost,
                     simulation,
-                    workers=engine.world_size,
+                    workers=ranks.world_size,
                     usable=pool.config.usable_bytes,
                     stage_devices=even,
                 )
@@ -177,7 +178,7 @@ def build_dist(spec, ctx):
                 spec,
                 scaled.cost,
                 simulation,
-                workers=engine.world_size,
+                workers=ranks.world_size,
                 usable=pool.config.usable_bytes,
                 stage_devices=given,
             )
@@ -187,5 +188,5 @@ def build_dist(spec, ctx):
         engine.shutdown()
         raise
     served = pooled(engine, pool, spec)
-    description = describe_server(spec, served, pool, kind=f"DistEngine ({ctx.backend})")
+    description = describe_server(spec, served, pool, kind=f"ranks ({ctx.backend})")
     return served, description

@@ -43,10 +43,11 @@ import torch.nn.functional as F
 from physis_ros.engine import fused
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.model import WanDiT, build_model
+from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import layout_single
 from physis_ros.engine.pool.costmodel import block_work
-from physis_ros.engine.runtime import InProcRuntime, run_plan
 from physis_ros.engine.stage import BlockTimer, StageCaches, run_block
+from physis_ros.engine.threads import InProcRuntime
 
 SAMPLER = SamplerConfig(steps=4, window=2)
 DATASHEET_TFLOPS = 989.0

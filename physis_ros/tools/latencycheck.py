@@ -260,7 +260,7 @@ def latencycheck(
     from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
     from physis_ros.engine.pool.gate import AdmittedEngine
     from physis_ros.engine.pool.memory import MemoryModel
-    from physis_ros.engine.ranks.engine import DistEngine
+    from physis_ros.engine.ranks.executor import ranks_engine
     from physis_ros.engine.stage import BlockTimer
 
     torch.set_num_threads(1)  # rank 0 lives in this process
@@ -270,7 +270,7 @@ def latencycheck(
     block_model = build_model(cfg, device="cpu")
     timers = {b: BlockTimer(block_model, [W] * b, window=W) for b in BATCHES}
     older = set(_all_tasks_cpu_ms())
-    with DistEngine.launch_local(runtime_config(model), WORLD) as engine:
+    with ranks_engine(runtime_config(model), world_size=WORLD) as engine:
         warm_up(engine)
         job = _Job(
             world=WORLD,
@@ -301,7 +301,7 @@ def latencycheck(
         share_ab, share_c, gain = _shares(pool, cost, cfg, sampler, predict)
         work_ms = K * cfg.num_blocks * cost.group_ms(cfg, sampler, 1)
         t_ab, t_c = work_ms / share_ab, work_ms / share_c
-        pids = [os.getpid()] + [proc.pid for proc in engine.procs]
+        pids = [os.getpid()] + [proc.pid for proc in engine.executor.procs]
 
         def admit_all(budget_ms: float):
             """A and B admitted and opened, A closed (it left), C admitted with

@@ -251,7 +251,7 @@ def _loop_overheads(model, args: argparse.Namespace, entries, chunks: int = 40) 
     from physis_ros.engine.config import SamplerConfig
     from physis_ros.engine.placement import layout_single
     from physis_ros.engine.pool.costmodel import ProfileCostModel
-    from physis_ros.engine.runtime import InProcRuntime
+    from physis_ros.engine.threads import InProcRuntime
 
     sampler = SamplerConfig(steps=args.steps, window=args.window)
     L = model.cfg.num_blocks

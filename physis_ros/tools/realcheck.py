@@ -104,11 +104,11 @@ def calibrate_gloo(
     medians of ``repeats`` calibrations (``calibrate_on``; the worker's scale and cost per
     message fitted over all of them), counting only those during which other jobs used
     under ``QUIET_CORES`` (up to ``3 * repeats`` tries; all of them when none was quiet)."""
-    from physis_ros.engine.ranks.engine import DistEngine
+    from physis_ros.engine.ranks.executor import ranks_engine
 
     older = set(_all_tasks_cpu_ms())
     quiet, noisy = [], []
-    with DistEngine.launch_local(runtime_config(model, steps, window), 2) as engine:
+    with ranks_engine(runtime_config(model, steps, window), world_size=2) as engine:
         warm_up(engine)
         while len(quiet) < repeats and len(quiet) + len(noisy) < 3 * repeats:
             if noisy:
@@ -129,10 +129,10 @@ def warm_up(engine) -> None:
     """A few chunks through every rank and the transport's threads (first-use costs)."""
     from physis_ros.engine.placement import layout_even
 
-    K_, L = engine.cfg.steps, engine.model_cfg.num_blocks
-    run_free(engine, [layout_even(K_, L, engine.world_size)], 8)
-    if engine.world_size > 1:
-        engine.measure_hop_ms(rounds=5, warmup=5)
+    K_, L = engine.sampler.steps, engine.cfg.num_blocks
+    run_free(engine, [layout_even(K_, L, engine.executor.world_size)], 8)
+    if engine.executor.world_size > 1:
+        engine.executor.measure_hop_ms(rounds=5, warmup=5)
 
 
 def profile_gloo(
@@ -375,12 +375,12 @@ class _Job:
     runs: dict[int, list[tuple[float, float]]]
 
     def run(self, rounds: int, runs_per_round: int) -> None:
-        from physis_ros.engine.ranks.engine import DistEngine
+        from physis_ros.engine.ranks.executor import ranks_engine
 
         older = set(_all_tasks_cpu_ms())
-        with DistEngine.launch_local(runtime_config(self.model), self.world) as engine:
+        with ranks_engine(runtime_config(self.model), world_size=self.world) as engine:
             warm_up(engine)
-            pids = [os.getpid()] + [proc.pid for proc in engine.procs]
+            pids = [os.getpid()] + [proc.pid for proc in engine.executor.procs]
             for _ in range(rounds):
                 if self.calibrations is not None:
                     last = self.calibrations[-1:]
@@ -415,7 +415,7 @@ class _Job:
         other jobs disturbed is retried (twice at most) after waiting for a quiet host."""
         from physis_ros.engine.placement import layout_even
 
-        layouts = [layout_even(K, engine.model_cfg.num_blocks, self.world)] * n
+        layouts = [layout_even(K, engine.cfg.num_blocks, self.world)] * n
         for attempt in range(3):
             if attempt:
                 wait_for_quiet(self.quiet_wait_s)

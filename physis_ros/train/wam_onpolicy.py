@@ -88,7 +88,7 @@ def _drive_in_workers(
 def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEpisode]:
     from tqdm import tqdm
 
-    from physis_ros.engine.local import LocalEngine
+    from physis_ros.engine.threads import local_engine
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider, Takeovers, run_episode
     from physis_ros.weights import (
         engine_kwargs,
@@ -100,7 +100,7 @@ def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEp
     meta = read_metadata(weights)
     kwargs = engine_kwargs(weights)
     episodes = []
-    with LocalEngine(**kwargs) as engine:
+    with local_engine(**kwargs) as engine:
         decider = ModelDecider(engine, meta=meta)
         bar = tqdm(seeds, desc="on-policy episodes", unit="ep", disable=not progress)
         for seed in bar:

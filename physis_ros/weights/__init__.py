@@ -120,7 +120,7 @@ def missing_shipped_weights(model: str | None) -> str | None:
 
 
 def shipped_engine_defaults(model: str | None) -> dict:
-    """``LocalEngine`` arguments (checkpoint, window, steps, shift) for a preset that ships with
+    """``local_engine`` arguments (checkpoint, window, steps, shift) for a preset that ships with
     weights; empty for the others (random init) or when the weights file is missing."""
     path = SHIPPED.get(model or "")
     if path is None or not path.exists():
@@ -129,7 +129,7 @@ def shipped_engine_defaults(model: str | None) -> dict:
 
 
 def engine_kwargs(path: str | Path = DEFAULT_WEIGHTS) -> dict:
-    """``LocalEngine`` arguments for a checkpoint written by physis-train: model preset,
+    """``local_engine`` arguments for a checkpoint written by physis-train: model preset,
     checkpoint, attention window, schedule shift, the steps it was trained for (metadata
     ``steps``; DEFAULT_STEPS when it names none), and, when the metadata names them, the
     horizon its streams predict and how it takes observations (``context_noise``)."""

@@ -7,7 +7,8 @@ import torch
 from physis_ros.engine import oracle
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.model import chunk_numel, make_cond
-from physis_ros.engine.runtime import InProcRuntime, run_plan
+from physis_ros.engine.pipeline import run_plan
+from physis_ros.engine.threads import InProcRuntime
 
 SAMPLER = SamplerConfig(steps=3, window=2)
 """K=3, W=2: with 7 chunks the KV rings wrap around."""

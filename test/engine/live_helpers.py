@@ -9,8 +9,9 @@ from engine_helpers import SAMPLER, actions, context_x
 from stream_plans import live_skeleton, rollout_skeleton
 
 from physis_ros.engine import oracle
+from physis_ros.engine.controller import submit_item
 from physis_ros.engine.model import make_cond
-from physis_ros.engine.runtime import InProcRuntime, submit_item
+from physis_ros.engine.threads import InProcRuntime
 
 
 def live_plan(model, stream: int, *, horizon: int, observations: int = 6, with_actions=False):

@@ -14,7 +14,6 @@ from live_helpers import rollout_plan, run_live_inline, run_live_threads, worst_
 from physis_ros.engine import oracle
 from physis_ros.engine.model import chunk_layout, head_velocity, make_cond
 from physis_ros.engine.placement import layout_groups, layout_single
-from physis_ros.engine.runtime import InProcRuntime
 from physis_ros.engine.sampler import (
     anchor_tokens,
     initial_noise,
@@ -22,6 +21,7 @@ from physis_ros.engine.sampler import (
     pack_chunk,
     tokens_to_latent,
 )
+from physis_ros.engine.threads import InProcRuntime
 
 K, L = SAMPLER.steps, 2
 HORIZON = 3

@@ -116,12 +116,12 @@ def test_engine_bench_over_torch_distributed_ranks_reports_comm_and_speedup():
 
 
 def test_ranks_keep_start_up_objects_out_of_garbage_collection():
-    from physis_ros.engine.ranks.engine import DistEngine
+    from physis_ros.engine.ranks.executor import ranks_engine
     from physis_ros.engine.ranks.runtime import RuntimeConfig
 
     cfg = RuntimeConfig(model="tiny", device="cpu", fault_timeout_s=30.0, comm_timeout_s=60.0)
-    with DistEngine.launch_local(cfg, 2) as engine:
-        usage = engine.rank_usage()
+    with ranks_engine(cfg, world_size=2) as engine:
+        usage = engine.executor.rank_usage()
     # tens of thousands of start-up objects (torch, the model) are frozen on every rank, so
     # a full collection no longer walks them
     assert all(u["gc_frozen"] > 10_000 for u in usage.values()), usage

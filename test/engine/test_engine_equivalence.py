@@ -8,7 +8,9 @@ from engine_helpers import SAMPLER, TOL, plan_for, run_and_compare
 
 from physis_ros.engine import oracle
 from physis_ros.engine.config import SamplerConfig
+from physis_ros.engine.controller import MODES
 from physis_ros.engine.model import make_cond
+from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import (
     blocks_share_worker,
     layout_by_block,
@@ -16,7 +18,7 @@ from physis_ros.engine.placement import (
     layout_one_stage_per_worker,
     layout_single,
 )
-from physis_ros.engine.runtime import MODES, InProcRuntime, run_plan
+from physis_ros.engine.threads import InProcRuntime
 
 K, L = SAMPLER.steps, 2
 LAYOUTS = {

@@ -1,4 +1,4 @@
-"""LocalEngine end to end: StreamEngine calls in, decoded numpy chunks out, equal to the oracle."""
+"""local_engine end to end: StreamEngine calls in, decoded numpy chunks out, equal to the oracle."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from physis_ros.engine import oracle
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.local import LocalEngine
 from physis_ros.engine.sampler import pack_chunk
+from physis_ros.engine.threads import local_engine
 
 
 def _poll_until(engine, count, timeout_s=30.0):
@@ -29,7 +29,7 @@ def _poll_until(engine, count, timeout_s=30.0):
 @pytest.mark.parametrize("mode", ["pipelined", "sequential-clean"])
 def test_local_engine_end_to_end_equals_oracle(mode):
     workers = 2
-    with LocalEngine("tiny", steps=3, window=2, mode=mode, workers=workers) as eng:
+    with local_engine("tiny", steps=3, window=2, mode=mode, workers=workers) as eng:
         promise = eng.open_stream(StreamSpec(seed=4, prompt_embedding=tiny_cond(9)))
         assert promise.chunk_frames == 2 and (promise.image_height, promise.image_width) == (16, 16)
         assert promise.action_horizon == 4 and promise.expected_interval_ms > 0
@@ -74,7 +74,7 @@ def test_local_engine_live_stream_replaces_predictions_and_names_anchors():
     from physis_ros.engine.sampler import unpack_chunk
 
     horizon = 3
-    with LocalEngine("tiny", steps=3, window=2, workers=2) as eng:
+    with local_engine("tiny", steps=3, window=2, workers=2) as eng:
         sid = eng.open_stream(
             StreamSpec(seed=6, prompt_embedding=tiny_cond(8), horizon=horizon)
         ).stream_id
@@ -85,7 +85,7 @@ def test_local_engine_live_stream_replaces_predictions_and_names_anchors():
             frames = rng.integers(0, 256, (2, 16, 16, 3), dtype=np.uint8)
             assert eng.submit_context(sid, frames, slot=slot) == slot
             plan.append(("observe", slot, pack_chunk(eng.cfg, codec.encode(frames))))
-            while eng.runtime.controller.next_slot(sid) <= slot + horizon:
+            while eng.controller.next_slot(sid) <= slot + horizon:
                 eng.submit_generate(sid)
                 plan.append(("generate", None))
             outs += eng.poll(0.01)  # the next observation arrives while these are in flight
@@ -109,7 +109,7 @@ def test_local_engine_live_stream_replaces_predictions_and_names_anchors():
 
 
 def test_bad_input_is_refused_and_the_stream_goes_on():
-    with LocalEngine("tiny", steps=2, window=1) as eng:
+    with local_engine("tiny", steps=2, window=1) as eng:
         sid = eng.open_stream(StreamSpec()).stream_id
         with pytest.raises(ValueError, match="frames have shape"):
             eng.submit_context(sid, np.zeros((2, 8, 8, 3), np.uint8))
@@ -129,7 +129,7 @@ def test_condition_model_takes_actions_and_admission_is_bounded():
     from physis_ros.engine.config import get_preset
 
     cfg = get_preset("tiny", action_mode="condition")
-    with LocalEngine(cfg, steps=2, window=1, max_streams=2) as eng:
+    with local_engine(cfg, steps=2, window=1, max_streams=2) as eng:
         a = eng.open_stream(StreamSpec(seed=1)).stream_id
         eng.open_stream(StreamSpec(seed=2))
         with pytest.raises(AdmissionRefused) as err:
@@ -144,7 +144,7 @@ def test_condition_model_takes_actions_and_admission_is_bounded():
 
 def test_shutdown_stops_every_thread():
     before = {t.name for t in threading.enumerate()}
-    eng = LocalEngine("tiny", steps=2, window=1, workers=2)
+    eng = local_engine("tiny", steps=2, window=1, workers=2)
     eng.open_stream(StreamSpec())
     eng.shutdown()
     left = {t.name for t in threading.enumerate() if t.is_alive()} - before

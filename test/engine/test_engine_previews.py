@@ -11,7 +11,7 @@ from live_helpers import LiveFeed, live_plan
 from physis_ros.engine import oracle
 from physis_ros.engine.model import make_cond
 from physis_ros.engine.placement import layout_groups, layout_single
-from physis_ros.engine.runtime import InProcRuntime
+from physis_ros.engine.threads import InProcRuntime
 
 K, L = SAMPLER.steps, 2
 

@@ -12,7 +12,7 @@ from live_helpers import rollout_plan, run_live_inline, run_live_threads, worst_
 from physis_ros.engine import oracle
 from physis_ros.engine.model import make_cond
 from physis_ros.engine.placement import layout_groups, layout_single
-from physis_ros.engine.runtime import InProcRuntime
+from physis_ros.engine.threads import InProcRuntime
 
 K, L = SAMPLER.steps, 2
 

@@ -12,7 +12,6 @@ from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamSpec
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.local import LocalEngine
 from physis_ros.engine.model import build_model, chunk_layout, forward_sequence, make_cond
 from physis_ros.engine.sampler import (
     initial_noise,
@@ -22,6 +21,7 @@ from physis_ros.engine.sampler import (
     unpack_chunk,
     unpack_state,
 )
+from physis_ros.engine.threads import local_engine
 from physis_ros.weights import WAM_WEIGHTS
 
 SAMPLER = SamplerConfig(steps=4, window=3, shift=3.0)
@@ -51,7 +51,7 @@ def test_pipelined_push_wam_equals_its_oracle(workers):
     full-sequence sampler: equal to fp32 round-off. The shipped weights when present."""
     weights = str(WAM_WEIGHTS) if WAM_WEIGHTS.exists() else None
     rng = np.random.default_rng(7)
-    with LocalEngine(
+    with local_engine(
         "push-wam", steps=4, window=3, shift=3.0, workers=workers, checkpoint=weights
     ) as eng:
         cfg = eng.cfg
@@ -104,7 +104,7 @@ def test_committed_rows_are_conditioning_not_state():
 
 
 def test_bad_world_action_requests_are_refused_and_the_stream_goes_on():
-    with LocalEngine("push-wam", steps=2, window=3, shift=3.0) as eng:
+    with local_engine("push-wam", steps=2, window=3, shift=3.0) as eng:
         cfg = eng.cfg
         sid = eng.open_stream(StreamSpec()).stream_id
         frames = np.zeros((2, *cfg.image_size, 3), np.uint8)

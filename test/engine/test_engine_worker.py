@@ -10,6 +10,7 @@ from engine_helpers import SAMPLER, TOL, plan_for
 
 from physis_ros.engine import oracle
 from physis_ros.engine.model import make_cond
+from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import (
     Placement,
     layout_even,
@@ -17,8 +18,8 @@ from physis_ros.engine.placement import (
     layout_one_stage_per_worker,
     layout_single,
 )
-from physis_ros.engine.runtime import InProcRuntime, run_plan
 from physis_ros.engine.stage import measure_block_ms, time_block_forward
+from physis_ros.engine.threads import InProcRuntime
 from physis_ros.engine.transport import FLAG_CONTEXT, Activation, InProcTransport
 from physis_ros.engine.worker import Worker
 
@@ -157,7 +158,7 @@ def test_bfloat16_pipeline_runs_and_tracks_its_oracle(tiny):
 
 
 def test_close_joins_every_thread_the_runtime_started(tiny):
-    """physis-serve's engine shutdown (LocalEngine.shutdown -> InProcRuntime.close): no worker
+    """physis-serve's engine shutdown (EngineCore.shutdown -> ThreadExecutor.shutdown): no worker
     loop is left running when the process goes on to exit."""
     layout = layout_even(SAMPLER.steps, tiny.cfg.num_blocks, 2)
     before = set(threading.enumerate())

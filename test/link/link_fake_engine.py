@@ -133,7 +133,7 @@ class FakeEngine:
         return chunk
 
     def fail(self, stream_id: int | None) -> None:
-        """The next poll raises StreamFailed: naming ``stream_id`` (as DistEngine does when a
+        """The next poll raises StreamFailed: naming ``stream_id`` (as the rank executor does when a
         rank holding that stream dies; the stream's chunks stop), or, with None, naming no
         stream (the whole engine is gone)."""
         err = StreamFailed(f"stream {stream_id} failed: injected by the test")

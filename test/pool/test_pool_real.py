@@ -1,5 +1,6 @@
-"""Real checks on this machine: the gloo runtime (DistEngine, real rank processes) with tiny
-streams, admission from a profile measured here, intervals measured on the real outputs."""
+"""Real checks on this machine: the gloo runtime (the engine core over real rank processes)
+with tiny streams, admission from a profile measured here, intervals measured on the real
+outputs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
 from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
-from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.executor import ranks_engine
 
 from .realcheck import K, W, intervals_ms, profile_gloo, realcheck, runtime_config
 
@@ -75,7 +76,7 @@ def test_admitted_streams_meet_the_target_and_the_next_is_refused():
         memory=MemoryModel(dtype_bytes=4),
         controller_device=0,
     )
-    with DistEngine.launch_local(runtime_config(), 2) as engine:
+    with ranks_engine(runtime_config(), world_size=2) as engine:
         gate = AdmittedEngine(engine, AdmissionController(pool, cost), cfg, sampler)
         spec = StreamSpec(target_interval_ms=target_ms)
         opened = [

@@ -14,7 +14,7 @@ from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
-from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.executor import ranks_engine
 
 from .realcheck import K, W, runtime_config
 
@@ -54,7 +54,7 @@ def test_admitted_streams_share_workers_batch_across_streams_and_match_the_oracl
     )
     controller = AdmissionController(pool, ProfileCostModel(PROFILE))
     specs, plans = {}, {}
-    with DistEngine.launch_local(runtime_config(), 2) as engine:
+    with ranks_engine(runtime_config(), world_size=2) as engine:
         gate = AdmittedEngine(engine, controller, cfg, sampler)
 
         def admit(i: int):
@@ -78,7 +78,7 @@ def test_admitted_streams_share_workers_batch_across_streams_and_match_the_oracl
         assert "ms per interval free" in refused.value.reason
 
         got = run_plans(engine, {sid: plans[sid] for sid, _ in opened})
-        mixed_rank0 = engine.host.worker.stats.mixed_batches
+        mixed_rank0 = engine.executor.host.worker.stats.mixed_batches
 
         gate.close_stream(opened[1][0])
         assert controller.utilization(1) == pytest.approx(0.5 * work_ms / target_ms)
@@ -91,5 +91,7 @@ def test_admitted_streams_share_workers_batch_across_streams_and_match_the_oracl
     # Batches mixed streams (rank 0 hosts streams 0 and 2, rank 1 streams 1 and 2). Whether
     # two streams' tasks are ready together on a given rank depends on timing: a loaded host
     # once left rank 1 with none, so the pool as a whole must have mixed, not each rank.
-    assert mixed_rank0 + engine.rank_stats[1]["mixed_batches"] > 0, engine.rank_stats
+    assert mixed_rank0 + engine.executor.rank_stats[1]["mixed_batches"] > 0, (
+        engine.executor.rank_stats
+    )
     assert worst_oracle_error(runtime_config(), plans, specs, got) <= TOL

@@ -1,6 +1,6 @@
 """Test helper, run by torchrun (test_serve_weights.py): joins the job as physis-serve does
 (rank 0 resolves the serving spec and sends it as JSON; every rank loads its blocks strictly),
-then rank 0 runs ``observed_plan`` on a ``DistEngine`` over every rank and writes each
+then rank 0 runs ``observed_plan`` on the engine core over every rank and writes each
 generated chunk's final state to OUT (.npz).
 
 Usage: torchrun --nproc-per-node N test/serve/dist_predict.py [physis-serve flags] OUT
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from stream_plans import observed_plan
 
 from physis_ros.engine.api import StreamSpec
-from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.runtime import exit_now
 from physis_ros.serve.main import parse_args
 from physis_ros.serve.torchrun_main import join_serving
@@ -32,7 +32,7 @@ def main() -> int:
     args = parse_args(sys.argv[1:-1])
     out = sys.argv[-1]
     ctx, spec = join_serving(args)  # the other ranks serve inside and exit there
-    engine = DistEngine(spec.runtime_config(ctx.world_size), ctx)
+    engine = ranks_engine(spec.runtime_config(ctx.world_size), ctx)
     try:
         # no prompt: the model's empty prompt (push-wm: the conditioning it was trained with)
         sid = engine.open_stream(StreamSpec(seed=SEED)).stream_id

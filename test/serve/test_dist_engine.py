@@ -1,4 +1,4 @@
-"""DistEngine over real gloo ranks (child processes; this test process is rank 0).
+"""The engine core over real gloo ranks (child processes; this test process is rank 0).
 
 Output equals the offline oracle for 2 and 4 ranks, several placements, 2 streams; a killed
 rank fails exactly the streams placed on it, within the fault timeout, naming the rank;
@@ -26,7 +26,8 @@ from stream_plans import (
 from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamFailed, StreamSpec
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.core import EngineCore
+from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.launch import RANK_VARS
 from physis_ros.engine.ranks.runtime import RuntimeConfig
 
@@ -54,12 +55,12 @@ def _cfg(**kw) -> RuntimeConfig:
     return RuntimeConfig(**base)
 
 
-def _assert_clean_exit(engine: DistEngine) -> None:
-    port = engine.master_port
+def _assert_clean_exit(engine: EngineCore) -> None:
+    port = engine.executor.master_port
     # torchrun's variables were set only while rank 0 joined: a physis-serve started later by
     # this process must not think it runs under torchrun
     assert not set(RANK_VARS) & set(os.environ)
-    assert [p.poll() for p in engine.procs] == [0] * len(engine.procs)
+    assert [p.poll() for p in engine.executor.procs] == [0] * len(engine.executor.procs)
     with socket.socket() as sock:  # the store's port is free again
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))
@@ -89,7 +90,7 @@ def test_dist_output_equals_oracle(case):
     cfg = _cfg(placement=placement)
     specs = {}
     plans = {}
-    with DistEngine.launch_local(cfg, world) as engine:
+    with ranks_engine(cfg, world_size=world) as engine:
         for i, layout in enumerate(layouts):
             spec = StreamSpec(seed=11 + i, prompt_embedding=tiny_cond(200 + i))
             promise = engine.open_stream(spec, layout=layout)
@@ -123,7 +124,7 @@ def test_live_streams_with_observations_in_flight_equal_the_live_oracle(
     oracle version by version and carries its anchor (DESIGN.md §3)."""
     cfg = _cfg(placement=placement, resolved_config=model)
     specs, plans = {}, {}
-    with DistEngine.launch_local(cfg, world) as engine:
+    with ranks_engine(cfg, world_size=world) as engine:
         for i in range(2):
             spec = StreamSpec(seed=41 + i, prompt_embedding=tiny_cond(500 + i), horizon=horizon)
             promise = engine.open_stream(spec)
@@ -147,19 +148,19 @@ def test_placement_computed_from_costs_loads_missing_blocks_and_equals_oracle():
     # groups:1,3,2,2 leaves rank 0 with block 0 only. Costs where block 1 is 3x block 0 give
     # the layout [(0,0),(0,1)] [(1,0),(1,1)] ... : rank 0 must load block 1 first.
     cfg = _cfg(placement="groups:1,3,2,2")
-    with DistEngine.launch_local(cfg, 4) as engine:
-        assert engine.rank_blocks[0] == {0}
-        measured = engine.measure_block_costs(repeats=3)
+    with ranks_engine(cfg, world_size=4) as engine:
+        assert engine.executor.rank_blocks[0] == {0}
+        measured = engine.executor.measure_block_costs(repeats=3)
         assert sorted(measured) == [0, 1, 2, 3]
         assert set(measured[0]) == {0} and all(
             ms > 0 for c in measured.values() for ms in c.values()
         )
-        layout = engine.balanced_layout({0: 1.0, 1: 3.0})
+        layout = engine.executor.balanced_layout({0: 1.0, 1: 3.0})
         assert layout == ((0, 0), (1, 1), (2, 2), (3, 3))
         with pytest.raises(Exception, match="does not hold blocks"):
             engine.open_stream(StreamSpec(seed=1), layout=layout)
         engine.load_blocks(layout)
-        assert engine.rank_blocks[0] == {0, 1}
+        assert engine.executor.rank_blocks[0] == {0, 1}
         specs, plans = {}, {}
         for i, lay in enumerate([layout, None]):
             spec = StreamSpec(seed=21 + i, prompt_embedding=tiny_cond(300 + i))
@@ -189,8 +190,8 @@ def test_running_stream_moves_to_new_layouts_and_equals_oracle(case):
     world, placement, moves = RELAYOUTS[case]
     cfg = _cfg(placement=placement)
     specs, plans, got = {}, {}, {}
-    with DistEngine.launch_local(cfg, world) as engine:
-        default = engine.default_layout
+    with ranks_engine(cfg, world_size=world) as engine:
+        default = engine.executor.default_layout
         for i in range(2):
             spec = StreamSpec(seed=31 + i, prompt_embedding=tiny_cond(400 + i))
             sid = engine.open_stream(spec, max_in_flight=3).stream_id
@@ -213,11 +214,11 @@ def test_running_stream_moves_to_new_layouts_and_equals_oracle(case):
             if moves and done >= 2 * (len(firsts) + 1):
                 layout = moves.pop(0)
                 firsts.append(engine.relayout(0, default if layout is None else layout))
-        stats = engine.stats()
+        stats = engine.executor.stats()
     _assert_clean_exit(engine)
     assert 0 < firsts[0] <= firsts[-1] < 12 and not moves  # moved twice, mid-stream
-    moved = sum(s.get("rings_sent", 0) for s in engine.rank_stats.values())
-    assert moved > 0, engine.rank_stats
+    moved = sum(s.get("rings_sent", 0) for s in engine.executor.rank_stats.values())
+    assert moved > 0, engine.executor.rank_stats
     assert not stats["worker_drops"]
     assert worst_oracle_error(cfg, plans, specs, got, device=ORACLE_DEVICE) <= TOL
 
@@ -230,7 +231,7 @@ def test_failed_rank_fails_its_streams_within_timeout_and_others_finish(fault):
     cfg = _cfg(placement="even", fault_timeout_s=FAULT_TIMEOUT_S)
     layout_a = ((0, 1),) * 4  # ranks 0 and 1
     layout_b = ((0, 2),) * 4  # ranks 0 and 2
-    with DistEngine.launch_local(cfg, 3) as engine:
+    with ranks_engine(cfg, world_size=3) as engine:
         spec_a, spec_b = (
             StreamSpec(seed=1, prompt_embedding=tiny_cond(5)),
             StreamSpec(seed=2, prompt_embedding=tiny_cond(6)),
@@ -242,7 +243,7 @@ def test_failed_rank_fails_its_streams_within_timeout_and_others_finish(fault):
         assert first[sid_a] and first[sid_b]
         for _ in range(4):
             engine.submit_generate(sid_b)
-        victim = engine.procs[1]  # rank 2
+        victim = engine.executor.procs[1]  # rank 2
         victim.send_signal(fault)
         killed_s = time.monotonic()
         failure = None
@@ -266,8 +267,8 @@ def test_failed_rank_fails_its_streams_within_timeout_and_others_finish(fault):
         shutdown_s = time.monotonic()
     shutdown_s = time.monotonic() - shutdown_s
     assert shutdown_s < 4 * cfg.fault_timeout_s  # a hung rank is reaped, not waited on
-    assert [p.poll() is not None for p in engine.procs] == [True, True]
-    assert engine.procs[0].returncode == 0
+    assert [p.poll() is not None for p in engine.executor.procs] == [True, True]
+    assert engine.executor.procs[0].returncode == 0
     got_a = {**first[sid_a], **rest[sid_a]}
     assert (
         worst_oracle_error(

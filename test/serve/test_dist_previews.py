@@ -16,7 +16,7 @@ from physis_ros.engine.codec import check_stream_codec
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.model import build_model, make_cond
 from physis_ros.engine.placement import layout_groups
-from physis_ros.engine.ranks.engine import DistEngine
+from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.runtime import RuntimeConfig
 
 torch.set_num_threads(1)
@@ -40,7 +40,7 @@ def test_previews_cross_ranks_and_equal_the_oracle():
     # stage (0, 1) and every step's last block on another rank than the sink (rank 0)
     layout = layout_groups(K, tiny.num_blocks, [3, 2, 3])
     plan = live_random_plan(tiny, 5, horizon=2, observations=5)
-    with DistEngine.launch_local(cfg, 3) as engine:
+    with ranks_engine(cfg, world_size=3) as engine:
         sids = [
             engine.open_stream(
                 StreamSpec(seed=3, prompt_embedding=tiny_cond(9), previews=wants, horizon=2),

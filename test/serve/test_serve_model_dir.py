@@ -18,8 +18,8 @@ import torch
 from wan_fixtures import make_diffusers_wan, make_vae
 
 from physis_ros.engine.api import StreamSpec
-from physis_ros.engine.local import LocalEngine
 from physis_ros.engine.prompts import write_prompts
+from physis_ros.engine.threads import local_engine
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -109,7 +109,7 @@ def _reference(root: Path, got: dict[int, np.ndarray], prompt: str) -> dict[int,
     """The same chunks through an in-process engine on the live timeline the server ran
     (DESIGN.md §3.1, horizon 1): slot c - 1's observation (its frames, all the same image),
     then slot c generated, for every slot up to the last one predicted."""
-    engine = LocalEngine(
+    engine = local_engine(
         str(root), steps=3, window=2, vae=str(root / "vae"), resolution="32x32", latent_frames=2,
         prompts=[str(root / "prompts.safetensors")],
     )  # fmt: skip

@@ -256,11 +256,11 @@ def _run_stream(port: int, min_committed_ms: float = 0.0) -> tuple[list[dict], l
 def _in_process(weights: Path, requests: list[dict]) -> dict[int, np.ndarray]:
     """The in-process engine on the same stream seed and requests: chunk -> actions."""
     from physis_ros.engine.api import StreamSpec
-    from physis_ros.engine.local import LocalEngine
+    from physis_ros.engine.threads import local_engine
     from physis_ros.weights import engine_kwargs
 
     out: dict[int, np.ndarray] = {}
-    with LocalEngine(**engine_kwargs(weights)) as engine:
+    with local_engine(**engine_kwargs(weights)) as engine:
         sid = engine.open_stream(StreamSpec(seed=SEED)).stream_id
         for req in requests:
             engine.submit_context(sid, req["frames"], req["rows"], req["state"], slot=req["slot"])

@@ -185,10 +185,10 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     kwargs = engine_kwargs(weights)
     assert kwargs["window"] == 3 and kwargs["steps"] == 4 and kwargs["shift"] == 3.0
 
-    from physis_ros.engine.local import LocalEngine
+    from physis_ros.engine.threads import local_engine
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider, run_episode
 
-    with LocalEngine(**kwargs) as engine:
+    with local_engine(**kwargs) as engine:
         decider = ModelDecider(engine, meta=meta)
         cfg = ClosedLoopConfig(delay_ms=150.0, time_limit_s=1.0)
         result = run_episode(cfg, 10_000, decider, keep_frames=True)

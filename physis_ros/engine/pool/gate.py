@@ -1,7 +1,7 @@
 """Admission in front of a running engine (rank 0): admit, place, then open the stream.
 
 ``AdmittedEngine`` wraps any engine whose ``open_stream(spec, layout=...)`` takes an explicit
-K x L layout of ranks (the torch.distributed ``DistEngine``, for one). A stream's
+K x L layout of ranks (the engine core over torch.distributed ranks, for one). A stream's
 ``StreamSpec.target_interval_ms`` and ``response_latency_budget_ms`` go to the
 ``AdmissionController``; an admitted plan becomes
 the layout (device d = rank d), a refusal is raised before the engine hears of the stream.

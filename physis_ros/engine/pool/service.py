@@ -1,7 +1,7 @@
 """The pool in front of a running engine: admission, placement and promises for every stream.
 
 ``PooledEngine`` wraps an engine whose ``open_stream(spec, layout=...)`` takes a K x L layout of
-workers (``LocalEngine``'s worker threads, ``DistEngine``'s ranks; device d = worker d):
+workers (the engine core's: worker threads, or ranks; device d = worker d):
 
 - a stream's target interval (a request of 0 gets the pool's default target) and its
   response-latency budget go to the ``AdmissionController``, which places it in the spare

@@ -141,16 +141,16 @@ def calibrate_on(
     from physis_ros.engine.placement import layout_single
     from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
 
-    cfg = engine.model_cfg
-    steps, L = engine.cfg.steps, cfg.num_blocks
+    cfg = engine.cfg
+    steps, L = engine.sampler.steps, cfg.num_blocks
     tasks = chunks * steps * L
     probe = Profile(
         device="-", model="-", steps=steps, window=0, dtype="-", entries=tuple(entries), hop_ms=0.0
     )
     probed = ProfileCostModel(probe).block_ms
-    worker = engine.host.worker
-    worker_tid = engine._threads[0].native_id
-    pids = [os.getpid()] + [proc.pid for proc in engine.procs]
+    worker = engine.executor.host.worker
+    worker_tid = engine.executor.threads[0].native_id
+    pids = [os.getpid()] + [proc.pid for proc in engine.executor.procs]
     foreign = []
     single: dict[bool, tuple[float, float, list[int], float]] = {}
     forwards: list[tuple[int, float]] = []  # (tasks, worker processor ms) of every forward
@@ -190,7 +190,7 @@ def calibrate_on(
         "send_cpu_ms": 0.0,
         "recv_cpu_ms": 0.0,
     }
-    if engine.world_size < 2:
+    if engine.executor.world_size < 2:
         return costs, entries, max(foreign), []
 
     def modelled_ms(sizes: list[int]) -> float:
@@ -198,11 +198,11 @@ def calibrate_on(
         return sum(block(b) + batch_oh + b * task_oh for b in sizes)
 
     one_rank = worker_ms / modelled_ms(sizes)
-    engine.measure_hop_ms(rounds=1, warmup=warm_chunks)
-    hop_ms = statistics.median(engine.measure_hop_ms(rounds=100, warmup=0))
+    engine.executor.measure_hop_ms(rounds=1, warmup=warm_chunks)
+    hop_ms = statistics.median(engine.executor.measure_hop_ms(rounds=100, warmup=0))
     runs = []
     for layout in (layout_strided, layout_whole_steps):
-        lay = layout(steps, L, engine.world_size)
+        lay = layout(steps, L, engine.executor.world_size)
         run_free(engine, [lay], warm_chunks)
         meter = ForeignLoad(pids)
         runs.append(_rank0_under_load(engine, lay, 2 * chunks, older, modelled_ms))
@@ -326,9 +326,9 @@ class _Rank0Run:
 def _rank0_under_load(engine, layout, chunks: int, older: set[int], modelled_ms) -> _Rank0Run:
     """One free-running run of ``layout`` with rank 0's threads accounted. ``older``:
     threads from before the job."""
-    transport, worker = engine.transport, engine.host.worker
-    worker_tid = engine._threads[0].native_id
-    known = {worker_tid, engine._threads[1].native_id}  # worker, monitor
+    transport, worker = engine.executor.transport, engine.executor.host.worker
+    worker_tid = engine.executor.threads[0].native_id
+    known = {worker_tid, engine.executor.threads[1].native_id}  # worker, monitor
     known |= {threading.get_native_id()} | older  # the caller (the controller)
     recv_tid = transport._recv_thread.native_id
     send_tids = {t.native_id for t in transport._send_threads.values()}
@@ -385,16 +385,16 @@ def startup_profile(engine, *, chunks: int = 16, warm_chunks: int = 6, window_s:
     from physis_ros.engine.pool.costmodel import Profile
     from physis_ros.engine.stage import BlockTimer
 
-    cfg, sampler = engine.model_cfg, engine.cfg.sampler_config
+    cfg, sampler = engine.cfg, engine.sampler
     K, L = sampler.steps, cfg.num_blocks
     # The calibration's layouts need blocks where the initial placement put none.
     for layout in (layout_single, layout_strided, layout_whole_steps):
-        if layout is layout_whole_steps and engine.world_size > K:
+        if layout is layout_whole_steps and engine.executor.world_size > K:
             continue
-        lay = layout(K, L) if layout is layout_single else layout(K, L, engine.world_size)
+        lay = layout(K, L) if layout is layout_single else layout(K, L, engine.executor.world_size)
         engine.load_blocks(tuple(tuple(row) for row in lay))
     older = set(_all_tasks_cpu_ms())
-    model = engine.host.model
+    model = engine.model
     timers = {
         b: BlockTimer(model, [sampler.window] * b, window=sampler.window) for b in (1, 2, 4, 8)
     }
@@ -410,11 +410,11 @@ def startup_profile(engine, *, chunks: int = 16, warm_chunks: int = 6, window_s:
         scale, per_message_ms = fit_worker_costs([samples])
         extra = {"rank_work_scale": scale, "worker_message_ms": per_message_ms}
     return Profile(
-        device=f"cpu x{engine.cfg.threads} threads per rank",
+        device=f"cpu x{engine.executor.cfg.threads} threads per rank",
         model=cfg.name,
         steps=sampler.steps,
         window=sampler.window,
-        dtype=engine.cfg.dtype,
+        dtype=engine.executor.cfg.dtype,
         entries=tuple(entries),
         **costs,
         **extra,

@@ -3,7 +3,7 @@ measured on the ranks, layouts balanced by those costs, ranks loading the blocks
 running streams moved to another layout, and per-rank processor usage.
 
 All of it travels as control messages (runtime.py lists them) answered by each rank's loop;
-``DistEngine``'s monitor thread routes the answers to ``_replies``. Nothing here is a barrier:
+``RankExecutor``'s monitor thread routes the answers to ``_replies``. Nothing here is a barrier:
 only the ranks asked pause, for the time they take to answer.
 """
 
@@ -30,9 +30,9 @@ ANSWER_KINDS = {"usage": "usage_report", "measure": "costs", "load": "loaded"}
 
 
 class PlacementControl:
-    """Mixed into ``DistEngine`` (which provides the attributes used here: cfg, model_cfg,
-    world_size, transport, controller, rank_blocks, failed_ranks, _byes, _streams, _lock,
-    _ask_lock, _replies, _host_control, _check_stream)."""
+    """Mixed into ``RankExecutor`` (which provides the attributes used here: cfg, model_cfg,
+    world_size, transport, rank_blocks, failed_ranks, _byes, _lock, _ask_lock, _replies,
+    _host_control)."""
 
     def _ask_ranks(self, kind: str, body: dict, host_arg, timeout_s: float) -> dict[int, dict]:
         """Send ``kind`` to every live worker rank and run it on rank 0's own host (in its
@@ -150,39 +150,3 @@ class PlacementControl:
         with self._lock:
             for r, body in answers.items():
                 self.rank_blocks[r] = set(body["rank0"] if r == 0 else body["blocks"])
-
-    def relayout(self, stream_id: int, layout: Layout) -> int:
-        """Move a running stream to ``layout`` from its next released chunk on; returns that
-        chunk. No barrier: ranks learn of the change by a control message each and hold
-        chunks of the new epoch until theirs arrives; each moved stage's KV ring goes from
-        its old owner to its new one after the last chunk of the old epoch ran there
-        (engine/worker.py). Ranks first load any blocks ``layout`` needs (``load_blocks``).
-        Noisy history only."""
-        K, L = self.cfg.steps, self.model_cfg.num_blocks
-        validate_layout(layout, K, L, self.world_size)
-        with self._lock:
-            self._check_stream(stream_id)
-            if self._streams[stream_id].history != "noisy":
-                raise ValueError("placement changes need noisy history (not sequential-clean)")
-            dead = sorted({r for row in layout for r in row} & set(self.failed_ranks))
-            if dead:
-                raise ValueError(f"ranks {dead} have failed: {self.failed_ranks[dead[0]]}")
-        self.load_blocks(layout)
-        with self._lock:
-            self._check_stream(stream_id)
-            info = self._streams[stream_id]
-            epoch, first = self.controller.relayout(stream_id, entry_rank=layout[0][0])
-            body = {
-                "stream_id": stream_id,
-                "epoch": epoch,
-                "first_ticket": first,
-                "layout": [list(row) for row in layout],
-            }
-            for r in range(1, self.world_size):
-                if r not in self.failed_ranks and r not in self._byes:
-                    self.transport.send_control(r, "relayout", body)
-            self._host_control.put(("relayout", body))
-            info.ranks |= {r for row in layout for r in row}
-            info.layout = layout
-            self.controller.pump()
-        return first

@@ -471,7 +471,7 @@ class StopFlag:
 
 
 def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int:
-    """The loop of ranks 1..N-1 (rank 0 runs its host inside DistEngine). Returns exit code."""
+    """The loop of ranks 1..N-1 (rank 0 runs its host inside RankExecutor). Returns exit code."""
     shapes = cfg.shapes()
     transport = TorchDistTransport(shapes=shapes, device=ctx.device)
     stop.wake = transport.wake
@@ -551,7 +551,7 @@ def run_worker_rank(cfg: RuntimeConfig, ctx: RankContext, stop: StopFlag) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry of a worker rank started by ``DistEngine.launch_local``: ``python -m
+    """Entry of a worker rank started by ``RankExecutor.launch_local``: ``python -m
     physis_ros.engine.ranks.runtime --device D --comm-timeout-s S`` (how to join); the
     ``RuntimeConfig`` comes from rank 0 as JSON (``launch.broadcast_text``)."""
     from physis_ros.engine.ranks.launch import broadcast_text
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
     ctx = init_from_env(device=args.device, comm_timeout_s=args.comm_timeout_s)
     if ctx.rank == 0:
-        raise SystemExit("rank 0 is the controller: run physis-serve (or DistEngine), not this")
+        raise SystemExit("rank 0 is the controller: run physis-serve (or ranks_engine), not this")
     stop = StopFlag()  # installed after init: until then SIGTERM ends the process at once
     stop.install_signal_handlers()
     cfg = RuntimeConfig.from_json(broadcast_text(ctx, None))

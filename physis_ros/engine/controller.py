@@ -1,25 +1,18 @@
-"""Controller (what enters the pipeline, when) and the in-process runtime (workers + drivers).
+"""The controller: what enters the pipeline, when (the live timeline of DESIGN.md §3.1).
 
-The three executors differ only in the controller's release policy and the workers' history
-mode, on the same workers:
+It numbers a stream's chunks (slot, anchor, ticket), draws their initial noise and releases
+them into the pipeline per the execution mode; finished chunks come back through
+``finished``. The modes differ only in the release policy and the workers' history:
   ``pipelined``         noisy history; up to ``max_in_flight`` chunks of a stream in flight;
   ``sequential-noisy``  noisy history; one chunk of a stream in flight at a time;
   ``sequential-clean``  clean history; one chunk at a time, and each generated chunk's clean
                         output is re-encoded at sigma 0 (a context chunk at step 0) before
                         the next chunk enters.
-``InProcRuntime`` runs N workers in this process over ``InProcTransport``: ``run_inline``
-drives them deterministically in one thread (tests); ``start_threads`` gives each its own
-thread (torch releases the GIL inside ops). ``close`` (or ``with``) joins every thread it and
-its workers started.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
-import queue
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,21 +20,16 @@ import torch
 
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.devcopy import to_device
-from physis_ros.engine.model import WanDiT, make_cond
-from physis_ros.engine.placement import Layout, Placement
+from physis_ros.engine.model import WanDiT
 from physis_ros.engine.sampler import initial_noise
 from physis_ros.engine.transport import (
     FLAG_CONTEXT,
     FLAG_PREVIEWS,
     Activation,
-    InProcTransport,
     preview_steps,
 )
-from physis_ros.engine.worker import Worker
 
 MODES = ("pipelined", "sequential-noisy", "sequential-clean")
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -273,182 +261,6 @@ class Controller:
         return all(not st.pending and st.in_flight == 0 for st in self.streams.values())
 
 
-class InProcRuntime:
-    """N workers in this process, a controller on the sink rank, and two ways to drive them."""
-
-    def __init__(
-        self,
-        model: WanDiT,
-        sampler: SamplerConfig,
-        layout: Layout,
-        *,
-        num_workers: int | None = None,
-        batching: bool = True,
-        max_batch: int = 0,
-        sink_rank: int = 0,
-    ) -> None:
-        self.model = model
-        self.sampler = sampler
-        self.layout = layout
-        self.placement = Placement.uniform(layout, (), num_workers=num_workers, sink_rank=sink_rank)
-        n = self.placement.num_workers
-        self.transports = InProcTransport.group(n)
-        self.workers = [
-            Worker(model, sampler, t, self.placement, batching=batching, max_batch=max_batch)
-            for t in self.transports
-        ]
-        self.controller = Controller(model, sampler, self.transports[sink_rank].send)
-        self.sink = self.workers[sink_rank].sink
-        self._threads: list[threading.Thread] = []
-        self._stop = threading.Event()
-        self.errors: list[BaseException] = []
-
-    def open_stream(
-        self,
-        stream_id: int,
-        *,
-        seed: int = 0,
-        cond: torch.Tensor | None = None,
-        mode: str = "pipelined",
-        max_in_flight: int = 0,
-        layout: Layout | None = None,
-        horizon: int = 0,
-        previews: bool = False,
-    ) -> None:
-        """``cond`` [n <= text_len, text_dim]: the stream's prompt embedding (None: none);
-        ``previews``: its chunks' x0 estimates reach the sink after each step but the last."""
-        layout = layout or self.layout
-        history = "clean" if mode == "sequential-clean" else "noisy"
-        for w in self.workers:
-            w.open_stream(
-                stream_id, layout=layout, cond=cond, history=history, seed=seed, horizon=horizon
-            )
-        self.placement = self.placement.with_stream(stream_id, layout)
-        self.controller.open_stream(
-            stream_id,
-            seed=seed,
-            mode=mode,
-            entry_rank=layout[0][0],
-            max_in_flight=max_in_flight,
-            horizon=horizon,
-            previews=previews,
-        )
-
-    def close_stream(self, stream_id: int) -> None:
-        self.controller.close_stream(stream_id)
-        for w in self.workers:
-            w.close_stream(stream_id)
-        self.placement = self.placement.without_stream(stream_id)
-
-    def relayout(self, stream_id: int, layout: Layout) -> int:
-        """Move the stream to ``layout`` from its next released chunk on (KV rings of moved
-        stages follow, see worker.py). Returns that chunk's ticket. The driver thread calls
-        this."""
-        epoch, first = self.controller.relayout(stream_id, entry_rank=layout[0][0])
-        for w in self.workers:
-            w.relayout(stream_id, epoch=epoch, first_ticket=first, layout=layout)
-        self.placement = self.placement.without_stream(stream_id).with_stream(stream_id, layout)
-        return first
-
-    def drain(self, wait_s: float = 0.0) -> list[ChunkResult]:
-        """Account for every finished chunk in the sink (waiting up to ``wait_s`` for the
-        first), then release what the modes allow."""
-        out = []
-        items = []
-        if wait_s > 0:
-            try:
-                items.append(self.sink.get(timeout=wait_s))
-            except queue.Empty:
-                return out
-        while not self.sink.empty():
-            items.append(self.sink.get())
-        for left_s, act in items:
-            res = self.controller.finished(left_s, act)
-            if res is not None:
-                out.append(res)
-        self.controller.pump()
-        return out
-
-    def run_inline(
-        self,
-        max_rounds: int = 10_000_000,
-        on_output: Callable[[ChunkResult], None] | None = None,
-    ) -> list[ChunkResult]:
-        """Drive every worker in turn in this thread until all released chunks are done.
-        ``on_output`` runs in the loop after each finished chunk (e.g. interleaved timing)."""
-        if self._threads:
-            raise RuntimeError("workers are running in threads; use wait_idle")
-        out = self.drain()
-        for _ in range(max_rounds):
-            for w in self.workers:
-                w.run_once(0.0)
-            new = self.drain()
-            if new:
-                out += new
-                if on_output is not None:
-                    for res in new:
-                        on_output(res)
-            if self.controller.idle():
-                return out
-        raise RuntimeError(f"pipeline not idle after {max_rounds} rounds")
-
-    def start_threads(self) -> None:
-        """One thread per worker, each looping ``run_once``."""
-        if self._threads:
-            return
-        self._stop.clear()
-        for w in self.workers:
-            th = threading.Thread(
-                target=self._loop, args=(w,), name=f"worker-{w.rank}", daemon=True
-            )
-            th.start()
-            self._threads.append(th)
-
-    def _loop(self, w: Worker) -> None:
-        try:
-            while not self._stop.is_set():
-                w.run_once(0.005)
-        except BaseException as err:
-            log.exception("worker %d failed", w.rank)  # the traceback, once, where it happened
-            self.errors.append(err)
-            self._stop.set()
-
-    def wait_idle(self, timeout_s: float, poll_s: float = 0.01) -> list[ChunkResult]:
-        """Collect finished chunks until everything released is done (threads running)."""
-        deadline = time.monotonic() + timeout_s
-        out = self.drain()
-        while not self.controller.idle():
-            if self.errors:
-                raise RuntimeError(f"a worker failed: {self.errors[0]!r}") from self.errors[0]
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pipeline not idle after {timeout_s} s")
-            out += self.drain(wait_s=poll_s)  # blocks on the sink: no busy polling
-        return out
-
-    def stop_threads(self) -> None:
-        self._stop.set()
-        for th in self._threads:
-            th.join(timeout=10.0)
-        self._threads.clear()
-        if self.errors:
-            raise RuntimeError(f"a worker failed: {self.errors[0]!r}") from self.errors[0]
-
-    def close(self) -> None:
-        """Stop every thread the runtime and its workers started (worker loops, host copiers)
-        and join them; raises a worker's failure like ``stop_threads``. Idempotent."""
-        try:
-            self.stop_threads()
-        finally:
-            for w in self.workers:
-                w.close()
-
-    def __enter__(self) -> InProcRuntime:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def submit_item(controller: Controller, stream_id: int, item: tuple) -> int:
     """Queue one plan item (``oracle.Plan``: ("context", x), ("observe", slot, x) or
     ("generate", actions or None[, slot])) on the stream; returns its slot."""
@@ -461,46 +273,3 @@ def submit_item(controller: Controller, stream_id: int, item: tuple) -> int:
         slot = item[2] if len(item) > 2 else None
         return controller.submit_generate(stream_id, item[1], slot=slot)
     raise ValueError(f"plan item kind {kind!r} is not context, observe or generate")
-
-
-def run_plan(
-    runtime: InProcRuntime,
-    plans: dict[int, list[tuple]],
-    *,
-    mode: str,
-    seeds: dict[int, int] | None = None,
-    conds: dict[int, torch.Tensor] | None = None,
-    max_in_flight: int = 0,
-    horizon: int = 0,
-    threads: bool = False,
-    timeout_s: float = 600.0,
-    on_output: Callable[[ChunkResult], None] | None = None,
-) -> dict[int, dict[int, ChunkResult]]:
-    """Open one stream per plan, submit every item (``oracle.Plan``), run to completion;
-    results per stream per slot. ``conds``: prompt embeddings per stream (default:
-    ``make_cond`` seeded 100 + stream)."""
-    for sid in plans:
-        runtime.open_stream(
-            sid,
-            seed=(seeds or {}).get(sid, sid),
-            cond=(conds or {}).get(sid, make_cond(runtime.model.cfg, 100 + sid)),
-            mode=mode,
-            max_in_flight=max_in_flight,
-            horizon=horizon,
-        )
-    for sid, plan in plans.items():
-        for item in plan:
-            submit_item(runtime.controller, sid, item)
-    runtime.controller.pump()
-    if threads:
-        runtime.start_threads()
-        try:
-            results = runtime.wait_idle(timeout_s)
-        finally:
-            runtime.stop_threads()
-    else:
-        results = runtime.run_inline(on_output=on_output)
-    out: dict[int, dict[int, ChunkResult]] = {sid: {} for sid in plans}
-    for r in results:
-        out[r.stream_id][r.chunk] = r
-    return out

@@ -1,14 +1,14 @@
-"""``DistEngine``: the ``StreamEngine`` of rank 0, backed by every rank of the job.
+"""``RankExecutor``: the executor of a torch.distributed job, on rank 0.
 
-Rank 0 runs, in its process: the engine ``Controller`` (numbers chunks, draws noise, releases
-chunks into the pipeline, collects finished ones), its own ``StageHost`` worker in a thread,
-and a monitor thread (heartbeats out, liveness in, worker ``error`` / ``bye`` messages). The
-front end (physis-serve) calls the ``StreamEngine`` methods from its own thread.
+Rank 0 runs, in its process: its own ``StageHost`` worker in a thread and a monitor thread
+(heartbeats out, liveness in, worker ``error`` / ``bye`` messages); the engine core over it
+(``ranks_engine``) releases chunks through the transport and collects them at rank 0's sink.
+The other ranks run ``runtime.run_worker_rank``.
 
 Faults: a rank that says ``error``, leaves, fails a send, or is silent for
-``fault_timeout_s`` is marked failed; every stream placed on it fails, and the next ``poll``
-(or a ``submit_*`` on such a stream) raises ``StreamFailed`` naming the stream, the rank and
-why (``err.stream_id``, ``err.rank``). Streams not placed on it keep running.
+``fault_timeout_s`` is marked failed; every stream placed on it fails (closed on the live
+ranks, handed to the core by ``take_stream_failures``: a ``StreamFailed`` naming the stream,
+the rank and why, ``err.stream_id`` and ``err.rank``). Streams not placed on it keep running.
 """
 
 from __future__ import annotations
@@ -21,27 +21,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from physis_ros.engine.api import (
-    AdmissionRefused,
-    ChunkOutput,
-    StreamFailed,
-    StreamPromise,
-    StreamSpec,
-    check_rollouts,
-)
-from physis_ros.engine.checkpoints import summary
-from physis_ros.engine.codec import check_stream_codec, make_codec
-from physis_ros.engine.placement import Layout, Placement, validate_layout
-from physis_ros.engine.prompts import (
-    PromptBook,
-    cond_to_json,
-    goal_prompted,
-    trained_empty_prompt,
-)
+from physis_ros.engine.api import AdmissionRefused, StreamFailed
+from physis_ros.engine.core import EngineCore, log_summary, prompt_book
+from physis_ros.engine.executor import StreamOrder
+from physis_ros.engine.pipeline import Pipeline
+from physis_ros.engine.placement import Layout, validate_layout
+from physis_ros.engine.prompts import cond_to_json
 from physis_ros.engine.ranks.launch import (
     RankContext,
     as_rank,
@@ -60,29 +48,20 @@ from physis_ros.engine.ranks.runtime import (
     parse_placement,
 )
 from physis_ros.engine.ranks.transport import TorchDistTransport, check_shapes_agree
-from physis_ros.engine.runtime import ChunkResult, Controller
-from physis_ros.engine.sampler import (
-    pack_chunk,
-    request_actions,
-    request_state,
-    unpack_chunk,
-    unpack_state,
-)
 from physis_ros.engine.transport import Activation
 from physis_ros.memtune import freeze_startup_objects
+from physis_ros.weights import read_metadata
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass
 class _StreamInfo:
-    spec: StreamSpec
     layout: Layout
     ranks: set[int]
     """Every rank the stream has been placed on (a placement change keeps the old ones:
     chunks released before it still pass them)."""
-    history: str = "noisy"
 
 
 def stream_failed(stream_id: int, rank: int, reason: str) -> StreamFailed:
@@ -92,19 +71,15 @@ def stream_failed(stream_id: int, rank: int, reason: str) -> StreamFailed:
     return err
 
 
-class DistEngine(PlacementControl):
+class RankExecutor(PlacementControl):
     """Rank 0 of a torch.distributed job; the other ranks run ``runtime.run_worker_rank``.
 
     Placement by measured cost, loading blocks and moving running streams: ``PlacementControl``
-    (dist/placement.py)."""
+    (ranks/placement.py)."""
 
-    def __init__(
-        self, cfg: RuntimeConfig, ctx: RankContext, *, procs=None, prompts: tuple | list = ()
-    ) -> None:
-        """``prompts``: prompt-embedding files whose names streams may ask for (read here on
-        rank 0 only: a stream's embedding travels to the ranks in its ``open`` message)."""
+    def __init__(self, cfg: RuntimeConfig, ctx: RankContext, *, procs=None) -> None:
         if ctx.rank != 0:
-            raise ValueError(f"DistEngine runs on rank 0, this is rank {ctx.rank}")
+            raise ValueError(f"the rank executor runs on rank 0, this is rank {ctx.rank}")
         self.cfg = cfg
         self.ctx = ctx
         self.procs = list(procs or [])
@@ -116,22 +91,8 @@ class DistEngine(PlacementControl):
             cfg.shapes(), ctx.device if ctx.backend == "nccl" else torch.device("cpu")
         )
         self.host = StageHost(cfg, ctx, self.transport, blocks_for_rank(cfg, 0, ctx.world_size))
+        self.model = self.host.model
         self.model_cfg = cfg.model_config
-        self.controller = Controller(self.host.model, cfg.sampler_config, self.transport.send)
-        self.codec = make_codec(self.model_cfg, device=ctx.device)
-        meta = self._checkpoint_meta()
-        self.prompts = PromptBook(
-            self.model_cfg,
-            list(prompts),
-            empty=None
-            if cfg.resolved.weights is not None
-            else trained_empty_prompt(self.model_cfg, meta),
-            goal_prompts=goal_prompted(meta),
-        )
-        log.info(
-            "\n%s",
-            summary(cfg.resolved, cfg.sampler_config, cfg.torch_dtype, checkpoint=cfg.weights_path),
-        )
         self._lock = threading.RLock()
         self._host_control: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -142,10 +103,8 @@ class DistEngine(PlacementControl):
         """Per worker rank, what it reported when it left (tasks, busy_s, cpu_s, drops)."""
         self._byes: set[int] = set()
         self._streams: dict[int, _StreamInfo] = {}
-        self._failed_streams: dict[int, StreamFailed] = {}
-        self._unreported: list[StreamFailed] = []
-        self._next_stream_id = 0
-        self._block_ms: float | None = None
+        self._lost: list[StreamFailed] = []
+        """Streams failed with a rank, not yet taken by the core."""
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         """``costs`` / ``loaded`` / ``usage_report`` answers of worker ranks (the monitor
         routes them here); ``_ask_lock`` lets one caller at a time wait for them."""
@@ -156,11 +115,11 @@ class DistEngine(PlacementControl):
         self.measured_block_ms: dict[int, float] = {}
         """Per-block cost (ms, median over the ranks that measured it), if measured."""
         self._wait_ready()
-        self._threads = [
+        self.threads = [
             threading.Thread(target=self._host_loop, name="rank0-worker", daemon=True),
             threading.Thread(target=self._monitor_loop, name="rank0-monitor", daemon=True),
         ]
-        for thread in self._threads:
+        for thread in self.threads:
             thread.start()
         if cfg.placement == "balanced":
             try:
@@ -171,15 +130,6 @@ class DistEngine(PlacementControl):
                 raise
         freeze_startup_objects()
 
-    def _checkpoint_meta(self) -> dict[str, str] | None:
-        """A physis-train checkpoint's metadata (a Wan checkpoint's empty prompt is its text
-        encoder's: a prompts file)."""
-        if self.cfg.resolved.weights is not None or not self.cfg.weights_path:
-            return None
-        from physis_ros.weights import read_metadata
-
-        return read_metadata(self.cfg.weights_path)
-
     @classmethod
     def launch_local(
         cls,
@@ -187,8 +137,7 @@ class DistEngine(PlacementControl):
         world_size: int,
         *,
         log_dir: str | None = None,
-        prompts: tuple | list = (),
-    ):
+    ) -> RankExecutor:
         """Start ranks 1..N-1 as child processes on this machine and become rank 0."""
         port = free_port()
         env = {
@@ -207,9 +156,9 @@ class DistEngine(PlacementControl):
             with as_rank(rank=0, world_size=world_size, master_port=port):
                 ctx = init_from_env(device=cfg.device, comm_timeout_s=cfg.comm_timeout_s)
             broadcast_text(ctx, cfg.to_json())
-            engine = cls(cfg, ctx, procs=procs, prompts=prompts)
-            engine.master_port = port
-            return engine
+            executor = cls(cfg, ctx, procs=procs)
+            executor.master_port = port
+            return executor
         except BaseException:
             stop_ranks(procs, timeout_s=0.0)
             if dist.is_initialized():
@@ -305,10 +254,8 @@ class DistEngine(PlacementControl):
             self.failed_ranks[rank] = reason
             log.error("rank %d failed: %s", rank, reason)
             for sid in [s for s, info in self._streams.items() if rank in info.ranks]:
-                err = stream_failed(sid, rank, reason)
-                self._failed_streams[sid] = err
-                self._unreported.append(err)
-                self._close_everywhere(sid)
+                self._lost.append(stream_failed(sid, rank, reason))
+                self.close_stream(sid)
 
     def impairment(self) -> str:
         """Why this engine cannot serve as configured ("" when it can): failed ranks."""
@@ -319,24 +266,14 @@ class DistEngine(PlacementControl):
                 f"rank {r} failed: {why}" for r, why in sorted(self.failed_ranks.items())
             )
 
-    # ---------------------------------------------------------------- StreamEngine
-    def open_stream(
-        self,
-        spec: StreamSpec,
-        *,
-        layout: Layout | None = None,
-        mode: str = "pipelined",
-        max_in_flight: int = 0,
-    ) -> StreamPromise:
-        """Admit a stream with ``layout`` (default: the configured placement); ``mode`` and
-        ``max_in_flight`` (0: no limit) as in the engine's ``Controller``; its horizon is
-        ``spec.horizon`` (None: the configured one)."""
-        check_stream_codec(spec, self.codec)
-        K, L = self.cfg.steps, self.model_cfg.num_blocks
-        if layout is None:
-            layout = self.default_layout
-        validate_layout(layout, K, L, self.world_size)
-        cond = cond_to_json(self.prompts.resolve(spec.prompt, spec.prompt_embedding))
+    # ---------------------------------------------------------------- Executor
+    @property
+    def num_workers(self) -> int:
+        return self.world_size
+
+    def check_layout(self, layout: Layout) -> None:
+        """Refuse a layout that names a failed rank or a rank without the blocks it needs."""
+        validate_layout(layout, self.cfg.steps, self.model_cfg.num_blocks, self.world_size)
         ranks = {r for row in layout for r in row}
         with self._lock:
             dead = sorted(ranks & set(self.failed_ranks))
@@ -355,174 +292,66 @@ class DistEngine(PlacementControl):
                         resource=f"weights on rank {r}",
                         shortfall=f"{len(needed - self.rank_blocks[r])} blocks",
                     )
-            sid = self._next_stream_id
-            self._next_stream_id += 1
-            horizon = self.cfg.horizon if spec.horizon is None else spec.horizon
-            if horizon < 0:
-                raise ValueError(f"horizon must be >= 0 (0: no limit), got {horizon}")
-            check_rollouts(spec, horizon)
-            body = {
-                "stream_id": sid,
-                "seed": spec.seed,
-                "cond": cond,
-                "layout": [list(row) for row in layout],
-                "history": "clean" if mode == "sequential-clean" else "noisy",
-                "horizon": horizon,
-            }
+
+    def open_stream(self, order: StreamOrder) -> None:
+        self.check_layout(order.layout)
+        body = {
+            "stream_id": order.stream_id,
+            "seed": order.seed,
+            "cond": cond_to_json(order.cond),
+            "layout": [list(row) for row in order.layout],
+            "history": order.history,
+            "horizon": order.horizon,
+        }
+        with self._lock:
             for r in range(1, self.world_size):
                 if r not in self.failed_ranks:
                     self.transport.send_control(r, "open", body)
             self._host_control.put(("open", body))
-            self.controller.open_stream(
-                sid,
-                seed=spec.seed,
-                mode=mode,
-                entry_rank=layout[0][0],
-                max_in_flight=max_in_flight,
-                horizon=horizon,
-                previews=spec.previews,
-            )
-            self._streams[sid] = _StreamInfo(
-                spec=spec, layout=layout, ranks=ranks, history=body["history"]
-            )
-        return self._promise(sid, layout, horizon, spec.rollouts)
-
-    def _promise(self, sid: int, layout: Layout, horizon: int, rollouts: bool) -> StreamPromise:
-        from physis_ros.engine.stage import measure_block_ms
-
-        cfg, K, L = self.model_cfg, self.cfg.steps, self.model_cfg.num_blocks
-        if self._block_ms is None:  # one middle block this rank holds, a full window
-            block = sorted(self.host.blocks)[len(self.host.blocks) // 2]
-            self._block_ms = measure_block_ms(
-                self.host.model, [self.cfg.window], block=block, repeats=5, warmup=2
-            )
-        per_rank = Placement.uniform(layout, (sid,), num_workers=self.world_size)
-        busiest = max(len(per_rank.stages_on(r)) for r in range(self.world_size))
-        h, w = cfg.image_size
-        return StreamPromise(
-            stream_id=sid,
-            model=cfg.name,
-            steps=K,
-            blocks=L,
-            expected_interval_ms=busiest * self._block_ms,
-            pipeline_depth=len(per_rank.virtual_ranks()),
-            expected_response_latency_ms=K * L * self._block_ms,
-            chunk_frames=cfg.frames_per_chunk,
-            image_height=h,
-            image_width=w,
-            # a world model conditioned on actions takes them with its observations too
-            action_horizon=cfg.action_horizon if cfg.action_mode != "none" else 0,
-            action_dim=cfg.action_dim if cfg.action_mode != "none" else 0,
-            horizon=horizon,
-            action_mode=cfg.action_mode,
-            rollouts=rollouts,
-        )
-
-    def _check_stream(self, stream_id: int) -> None:
-        if stream_id in self._failed_streams:
-            raise self._failed_streams[stream_id]
-        if stream_id not in self._streams:
-            raise ValueError(f"stream {stream_id} is not open")
-
-    def _close_everywhere(self, stream_id: int) -> None:
-        for r in range(1, self.world_size):
-            if r not in self.failed_ranks and r not in self._byes:
-                self.transport.send_control(r, "close", {"stream_id": stream_id})
-        self._host_control.put(("close", stream_id))
-        self.controller.close_stream(stream_id)
-        self._streams.pop(stream_id, None)
-        self.codec.close(stream_id)
+            ranks = {r for row in order.layout for r in row}
+            self._streams[order.stream_id] = _StreamInfo(layout=order.layout, ranks=ranks)
 
     def close_stream(self, stream_id: int) -> None:
         with self._lock:
-            if stream_id in self._streams:
-                self._close_everywhere(stream_id)
-            self._failed_streams.pop(stream_id, None)
+            if self._streams.pop(stream_id, None) is None:
+                return
+            for r in range(1, self.world_size):
+                if r not in self.failed_ranks and r not in self._byes:
+                    self.transport.send_control(r, "close", {"stream_id": stream_id})
+            self._host_control.put(("close", stream_id))
 
-    def submit_context_x(self, stream_id: int, x: torch.Tensor, *, slot: int | None = None) -> int:
-        """Queue an already encoded observation (packed state [X]) of ``slot`` (None: the
-        next new one); returns its slot."""
+    def relayout(self, stream_id: int, *, epoch: int, first_ticket: int, layout: Layout) -> None:
+        """Ranks learn of the change by a control message each and hold chunks of the new
+        epoch until theirs arrives; each moved stage's KV ring goes from its old owner to its
+        new one after the last chunk of the old epoch ran there (engine/worker.py)."""
+        body = {
+            "stream_id": stream_id,
+            "epoch": epoch,
+            "first_ticket": first_ticket,
+            "layout": [list(row) for row in layout],
+        }
         with self._lock:
-            self._check_stream(stream_id)
-            c = self.controller.submit_context(stream_id, x, slot=slot)
-            self.controller.pump()
-            return c
+            for r in range(1, self.world_size):
+                if r not in self.failed_ranks and r not in self._byes:
+                    self.transport.send_control(r, "relayout", body)
+            self._host_control.put(("relayout", body))
+            info = self._streams[stream_id]
+            info.ranks |= {r for row in layout for r in row}
+            info.layout = layout
 
-    def submit_context(
-        self,
-        stream_id: int,
-        frames: np.ndarray,
-        actions: np.ndarray | None = None,
-        state: np.ndarray | None = None,
-        *,
-        slot: int | None = None,
-    ) -> int:
-        """Encode an observation with the codec and queue it as slot ``slot``'s context."""
-        cfg = self.model_cfg
-        latent = self.codec.encode(frames, stream_id=stream_id)
-        x = pack_chunk(
-            cfg,
-            latent.cpu(),
-            request_actions(cfg, actions, context=True),
-            request_state(cfg, state),
-        )
-        chunk = self.submit_context_x(stream_id, x, slot=slot)
-        self.codec.observed(stream_id, chunk, latent)
-        return chunk
+    def send(self, dst: int, act: Activation) -> None:
+        self.transport.send(dst, act)
 
-    def submit_generate(
-        self, stream_id: int, actions: np.ndarray | None = None, *, slot: int | None = None
-    ) -> int:
-        act = request_actions(self.model_cfg, actions, context=False)
+    def collect(self, timeout_s: float) -> list[tuple[float, Activation]]:
+        return self.transport.recv_sink(timeout_s)
+
+    def failure(self) -> BaseException | None:
+        return None  # a rank's failure takes the streams placed on it, not every stream
+
+    def take_stream_failures(self) -> list[StreamFailed]:
         with self._lock:
-            self._check_stream(stream_id)
-            c = self.controller.submit_generate(stream_id, act, slot=slot)
-            self.controller.pump()
-            return c
-
-    def poll_results(self, timeout_s: float) -> list[ChunkResult]:
-        """Finished generated chunks as packed states, in per-stream chunk order. Raises
-        ``StreamFailed`` (once per failed stream) when nothing else is ready."""
-        arrived = self.transport.recv_sink(timeout_s)
-        with self._lock:
-            out = []
-            for left_s, act in arrived:
-                res = self.controller.finished(left_s, act)
-                if res is not None:
-                    out.append(res)
-            self.controller.pump()
-            if not out and self._unreported:
-                raise self._unreported.pop(0)
-        # per stream in release order (anchor, then slot), a chunk's previews (by step)
-        # before the chunk itself
-        out.sort(
-            key=lambda r: (r.stream_id, r.anchor, r.chunk, r.preview_steps == 0, r.preview_steps)
-        )
-        return out
-
-    def poll(self, timeout_s: float) -> list[ChunkOutput]:
-        outputs = []
-        predict = self.model_cfg.action_mode == "predict"
-        for res in self.poll_results(timeout_s):
-            x = res.x.float().cpu()
-            latent, actions = unpack_chunk(self.model_cfg, x)
-            state = unpack_state(self.model_cfg, x)
-            outputs.append(
-                ChunkOutput(
-                    stream_id=res.stream_id,
-                    chunk=res.chunk,
-                    frames=self.codec.decode(latent, stream_id=res.stream_id, chunk=res.chunk),
-                    actions=actions.numpy().copy() if predict else None,
-                    state=None if state is None else state.numpy().copy(),
-                    entered_s=res.created_s,
-                    left_s=res.left_s,
-                    decoded_s=time.monotonic(),
-                    finite=bool(torch.isfinite(x).all()),
-                    anchor=res.anchor,
-                    preview_steps=res.preview_steps,
-                )
-            )
-        return outputs
+            lost, self._lost = self._lost, []
+        return lost
 
     def measure_hop_ms(self, peer: int = 1, rounds: int = 30, warmup: int = 5) -> list[float]:
         """One activation hop (x and h of this model) rank 0 -> ``peer``, measured as half
@@ -545,10 +374,6 @@ class DistEngine(PlacementControl):
             if i >= warmup:
                 out.append((time.perf_counter() - t0) * 1e3 / 2)
         return out
-
-    def failed_streams(self) -> dict[int, str]:
-        with self._lock:
-            return {sid: str(err) for sid, err in self._failed_streams.items()}
 
     def stats(self) -> dict:
         return {
@@ -585,7 +410,7 @@ class DistEngine(PlacementControl):
         ):
             time.sleep(0.01)
         self._stop.set()
-        for thread in self._threads:
+        for thread in self.threads:
             thread.join(timeout=5.0)
         self.host.worker.close()  # its host copier's thread (a CUDA sink)
         for ctl in self.transport.recv_control():  # goodbyes the monitor did not read
@@ -609,8 +434,37 @@ class DistEngine(PlacementControl):
         if self.procs:
             stop_ranks(self.procs, timeout_s=self.cfg.fault_timeout_s)
 
-    def __enter__(self) -> DistEngine:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+def ranks_engine(
+    cfg: RuntimeConfig,
+    ctx: RankContext | None = None,
+    *,
+    world_size: int = 0,
+    procs=None,
+    prompts: tuple | list = (),
+    mode: str = "pipelined",
+    max_streams: int = 1_000_000,
+    log_dir: str | None = None,
+) -> EngineCore:
+    """The engine core over every rank of the job: rank 0 of a job already joined (``ctx``,
+    e.g. under torchrun), or of ``world_size`` ranks started here as child processes.
+    ``prompts``: prompt-embedding files whose names streams may ask for (read on rank 0
+    only: a stream's embedding travels to the ranks in its ``open`` message)."""
+    if ctx is None:
+        executor = RankExecutor.launch_local(cfg, world_size, log_dir=log_dir)
+    else:
+        executor = RankExecutor(cfg, ctx, procs=procs)
+    try:
+        resolved = cfg.resolved
+        meta = None
+        if resolved.weights is None and cfg.weights_path:
+            meta = read_metadata(cfg.weights_path)  # its empty prompt is the trained one
+        book = prompt_book(resolved, files=prompts, checkpoint_meta=meta)
+        pipeline = Pipeline(executor, cfg.sampler_config)
+        log_summary(resolved, pipeline, cfg.weights_path)
+        return EngineCore(
+            pipeline, prompts=book, mode=mode, horizon=cfg.horizon, max_streams=max_streams
+        )
+    except BaseException:
+        executor.shutdown()
+        raise
