@@ -279,10 +279,10 @@ def _layout(cfg: ModelConfig, latent_frames: int, resolution: str, vae: str) -> 
 # ---- weights ------------------------------------------------------------------------------
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every key a checkpoint of ``cfg`` must hold (upstream names), with its shape."""
-    from physis_ros.engine.model import Block, _Stem
+    from physis_ros.engine.model import Block, Stem
 
     with torch.device("meta"):
-        stem, block = _Stem(cfg), Block(cfg)
+        stem, block = Stem(cfg), Block(cfg)
     out = {k: tuple(v.shape) for k, v in stem.state_dict().items()}
     out["patch_embedding.weight"] = (cfg.dim, cfg.in_channels, *cfg.patch)  # Conv3d upstream
     for i in range(cfg.num_blocks):

@@ -1,7 +1,7 @@
 """The fused block forward: the block-task of ``stage.run_block`` with everything that is not a
 GEMM or attention done in few passes over the activations.
 
-Same math as ``model.block_forward`` with the stage's per-task attention, arranged for a GPU:
+Same math as ``forward.block_forward`` with the stage's per-task attention, arranged for a GPU:
 - q, k and v come from ONE GEMM against a [3D, D] weight. That weight (and the [2, D] q/k norm
   weights) is built once per block when the path is enabled, and the model's q/k/v parameters
   become views into it: upstream-named checkpoints still load strictly (the loaders copy into
@@ -22,8 +22,10 @@ composition and replay it (block implementation ``graph``).
 
 Kernels: ``triton`` (CUDA; ``fused_triton``) or ``torch`` (any device: the same passes as torch
 ops; in float32 the fused path then equals the eager one to round-off, which is what CI tests
-on the CPU). Select the path per model with ``set_block_impl(model, "fused")``, or for every
-model a process builds with ``PHYSIS_BLOCK_IMPL=fused`` (``build_model`` reads it), or
+on the CPU).
+
+Select the path per model with ``set_block_impl(model, "fused")``, or for every model a
+process builds with ``PHYSIS_BLOCK_IMPL=fused`` (``build_model`` reads it), or
 ``--block-impl fused`` on physis-profile and physis-bench engine; ``graph`` is the fused path
 replayed as CUDA graphs where the batch composition repeats (``block_graphs``; on a CPU the
 same static path, not captured).
@@ -34,16 +36,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from physis_ros.engine import model as M
-
-if TYPE_CHECKING:
-    from physis_ros.engine.stage import StageTask
+from physis_ros.engine.block_graphs import BlockGraphs
+from physis_ros.engine.forward import apply_rope
+from physis_ros.engine.kvring import StageTask
+from physis_ros.engine.model import RMSNorm, WanDiT
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def default_block_impl() -> str:
     return impl
 
 
-def set_block_impl(model: M.WanDiT, impl: str, *, kernels: str = "auto") -> None:
+def set_block_impl(model: WanDiT, impl: str, *, kernels: str = "auto") -> None:
     """Select how ``stage.run_block`` runs ``model``'s blocks: ``eager``, ``fused`` or
     ``graph`` (fused, replayed as CUDA graphs)."""
     if impl not in BLOCK_IMPLS:
@@ -71,20 +72,20 @@ def set_block_impl(model: M.WanDiT, impl: str, *, kernels: str = "auto") -> None
     )
 
 
-def block_impl(model: M.WanDiT) -> str:
+def block_impl(model: WanDiT) -> str:
     runner = fused_blocks(model)
     if runner is None:
         return "eager"
     return "graph" if runner.graphs is not None else "fused"
 
 
-def fused_blocks(model: M.WanDiT) -> FusedBlocks | None:
+def fused_blocks(model: WanDiT) -> FusedBlocks | None:
     return getattr(model, "fused_blocks", None)
 
 
 def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - optional: the CUDA kernels' compiler
     except ImportError:
         return False
     return True
@@ -140,7 +141,7 @@ class TorchKernels:
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
         x = x.unflatten(-1, (heads, -1))  # [T, H, d]
         if rope is not None:
-            x = M.apply_rope(x, torch.view_as_complex(rope))
+            x = apply_rope(x, torch.view_as_complex(rope))
         x = x.transpose(0, 1)  # [H, T, d]
         if slot is None:
             dst.copy_(x)
@@ -154,7 +155,7 @@ class TritonKernels:
     name = "triton"
 
     def __init__(self) -> None:
-        from physis_ros.engine import fused_triton
+        from physis_ros.engine import fused_triton  # imports triton (optional)
 
         self.norm = fused_triton.norm
         self.rms_rope = fused_triton.rms_rope
@@ -208,7 +209,7 @@ def _fuse_block(blk: nn.Module) -> _BlockWeights:
     qkv_b = _alias([lin.bias for lin in lins])
     qk_norm = None
     params = [lin.weight for lin in lins] + [lin.bias for lin in lins]
-    if isinstance(sa.norm_q, M.RMSNorm):
+    if isinstance(sa.norm_q, RMSNorm):
         qk_norm = _alias([sa.norm_q.weight, sa.norm_k.weight])
         params += [sa.norm_q.weight, sa.norm_k.weight]
     views = tuple((p, p.data_ptr()) for p in params)
@@ -220,7 +221,7 @@ class FusedBlocks:
 
     def __init__(
         self,
-        model: M.WanDiT,
+        model: WanDiT,
         *,
         kernels: str = "auto",
         gelu_epilogue: bool | None = None,
@@ -243,8 +244,6 @@ class FusedBlocks:
         if not on:
             self.graphs = None
         elif self.graphs is None:
-            from physis_ros.engine.block_graphs import BlockGraphs
-
             self.graphs = BlockGraphs(self)
 
     def run(
@@ -327,7 +326,7 @@ class FusedBlocks:
         else:
             h1, y = kern.norm(x, n, eps=eps, residual=a, gate=mod[:, 2], normalize=False)
         cq = F.linear(y, ca.q.weight, ca.q.bias)
-        if isinstance(ca.norm_q, M.RMSNorm):
+        if isinstance(ca.norm_q, RMSNorm):
             normed = torch.empty_like(cq)
             kern.rms_rope(cq, normed.view(rows, heads, hd).transpose(0, 1), heads=heads,
                           eps=ca.norm_q.eps, weight=ca.norm_q.weight, rope=None)  # fmt: skip

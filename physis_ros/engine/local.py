@@ -24,10 +24,10 @@ from physis_ros.engine.api import (
     StreamSpec,
     check_rollouts,
 )
+from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model, summary
 from physis_ros.engine.codec import check_stream_codec, make_codec
 from physis_ros.engine.config import ModelConfig, SamplerConfig
-from physis_ros.engine.model import build_model
 from physis_ros.engine.placement import (
     Layout,
     layout_by_block_even,

@@ -27,7 +27,8 @@ import torch
 
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.devcopy import to_device
-from physis_ros.engine.model import WanDiT, make_cond
+from physis_ros.engine.forward import make_cond
+from physis_ros.engine.model import WanDiT
 from physis_ros.engine.placement import Layout, Placement
 from physis_ros.engine.sampler import initial_noise
 from physis_ros.engine.transport import (

@@ -14,7 +14,7 @@ controller can count what is in flight.
 
 Order. Every chunk a stream releases carries a ticket (0, 1, 2, ... in release order) and
 runs at each stage strictly in ticket order: that order, not the slot, decides which version
-of a slot (observed or predicted) a chunk reads (stage.KVRing; DESIGN.md §3, live streams),
+of a slot (observed or predicted) a chunk reads (kvring.KVRing; DESIGN.md §3, live streams),
 and every chunk checks before its forward that the ring holds the history its anchor implies.
 
 Placement changes of a running stream (``relayout``), without a barrier: the controller picks
@@ -38,14 +38,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from physis_ros.engine import model as M
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.devcopy import HostCopier
+from physis_ros.engine.forward import cross_kv, embed_cond, pad_text
+from physis_ros.engine.kvring import KVRing, StageTask
 from physis_ros.engine.model import WanDiT
 from physis_ros.engine.placement import Layout, Placement, blocks_share_worker, validate_layout
-from physis_ros.engine.sampler import context_noise, noise_context
+from physis_ros.engine.sampler import chunk_numel, context_noise, noise_context
 from physis_ros.engine.sampler import sigmas as make_sigmas
-from physis_ros.engine.stage import KVRing, StageCaches, StageTask, run_block
+from physis_ros.engine.stage import StageCaches, run_block
 from physis_ros.engine.transport import (
     FLAG_KV,
     FLAG_OBSERVED,
@@ -190,7 +191,7 @@ class Worker:
             raise ValueError("clean history takes observations clean (context_noise 'clean')")
         if horizon < 0:
             raise ValueError(f"horizon must be >= 0 (0: none), got {horizon}")
-        M.pad_text(self.cfg, cond)  # a bad conditioning fails here, not in the worker loop
+        pad_text(self.cfg, cond)  # a bad conditioning fails here, not in the worker loop
         self._control.put(("open", stream_id, layout, cond, history, seed, horizon))
 
     def close_stream(self, stream_id: int) -> None:
@@ -255,8 +256,8 @@ class Worker:
                     st.ship.append((k, blk, first_ticket - 1, layout[k][blk]))
                 elif now and not was and blk not in st.cross:
                     if ctx is None:
-                        ctx = M.embed_cond(self.model, st.cond)
-                    st.cross[blk] = M.cross_kv(self.model, blk, ctx)
+                        ctx = embed_cond(self.model, st.cond)
+                    st.cross[blk] = cross_kv(self.model, blk, ctx)
         self._ship_ready(sid, st)
         held, st.held = st.held, []
         for msg in held:
@@ -279,7 +280,7 @@ class Worker:
         # One [N, D]-shaped piece per entry of K, then of V (what a transport already carries),
         # each naming the slot the entry holds and whether that is the observed version.
         n, dim, r = self.cfg.tokens_per_chunk, self.cfg.dim, ring.entries
-        x = torch.zeros(M.chunk_numel(self.cfg), device=self.device)
+        x = torch.zeros(chunk_numel(self.cfg), device=self.device)
         last = st.last_ticket.get(stage, -1)
         for i in range(2 * r):
             e = i % r
@@ -345,13 +346,13 @@ class Worker:
             raise ValueError(f"rank {self.rank} hosts blocks {sorted(missing)} its model lacks")
         st.cond = cond
         st.epochs.append((0, layout))
-        ctx = M.embed_cond(self.model, cond) if mine else None
+        ctx = embed_cond(self.model, cond) if mine else None
         for k, blk in mine:
             key = (0, blk) if history == "clean" else (k, blk)
             if key not in st.rings:
                 st.rings[key] = self._new_ring(horizon)
             if blk not in st.cross:
-                st.cross[blk] = M.cross_kv(self.model, blk, ctx)
+                st.cross[blk] = cross_kv(self.model, blk, ctx)
         return st
 
     def record_block_times(self, on: bool = True) -> None:

@@ -6,8 +6,9 @@ import torch
 
 from physis_ros.engine import oracle
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.model import chunk_numel, make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.runtime import InProcRuntime, run_plan
+from physis_ros.engine.sampler import chunk_numel
 
 SAMPLER = SamplerConfig(steps=3, window=2)
 """K=3, W=2: with 7 chunks the KV rings wrap around."""

@@ -9,7 +9,7 @@ from engine_helpers import SAMPLER, actions, context_x
 from stream_plans import live_skeleton, rollout_skeleton
 
 from physis_ros.engine import oracle
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.runtime import InProcRuntime, submit_item
 
 
