@@ -32,7 +32,7 @@ class KVRing:
         horizon: int = 1,
     ) -> None:
         self.window = window
-        self.entries = window + max(horizon, 1)
+        self.entries = self.entries_for(window, horizon)
         self.tokens = tokens
         self.k = torch.zeros(heads, self.entries * tokens, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
@@ -40,6 +40,11 @@ class KVRing:
         """The slot each entry holds (-1: none yet)."""
         self.observed = [False] * self.entries
         """Whether it holds that slot's observed version."""
+
+    @staticmethod
+    def entries_for(window: int, horizon: int) -> int:
+        """R = W + h entries (h: the horizon, at least 1)."""
+        return window + max(horizon, 1)
 
     def write(
         self, slot: int, k: torch.Tensor, v: torch.Tensor, *, observed: bool
