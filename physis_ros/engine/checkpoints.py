@@ -26,7 +26,8 @@ import torch
 from safetensors import safe_open
 
 from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
-from physis_ros.engine.model import Block, Stem
+from physis_ros.engine.fused import describe_block_impl
+from physis_ros.engine.model import Block, Stem, WanDiT
 from physis_ros.engine.vae import read_vae_config
 
 UPSTREAM, DIFFUSERS = "upstream Wan", "diffusers"
@@ -391,10 +392,16 @@ def load_weights(model, source: WeightsSource) -> int:
 
 # ---- the summary at load ------------------------------------------------------------------
 def summary(
-    resolved: ResolvedModel, sampler: SamplerConfig, dtype: torch.dtype, *, checkpoint: str = ""
+    resolved: ResolvedModel,
+    sampler: SamplerConfig,
+    dtype: torch.dtype,
+    *,
+    checkpoint: str = "",
+    model: WanDiT | None = None,
 ) -> str:
     """A screenful about the model as it will run: where its weights come from, its shape,
-    parameters, chunk and codec, K and W, and memory per block."""
+    parameters, chunk and codec, K and W, memory per block, and which block implementation
+    runs and why (``model``: the built model; without it, the rule it is chosen by)."""
     cfg, w = resolved.cfg, resolved.weights
     item = torch.empty((), dtype=dtype).element_size()
     if w is not None:
@@ -434,6 +441,7 @@ def summary(
         f"{sampler.shift:g}",
         f"memory   per stream: KV ring {_bytes(kv_bytes)} per stage (W+1 chunks), "
         f"cross-attn K/V {_bytes(cross_bytes)} per block",
+        f"blocks   {describe_block_impl(model)}",
     ]
     return "\n".join(lines)
 

@@ -24,11 +24,13 @@ Kernels: ``triton`` (CUDA; ``fused_triton``) or ``torch`` (any device: the same 
 ops; in float32 the fused path then equals the eager one to round-off, which is what CI tests
 on the CPU).
 
-Select the path per model with ``set_block_impl(model, "fused")``, or for every model a
-process builds with ``PHYSIS_BLOCK_IMPL=fused`` (``build_model`` reads it), or
-``--block-impl fused`` on physis-profile and physis-bench engine; ``graph`` is the fused path
-replayed as CUDA graphs where the batch composition repeats (``block_graphs``; on a CPU the
-same static path, not captured).
+Which implementation a model runs (this module owns the choice): ``eager``
+(``forward.block_forward``), ``fused`` or ``graph`` (the fused path replayed as CUDA graphs
+where the batch composition repeats: ``block_graphs``; on a CPU the same static path, not
+captured). By default it follows the device (``choose_block_impl``): fused on CUDA, eager
+elsewhere. ``build_model(block_impl=...)``, ``--block-impl`` on physis-profile and physis-bench
+engine, or ``PHYSIS_BLOCK_IMPL`` for every model a process builds override it;
+``set_block_impl(model, impl)`` sets it on a built model.
 """
 
 from __future__ import annotations
@@ -50,26 +52,56 @@ log = logging.getLogger(__name__)
 
 BLOCK_IMPLS = ("eager", "fused", "graph")
 BLOCK_IMPL_ENV = "PHYSIS_BLOCK_IMPL"
-"""Environment variable: the block implementation every ``build_model`` call selects."""
+"""Environment variable: the block implementation every ``build_model`` call selects, over the
+device's default."""
+DEVICE_BLOCK_IMPLS = {"cuda": "fused"}
+"""The implementation a device type runs unless one is asked for; other devices run eager. On
+CUDA the fused path is faster than eager and within bf16 tolerance of it (docs/gpu.md); its
+passes are arranged for a GPU (Triton kernels, the cuBLASLt GELU epilogue)."""
+REQUESTED = "asked for"
+"""The reason ``choose_block_impl`` gives for an implementation its caller named."""
 KERNELS = ("auto", "triton", "torch")
 
 
-def default_block_impl() -> str:
-    """``PHYSIS_BLOCK_IMPL`` (eager when unset)."""
-    impl = os.environ.get(BLOCK_IMPL_ENV, "") or "eager"
+def choose_block_impl(
+    device_type: str, requested: str | None = None, env: str | None = None
+) -> tuple[str, str]:
+    """(implementation, why) a model on a ``device_type`` device runs: ``requested`` if given,
+    else ``env`` (the value of ``PHYSIS_BLOCK_IMPL``; None: read it), else the device's default
+    (``DEVICE_BLOCK_IMPLS``). Why is ``REQUESTED``, ``PHYSIS_BLOCK_IMPL`` or the device type."""
+    if requested:
+        _check_impl(requested, "block implementation")
+        return requested, REQUESTED
+    if env is None:
+        env = os.environ.get(BLOCK_IMPL_ENV, "")
+    if env:
+        _check_impl(env, BLOCK_IMPL_ENV)
+        return env, BLOCK_IMPL_ENV
+    return DEVICE_BLOCK_IMPLS.get(device_type, "eager"), device_type
+
+
+def _check_impl(impl: str, what: str) -> None:
     if impl not in BLOCK_IMPLS:
-        raise ValueError(f"{BLOCK_IMPL_ENV}={impl!r} is not one of {BLOCK_IMPLS}")
-    return impl
+        name = f"{what}={impl!r}" if what == BLOCK_IMPL_ENV else f"{what} {impl!r}"
+        raise ValueError(f"{name} is not one of {BLOCK_IMPLS}")
 
 
-def set_block_impl(model: WanDiT, impl: str, *, kernels: str = "auto") -> None:
+def default_block_impl(device: str | torch.device = "cpu") -> str:
+    """The implementation a model on ``device`` runs unless one is asked for
+    (``PHYSIS_BLOCK_IMPL``, else the device's default)."""
+    return choose_block_impl(torch.device(device).type)[0]
+
+
+def set_block_impl(
+    model: WanDiT, impl: str, *, kernels: str = "auto", reason: str = REQUESTED
+) -> None:
     """Select how ``stage.run_block`` runs ``model``'s blocks: ``eager``, ``fused`` or
-    ``graph`` (fused, replayed as CUDA graphs)."""
-    if impl not in BLOCK_IMPLS:
-        raise ValueError(f"block implementation {impl!r} is not one of {BLOCK_IMPLS}")
+    ``graph`` (fused, replayed as CUDA graphs); ``reason``: why, for ``describe_block_impl``."""
+    _check_impl(impl, "block implementation")
     model.fused_blocks = (
         None if impl == "eager" else FusedBlocks(model, kernels=kernels, graphs=impl == "graph")
     )
+    model.block_impl_reason = reason
 
 
 def block_impl(model: WanDiT) -> str:
@@ -77,6 +109,19 @@ def block_impl(model: WanDiT) -> str:
     if runner is None:
         return "eager"
     return "graph" if runner.graphs is not None else "fused"
+
+
+def describe_block_impl(model: WanDiT | None = None) -> str:
+    """Which implementation runs ``model``'s blocks and why, e.g. ``fused implementation
+    (cuda)``; without a model, how one is chosen in this process."""
+    if model is not None:
+        reason = getattr(model, "block_impl_reason", REQUESTED)
+        return f"{block_impl(model)} implementation ({reason})"
+    on_cpu, why = choose_block_impl("cpu")
+    if why != "cpu":  # the environment names one: every device runs it
+        return f"{on_cpu} implementation ({why})"
+    on_cuda, _ = choose_block_impl("cuda")
+    return f"{on_cuda} implementation on cuda, {on_cpu} on cpu (the device's default)"
 
 
 def fused_blocks(model: WanDiT) -> FusedBlocks | None:

@@ -16,6 +16,7 @@ from engine_helpers import SAMPLER, TOL, run_and_compare
 
 from physis_ros.engine import fused
 from physis_ros.engine.build import build_model
+from physis_ros.engine.checkpoints import resolve_model, summary
 from physis_ros.engine.config import get_preset
 from physis_ros.engine.forward import cross_kv, embed_cond
 from physis_ros.engine.kvring import KVRing, StageTask
@@ -178,6 +179,37 @@ def test_block_impl_from_environment_and_bad_names(monkeypatch):
     monkeypatch.delenv(fused.BLOCK_IMPL_ENV)
     with pytest.raises(ValueError, match="not one of"):
         fused.set_block_impl(build_model(cfg), "compiled")
+
+
+def test_block_impl_follows_the_device(monkeypatch):
+    """Fused on CUDA, eager on any other device, unless a caller or ``PHYSIS_BLOCK_IMPL``
+    names one; the engine's start-up summary says which runs and why."""
+    assert fused.choose_block_impl("cuda", env="") == ("fused", "cuda")
+    assert fused.choose_block_impl("cpu", env="") == ("eager", "cpu")
+    assert fused.choose_block_impl("mps", env="") == ("eager", "mps")
+    assert fused.choose_block_impl("cpu", env="graph") == ("graph", fused.BLOCK_IMPL_ENV)
+    assert fused.choose_block_impl("cuda", "eager", env="graph") == ("eager", fused.REQUESTED)
+    with pytest.raises(ValueError, match="not one of"):
+        fused.choose_block_impl("cuda", "compiled")
+    monkeypatch.delenv(fused.BLOCK_IMPL_ENV, raising=False)
+    assert fused.default_block_impl("cuda") == "fused"
+    assert fused.default_block_impl() == "eager"
+    rule = "fused implementation on cuda, eager on cpu (the device's default)"
+    assert fused.describe_block_impl() == rule
+    resolved = resolve_model("tiny")
+    model = build_model(resolved.cfg)
+    assert fused.describe_block_impl(model) == "eager implementation (cpu)"
+    text = summary(resolved, SAMPLER, torch.float32, model=model)
+    assert "blocks   eager implementation (cpu)" in text.splitlines()
+    assert f"blocks   {rule}" in summary(resolved, SAMPLER, torch.float32).splitlines()
+    monkeypatch.setenv(fused.BLOCK_IMPL_ENV, "fused")
+    assert fused.describe_block_impl() == "fused implementation (PHYSIS_BLOCK_IMPL)"
+    assert fused.describe_block_impl(build_model(resolved.cfg)) == (
+        "fused implementation (PHYSIS_BLOCK_IMPL)"
+    )
+    assert fused.describe_block_impl(build_model(resolved.cfg, block_impl="graph")) == (
+        "graph implementation (asked for)"
+    )
 
 
 TRITON_CHECK = """
