@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from physis_ros.engine.build import build_model
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import build_model
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, block_work
 from physis_ros.engine.stage import time_block_forward
 

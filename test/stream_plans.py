@@ -9,9 +9,11 @@ import time
 
 import torch
 
+from physis_ros.engine.build import build_model
 from physis_ros.engine.config import ModelConfig
-from physis_ros.engine.model import build_model, chunk_numel, make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.oracle import sample_noisy
+from physis_ros.engine.sampler import chunk_numel
 
 
 def random_plan(cfg: ModelConfig, seed: int, chunks: int, context_at: tuple[int, ...] = (0,)):

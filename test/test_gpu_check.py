@@ -21,6 +21,7 @@ GPU_PATH = [
     "physis_ros/tools/gpu_verify.py",
     "physis_ros/engine/devcopy.py",
     "physis_ros/engine/stage.py",
+    "physis_ros/engine/kvring.py",
 ]
 """The modules whose torch / Triton calls the device runs new in this check."""
 DEVICE_THIRD_PARTY = {"torch", "numpy", "safetensors", "triton"}

@@ -22,11 +22,13 @@ import numpy as np
 import torch
 
 from physis_ros.engine import fused
+from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import PRESETS, SamplerConfig
 from physis_ros.engine.controller import MODES
-from physis_ros.engine.model import build_model, make_cond, param_count
+from physis_ros.engine.forward import make_cond
+from physis_ros.engine.model import param_count
 from physis_ros.engine.oracle import sample as oracle_sample
 from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import layout_by_block_even, layout_even

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from physis_ros.engine.api import StreamSpec
+from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import load_weights, resolve_model_config
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.core import EngineCore
-from physis_ros.engine.model import build_model, make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.oracle import sample_noisy
 from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.runtime import RuntimeConfig

@@ -1,10 +1,10 @@
 """The fused block forward replayed as CUDA graphs, one per (block, batch composition), for
 every chunk in the steady state (block implementation ``graph``).
 
-Why: on an H200 at 4680 tokens a 1.3B block-task runs in 1.46 ms as a graph replay and in
-1.88-1.99 ms launched op by op (issue 23's GPU check): its ~18 kernels are short, and the
-CPU's launches (Triton's Python launcher among them) are the gap. Larger blocks run longer
-kernels and the CPU keeps ahead of them; a replay costs a handful of launches whatever the size.
+Why: a small block's ~18 kernels are short, and the CPU's launches (Triton's Python launcher
+among them) are the gap: a 1.3B block-task at 4680 tokens takes 1.46 ms on an H200 as a graph
+replay and 1.88-1.99 ms launched op by op (docs/gpu.md). Larger blocks run longer kernels and
+the CPU keeps ahead of them; a replay costs a handful of launches whatever the size.
 
 What changes from one chunk of a composition to the next, and how the graph sees it:
 - h, the noise level's modulation e0 and the chunk's RoPE table: copied into static input
@@ -33,13 +33,12 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from physis_ros.engine.fused import FusedBlocks
-    from physis_ros.engine.stage import StageTask
+from physis_ros.engine.kvring import StageTask
+from physis_ros.engine.model import WanDiT
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +85,31 @@ class GraphStats:
         return {k: v for k, v in self.__dict__.items()}
 
 
+class SlotForward(Protocol):
+    """What the graphs replay (``fused.FusedBlocks``): a block forward that can write K/V at
+    ring entries given on the device, and the fused weights a composition is keyed by."""
+
+    model: WanDiT
+
+    def weights(self, block: int) -> object: ...
+
+    def forward(
+        self,
+        block: int,
+        h: torch.Tensor,
+        e0: torch.Tensor,
+        rope: torch.Tensor,
+        tasks: list[StageTask],
+        *,
+        slots: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 class BlockGraphs:
     """CUDA graphs of ``fused``'s forward per (block, batch composition)."""
 
-    def __init__(self, fused: FusedBlocks, *, capture: bool | None = None) -> None:
+    def __init__(self, fused: SlotForward, *, capture: bool | None = None) -> None:
         self.fused = fused
         self.device = fused.model.device
         self.capture = self.device.type == "cuda" if capture is None else capture

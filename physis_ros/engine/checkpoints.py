@@ -23,8 +23,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
+from physis_ros.engine.fused import describe_block_impl
+from physis_ros.engine.model import Block, Stem, WanDiT
+from physis_ros.engine.vae import read_vae_config
 
 UPSTREAM, DIFFUSERS = "upstream Wan", "diffusers"
 DEFAULT_LATENT_FRAMES = 3
@@ -241,8 +245,6 @@ def _layout(cfg: ModelConfig, latent_frames: int, resolution: str, vae: str) -> 
     """``cfg`` with the chunk length, camera resolution and codec asked for."""
     changes: dict = {}
     if vae:
-        from physis_ros.engine.vae import read_vae_config
-
         vc = read_vae_config(vae)
         changes.update(codec="wan_vae", vae_path=str(vae), codec_stride=vc.stride)
         if vc.z_dim != cfg.in_channels:
@@ -279,10 +281,8 @@ def _layout(cfg: ModelConfig, latent_frames: int, resolution: str, vae: str) -> 
 # ---- weights ------------------------------------------------------------------------------
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every key a checkpoint of ``cfg`` must hold (upstream names), with its shape."""
-    from physis_ros.engine.model import Block, _Stem
-
     with torch.device("meta"):
-        stem, block = _Stem(cfg), Block(cfg)
+        stem, block = Stem(cfg), Block(cfg)
     out = {k: tuple(v.shape) for k, v in stem.state_dict().items()}
     out["patch_embedding.weight"] = (cfg.dim, cfg.in_channels, *cfg.patch)  # Conv3d upstream
     for i in range(cfg.num_blocks):
@@ -311,8 +311,6 @@ def to_upstream_key(layout: str, key: str) -> str:
 def weights_source(layout: str, directory: Path, cfg: ModelConfig) -> WeightsSource:
     """Index every weight of ``directory`` and check names and shapes against ``cfg`` (strict:
     missing, unknown or mis-shaped keys raise ValueError naming them). Reads headers only."""
-    from safetensors import safe_open
-
     files = _weight_files(directory)
     key_files: dict[str, Path] = {}
     checkpoint_keys: dict[str, str] = {}
@@ -375,8 +373,6 @@ def load_weights(model, source: WeightsSource) -> int:
     """Copy the weights of the blocks ``model`` holds (and its stem) from ``source``, cast to
     the model's dtype; every key the model has must come from the checkpoint (names and
     shapes were checked by ``weights_source``). Returns the number of tensors loaded."""
-    from safetensors import safe_open
-
     cfg = model.cfg
     params = model.state_dict()
     todo: dict[Path, list[str]] = {}
@@ -396,10 +392,16 @@ def load_weights(model, source: WeightsSource) -> int:
 
 # ---- the summary at load ------------------------------------------------------------------
 def summary(
-    resolved: ResolvedModel, sampler: SamplerConfig, dtype: torch.dtype, *, checkpoint: str = ""
+    resolved: ResolvedModel,
+    sampler: SamplerConfig,
+    dtype: torch.dtype,
+    *,
+    checkpoint: str = "",
+    model: WanDiT | None = None,
 ) -> str:
     """A screenful about the model as it will run: where its weights come from, its shape,
-    parameters, chunk and codec, K and W, and memory per block."""
+    parameters, chunk and codec, K and W, memory per block, and which block implementation
+    runs and why (``model``: the built model; without it, the rule it is chosen by)."""
     cfg, w = resolved.cfg, resolved.weights
     item = torch.empty((), dtype=dtype).element_size()
     if w is not None:
@@ -439,6 +441,7 @@ def summary(
         f"{sampler.shift:g}",
         f"memory   per stream: KV ring {_bytes(kv_bytes)} per stage (W+1 chunks), "
         f"cross-attn K/V {_bytes(cross_bytes)} per block",
+        f"blocks   {describe_block_impl(model)}",
     ]
     return "\n".join(lines)
 

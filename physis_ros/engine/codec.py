@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.frames import check_frames
+from physis_ros.engine.vae import WanVAECodec
 
 
 class Codec:
@@ -89,29 +91,10 @@ class Codec:
         return ((x + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
 
 
-def check_frames(cfg: ModelConfig, frames: np.ndarray) -> np.ndarray:
-    """Validate [F, H, W, 3] uint8 with F <= frames per chunk; pad with the newest frame."""
-    h, w = cfg.image_size
-    n = cfg.frames_per_chunk
-    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
-        raise ValueError(f"frames must be a uint8 numpy array, got {type(frames).__name__}")
-    if frames.ndim != 4 or frames.shape[1:] != (h, w, 3) or frames.shape[0] < 1:
-        raise ValueError(
-            f"frames have shape {frames.shape}, model {cfg.name} needs [F<={n}, {h}, {w}, 3]"
-        )
-    if frames.shape[0] > n:
-        raise ValueError(f"{frames.shape[0]} frames, a chunk holds at most {n}")
-    if frames.shape[0] < n:
-        frames = np.concatenate([frames, np.repeat(frames[-1:], n - frames.shape[0], axis=0)])
-    return frames
-
-
 def make_codec(cfg: ModelConfig, *, device: str | torch.device = "cpu"):
     """The codec ``cfg.codec`` names, checked against the model's latent channels (the
     latent grid's fit to the patch is checked by ModelConfig)."""
     if cfg.codec == "wan_vae":
-        from physis_ros.engine.vae import WanVAECodec
-
         return WanVAECodec(cfg, device=device)
     return Codec(cfg, device=device)
 

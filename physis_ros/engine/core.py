@@ -367,6 +367,11 @@ def prompt_book(
 
 
 def log_summary(resolved: ResolvedModel, pipeline: Pipeline, checkpoint: str = "") -> None:
-    log.info(
-        "\n%s", summary(resolved, pipeline.sampler, pipeline.model.dtype, checkpoint=checkpoint)
+    text = summary(
+        resolved,
+        pipeline.sampler,
+        pipeline.model.dtype,
+        checkpoint=checkpoint,
+        model=pipeline.model,
     )
+    log.info("\n%s", text)

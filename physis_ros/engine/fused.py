@@ -1,7 +1,7 @@
 """The fused block forward: the block-task of ``stage.run_block`` with everything that is not a
 GEMM or attention done in few passes over the activations.
 
-Same math as ``model.block_forward`` with the stage's per-task attention, arranged for a GPU:
+Same math as ``forward.block_forward`` with the stage's per-task attention, arranged for a GPU:
 - q, k and v come from ONE GEMM against a [3D, D] weight. That weight (and the [2, D] q/k norm
   weights) is built once per block when the path is enabled, and the model's q/k/v parameters
   become views into it: upstream-named checkpoints still load strictly (the loaders copy into
@@ -22,11 +22,15 @@ composition and replay it (block implementation ``graph``).
 
 Kernels: ``triton`` (CUDA; ``fused_triton``) or ``torch`` (any device: the same passes as torch
 ops; in float32 the fused path then equals the eager one to round-off, which is what CI tests
-on the CPU). Select the path per model with ``set_block_impl(model, "fused")``, or for every
-model a process builds with ``PHYSIS_BLOCK_IMPL=fused`` (``build_model`` reads it), or
-``--block-impl fused`` on physis-profile and physis-bench engine; ``graph`` is the fused path
-replayed as CUDA graphs where the batch composition repeats (``block_graphs``; on a CPU the
-same static path, not captured).
+on the CPU).
+
+Which implementation a model runs (this module owns the choice): ``eager``
+(``forward.block_forward``), ``fused`` or ``graph`` (the fused path replayed as CUDA graphs
+where the batch composition repeats: ``block_graphs``; on a CPU the same static path, not
+captured). By default it follows the device (``choose_block_impl``): fused on CUDA, eager
+elsewhere. ``build_model(block_impl=...)``, ``--block-impl`` on physis-profile and physis-bench
+engine, or ``PHYSIS_BLOCK_IMPL`` for every model a process builds override it;
+``set_block_impl(model, impl)`` sets it on a built model.
 """
 
 from __future__ import annotations
@@ -34,57 +38,99 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from physis_ros.engine import model as M
-
-if TYPE_CHECKING:
-    from physis_ros.engine.stage import StageTask
+from physis_ros.engine.block_graphs import BlockGraphs
+from physis_ros.engine.forward import apply_rope
+from physis_ros.engine.kvring import StageTask
+from physis_ros.engine.model import RMSNorm, WanDiT
 
 log = logging.getLogger(__name__)
 
 BLOCK_IMPLS = ("eager", "fused", "graph")
 BLOCK_IMPL_ENV = "PHYSIS_BLOCK_IMPL"
-"""Environment variable: the block implementation every ``build_model`` call selects."""
+"""Environment variable: the block implementation every ``build_model`` call selects, over the
+device's default."""
+DEVICE_BLOCK_IMPLS = {"cuda": "fused"}
+"""The implementation a device type runs unless one is asked for; other devices run eager. On
+CUDA the fused path is faster than eager and within bf16 tolerance of it (docs/gpu.md); its
+passes are arranged for a GPU (Triton kernels, the cuBLASLt GELU epilogue)."""
+REQUESTED = "asked for"
+"""The reason ``choose_block_impl`` gives for an implementation its caller named."""
 KERNELS = ("auto", "triton", "torch")
 
 
-def default_block_impl() -> str:
-    """``PHYSIS_BLOCK_IMPL`` (eager when unset)."""
-    impl = os.environ.get(BLOCK_IMPL_ENV, "") or "eager"
+def choose_block_impl(
+    device_type: str, requested: str | None = None, env: str | None = None
+) -> tuple[str, str]:
+    """(implementation, why) a model on a ``device_type`` device runs: ``requested`` if given,
+    else ``env`` (the value of ``PHYSIS_BLOCK_IMPL``; None: read it), else the device's default
+    (``DEVICE_BLOCK_IMPLS``). Why is ``REQUESTED``, ``PHYSIS_BLOCK_IMPL`` or the device type."""
+    if requested:
+        _check_impl(requested, "block implementation")
+        return requested, REQUESTED
+    if env is None:
+        env = os.environ.get(BLOCK_IMPL_ENV, "")
+    if env:
+        _check_impl(env, BLOCK_IMPL_ENV)
+        return env, BLOCK_IMPL_ENV
+    return DEVICE_BLOCK_IMPLS.get(device_type, "eager"), device_type
+
+
+def _check_impl(impl: str, what: str) -> None:
     if impl not in BLOCK_IMPLS:
-        raise ValueError(f"{BLOCK_IMPL_ENV}={impl!r} is not one of {BLOCK_IMPLS}")
-    return impl
+        name = f"{what}={impl!r}" if what == BLOCK_IMPL_ENV else f"{what} {impl!r}"
+        raise ValueError(f"{name} is not one of {BLOCK_IMPLS}")
 
 
-def set_block_impl(model: M.WanDiT, impl: str, *, kernels: str = "auto") -> None:
+def default_block_impl(device: str | torch.device = "cpu") -> str:
+    """The implementation a model on ``device`` runs unless one is asked for
+    (``PHYSIS_BLOCK_IMPL``, else the device's default)."""
+    return choose_block_impl(torch.device(device).type)[0]
+
+
+def set_block_impl(
+    model: WanDiT, impl: str, *, kernels: str = "auto", reason: str = REQUESTED
+) -> None:
     """Select how ``stage.run_block`` runs ``model``'s blocks: ``eager``, ``fused`` or
-    ``graph`` (fused, replayed as CUDA graphs)."""
-    if impl not in BLOCK_IMPLS:
-        raise ValueError(f"block implementation {impl!r} is not one of {BLOCK_IMPLS}")
+    ``graph`` (fused, replayed as CUDA graphs); ``reason``: why, for ``describe_block_impl``."""
+    _check_impl(impl, "block implementation")
     model.fused_blocks = (
         None if impl == "eager" else FusedBlocks(model, kernels=kernels, graphs=impl == "graph")
     )
+    model.block_impl_reason = reason
 
 
-def block_impl(model: M.WanDiT) -> str:
+def block_impl(model: WanDiT) -> str:
     runner = fused_blocks(model)
     if runner is None:
         return "eager"
     return "graph" if runner.graphs is not None else "fused"
 
 
-def fused_blocks(model: M.WanDiT) -> FusedBlocks | None:
+def describe_block_impl(model: WanDiT | None = None) -> str:
+    """Which implementation runs ``model``'s blocks and why, e.g. ``fused implementation
+    (cuda)``; without a model, how one is chosen in this process."""
+    if model is not None:
+        reason = getattr(model, "block_impl_reason", REQUESTED)
+        return f"{block_impl(model)} implementation ({reason})"
+    on_cpu, why = choose_block_impl("cpu")
+    if why != "cpu":  # the environment names one: every device runs it
+        return f"{on_cpu} implementation ({why})"
+    on_cuda, _ = choose_block_impl("cuda")
+    return f"{on_cuda} implementation on cuda, {on_cpu} on cpu (the device's default)"
+
+
+def fused_blocks(model: WanDiT) -> FusedBlocks | None:
     return getattr(model, "fused_blocks", None)
 
 
 def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - optional: the CUDA kernels' compiler
     except ImportError:
         return False
     return True
@@ -140,7 +186,7 @@ class TorchKernels:
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
         x = x.unflatten(-1, (heads, -1))  # [T, H, d]
         if rope is not None:
-            x = M.apply_rope(x, torch.view_as_complex(rope))
+            x = apply_rope(x, torch.view_as_complex(rope))
         x = x.transpose(0, 1)  # [H, T, d]
         if slot is None:
             dst.copy_(x)
@@ -154,7 +200,7 @@ class TritonKernels:
     name = "triton"
 
     def __init__(self) -> None:
-        from physis_ros.engine import fused_triton
+        from physis_ros.engine import fused_triton  # imports triton (optional)
 
         self.norm = fused_triton.norm
         self.rms_rope = fused_triton.rms_rope
@@ -208,7 +254,7 @@ def _fuse_block(blk: nn.Module) -> _BlockWeights:
     qkv_b = _alias([lin.bias for lin in lins])
     qk_norm = None
     params = [lin.weight for lin in lins] + [lin.bias for lin in lins]
-    if isinstance(sa.norm_q, M.RMSNorm):
+    if isinstance(sa.norm_q, RMSNorm):
         qk_norm = _alias([sa.norm_q.weight, sa.norm_k.weight])
         params += [sa.norm_q.weight, sa.norm_k.weight]
     views = tuple((p, p.data_ptr()) for p in params)
@@ -220,7 +266,7 @@ class FusedBlocks:
 
     def __init__(
         self,
-        model: M.WanDiT,
+        model: WanDiT,
         *,
         kernels: str = "auto",
         gelu_epilogue: bool | None = None,
@@ -243,8 +289,6 @@ class FusedBlocks:
         if not on:
             self.graphs = None
         elif self.graphs is None:
-            from physis_ros.engine.block_graphs import BlockGraphs
-
             self.graphs = BlockGraphs(self)
 
     def run(
@@ -327,7 +371,7 @@ class FusedBlocks:
         else:
             h1, y = kern.norm(x, n, eps=eps, residual=a, gate=mod[:, 2], normalize=False)
         cq = F.linear(y, ca.q.weight, ca.q.bias)
-        if isinstance(ca.norm_q, M.RMSNorm):
+        if isinstance(ca.norm_q, RMSNorm):
             normed = torch.empty_like(cq)
             kern.rms_rope(cq, normed.view(rows, heads, hd).transpose(0, 1), heads=heads,
                           eps=ca.norm_q.eps, weight=ca.norm_q.weight, rope=None)  # fmt: skip

@@ -21,8 +21,20 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from physis_ros.cli_errors import UsageError
+from physis_ros.engine import checkpoints
 from physis_ros.engine.config import PRESETS, ModelConfig
+from physis_ros.engine.model import WanDiT, check_state_keys
+from physis_ros.weights import (
+    DEFAULT_SHIFT,
+    DEFAULT_STEPS,
+    SHIPPED,
+    missing_shipped_weights,
+    read_metadata,
+    read_shapes,
+)
 
 RANDOM_WEIGHTS = "random"
 """``weights`` value that asks for random weights even where the preset ships trained ones."""
@@ -59,9 +71,6 @@ def resolve_model(
     (``engine.checkpoints.resolve_model``). Raises ValueError naming what is wrong (an
     unknown name, a missing file, a checkpoint without the metadata that says which model it
     is)."""
-    from physis_ros.engine import checkpoints
-    from physis_ros.weights import SHIPPED, missing_shipped_weights
-
     layout = {"latent_frames": latent_frames, "resolution": resolution, "vae": vae}
     text = str(name_or_path).strip()
     if not text:
@@ -100,8 +109,6 @@ def resolve_model(
 
 def _read_metadata(path: Path) -> dict[str, str]:
     """The file's safetensors metadata; a file that is not safetensors is a usage error."""
-    from physis_ros.weights import read_metadata
-
     try:
         return read_metadata(path)
     except (ValueError, OSError) as exc:
@@ -123,8 +130,6 @@ def _checkpoint_preset(path: Path) -> str:
 
 def _with_weights(config: ModelConfig, path: Path) -> ResolvedModel:
     """The weights' metadata and the sampling settings they record."""
-    from physis_ros.weights import DEFAULT_SHIFT, DEFAULT_STEPS
-
     meta = _read_metadata(path)
     if meta.get("model", config.name) != config.name:
         raise ValueError(f"{path} holds weights of model {meta['model']}, not {config.name}")
@@ -154,11 +159,6 @@ def check_weights_fit(resolved: ResolvedModel) -> None:
     directory's own loader checks its files the same way)."""
     if resolved.weights is None:
         return
-    import torch
-
-    from physis_ros.engine.model import WanDiT, check_state_keys
-    from physis_ros.weights import read_shapes
-
     shapes = read_shapes(resolved.weights)
     with torch.device("meta"):
         model = WanDiT(resolved.config, device="meta")

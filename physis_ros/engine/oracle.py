@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.model import WanDiT, forward_sequence
+from physis_ros.engine.forward import forward_sequence
+from physis_ros.engine.model import WanDiT
 from physis_ros.engine.sampler import context_noise, initial_noise, noise_context, sigmas
 
 Plan = list[tuple]

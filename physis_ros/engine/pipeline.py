@@ -15,7 +15,7 @@ import torch
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.controller import ChunkResult, Controller, submit_item
 from physis_ros.engine.executor import HISTORY_OF_MODE, Executor, StreamOrder
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.placement import Layout
 
 

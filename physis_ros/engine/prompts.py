@@ -166,7 +166,7 @@ def trained_empty_prompt(
     conditioning it was trained with (metadata ``cond_seed``: ``model.make_cond``); for random
     weights or a goal-prompted model no tokens (all padding: the engine's own measuring
     streams; physis-serve refuses a client's stream without its goal)."""
-    from physis_ros.engine.model import make_cond
+    from physis_ros.engine.forward import make_cond
 
     if checkpoint_meta and "cond_seed" in checkpoint_meta:
         return make_cond(cfg, int(checkpoint_meta["cond_seed"]))

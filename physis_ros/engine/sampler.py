@@ -15,11 +15,53 @@ video tokens, which a generated chunk's x0 estimate starts from (zeros in observ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from physis_ros.engine.config import ModelConfig, SamplerConfig
-from physis_ros.engine.model import chunk_layout, chunk_numel
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where each part sits in a packed chunk state x [X] (``pack_chunk``)."""
+
+    video: slice
+    actions: slice
+    """[H, A] action values (empty without actions)."""
+    state: slice
+    """[F, S] state values (empty without them)."""
+    known: slice
+    """[H] action-row flags (empty without committed actions)."""
+    anchor: slice
+    """[Nv, P] the newest observed latent frame as video tokens (``anchor_residual``; zeros
+    in observed chunks)."""
+    denoised: int
+    """Values x[:denoised] are the generated part (the rest is conditioning)."""
+
+
+def chunk_layout(cfg: ModelConfig) -> ChunkLayout:
+    nvp = cfg.video_tokens * cfg.patch_dim
+    na = cfg.action_horizon * cfg.action_dim if cfg.action_mode != "none" else 0
+    ns = cfg.state_tokens * cfg.state_dim
+    nk = cfg.action_horizon if cfg.committed_actions else 0
+    a_end, s_end = nvp + na, nvp + na + ns
+    k_end = s_end + nk
+    return ChunkLayout(
+        video=slice(0, nvp),
+        actions=slice(nvp, a_end),
+        state=slice(a_end, s_end),
+        known=slice(s_end, k_end),
+        anchor=slice(k_end, k_end + (nvp if cfg.anchor_residual else 0)),
+        denoised=s_end if cfg.action_mode == "predict" else nvp,
+    )
+
+
+def chunk_numel(cfg: ModelConfig) -> int:
+    """X: values in a packed chunk state (video tokens ++ action values ++ state values ++
+    action-row flags ++ anchor tokens, as the config has them)."""
+    return chunk_layout(cfg).anchor.stop
 
 
 def sigmas(sampler: SamplerConfig) -> list[float]:

@@ -1,136 +1,35 @@
 """One batched block forward over tasks that share a block's weights, with per-task KV rings.
 
-What belongs here: the KV ring of one (stream, stage), the ``StageTask`` a worker hands to
-``run_block``, the small caches that keep per-task Python work off the hot path (RoPE tables
-per chunk, timestep embeddings per step), and ``measure_block_ms`` (per-block cost for the
-benchmark and for the pool's cost model). Scheduling lives in ``worker.py``.
+What belongs here: ``run_block`` (the worker's hot path: eager through ``forward.block_forward``,
+or the model's fused implementation, ``fused.py``), the small caches that keep per-task Python
+work off the hot path (RoPE tables per chunk, timestep embeddings per step), and
+``measure_block_ms`` (per-block cost for the benchmark and for the pool's cost model). The KV
+ring and the task live in ``kvring.py``; scheduling in ``worker.py``.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from physis_ros.engine import model as M
 from physis_ros.engine.devcopy import to_device
+from physis_ros.engine.forward import (
+    block_forward,
+    cross_kv,
+    embed_cond,
+    embed_tokens,
+    head_velocity,
+    make_cond,
+    rope_freqs,
+    time_embed,
+)
 from physis_ros.engine.fused import fused_blocks
+from physis_ros.engine.kvring import KVRing, StageTask
 from physis_ros.engine.model import WanDiT
-
-
-class KVRing:
-    """Rotated K and V of one stream at one stage: R = W + h entries of n tokens each, entry
-    ``s % R`` holding time slot s (h: the stream's horizon, 1 when it has none).
-
-    A chunk of slot c attends to slots c-W..c. Chunks run at a stage in the order they were
-    released, and an observed chunk overwrites the entry its slot's prediction left: every
-    chunk released later is anchored at or after it and reads the observed version, every
-    one released before it has already run here (DESIGN.md §3, live streams). R = W + h keeps
-    an entry until no chunk that can still come reads it. With R = W + 1 the window is the
-    whole ring (attention does not care about the order of keys), so no copy and no mask;
-    with R > W + 1 it is a contiguous view, or two pieces joined when it wraps around.
-    """
-
-    def __init__(  # noqa: PLR0917
-        self,
-        window: int,
-        heads: int,
-        tokens: int,
-        head_dim: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-        horizon: int = 1,
-    ) -> None:
-        self.window = window
-        self.entries = window + max(horizon, 1)
-        self.tokens = tokens
-        self.k = torch.zeros(heads, self.entries * tokens, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.slot = [-1] * self.entries
-        """The slot each entry holds (-1: none yet)."""
-        self.observed = [False] * self.entries
-        """Whether it holds that slot's observed version."""
-
-    def write(
-        self, slot: int, k: torch.Tensor, v: torch.Tensor, *, observed: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [H, n, d] of slot ``slot`` -> keys/values it attends to [H, m*n, d]."""
-        k_entry, v_entry = self.reserve(slot, observed=observed)
-        k_entry.copy_(k)
-        v_entry.copy_(v)
-        return self.attended(slot)
-
-    def reserve(self, slot: int, *, observed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entry of ``slot``, k and v [H, n, d] views for the caller to fill (``write``
-        without a copy; then ``attended``), marked as holding that slot's version."""
-        n, e = self.tokens, self.take_entry(slot, observed=observed)
-        return self.k[:, e * n : (e + 1) * n], self.v[:, e * n : (e + 1) * n]
-
-    def take_entry(self, slot: int, *, observed: bool) -> int:
-        """The entry ``slot`` goes to, marked as holding that version: the host-side half of
-        ``reserve``, for a caller that writes the entry on the device (``block_graphs``)."""
-        e = slot % self.entries
-        self.slot[e], self.observed[e] = slot, observed
-        return e
-
-    def full(self, slot: int) -> bool:
-        """A chunk of ``slot`` attends every entry (its own and W earlier slots fill the ring:
-        a stream without a horizon beyond 1, past its first W chunks): the steady state, in
-        which only the entry written depends on the chunk (``block_graphs``)."""
-        return slot - max(0, slot - self.window) + 1 == self.entries
-
-    def attended(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values [H, m*n, d] a chunk of ``slot`` attends to: slots slot-W..slot."""
-        n, r = self.tokens, self.entries
-        e = slot % r
-        first = max(0, slot - self.window)
-        if slot - first + 1 == r:  # the window is the whole ring
-            return self.k, self.v
-        lo = first % r
-        if lo <= e:
-            return self.k[:, lo * n : (e + 1) * n], self.v[:, lo * n : (e + 1) * n]
-        keys = (self.k[:, lo * n :], self.k[:, : (e + 1) * n])
-        values = (self.v[:, lo * n :], self.v[:, : (e + 1) * n])
-        return torch.cat(keys, 1), torch.cat(values, 1)
-
-    def check_history(self, slot: int, anchor: int) -> None:
-        """Raise unless every slot slot-W..slot-1 is here, observed only if <= ``anchor``:
-        the history a chunk anchored at ``anchor`` must read (catches an order or size bug)."""
-        for s in range(max(0, slot - self.window), slot):
-            e = s % self.entries
-            if self.slot[e] != s or (self.observed[e] and s > anchor):
-                held = "observed" if self.observed[e] else "predicted"
-                raise RuntimeError(
-                    f"slot {slot} (anchor {anchor}) needs slot {s}; the ring holds "
-                    f"{held} slot {self.slot[e]} there"
-                )
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
-
-@dataclass
-class StageTask:
-    """One chunk of one stream at stage (step, block), with what the forward needs."""
-
-    chunk: int
-    """The chunk's time slot (RoPE position, KV ring entry)."""
-    step: int
-    sigma: float
-    """Noise level it enters the block at (0 for a clean context chunk)."""
-    x: torch.Tensor
-    """[X] float32 on the worker's device (a noised observation's noised state at block 0)."""
-    h: torch.Tensor | None
-    """[n, D] entering the block (None at block 0)."""
-    ring: KVRing
-    observed: bool
-    """Its K/V are its slot's observed version (else the predicted one)."""
-    cross_k: torch.Tensor
-    """[H, Lt, d] cached cross-attention keys of the stream at this block."""
-    cross_v: torch.Tensor
+from physis_ros.engine.sampler import chunk_numel
 
 
 class StageCaches:
@@ -154,7 +53,7 @@ class StageCaches:
                 self._rope.clear()
                 missing = sorted(set(chunks))
             # on the CPU, then one asynchronous copy: no host synchronisation per chunk
-            freqs = to_device(M.rope_freqs(self.model, torch.tensor(missing)), self.model.device)
+            freqs = to_device(rope_freqs(self.model, torch.tensor(missing)), self.model.device)
             for i, c in enumerate(missing):
                 self._rope[c] = freqs[i]
         if len(chunks) == 1:
@@ -165,10 +64,10 @@ class StageCaches:
         """e [B, D], e0 [B, 6, D] of each task at its noise level."""
         sig = [t.sigma for t in tasks]
         if self.model.cfg.action_mode == "condition":  # depends on each chunk's actions
-            return M.time_embed(self.model, to_device(torch.tensor(sig), xs.device), xs)
+            return time_embed(self.model, to_device(torch.tensor(sig), xs.device), xs)
         for s in set(sig):
             if s not in self._time:
-                e, e0 = M.time_embed(self.model, to_device(torch.tensor([s]), xs.device))
+                e, e0 = time_embed(self.model, to_device(torch.tensor([s]), xs.device))
                 self._time[s] = (e[0], e0[0])
         if len(tasks) == 1:
             e, e0 = self._time[sig[0]]
@@ -190,7 +89,7 @@ def run_block(
     xs = tasks[0].x[None] if len(tasks) == 1 else torch.stack([t.x for t in tasks])
     e, e0 = caches.time(tasks, xs)
     if block == 0:
-        h = M.embed_tokens(model, xs)
+        h = embed_tokens(model, xs)
     else:
         h = tasks[0].h[None] if len(tasks) == 1 else torch.stack([t.h for t in tasks])
     rope = caches.rope([t.chunk for t in tasks])
@@ -216,7 +115,7 @@ def run_block(
             outs.append(F.scaled_dot_product_attention(qi, kk[None], vv[None])[0])
         return torch.stack(outs).transpose(1, 2).unsqueeze(1)
 
-    h = M.block_forward(model, block, h[:, None], e0[:, None], rope[:, None], ck, cv, attend)[:, 0]
+    h = block_forward(model, block, h[:, None], e0[:, None], rope[:, None], ck, cv, attend)[:, 0]
     return h, _head(model, block, tasks, caches, h, e, xs)
 
 
@@ -233,9 +132,9 @@ def _head(  # noqa: PLR0917
     if block != model.cfg.num_blocks - 1:
         return None
     if model.cfg.prediction != "x0":  # the velocity head needs neither (no host-to-device copy)
-        return M.head_velocity(model, h, e)
+        return head_velocity(model, h, e)
     sig = to_device(torch.tensor([t.sigma for t in tasks]), xs.device)
-    return M.head_velocity(model, h, e, xs, sig)
+    return head_velocity(model, h, e, xs, sig)
 
 
 def _sync(device: torch.device) -> None:
@@ -287,8 +186,8 @@ def _timing_tasks(
     dev, dt = model.device, model.dtype
     win = max(history_chunks) if window is None else window
     caches = StageCaches(model, [1.0, 0.5, 0.0])
-    ctx = M.embed_cond(model, M.make_cond(cfg, 0))
-    ck, cv = M.cross_kv(model, block, ctx)
+    ctx = embed_cond(model, make_cond(cfg, 0))
+    ck, cv = cross_kv(model, block, ctx)
     gen = torch.Generator().manual_seed(0)
     ring_gen = torch.Generator(device=dev).manual_seed(1)
     tasks = []
@@ -297,7 +196,7 @@ def _timing_tasks(
         ring.k.normal_(generator=ring_gen)  # never time on zeros: GPUs run faster on them
         ring.v.normal_(generator=ring_gen)
         h = torch.randn(cfg.tokens_per_chunk, cfg.dim, generator=gen).to(dev, dt)
-        x = torch.randn(M.chunk_numel(cfg), generator=gen).to(dev)
+        x = torch.randn(chunk_numel(cfg), generator=gen).to(dev)
         tasks.append(
             StageTask(
                 chunk=hist,

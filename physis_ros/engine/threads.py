@@ -16,12 +16,13 @@ import threading
 import torch
 
 from physis_ros.engine.api import StreamFailed
+from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.controller import MODES
 from physis_ros.engine.core import EngineCore, log_summary, prompt_book
 from physis_ros.engine.executor import StreamOrder
-from physis_ros.engine.model import WanDiT, build_model
+from physis_ros.engine.model import WanDiT
 from physis_ros.engine.pipeline import Pipeline
 from physis_ros.engine.placement import Layout, Placement, layout_by_block_even, layout_even
 from physis_ros.engine.transport import Activation, InProcTransport

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.frames import check_frames
 
 TEMPORAL_GROUP = 4
 """Camera frames per latent frame after the first (diffusers' loop is written for 4)."""
@@ -87,7 +88,7 @@ class WanVAECodec:
 
     def __init__(self, cfg: ModelConfig, *, device: str | torch.device = "cpu") -> None:
         try:
-            from diffusers import AutoencoderKLWan
+            from diffusers import AutoencoderKLWan  # optional (the models extra), and heavy
         except ImportError as err:
             raise ValueError(
                 "codec wan_vae needs diffusers (pip install 'physis_ros[models]')"
@@ -124,8 +125,6 @@ class WanVAECodec:
         return self.cfg.frames_per_chunk
 
     def check_frames(self, frames: np.ndarray) -> np.ndarray:
-        from physis_ros.engine.codec import check_frames
-
         return check_frames(self.cfg, frames)
 
     def close(self, stream_id: int) -> None:
@@ -158,7 +157,7 @@ class WanVAECodec:
 
     def encode_raw(self, x: torch.Tensor, st: _StreamCaches) -> torch.Tensor:
         """[1, 3, F, H, W] in [-1, 1] -> the posterior mean [C, T, h, w], diffusers' loop."""
-        from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+        from diffusers.models.autoencoders.autoencoder_kl_wan import patchify  # optional dep
 
         vae = self.vae
         if self.patch is not None:
@@ -194,7 +193,7 @@ class WanVAECodec:
 
     def _decode_latent(self, latent: torch.Tensor, st: _StreamCaches) -> torch.Tensor:
         """Normalised latent [C, T, h, w] -> video [1, 3, F, H, W] in [-1, 1], diffusers' loop."""
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify  # optional dep
 
         vae = self.vae
         first = st.dec is None

@@ -14,17 +14,11 @@ controller can count what is in flight.
 
 Order. Every chunk a stream releases carries a ticket (0, 1, 2, ... in release order) and
 runs at each stage strictly in ticket order: that order, not the slot, decides which version
-of a slot (observed or predicted) a chunk reads (stage.KVRing; DESIGN.md §3, live streams),
+of a slot (observed or predicted) a chunk reads (kvring.KVRing; DESIGN.md §3, live streams),
 and every chunk checks before its forward that the ring holds the history its anchor implies.
 
-Placement changes of a running stream (``relayout``), without a barrier: the controller picks
-the first ticket ``t*`` not yet released, bumps the stream's epoch and tells every worker
-(``relayout(stream, epoch, t*, layout)``); chunks from ``t*`` on carry the new epoch and are
-routed by the new layout, earlier ones by the old. A worker holds activations of an epoch it
-has not heard of yet. The old owner of a moved stage sends that stage's KV ring to the new
-owner right after running ticket ``t* - 1`` there (``FLAG_KV`` pieces); the new owner runs
-nothing at that stage before the ring is installed, and runs chunks at a stage strictly in
-ticket order (around a change they may arrive from two senders out of order).
+A stream's state on this worker, and how it changes placement while running (``relayout``):
+``relayout.py``. Here: the event loop, the per-stage FIFOs, batching and the Euler step.
 """
 
 from __future__ import annotations
@@ -38,17 +32,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from physis_ros.engine import model as M
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.devcopy import HostCopier
+from physis_ros.engine.forward import cross_kv, embed_cond, pad_text
+from physis_ros.engine.kvring import KVRing, StageTask
 from physis_ros.engine.model import WanDiT
 from physis_ros.engine.placement import Layout, Placement, blocks_share_worker, validate_layout
+from physis_ros.engine.relayout import StreamState
 from physis_ros.engine.sampler import context_noise, noise_context
 from physis_ros.engine.sampler import sigmas as make_sigmas
-from physis_ros.engine.stage import KVRing, StageCaches, StageTask, run_block
+from physis_ros.engine.stage import StageCaches, run_block
 from physis_ros.engine.transport import (
     FLAG_KV,
-    FLAG_OBSERVED,
     FLAG_PREVIEW,
     FLAG_PREVIEWS,
     PREVIEW_STEPS_SHIFT,
@@ -57,37 +52,6 @@ from physis_ros.engine.transport import (
 )
 
 HISTORIES = ("noisy", "clean")
-
-
-@dataclass
-class _StreamState:
-    layout: Layout
-    """Layout of the latest epoch."""
-    history: str
-    cond: torch.Tensor | None = None
-    """The stream's raw conditioning tokens [n, text_dim] (padded when embedded)."""
-    seed: int = 0
-    """The stream seed (noise of observations under ``noised`` context)."""
-    horizon: int = 1
-    """Slots ahead of the newest observation the stream generates (sizes the KV rings)."""
-    rings: dict[tuple[int, int], KVRing] = field(default_factory=dict)
-    cross: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    last_ticket: dict[tuple[int, int], int] = field(default_factory=dict)
-    """Per stage, the ticket of the last chunk that ran there."""
-    epoch: int = 0
-    epochs: list[tuple[int, Layout]] = field(default_factory=list)
-    """(first ticket, layout) of every epoch, ascending."""
-    held: list[Activation] = field(default_factory=list)
-    """Activations of a later epoch than this worker knows."""
-    pieces: dict[tuple[int, int], dict[int, Activation]] = field(default_factory=dict)
-    ship: list[tuple[int, int, int, int]] = field(default_factory=list)
-    """(k, l, after_ticket, dst): send the stage's ring to dst once after_ticket ran here."""
-
-    def layout_for(self, ticket: int) -> Layout:
-        for first, layout in reversed(self.epochs):
-            if ticket >= first:
-                return layout
-        return self.epochs[0][1]
 
 
 @dataclass
@@ -145,7 +109,7 @@ class Worker:
         self.caches = StageCaches(model, self.sigmas)
         self.sink: queue.SimpleQueue[tuple[float, Activation]] = queue.SimpleQueue()
         self.stats = WorkerStats()
-        self._streams: dict[int, _StreamState] = {}
+        self._streams: dict[int, StreamState] = {}
         self._queues: dict[tuple[int, int, int], collections.deque[Activation]] = {}
         self._nonempty: set[tuple[int, int, int]] = set()
         self._stalled = False
@@ -190,7 +154,7 @@ class Worker:
             raise ValueError("clean history takes observations clean (context_noise 'clean')")
         if horizon < 0:
             raise ValueError(f"horizon must be >= 0 (0: none), got {horizon}")
-        M.pad_text(self.cfg, cond)  # a bad conditioning fails here, not in the worker loop
+        pad_text(self.cfg, cond)  # a bad conditioning fails here, not in the worker loop
         self._control.put(("open", stream_id, layout, cond, history, seed, horizon))
 
     def close_stream(self, stream_id: int) -> None:
@@ -235,83 +199,31 @@ class Worker:
         if st is None:
             self.stats.drops["relayout of an unknown or closed stream"] += 1
             return
-        if st.history != "noisy":
-            raise ValueError(f"stream {sid}: placement changes need noisy history")
-        if epoch != st.epoch + 1 or first_ticket < st.epochs[-1][0]:
-            raise ValueError(
-                f"stream {sid}: relayout epoch {epoch} from ticket {first_ticket} does not "
-                f"follow epoch {st.epoch} from ticket {st.epochs[-1][0]}"
-            )
-        old = st.layout
-        st.epochs.append((first_ticket, layout))
-        st.layout, st.epoch = layout, epoch
-        # A stage runs here while this worker holds its ring (st.rings); a gained stage's
-        # ring arrives from the old owner, a lost one leaves after ticket first_ticket - 1.
-        ctx = None  # the stream's embedded conditioning, made once if a new block needs it
-        for k in range(self.steps):
-            for blk in range(self.blocks):
-                was, now = old[k][blk] == self.rank, layout[k][blk] == self.rank
-                if was and not now:
-                    st.ship.append((k, blk, first_ticket - 1, layout[k][blk]))
-                elif now and not was and blk not in st.cross:
-                    if ctx is None:
-                        ctx = M.embed_cond(self.model, st.cond)
-                    st.cross[blk] = M.cross_kv(self.model, blk, ctx)
+        gained = st.change_layout(sid, self.rank, epoch, first_ticket, layout)
+        if gained:
+            ctx = embed_cond(self.model, st.cond)
+            for blk in gained:
+                st.cross[blk] = cross_kv(self.model, blk, ctx)
         self._ship_ready(sid, st)
         held, st.held = st.held, []
         for msg in held:
             self._accept(msg)
 
-    def _ship_ready(self, sid: int, st: _StreamState) -> None:
+    def _ship_ready(self, sid: int, st: StreamState) -> None:
         """Send every ring whose stage has run the last chunk it runs here."""
-        keep = []
-        for k, blk, after, dst in st.ship:
-            held_here = (k, blk) in st.rings and not any(o[:2] == (k, blk) for o in keep)
-            if not held_here or st.last_ticket.get((k, blk), -1) < after:
-                keep.append((k, blk, after, dst))
-                continue
-            self._send_ring(sid, st, (k, blk), dst)
-        st.ship = keep
+        for stage, ring, dst in st.take_due_rings():
+            for msg in st.ring_messages(sid, stage, ring, self.cfg):
+                self.transport.send(dst, msg)
+            self.stats.rings_sent += 1
 
-    def _send_ring(self, sid: int, st: _StreamState, stage: tuple[int, int], dst: int) -> None:
-        k, blk = stage
-        ring = st.rings.pop(stage)
-        # One [N, D]-shaped piece per entry of K, then of V (what a transport already carries),
-        # each naming the slot the entry holds and whether that is the observed version.
-        n, dim, r = self.cfg.tokens_per_chunk, self.cfg.dim, ring.entries
-        x = torch.zeros(M.chunk_numel(self.cfg), device=self.device)
-        last = st.last_ticket.get(stage, -1)
-        for i in range(2 * r):
-            e = i % r
-            buf = ring.k if i < r else ring.v
-            flags = FLAG_KV | (FLAG_OBSERVED if ring.observed[e] else 0) | (i << 8)
-            piece = buf[:, e * n : (e + 1) * n].reshape(n, dim)
-            msg = Activation(sid, ring.slot[e], k, blk, flags, x, piece, ticket=last)
-            msg.epoch = st.epoch
-            self.transport.send(dst, msg)
-        self.stats.rings_sent += 1
-
-    def _install_piece(self, st: _StreamState, msg: Activation) -> None:
-        key = (msg.step, msg.block)
-        if key in st.rings:
+    def _install_piece(self, st: StreamState, msg: Activation) -> None:
+        if (msg.step, msg.block) in st.rings:
             self.stats.drops["KV ring piece for a stage whose ring is here"] += 1
             return
-        got = st.pieces.setdefault(key, {})
-        got[msg.flags >> 8] = msg
-        ring = self._new_ring(st.horizon)
-        r = ring.entries
-        if len(got) < 2 * r:
+        pieces = st.add_ring_piece(msg, KVRing.entries_for(self.sampler.window, st.horizon))
+        if pieces is None:
             return
-        n = self.cfg.tokens_per_chunk
-        shape = (self.cfg.num_heads, n, self.cfg.head_dim)
-        for e in range(r):
-            ring.k[:, e * n : (e + 1) * n] = got[e].h.to(self.device, self.dtype).reshape(shape)
-            ring.v[:, e * n : (e + 1) * n] = got[r + e].h.to(self.device, self.dtype).reshape(shape)
-            ring.slot[e] = got[e].chunk
-            ring.observed[e] = bool(got[e].flags & FLAG_OBSERVED)
-        del st.pieces[key]
-        st.rings[key] = ring
-        st.last_ticket[key] = msg.ticket
+        st.install_ring(self._new_ring(st.horizon), pieces, self.cfg)
         self.stats.rings_installed += 1
         self._stalled = False
         if st.ship:  # it may move on at once (two changes before a chunk ran here)
@@ -332,8 +244,8 @@ class Worker:
     @torch.inference_mode()
     def _allocate(
         self, layout: Layout, cond: torch.Tensor, history: str, seed: int, horizon: int
-    ) -> _StreamState:
-        st = _StreamState(layout=layout, history=history, seed=seed, horizon=horizon)
+    ) -> StreamState:
+        st = StreamState(layout=layout, history=history, seed=seed, horizon=horizon)
         mine = [
             (k, blk)
             for k in range(self.steps)
@@ -345,13 +257,13 @@ class Worker:
             raise ValueError(f"rank {self.rank} hosts blocks {sorted(missing)} its model lacks")
         st.cond = cond
         st.epochs.append((0, layout))
-        ctx = M.embed_cond(self.model, cond) if mine else None
+        ctx = embed_cond(self.model, cond) if mine else None
         for k, blk in mine:
             key = (0, blk) if history == "clean" else (k, blk)
             if key not in st.rings:
                 st.rings[key] = self._new_ring(horizon)
             if blk not in st.cross:
-                st.cross[blk] = M.cross_kv(self.model, blk, ctx)
+                st.cross[blk] = cross_kv(self.model, blk, ctx)
         return st
 
     def record_block_times(self, on: bool = True) -> None:
@@ -465,7 +377,7 @@ class Worker:
             best = sorted(best, key=depth, reverse=True)[: self.max_batch]
         return best
 
-    def _task(self, st: _StreamState, msg: Activation) -> StageTask:
+    def _task(self, st: StreamState, msg: Activation) -> StageTask:
         """What ``run_block`` needs for ``msg`` at its stage, after checking its history."""
         k, blk = msg.step, msg.block
         clean = st.history == "clean"

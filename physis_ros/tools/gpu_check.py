@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from physis_ros.engine import fused
+from physis_ros.engine.build import build_model
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import WanDiT, build_model
+from physis_ros.engine.model import WanDiT
 from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import layout_single
 from physis_ros.engine.pool.costmodel import block_work

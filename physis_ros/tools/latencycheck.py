@@ -254,8 +254,8 @@ def latencycheck(
     import torch
 
     from physis_ros.engine.api import AdmissionRefused, StreamSpec
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.config import SamplerConfig, get_preset
-    from physis_ros.engine.model import build_model
     from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
     from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
     from physis_ros.engine.pool.gate import AdmittedEngine

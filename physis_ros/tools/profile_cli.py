@@ -129,8 +129,8 @@ def measure_with_provenance(args: argparse.Namespace) -> tuple[Profile, dict]:
     import torch
 
     from physis_ros.engine import fused
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.checkpoints import resolve_model_config
-    from physis_ros.engine.model import build_model
 
     t_start = time.perf_counter()
 
@@ -296,7 +296,7 @@ def _inproc_hop_ms(cfg, device: str, repeats: int = 200) -> float:
     """Median time of one Activation through InProcTransport (send -> recv)."""
     import torch
 
-    from physis_ros.engine.model import chunk_numel
+    from physis_ros.engine.sampler import chunk_numel
     from physis_ros.engine.transport import Activation, InProcTransport
 
     a, b = InProcTransport.group(2)

@@ -272,8 +272,8 @@ def realcheck(
     measured on all of its runs and marked not quiet."""
     import torch
 
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.config import get_preset
-    from physis_ros.engine.model import build_model
     from physis_ros.engine.stage import BlockTimer
 
     torch.set_num_threads(1)  # rank 0 lives in this process

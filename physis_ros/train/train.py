@@ -31,16 +31,11 @@ import numpy as np
 import torch
 
 from physis_ros.cli_errors import cli_main, finite_float
+from physis_ros.engine.build import build_model
 from physis_ros.engine.config import CONTEXT_NOISE, ModelConfig, SamplerConfig, get_preset
-from physis_ros.engine.model import (
-    build_model,
-    chunk_layout,
-    forward_sequence,
-    load_upstream_state_dict,
-    make_cond,
-    to_upstream_state_dict,
-)
-from physis_ros.engine.sampler import anchor_tokens, sigmas, state_numel
+from physis_ros.engine.forward import forward_sequence, make_cond
+from physis_ros.engine.model import load_upstream_state_dict, to_upstream_state_dict
+from physis_ros.engine.sampler import anchor_tokens, chunk_layout, sigmas, state_numel
 from physis_ros.train.data import SequenceSampler, load_dataset
 from physis_ros.train.warmstart import load_init
 

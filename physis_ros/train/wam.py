@@ -40,18 +40,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from physis_ros.engine.build import build_model
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import (
-    build_model,
-    chunk_layout,
-    forward_sequence,
-    load_upstream_state_dict,
-    make_cond,
-    pad_text,
-    to_upstream_state_dict,
-)
+from physis_ros.engine.forward import forward_sequence, make_cond, pad_text
+from physis_ros.engine.model import load_upstream_state_dict, to_upstream_state_dict
 from physis_ros.engine.prompts import goal_prompt
-from physis_ros.engine.sampler import sigmas
+from physis_ros.engine.sampler import chunk_layout, sigmas
 from physis_ros.eval.closed_loop import ClosedLoopConfig
 from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256

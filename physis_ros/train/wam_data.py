@@ -23,8 +23,7 @@ import torch
 
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import ModelConfig
-from physis_ros.engine.model import chunk_layout, chunk_numel
-from physis_ros.engine.sampler import _normalize, latent_to_tokens
+from physis_ros.engine.sampler import _normalize, chunk_layout, chunk_numel, latent_to_tokens
 from physis_ros.sim.episodes import TaskEpisode, load_episodes, run_expert_episode, save_episodes
 from physis_ros.sim.task import (
     CONTROL_HZ,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from physis_ros.engine.build import build_model
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import build_model
 
 torch.set_num_threads(1)
 

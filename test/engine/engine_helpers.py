@@ -6,8 +6,9 @@ import torch
 
 from physis_ros.engine import oracle
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.model import chunk_numel, make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.pipeline import run_plan
+from physis_ros.engine.sampler import chunk_numel
 from physis_ros.engine.threads import InProcRuntime
 
 SAMPLER = SamplerConfig(steps=3, window=2)

@@ -10,7 +10,7 @@ from stream_plans import live_skeleton, rollout_skeleton
 
 from physis_ros.engine import oracle
 from physis_ros.engine.controller import submit_item
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.threads import InProcRuntime
 
 

@@ -15,8 +15,8 @@ from test_fused import BLOCK_TOL, COMPOSITIONS, FULL_RINGS, _compare_blocks, _ta
 
 from physis_ros.engine import fused
 from physis_ros.engine.block_graphs import BlockGraphs
+from physis_ros.engine.build import build_model
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import build_model
 from physis_ros.engine.placement import layout_groups, layout_single
 from physis_ros.engine.stage import StageCaches, run_block
 

@@ -13,7 +13,7 @@ import torch
 from wan_fixtures import make_text_encoder
 
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import pad_text
+from physis_ros.engine.forward import pad_text
 from physis_ros.engine.prompts import EMPTY, PromptBook, read_prompts, write_prompts
 from physis_ros.tools import embed_cli
 
@@ -124,7 +124,7 @@ def test_refusals_say_what_is_missing(tmp_path):
 
 
 def test_empty_prompt_of_models_without_a_text_encoder():
-    from physis_ros.engine.model import make_cond
+    from physis_ros.engine.forward import make_cond
     from physis_ros.engine.prompts import cond_from_json, cond_to_json, trained_empty_prompt
     from physis_ros.weights import DEFAULT_WEIGHTS, read_metadata
 

@@ -12,10 +12,11 @@ from engine_helpers import SAMPLER, TOL
 from live_helpers import rollout_plan, run_live_inline, run_live_threads, worst_rollout_error
 
 from physis_ros.engine import oracle
-from physis_ros.engine.model import chunk_layout, head_velocity, make_cond
+from physis_ros.engine.forward import head_velocity, make_cond
 from physis_ros.engine.placement import layout_groups, layout_single
 from physis_ros.engine.sampler import (
     anchor_tokens,
+    chunk_layout,
     initial_noise,
     latent_to_tokens,
     pack_chunk,

@@ -9,7 +9,7 @@ from engine_helpers import SAMPLER, TOL, plan_for, run_and_compare
 from physis_ros.engine import oracle
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.controller import MODES
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import (
     blocks_share_worker,

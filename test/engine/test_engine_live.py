@@ -16,7 +16,7 @@ from live_helpers import (
 from physis_ros.engine import oracle
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.controller import MODES
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.placement import layout_by_block, layout_groups, layout_single
 from physis_ros.engine.threads import InProcRuntime
 

@@ -10,11 +10,14 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import SAMPLER, context_x, plan_for
 
-from physis_ros.engine import model as M
+from physis_ros.engine.build import build_model
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import PRESETS, SamplerConfig, get_preset
+from physis_ros.engine.forward import forward_sequence, head_velocity, make_cond, token_positions
+from physis_ros.engine.model import to_upstream_state_dict
 from physis_ros.engine.oracle import sample_noisy
 from physis_ros.engine.sampler import (
+    chunk_numel,
     initial_noise,
     latent_to_tokens,
     pack_chunk,
@@ -50,19 +53,19 @@ UPSTREAM_KEYS = {
 
 def _seq_inputs(model, chunks=3, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(chunks, M.chunk_numel(model.cfg), generator=gen)
+    x = torch.randn(chunks, chunk_numel(model.cfg), generator=gen)
     sig = torch.tensor([0.0, 0.7, 0.3][:chunks])
-    return x, sig, M.make_cond(model.cfg, 5)
+    return x, sig, make_cond(model.cfg, 5)
 
 
 def test_x0_head_turns_its_output_into_the_velocity_that_steps_to_it(tiny, tiny_x0):
     """Same weights: the x0 model's v satisfies x - sigma v = the velocity model's raw head
     output on noised chunks (so the last Euler step lands on x0), and stays finite on context."""
     x, sig, cond = _seq_inputs(tiny)
-    raw = M.forward_sequence(tiny, x, sig, cond, window=2)
-    v = M.forward_sequence(tiny_x0, x, sig, cond, window=2)
+    raw = forward_sequence(tiny, x, sig, cond, window=2)
+    v = forward_sequence(tiny_x0, x, sig, cond, window=2)
     assert torch.isfinite(v).all()
-    n = M.chunk_numel(tiny.cfg)
+    n = chunk_numel(tiny.cfg)
     for c in (1, 2):
         torch.testing.assert_close(x[c, :n] - sig[c] * v[c], raw[c], rtol=1e-5, atol=1e-5)
     assert (v[0] - raw[0]).abs().max() > 1e-3  # not the velocity head by accident
@@ -79,38 +82,38 @@ def test_safetensors_round_trip_with_upstream_names(tiny, tmp_path):
     assert tuple(state["patch_embedding.weight"].shape) == (cfg.dim, cfg.in_channels, *cfg.patch)
     assert tuple(state["blocks.0.modulation"].shape) == (1, 6, cfg.dim)
     assert tuple(state["head.modulation"].shape) == (1, 2, cfg.dim)
-    other = M.build_model(cfg, seed=123)
+    other = build_model(cfg, seed=123)
     x, sig, cond = _seq_inputs(tiny)
     with torch.no_grad():
         assert not torch.equal(other.head.head.weight, tiny.head.head.weight)
         other.load_safetensors(path)
         assert torch.equal(
-            M.forward_sequence(other, x, sig, cond, window=2),
-            M.forward_sequence(tiny, x, sig, cond, window=2),
+            forward_sequence(other, x, sig, cond, window=2),
+            forward_sequence(tiny, x, sig, cond, window=2),
         )
     plan = plan_for(tiny, 0)
-    a = sample_noisy(tiny, SAMPLER, plan, seed=1, cond=M.make_cond(tiny.cfg, 2))
-    b = sample_noisy(other, SAMPLER, plan, seed=1, cond=M.make_cond(tiny.cfg, 2))
+    a = sample_noisy(tiny, SAMPLER, plan, seed=1, cond=make_cond(tiny.cfg, 2))
+    b = sample_noisy(other, SAMPLER, plan, seed=1, cond=make_cond(tiny.cfg, 2))
     assert all(torch.equal(a[c], b[c]) for c in a)
 
 
 def test_checkpoint_errors_name_the_problem(tiny, tmp_path):
     from safetensors.torch import save_file
 
-    state = M.to_upstream_state_dict(tiny)
+    state = to_upstream_state_dict(tiny)
     del state["blocks.1.ffn.0.weight"]
     save_file(state, str(tmp_path / "missing.safetensors"))
     with pytest.raises(ValueError, match=r"lacks 1 key\(s\) \[blocks\.1\.ffn\.0\.weight\]"):
-        M.build_model(tiny.cfg).load_safetensors(tmp_path / "missing.safetensors")
-    state = M.to_upstream_state_dict(tiny)
+        build_model(tiny.cfg).load_safetensors(tmp_path / "missing.safetensors")
+    state = to_upstream_state_dict(tiny)
     state["head.head.weight"] = torch.zeros(3, 3)
     save_file(state, str(tmp_path / "shape.safetensors"))
     with pytest.raises(ValueError, match=r"head\.head\.weight"):
-        M.build_model(tiny.cfg).load_safetensors(tmp_path / "shape.safetensors")
+        build_model(tiny.cfg).load_safetensors(tmp_path / "shape.safetensors")
 
 
 def test_partial_model_has_the_full_models_blocks(tiny):
-    part = M.build_model(tiny.cfg, seed=0, block_ids={1})
+    part = build_model(tiny.cfg, seed=0, block_ids={1})
     assert part.block_ids == {1}
     assert isinstance(part.blocks[0], torch.nn.Identity)
     for (ka, va), (kb, vb) in zip(
@@ -123,7 +126,7 @@ def test_partial_model_has_the_full_models_blocks(tiny):
 def test_patch_embedding_is_upstreams_conv3d(tiny):
     cfg = tiny.cfg
     latent = torch.randn(cfg.in_channels, cfg.latent_frames, cfg.latent_height, cfg.latent_width)
-    w = M.to_upstream_state_dict(tiny)["patch_embedding.weight"]
+    w = to_upstream_state_dict(tiny)["patch_embedding.weight"]
     conv = F.conv3d(latent[None], w, tiny.patch_embedding.bias.detach(), stride=cfg.patch)
     ref = conv.flatten(2).transpose(1, 2)[0]  # [Nv, D], tokens in (t, h, w) order
     with torch.no_grad():
@@ -137,7 +140,7 @@ def test_head_output_follows_upstream_unpatchify(tiny):
     h = torch.randn(1, cfg.tokens_per_chunk, cfg.dim)
     e = torch.randn(1, cfg.dim)
     with torch.no_grad():
-        v = M.head_velocity(tiny, h, e)[0]
+        v = head_velocity(tiny, h, e)[0]
         shift, scale = (tiny.head.modulation + e[:, None]).chunk(2, dim=1)
         raw = tiny.head.head(F.layer_norm(h, (cfg.dim,), eps=cfg.eps) * (1 + scale) + shift)
     nv = cfg.video_tokens
@@ -151,7 +154,7 @@ def test_head_output_follows_upstream_unpatchify(tiny):
 
 def test_rope_positions_are_absolute_and_action_tokens_do_not_collide(tiny):
     cfg = tiny.cfg
-    pos = M.token_positions(cfg, torch.tensor([0, 5]))
+    pos = token_positions(cfg, torch.tensor([0, 5]))
     gt = cfg.grid[0]
     video = pos[:, : cfg.video_tokens]
     assert video[1, :, 0].min() == 5 * gt and video[1, :, 0].max() == 5 * gt + gt - 1
@@ -161,15 +164,15 @@ def test_rope_positions_are_absolute_and_action_tokens_do_not_collide(tiny):
 
 def test_forward_sequence_is_differentiable_and_batched(tiny):
     x, sig, cond = _seq_inputs(tiny)
-    model = M.build_model(tiny.cfg, seed=0).train()
+    model = build_model(tiny.cfg, seed=0).train()
     xb = torch.stack([x, x.flip(0)])
-    v = M.forward_sequence(model, xb, torch.stack([sig, sig]), torch.stack([cond, cond]), window=1)
+    v = forward_sequence(model, xb, torch.stack([sig, sig]), torch.stack([cond, cond]), window=1)
     v.pow(2).mean().backward()
     grads = [p.grad for p in model.blocks[0].parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)
     with torch.no_grad():
-        single = M.forward_sequence(model, x, sig, cond, window=1)
+        single = forward_sequence(model, x, sig, cond, window=1)
     torch.testing.assert_close(v[0].detach(), single, rtol=1e-5, atol=1e-5)
 
 
@@ -177,13 +180,13 @@ def test_forward_sequence_is_block_causal(tiny):
     """Changing chunk 2 leaves chunks 0 and 1 unchanged; changing chunk 0 changes chunk 1."""
     x, sig, cond = _seq_inputs(tiny)
     with torch.no_grad():
-        v = M.forward_sequence(tiny, x, sig, cond, window=1)
+        v = forward_sequence(tiny, x, sig, cond, window=1)
         x2 = x.clone()
         x2[2] += 1.0
-        v2 = M.forward_sequence(tiny, x2, sig, cond, window=1)
+        v2 = forward_sequence(tiny, x2, sig, cond, window=1)
         x0 = x.clone()
         x0[0] += 1.0
-        v0 = M.forward_sequence(tiny, x0, sig, cond, window=1)
+        v0 = forward_sequence(tiny, x0, sig, cond, window=1)
     assert torch.equal(v[:2], v2[:2])
     assert (v0[1] - v[1]).abs().max() > 1e-4
 

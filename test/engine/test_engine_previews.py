@@ -9,7 +9,7 @@ from engine_helpers import SAMPLER, TOL
 from live_helpers import LiveFeed, live_plan
 
 from physis_ros.engine import oracle
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.placement import layout_groups, layout_single
 from physis_ros.engine.threads import InProcRuntime
 

@@ -10,7 +10,7 @@ from live_helpers import live_plan
 
 from physis_ros.engine import oracle
 from physis_ros.engine.controller import submit_item
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.placement import layout_groups, layout_one_stage_per_worker
 from physis_ros.engine.threads import InProcRuntime
 

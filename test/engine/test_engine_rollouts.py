@@ -10,7 +10,7 @@ from engine_helpers import SAMPLER, TOL, context_x
 from live_helpers import rollout_plan, run_live_inline, run_live_threads, worst_rollout_error
 
 from physis_ros.engine import oracle
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.placement import layout_groups, layout_single
 from physis_ros.engine.threads import InProcRuntime
 

@@ -10,10 +10,12 @@ from engine_helpers import TOL
 
 from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamSpec
+from physis_ros.engine.build import build_model
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import build_model, chunk_layout, forward_sequence, make_cond
+from physis_ros.engine.forward import forward_sequence, make_cond
 from physis_ros.engine.sampler import (
+    chunk_layout,
     initial_noise,
     pack_chunk,
     request_actions,

@@ -9,7 +9,7 @@ import torch
 from engine_helpers import SAMPLER, TOL, plan_for
 
 from physis_ros.engine import oracle
-from physis_ros.engine.model import make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import (
     Placement,
@@ -97,7 +97,7 @@ def test_bad_activations_are_dropped_and_counted(tiny):
 
 
 def test_worker_refuses_a_model_without_its_blocks(tiny):
-    from physis_ros.engine.model import build_model
+    from physis_ros.engine.build import build_model
 
     part = build_model(tiny.cfg, seed=0, block_ids={0})
     (t0,) = InProcTransport.group(1)
@@ -143,7 +143,7 @@ def test_block_timing_for_batch_compositions(tiny):
 
 def test_bfloat16_pipeline_runs_and_tracks_its_oracle(tiny):
     """dtype support: h and weights in bf16, x and the Euler update in float32."""
-    from physis_ros.engine.model import build_model
+    from physis_ros.engine.build import build_model
 
     model = build_model(tiny.cfg, seed=0, dtype=torch.bfloat16)
     rt = InProcRuntime(model, SAMPLER, layout_groups(K, L, [2, 4]))
@@ -174,11 +174,11 @@ def test_rope_cache_stays_exact_when_it_is_full(tiny):
     """A long stream fills the RoPE cache: when a batch clears it, every chunk of the batch is
     computed again (a chunk cached before the clear was once left out: KeyError after 256
     slots, 51 s into a 5-chunk/s demo)."""
-    from physis_ros.engine import model as M
+    from physis_ros.engine.forward import rope_freqs
     from physis_ros.engine.stage import StageCaches
 
     caches = StageCaches(tiny, [1.0, 0.5, 0.0], max_chunks=4)
     caches.rope([0, 1, 2])
     got = caches.rope([2, 3, 4])  # 2 is cached, 3 and 4 overflow the cache
-    want = M.rope_freqs(tiny, torch.tensor([2, 3, 4]))
+    want = rope_freqs(tiny, torch.tensor([2, 3, 4]))
     torch.testing.assert_close(got, want.to(got.device), rtol=0, atol=0)

@@ -15,11 +15,15 @@ import torch
 from engine_helpers import SAMPLER, TOL, run_and_compare
 
 from physis_ros.engine import fused
-from physis_ros.engine import model as M
+from physis_ros.engine.build import build_model
+from physis_ros.engine.checkpoints import resolve_model, summary
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import build_model
+from physis_ros.engine.forward import cross_kv, embed_cond
+from physis_ros.engine.kvring import KVRing, StageTask
+from physis_ros.engine.model import load_upstream_state_dict, to_upstream_state_dict
 from physis_ros.engine.placement import layout_groups, layout_single
-from physis_ros.engine.stage import KVRing, StageCaches, StageTask, run_block
+from physis_ros.engine.sampler import chunk_numel
+from physis_ros.engine.stage import StageCaches, run_block
 
 K = SAMPLER.steps
 BLOCK_TOL = 2e-6
@@ -40,8 +44,8 @@ def _tasks(model, block: int, histories: list[int], streams: list[int], *, horiz
     gen = torch.Generator().manual_seed(seed)
     cross = {}
     for s in sorted(set(streams)):
-        ctx = M.embed_cond(model, torch.randn(3, cfg.text_dim, generator=gen))
-        cross[s] = M.cross_kv(model, block, ctx)
+        ctx = embed_cond(model, torch.randn(3, cfg.text_dim, generator=gen))
+        cross[s] = cross_kv(model, block, ctx)
     tasks = []
     for i, (hist, s) in enumerate(zip(histories, streams, strict=True)):
         ring = KVRing(SAMPLER.window, cfg.num_heads, cfg.tokens_per_chunk, cfg.head_dim, "cpu",
@@ -53,7 +57,7 @@ def _tasks(model, block: int, histories: list[int], streams: list[int], *, horiz
                 chunk=hist + 3 * i,
                 step=i % K,
                 sigma=0.0 if i == 1 else 1.0 - (i % K) / K,
-                x=torch.randn(M.chunk_numel(cfg), generator=gen),
+                x=torch.randn(chunk_numel(cfg), generator=gen),
                 h=torch.randn(cfg.tokens_per_chunk, cfg.dim, generator=gen).to(model.dtype),
                 ring=ring,
                 observed=i == 1,
@@ -150,9 +154,9 @@ def test_fused_qkv_is_one_buffer_and_strict_loading_fills_it(tiny, tmp_path):
     assert torch.equal(w.qk_norm[d:], tiny.blocks[1].self_attn.norm_k.weight)
     assert _compare_blocks(tiny, fast, COMPOSITIONS[:1]) <= BLOCK_TOL
     with pytest.raises(ValueError, match=r"unexpected .*self_attn\.qkv\.weight"):
-        bad = M.to_upstream_state_dict(tiny)
+        bad = to_upstream_state_dict(tiny)
         bad["blocks.0.self_attn.qkv.weight"] = w.qkv_w
-        M.load_upstream_state_dict(fast, bad)
+        load_upstream_state_dict(fast, bad)
 
 
 def test_replaced_or_moved_blocks_are_fused_again(tiny):
@@ -177,6 +181,37 @@ def test_block_impl_from_environment_and_bad_names(monkeypatch):
         fused.set_block_impl(build_model(cfg), "compiled")
 
 
+def test_block_impl_follows_the_device(monkeypatch):
+    """Fused on CUDA, eager on any other device, unless a caller or ``PHYSIS_BLOCK_IMPL``
+    names one; the engine's start-up summary says which runs and why."""
+    assert fused.choose_block_impl("cuda", env="") == ("fused", "cuda")
+    assert fused.choose_block_impl("cpu", env="") == ("eager", "cpu")
+    assert fused.choose_block_impl("mps", env="") == ("eager", "mps")
+    assert fused.choose_block_impl("cpu", env="graph") == ("graph", fused.BLOCK_IMPL_ENV)
+    assert fused.choose_block_impl("cuda", "eager", env="graph") == ("eager", fused.REQUESTED)
+    with pytest.raises(ValueError, match="not one of"):
+        fused.choose_block_impl("cuda", "compiled")
+    monkeypatch.delenv(fused.BLOCK_IMPL_ENV, raising=False)
+    assert fused.default_block_impl("cuda") == "fused"
+    assert fused.default_block_impl() == "eager"
+    rule = "fused implementation on cuda, eager on cpu (the device's default)"
+    assert fused.describe_block_impl() == rule
+    resolved = resolve_model("tiny")
+    model = build_model(resolved.cfg)
+    assert fused.describe_block_impl(model) == "eager implementation (cpu)"
+    text = summary(resolved, SAMPLER, torch.float32, model=model)
+    assert "blocks   eager implementation (cpu)" in text.splitlines()
+    assert f"blocks   {rule}" in summary(resolved, SAMPLER, torch.float32).splitlines()
+    monkeypatch.setenv(fused.BLOCK_IMPL_ENV, "fused")
+    assert fused.describe_block_impl() == "fused implementation (PHYSIS_BLOCK_IMPL)"
+    assert fused.describe_block_impl(build_model(resolved.cfg)) == (
+        "fused implementation (PHYSIS_BLOCK_IMPL)"
+    )
+    assert fused.describe_block_impl(build_model(resolved.cfg, block_impl="graph")) == (
+        "graph implementation (asked for)"
+    )
+
+
 TRITON_CHECK = """
 import copy, sys
 import torch
@@ -184,7 +219,7 @@ sys.path.insert(0, "test/engine")
 import test_fused as T
 from physis_ros.engine import fused
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import build_model
+from physis_ros.engine.build import build_model
 torch.set_num_threads(1)
 worst = 0.0
 for over in ({}, {"action_mode": "none", "qk_norm": False, "cross_attn_norm": False}):

@@ -12,8 +12,9 @@ import torch
 from wan_fixtures import TINY_WAN, make_diffusers_wan, save_upstream_wan
 
 from physis_ros.engine import checkpoints as ck
+from physis_ros.engine.build import build_model
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.model import build_model, forward_sequence, sinusoidal
+from physis_ros.engine.forward import forward_sequence, sinusoidal
 from physis_ros.engine.sampler import pack_chunk, unpack_chunk
 
 SIGMAS = (0.0, 0.37, 0.9, 1.0)

@@ -39,8 +39,9 @@ def untrained_wam(tmp_path_factory):
     """push-wam with its seeded initial weights and the metadata physis-train-wam writes."""
     from safetensors.torch import save_file
 
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.config import get_preset
-    from physis_ros.engine.model import build_model, to_upstream_state_dict
+    from physis_ros.engine.model import to_upstream_state_dict
     from physis_ros.train.wam import WamTrainConfig, metadata
 
     path = tmp_path_factory.mktemp("wam") / "weights.safetensors"

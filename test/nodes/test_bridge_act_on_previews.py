@@ -25,8 +25,9 @@ WAIT_S = 300.0  # a generous bound for a busy machine: no timing is asserted
 def _weights(path) -> None:
     from safetensors.torch import save_file
 
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.config import get_preset
-    from physis_ros.engine.model import build_model, to_upstream_state_dict
+    from physis_ros.engine.model import to_upstream_state_dict
     from physis_ros.train.wam import WamTrainConfig, metadata
 
     cfg = WamTrainConfig(model="tiny-wam", window=2, max_obs=2, chunks=3, sample_steps=4, prompt="")

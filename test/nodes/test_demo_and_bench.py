@@ -95,8 +95,9 @@ def test_demo_world_action_model_drives_sim_robot(tmp_path, ros_env):
     position (sim_robot's object_position, the bridge's object_topic)."""
     from safetensors.torch import save_file
 
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.config import get_preset
-    from physis_ros.engine.model import build_model, to_upstream_state_dict
+    from physis_ros.engine.model import to_upstream_state_dict
     from physis_ros.train.wam import WamTrainConfig, metadata
 
     weights = tmp_path / "push_wam.safetensors"

@@ -12,9 +12,10 @@ from stream_plans import live_random_plan, tiny_cond
 
 from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamSpec
+from physis_ros.engine.build import build_model
 from physis_ros.engine.codec import check_stream_codec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import build_model, make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.placement import layout_groups
 from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.runtime import RuntimeConfig

@@ -50,8 +50,9 @@ WAIT_S = 180.0  # a generous bound for a busy machine: no timing is asserted
 def _tiny_wam_weights(folder: Path, *, min_committed_ms: float = 0.0) -> Path:
     from safetensors.torch import save_file
 
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.config import get_preset
-    from physis_ros.engine.model import build_model, to_upstream_state_dict
+    from physis_ros.engine.model import to_upstream_state_dict
     from physis_ros.train.wam import WamTrainConfig, metadata
 
     path = folder / "weights.safetensors"
@@ -359,8 +360,9 @@ def push_wam_server(tmp_path_factory):
     physis-train-wam writes: its state ends with goal_x, goal_y, box_x, box_y."""
     from safetensors.torch import save_file
 
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.config import get_preset
-    from physis_ros.engine.model import build_model, to_upstream_state_dict
+    from physis_ros.engine.model import to_upstream_state_dict
     from physis_ros.train.wam import WamTrainConfig, metadata
 
     folder = tmp_path_factory.mktemp("push_wam")

@@ -43,7 +43,7 @@ def _torchrun(ranks: int, *args: str, timeout_s: float = 240) -> subprocess.Comp
 
 def _single_process_states(spec) -> dict[int, torch.Tensor]:
     """The single-process runtime (local_engine's, one worker) on the same spec's weights."""
-    from physis_ros.engine.model import build_model
+    from physis_ros.engine.build import build_model
     from physis_ros.engine.pipeline import run_plan
     from physis_ros.engine.placement import layout_single
     from physis_ros.engine.prompts import trained_empty_prompt

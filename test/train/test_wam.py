@@ -17,8 +17,7 @@ import torch
 import physis_ros.weights
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import get_preset
-from physis_ros.engine.model import chunk_layout
-from physis_ros.engine.sampler import latent_to_tokens
+from physis_ros.engine.sampler import chunk_layout, latent_to_tokens
 from physis_ros.sim.episodes import run_expert_episode
 from physis_ros.sim.task import sample_task
 from physis_ros.train.wam_data import ROWS_PER_FRAME, WamWindows

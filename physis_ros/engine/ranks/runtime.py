@@ -191,7 +191,7 @@ class RuntimeConfig:
         return DTYPES[self.dtype]
 
     def shapes(self) -> ActivationShapes:
-        from physis_ros.engine.model import chunk_numel
+        from physis_ros.engine.sampler import chunk_numel
 
         cfg = self.model_config
         return ActivationShapes(
@@ -276,7 +276,7 @@ class StageHost:
     def __init__(
         self, cfg: RuntimeConfig, ctx: RankContext, transport: TorchDistTransport, blocks: set[int]
     ) -> None:
-        from physis_ros.engine.model import build_model
+        from physis_ros.engine.build import build_model
         from physis_ros.engine.placement import Placement
         from physis_ros.engine.worker import Worker
 
@@ -410,7 +410,7 @@ class StageHost:
     def ensure_blocks(self, blocks) -> set[int]:
         """Build (or load from ``weights_path``) the weights of ``blocks`` this rank lacks, so
         stages of those blocks can be placed here. Returns the blocks added."""
-        from physis_ros.engine.model import build_model
+        from physis_ros.engine.build import build_model
 
         wanted = {int(b) for b in blocks}
         bad = sorted(b for b in wanted if not 0 <= b < self.cfg.model_config.num_blocks)
