@@ -156,8 +156,9 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
     """For a preset with shipped weights (or the ``weights`` file given): the camera the
     weights were trained on (image size, frame rate) and the video one chunk covers; None for
     the others. Reads the safetensors header only (no torch in this process)."""
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.sim.task import BOX_STATE_NAMES
-    from physis_ros.weights import GOAL_PROMPT, SHIPPED, read_metadata
+    from physis_ros.weights import GOAL_PROMPT, SHIPPED
 
     path = Path(weights) if weights else SHIPPED.get(model)
     if path is None or not path.exists():

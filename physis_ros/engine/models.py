@@ -24,17 +24,11 @@ from pathlib import Path
 import torch
 
 from physis_ros.cli_errors import UsageError
+from physis_ros.contract.safetensors import read_metadata, read_shapes
 from physis_ros.engine import checkpoints
 from physis_ros.engine.config import PRESETS, ModelConfig
 from physis_ros.engine.model import WanDiT, check_state_keys
-from physis_ros.weights import (
-    DEFAULT_SHIFT,
-    DEFAULT_STEPS,
-    SHIPPED,
-    missing_shipped_weights,
-    read_metadata,
-    read_shapes,
-)
+from physis_ros.weights import DEFAULT_SHIFT, DEFAULT_STEPS, SHIPPED, missing_shipped_weights
 
 RANDOM_WEIGHTS = "random"
 """``weights`` value that asks for random weights even where the preset ships trained ones."""

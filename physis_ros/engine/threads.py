@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.api import StreamFailed
 from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model
@@ -27,7 +28,6 @@ from physis_ros.engine.pipeline import Pipeline
 from physis_ros.engine.placement import Layout, Placement, layout_by_block_even, layout_even
 from physis_ros.engine.transport import Activation, InProcTransport
 from physis_ros.engine.worker import Worker
-from physis_ros.weights import read_metadata
 
 log = logging.getLogger(__name__)
 

@@ -206,8 +206,9 @@ def _expand(paths: list[str]) -> list[str]:
 def engine_settings(args) -> tuple[dict, dict]:
     """local_engine keyword arguments for the arguments, and the settings reported (those plus
     the frame rate the weights were trained at)."""
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.engine.checkpoints import is_model_dir
-    from physis_ros.weights import DEFAULT_STEPS, DEFAULT_WEIGHTS, engine_kwargs, read_metadata
+    from physis_ros.weights import DEFAULT_STEPS, DEFAULT_WEIGHTS, engine_kwargs
 
     kwargs: dict = {"steps": DEFAULT_STEPS, "window": 2, "shift": 3.0}
     meta: dict[str, str] = {}

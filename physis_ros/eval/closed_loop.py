@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
+from physis_ros.contract.timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
 from physis_ros.sim.episodes import TaskEpisode
 from physis_ros.sim.task import (
     CONTROL_HZ,

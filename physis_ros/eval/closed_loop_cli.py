@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 def run_closed_loop(args, parser, argv) -> int:
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.engine.threads import local_engine
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider
     from physis_ros.eval.closed_loop_report import run_all, run_names, write_report
@@ -24,7 +25,6 @@ def run_closed_loop(args, parser, argv) -> int:
         engine_kwargs,
         min_committed_ms,
         missing_shipped_weights,
-        read_metadata,
         trained_known_rows_ahead,
     )
 

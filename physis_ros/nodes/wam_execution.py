@@ -2,7 +2,7 @@
 
 What belongs here: turning timed chunks (``Prediction.action_start_ns``/``action_dt_ns``: the
 time each row is for, on the robot's clock) into the one trajectory the controller follows,
-through ``link.action_timeline.ChunkExecutor`` (past rows skipped, older chunks refused, the
+through ``contract.timeline.ChunkExecutor`` (past rows skipped, older chunks refused, the
 past kept, ``replace`` or ``crossfade`` joins); the command timeline each observation carries
 back to the server (what the robot commanded before the capture, from ``joint_command``, and
 what it has committed after it), so the model continues the committed rows instead of
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from physis_ros.link.action_timeline import ChunkExecutor, JoinReport, TimedRows
+from physis_ros.contract.timeline import ChunkExecutor, JoinReport, TimedRows
 from physis_ros.nodes.pairing import CommandHistory
 from physis_ros.nodes.preview_actions import PreviewActing
 from physis_ros.nodes.stats import RollingWindow

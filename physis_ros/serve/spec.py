@@ -394,8 +394,8 @@ def _wam_timing(cfg: ModelConfig, weights):
     """The timing a served world-action stream needs (camera and row rates, joint and state
     names, how far known rows reach), from the weights' metadata; UsageError when there is
     none to read (random weights) or it does not fit the model."""
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.serve.wam_requests import WamTiming
-    from physis_ros.weights import read_metadata
 
     fix = "serve a checkpoint physis-train-wam wrote (--weights OUT/weights.safetensors)"
     if weights is None:

@@ -9,11 +9,11 @@ with each observation (what it commanded before the capture and has committed af
 the rows after the capture, up to it plus the pipeline's response latency, are known — the
 robot executes them before the answer can arrive — and enter clean; the rest is generated to
 continue them. The rows before the capture are not given
-(``link.action_timeline.known_rows`` says why).
+(``contract.timeline.known_rows`` says why).
 
 Chunk (slot) c's rows are for the time of its first camera frame plus i rows; a generated
 chunk's reply states that time (``Prediction.action_start_ns``), so the robot executes each
-row when it is due (``link.action_timeline``).
+row when it is due (``contract.timeline``).
 
 ``WamStream`` is what a served stream does with these (serve/session.py and
 engine_loop.py call it): each observation is checked and gives its state and command timeline
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from physis_ros.link.action_timeline import interpolate, known_rows, known_until_ns
+from physis_ros.contract.timeline import interpolate, known_rows, known_until_ns
 from physis_ros.link.wire import Observation, WireError
 from physis_ros.sim.task import BOX_STATE_NAMES, GOAL_STATE_NAMES
 from physis_ros.weights import min_committed_ms, trained_known_rows_ahead
@@ -164,7 +164,7 @@ def chunk_known_rows(
 ) -> np.ndarray:
     """[H, A] rows of the chunk whose first frame is at first_frame_ns: the command timeline
     interpolated where it covers them, then kept only after known_after_ns (the newest
-    frame) and at or before known_until_ns by ``link.action_timeline.known_rows`` (the rule
+    frame) and at or before known_until_ns by ``contract.timeline.known_rows`` (the rule
     the closed loop uses, and why); NaN elsewhere (generated; all of them without a
     timeline)."""
     grid = np.full((timing.rows, len(timing.action_names)), np.nan, np.float32)

@@ -80,7 +80,7 @@ class WamTrainConfig:
     hide_history_fraction: float = 0.5
     """Training windows (not validation, kept comparable with earlier runs) whose rows at or
     before the newest observed frame are hidden, so the actions must come from the frames and
-    the state. Served requests hide them always (``link.action_timeline.known_rows``): the
+    the state. Served requests hide them always (``contract.timeline.known_rows``): the
     shipped push-wam was trained at 0.5, and served at 1.0 it reached 11 of 20 held-out
     episodes against 3."""
     start_fraction: float = 0.0
@@ -179,7 +179,7 @@ class WamTrainConfig:
             if not Path(path).is_file():
                 raise ValueError(f"on_policy_from: {path} is not a file")
         if self.init:
-            from physis_ros.weights import read_metadata
+            from physis_ros.contract.safetensors import read_metadata
 
             if not Path(self.init).is_file():
                 raise ValueError(f"init {self.init} is not a file")

@@ -88,14 +88,10 @@ def _drive_in_workers(
 def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEpisode]:
     from tqdm import tqdm
 
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.engine.threads import local_engine
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider, Takeovers, run_episode
-    from physis_ros.weights import (
-        engine_kwargs,
-        min_committed_ms,
-        read_metadata,
-        trained_known_rows_ahead,
-    )
+    from physis_ros.weights import engine_kwargs, min_committed_ms, trained_known_rows_ahead
 
     meta = read_metadata(weights)
     kwargs = engine_kwargs(weights)

@@ -25,8 +25,8 @@ from physis_ros.engine.model import WanDiT, load_upstream_state_dict
 
 def checkpoint_config(path: str | Path) -> ModelConfig:
     """The model configuration a physis-train checkpoint was trained with."""
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.train.train import TrainConfig
-    from physis_ros.weights import read_metadata
 
     meta = read_metadata(path)
     if "model" not in meta:

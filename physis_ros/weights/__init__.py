@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
+
+from physis_ros.contract.safetensors import read_metadata
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "push_wm.safetensors"
 WAM_WEIGHTS = Path(__file__).resolve().parent / "push_wam.safetensors"
@@ -25,33 +26,6 @@ GOAL_PROMPT = "goal_xy"
 """Metadata ``prompt`` of a push-wam trained on goal prompts: each of its streams is
 conditioned on its task's goal (``engine.prompts.goal_prompt``), asked for by the prompt name
 ``goal_xy_<x>_<y>`` (``sim.task.goal_prompt_name``) or sent raw."""
-MAX_HEADER_BYTES = 16 * 1024 * 1024
-
-
-def read_header(path: str | Path) -> dict:
-    """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets},
-    plus ``__metadata__`` when present."""
-    path = Path(path)
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (size,) = struct.unpack("<Q", head)
-        if size > MAX_HEADER_BYTES:
-            raise ValueError(f"{path}: safetensors header of {size} bytes is implausible")
-        try:
-            header = json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: safetensors header is not JSON: {err}") from err
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header is not a mapping")
-    return header
-
-
-def read_metadata(path: str | Path) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file (empty if it has none)."""
-    meta = read_header(path).get("__metadata__") or {}
-    return {str(k): str(v) for k, v in meta.items()}
 
 
 TRAINED_KNOWN_ROWS_AHEAD = 8
@@ -79,19 +53,6 @@ def min_committed_ms(meta: dict[str, str]) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"metadata min_committed_ms must be a time >= 0 in ms, got {text!r}")
     return value
-
-
-def read_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape of a safetensors file, from its header (no tensor is read)."""
-    header = read_header(path)
-    try:
-        return {
-            str(k): tuple(int(d) for d in v["shape"])
-            for k, v in header.items()
-            if k != "__metadata__"
-        }
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{path}: safetensors header has a bad tensor entry: {err!r}") from None
 
 
 SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS, "push-wam": WAM_WEIGHTS}

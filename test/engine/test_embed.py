@@ -124,9 +124,10 @@ def test_refusals_say_what_is_missing(tmp_path):
 
 
 def test_empty_prompt_of_models_without_a_text_encoder():
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.engine.forward import make_cond
     from physis_ros.engine.prompts import cond_from_json, cond_to_json, trained_empty_prompt
-    from physis_ros.weights import DEFAULT_WEIGHTS, read_metadata
+    from physis_ros.weights import DEFAULT_WEIGHTS
 
     # the shipped push-wm was trained on make_cond(cfg, 0): its metadata says cond_seed 0
     cfg = get_preset("push-wm")

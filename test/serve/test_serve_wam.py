@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from physis_ros.children import stop_child
-from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
+from physis_ros.contract.timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"

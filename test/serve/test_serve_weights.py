@@ -43,12 +43,12 @@ def _torchrun(ranks: int, *args: str, timeout_s: float = 240) -> subprocess.Comp
 
 def _single_process_states(spec) -> dict[int, torch.Tensor]:
     """The single-process runtime (local_engine's, one worker) on the same spec's weights."""
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.engine.build import build_model
     from physis_ros.engine.pipeline import run_plan
     from physis_ros.engine.placement import layout_single
     from physis_ros.engine.prompts import trained_empty_prompt
     from physis_ros.engine.threads import InProcRuntime
-    from physis_ros.weights import read_metadata
 
     model = build_model(spec.model_config, seed=spec.seed)
     model.load_safetensors(spec.weights)
@@ -84,7 +84,8 @@ def test_torchrun_serves_the_shipped_weights_as_one_process_does(tmp_path):
 def _weights_without_key(tmp_path: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
-    from physis_ros.weights import DEFAULT_WEIGHTS, read_metadata
+    from physis_ros.contract.safetensors import read_metadata
+    from physis_ros.weights import DEFAULT_WEIGHTS
 
     state = load_file(str(DEFAULT_WEIGHTS))
     del state[MISSING_KEY]

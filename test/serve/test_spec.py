@@ -61,9 +61,9 @@ def test_resolving_takes_the_weights_and_what_they_were_trained_for():
 def test_a_world_action_stream_is_told_the_committed_rows_the_spec_allows():
     """physis-serve --known-rows-ahead N (engine.known_rows_ahead) replaces the weights'
     max_known_rows_ahead in the served streams' timing; unset, the weights' value stands."""
+    from physis_ros.contract.safetensors import read_metadata
     from physis_ros.serve.config import serving_spec
     from physis_ros.serve.main import parse_args
-    from physis_ros.weights import read_metadata
 
     trained = ServingSpec(model="push-wam").resolve()
     meta = read_metadata(trained.weights)

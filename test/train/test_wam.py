@@ -15,13 +15,14 @@ import pytest
 import torch
 
 import physis_ros.weights
+from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import get_preset
 from physis_ros.engine.sampler import chunk_layout, latent_to_tokens
 from physis_ros.sim.episodes import run_expert_episode
 from physis_ros.sim.task import sample_task
 from physis_ros.train.wam_data import ROWS_PER_FRAME, WamWindows
-from physis_ros.weights import engine_kwargs, read_metadata
+from physis_ros.weights import engine_kwargs
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.api import AdmissionRefused, StreamFailed
 from physis_ros.engine.core import EngineCore, log_summary, prompt_book
 from physis_ros.engine.executor import StreamOrder
@@ -50,7 +51,6 @@ from physis_ros.engine.ranks.runtime import (
 from physis_ros.engine.ranks.transport import TorchDistTransport, check_shapes_agree
 from physis_ros.engine.transport import Activation
 from physis_ros.memtune import freeze_startup_objects
-from physis_ros.weights import read_metadata
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[3]

@@ -1,4 +1,4 @@
-"""Delay-aware execution of action chunks (physis_ros.link.action_timeline): what the robot
+"""Delay-aware execution of action chunks (physis_ros.contract.timeline): what the robot
 commands when chunks arrive late, early, out of order, and how consecutive chunks join."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from physis_ros.link.action_timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
+from physis_ros.contract.timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
 
 MS = 1_000_000
 DT = 50 * MS
