@@ -37,6 +37,7 @@ from physis_ros.engine.codec import check_stream_codec, make_codec
 from physis_ros.engine.controller import MODES, ChunkResult
 from physis_ros.engine.pipeline import Pipeline
 from physis_ros.engine.placement import Layout, Placement, validate_layout
+from physis_ros.engine.pool.service import PoolAdmission
 from physis_ros.engine.prompts import PromptBook, goal_prompted, trained_empty_prompt
 from physis_ros.engine.sampler import (
     pack_chunk,
@@ -89,7 +90,11 @@ class EngineCore:
         self.block_ms = measure_block_ms(
             self.model, [self.sampler.window], block=held[len(held) // 2], repeats=5, warmup=2
         )
+        self.admission: PoolAdmission | None = None
+        """The pool that admits, places and promises (physis-serve sets it once planned);
+        None: streams open on the executor's default layout, promised roughly."""
         self._lock = threading.RLock()
+        self._open_lock = threading.Lock()
         self._next_stream = 0
         self._layouts: dict[int, Layout] = {}
         self._failed: dict[int, StreamFailed] = {}
@@ -106,7 +111,21 @@ class EngineCore:
         """Open a stream on the executor's default layout, checked roughly against its target
         interval here; or on ``layout`` (placed and checked by the pool in front of it,
         ``engine/pool/service.py``), which only has to name this executor's workers.
-        ``max_in_flight``: this stream's (None: the engine's)."""
+        ``max_in_flight``: this stream's (None: the engine's). With the pool (``admission``)
+        and no layout, the pool admits, places and promises it."""
+        if self.admission is not None and layout is None:
+            with self._open_lock:  # one admission at a time: each sees the streams before it
+
+                def open_on(placed: Layout) -> StreamPromise:
+                    self.load_blocks(placed)
+                    return self._open(spec, placed, max_in_flight)
+
+                return self.admission.open(spec, open_on)
+        return self._open(spec, layout, max_in_flight)
+
+    def _open(
+        self, spec: StreamSpec, layout: Layout | None, max_in_flight: int | None
+    ) -> StreamPromise:
         self._check_alive()
         check_stream_codec(spec, self.codec)
         cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding)
@@ -189,6 +208,8 @@ class EngineCore:
         self.pipeline.close_stream(stream_id)
         self._layouts.pop(stream_id, None)
         self.codec.close(stream_id)
+        if self.admission is not None:
+            self.admission.close(stream_id)
 
     def submit_context(
         self,
@@ -256,7 +277,15 @@ class EngineCore:
         return out
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
-        return [self._decode(res) for res in self.poll_results(timeout_s)]
+        outputs = [self._decode(res) for res in self.poll_results(timeout_s)]
+        if self.admission is not None:
+            self.admission.measure(outputs)
+        return outputs
+
+    def take_revisions(self) -> list[StreamPromise]:
+        """Promises the pool revised since the last call (a stream joined or left, or the
+        measured latencies moved them): one per stream, the newest."""
+        return self.admission.take_revisions() if self.admission is not None else []
 
     def _decode(self, res: ChunkResult) -> ChunkOutput:
         x = res.x.float().cpu()

@@ -18,6 +18,7 @@ import torch
 
 from physis_ros.cli_errors import UsageError
 from physis_ros.engine.config import ModelConfig, SamplerConfig
+from physis_ros.engine.core import EngineCore
 from physis_ros.engine.placement import layout_balanced, layout_single, stage_costs
 from physis_ros.engine.pool.admission import PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import GIB, CostModel, Profile, ProfileCostModel
@@ -31,12 +32,8 @@ from physis_ros.engine.pool.measure import (
     scaled_profile,
 )
 from physis_ros.engine.pool.memory import MemoryModel
-from physis_ros.engine.pool.service import (
-    DefaultPlan,
-    PooledEngine,
-    PoolSimulation,
-    plan_default_target,
-)
+from physis_ros.engine.pool.planning import DefaultPlan, PoolSimulation, plan_default_target
+from physis_ros.engine.pool.service import PoolAdmission
 from physis_ros.engine.pool.simulator import SimStream, simulate
 from physis_ros.engine.ranks.runtime import parse_placement
 from physis_ros.engine.stage import measure_block_ms
@@ -181,10 +178,10 @@ def check_default_target(spec: ServingSpec, pool: Pool) -> None:
         )
 
 
-def pooled(engine, pool: Pool, spec: ServingSpec) -> PooledEngine:
+def pooled(engine: EngineCore, pool: Pool, spec: ServingSpec) -> EngineCore:
+    """``engine`` with the pool in it: from now on it admits, places and promises."""
     default_ms = spec.default_target_ms or pool.default.target_interval_ms
-    return PooledEngine(
-        engine,
+    engine.admission = PoolAdmission(
         pool.config,
         pool.cost,
         pool.simulation,
@@ -193,12 +190,12 @@ def pooled(engine, pool: Pool, spec: ServingSpec) -> PooledEngine:
         default_target_ms=default_ms,
         chunks_per_interval=pool.request.chunks_per_interval,
         stage_devices=pool.stage_devices,
-        max_streams=spec.max_streams,
         recalibrate=spec.recalibrate,
     )
+    return engine
 
 
-def build_local(spec: ServingSpec) -> tuple[PooledEngine, ServerDescription]:
+def build_local(spec: ServingSpec) -> tuple[EngineCore, ServerDescription]:
     """The single-process server's engine: worker threads on one device, planned (or given by
     hand), with the pool in front."""
     cfg, sampler = spec.model_config, spec.sampler()
@@ -273,13 +270,12 @@ def build_local(spec: ServingSpec) -> tuple[PooledEngine, ServerDescription]:
     return served, describe(spec, served, pool, kind="threads")
 
 
-def describe(spec: ServingSpec, served: PooledEngine, pool: Pool, *, kind: str):
+def describe(spec: ServingSpec, served: EngineCore, pool: Pool, *, kind: str):
     cfg = spec.model_config
 
     def engine_info() -> dict[str, Any]:
-        prompts = getattr(served.engine, "prompts", None)
-        names = ",".join(prompts.names()) if prompts is not None else ""
-        return {"kind": kind, "mode": spec.mode, "prompts": names, **served.info()}
+        names = ",".join(served.prompts.names())
+        return {"kind": kind, "mode": spec.mode, "prompts": names, **served.admission.info()}
 
     plan = pool.default
     return ServerDescription(
@@ -295,7 +291,7 @@ def describe(spec: ServingSpec, served: PooledEngine, pool: Pool, *, kind: str):
         engine_info=engine_info,
         wam=spec.wam_timing(),
         # a causal codec decodes each slot once, in order: no slot can be generated again
-        rollouts=not getattr(getattr(served.engine, "codec", None), "causal", False),
+        rollouts=not served.codec.causal,
     )
 
 

@@ -39,7 +39,7 @@ import torch
 from physis_ros.cli_errors import describe
 from physis_ros.engine.placement import layout_even
 from physis_ros.engine.pool.costmodel import ProfileCostModel
-from physis_ros.engine.pool.service import PoolSimulation
+from physis_ros.engine.pool.planning import PoolSimulation
 from physis_ros.engine.ranks.calibrate import host_cores, startup_profile
 from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.launch import broadcast_text, init_from_env, tie_to_parent
@@ -124,7 +124,7 @@ def join_serving(args: argparse.Namespace):
 def build_dist(spec, ctx):
     """Rank 0's engine: the core over every rank, measured, planned and pooled."""
     cfg = spec.runtime_config(ctx.world_size)
-    engine = ranks_engine(cfg, ctx, prompts=spec.prompts)
+    engine = ranks_engine(cfg, ctx, prompts=spec.prompts, max_streams=spec.max_streams)
     ranks = engine.executor
     try:
         sampler = spec.sampler()

@@ -1,7 +1,8 @@
-"""The pool in front of an engine (PooledEngine): admission with simulated promises, refusals
+"""The pool in the engine core (PoolAdmission): admission with simulated promises, refusals
 that name their reason, promises revised as streams join and leave, the static policy and
 placements given by hand; start-up planning of the default target. A fake engine stands in
-for the workers (what it is asked to open is checked), with a measured-looking profile."""
+for the core's workers (what it is asked to open is checked), with a measured-looking
+profile; ``Served`` calls the pool as the core does (engine/core.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,11 @@ from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.pool.admission import PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.planning import PoolSimulation, plan_default_target, simulate_plans
 from physis_ros.engine.pool.service import (
     RECALIBRATE_CHUNKS,
     RECALIBRATE_WARMUP_CHUNKS,
-    PooledEngine,
-    PoolSimulation,
-    plan_default_target,
-    simulate_plans,
+    PoolAdmission,
 )
 
 CFG = get_preset("tiny")
@@ -79,6 +78,44 @@ class FakeEngine:
         return out
 
 
+class Served:
+    """The fake engine with the pool in front, called the way EngineCore calls it."""
+
+    def __init__(self, engine: FakeEngine, admission: PoolAdmission) -> None:
+        self.engine = engine
+        self.admission = admission
+        self.controller = admission.controller
+        self.pool = admission.pool
+        self._missing = admission._missing
+
+    def open_stream(self, spec: StreamSpec) -> StreamPromise:
+        return self.admission.open(
+            spec, lambda layout: self.engine.open_stream(spec, layout=layout)
+        )
+
+    def close_stream(self, stream_id: int) -> None:
+        self.engine.close_stream(stream_id)
+        self.admission.close(stream_id)
+
+    def poll(self, timeout_s: float) -> list[ChunkOutput]:
+        outputs = self.engine.poll(timeout_s)
+        self.admission.measure(outputs)
+        return outputs
+
+    def take_revisions(self) -> list[StreamPromise]:
+        return self.admission.take_revisions()
+
+    def promise(self, stream_id: int) -> StreamPromise:
+        return self.admission.promise(stream_id)
+
+    def info(self) -> dict[str, str]:
+        return self.admission.info()
+
+    @property
+    def measured_slowdown(self) -> float:
+        return self.admission.measured_slowdown
+
+
 def _pooled(*, devices=2, policy="shared", usable=1.0 * GIB, stage_devices=None, **kw):
     pool = PoolConfig(
         num_devices=devices,
@@ -89,8 +126,7 @@ def _pooled(*, devices=2, policy="shared", usable=1.0 * GIB, stage_devices=None,
         charged_batch=4,
     )
     engine = FakeEngine()
-    served = PooledEngine(
-        engine,
+    admission = PoolAdmission(
         pool,
         COST,
         PoolSimulation(),
@@ -100,7 +136,7 @@ def _pooled(*, devices=2, policy="shared", usable=1.0 * GIB, stage_devices=None,
         chunks_per_interval=2,
         stage_devices=stage_devices,
     )
-    return served, engine
+    return Served(engine, admission), engine
 
 
 def _ranks(layout) -> set[int]:

@@ -1,7 +1,7 @@
-"""The pool in front of a running engine: admission, placement and promises for every stream.
+"""The pool in the engine core: admission, placement and promises for every stream.
 
-``PooledEngine`` wraps an engine whose ``open_stream(spec, layout=...)`` takes a K x L layout of
-workers (the engine core's: worker threads, or ranks; device d = worker d):
+``PoolAdmission`` places the core's streams on a K x L layout of its workers (threads or
+ranks; device d = worker d):
 
 - a stream's target interval (a request of 0 gets the pool's default target) and its
   response-latency budget go to the ``AdmissionController``, which places it in the spare
@@ -26,8 +26,7 @@ workers (the engine core's: worker threads, or ranks; device d = worker d):
   simulated again and revised, and the streams admitted later are checked against the
   scaled costs.
 
-``plan_default_target`` is the start-up planning: the fastest interval the pool can promise
-one stream, and the placement that gets it.
+Start-up planning of the default target and the simulator runs: ``pool/planning.py``.
 """
 
 from __future__ import annotations
@@ -38,20 +37,21 @@ import math
 import statistics
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from physis_ros.engine.api import AdmissionRefused, StreamPromise, StreamSpec
 from physis_ros.engine.config import ModelConfig, SamplerConfig
+from physis_ros.engine.placement import Layout
 from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import CostModel
 from physis_ros.engine.pool.gate import plan_layout
 from physis_ros.engine.pool.plan import StreamPlan, contiguous_split
-from physis_ros.engine.pool.simulator import SimConfig, SimReport, SimStream, simulate
+from physis_ros.engine.pool.planning import PoolSimulation, SlowerCost, simulate_plans
+from physis_ros.engine.pool.simulator import SimReport
 
 log = logging.getLogger(__name__)
 
-SIM_CHUNKS = 24
-"""Chunks per stream in a promise's simulation (warm-up and cool-down excluded below)."""
 FASTEST_STEP = 1.25
 FASTEST_STEPS = 16
 """A stream that asks for interval 0 is offered the default target, then slower ones by
@@ -72,142 +72,6 @@ FIT_SIMULATIONS = 8
 """Simulations that fit the slowdown to one measured latency (bisection on a log scale)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class PoolSimulation:
-    """How the simulator runs this pool (what ``SimConfig`` needs beyond the streams)."""
-
-    host_cores: float = 0.0
-    """Processors the workers share (CPU workers on one host); 0: each is its own device."""
-    forward_scale: float = 1.0
-    """Processor time of a worker's work beside the others relative to alone (gloo ranks)."""
-    worker_message_ms: float = 0.0
-    """Cost to a worker of each message it sends or receives (gloo ranks)."""
-    batching: bool = True
-    max_batch: int = 64
-
-    def config(self, num_devices: int) -> SimConfig:
-        return SimConfig(
-            num_devices=num_devices,
-            chunks=SIM_CHUNKS,
-            warmup_chunks=6,
-            cooldown_chunks=2,
-            max_batch=self.max_batch,
-            batching=self.batching,
-            sink_device=0,
-            host_cores=self.host_cores,
-            forward_scale=self.forward_scale,
-            worker_message_ms=self.worker_message_ms,
-            priority="engine",
-        )
-
-
-def simulate_plans(
-    plans: list[StreamPlan], cost: CostModel, settings: PoolSimulation, num_devices: int
-) -> SimReport:
-    """The pool running ``plans`` together with their context chunks, stream i releasing its
-    chunks from ``i / n`` of its interval on (streams open at unrelated times: spread evenly
-    is the typical case, not the worst)."""
-    n = len(plans)
-    streams = [
-        SimStream(
-            plan=p,
-            phase_ms=i * p.target_interval_ms / n,
-            context_chunks=p.chunks_per_interval > p.rollout,
-            rollout=p.rollout,
-        )
-        for i, p in enumerate(plans)
-    ]
-    return simulate(streams, cost, settings.config(num_devices))
-
-
-class SlowerCost:
-    """A cost model whose every batched forward takes ``factor`` times as long: the pool that
-    admission checks must keep every target even so (the headroom ``max_utilization`` leaves
-    for a host that slows down now and then)."""
-
-    def __init__(self, cost: CostModel, factor: float) -> None:
-        self.cost = cost
-        self.factor = factor
-        self.name = f"{cost.name} x{factor:.2f}"
-        self.comm_overlaps_compute = cost.comm_overlaps_compute
-        self.comm_threads = cost.comm_threads
-
-    def group_ms(self, cfg, sampler, tasks: int) -> float:
-        return self.cost.group_ms(cfg, sampler, tasks) * self.factor
-
-    def __getattr__(self, name: str):  # hops, messages, controller work: as they are
-        return getattr(self.cost, name)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DefaultPlan:
-    """What start-up planning chose: the default target interval and the placement one
-    stream gets at it on an empty pool."""
-
-    target_interval_ms: float
-    plan: StreamPlan
-    report: SimReport
-
-    def describe(self) -> str:
-        s = self.report.streams[0]
-        return (
-            f"default target {self.target_interval_ms:.1f} ms over "
-            f"{len(self.plan.devices())} worker(s): {self.plan.describe()} (predicted interval "
-            f"{s.interval_p50_ms:.1f} ms, response latency {s.latency_p50_ms:.1f} ms)"
-        )
-
-
-def plan_default_target(
-    pool: PoolConfig,
-    cost: CostModel,
-    settings: PoolSimulation,
-    request: StreamRequest,
-    *,
-    stage_devices: tuple[int, ...] | None = None,
-    max_steps: int = 60,
-) -> DefaultPlan:
-    """The target interval one stream is promised on the empty pool (``request``'s own target
-    is ignored): the smallest that admission grants and the simulator confirms, searched
-    upwards in steps of 5% from the admission's own bound (``stage_devices``: the placement
-    given by hand), with the admission's headroom on top (divided by ``max_utilization``:
-    the simulator's smallest is the pool at full load, which jitter would break)."""
-    stage_ms = AdmissionController(pool, cost).stage_ms(request.model, request.sampler)
-    S = request.sampler.steps * request.model.num_blocks
-    # The admission's own bound: the busiest device's stages (spread over every device, or
-    # as given) at the highest utilization it allows.
-    if stage_devices is None:
-        busiest = math.ceil(S / min(S, pool.num_devices))
-    else:
-        busiest = max(stage_devices.count(d) for d in set(stage_devices))
-    target = stage_ms * request.chunks_per_interval * busiest / pool.max_utilization
-    why = ""
-    headroom = False
-    for _ in range(max_steps):
-        req = dataclasses.replace(request, target_interval_ms=round(target, 3))
-        controller = AdmissionController(pool, cost)
-        try:
-            plan = controller.admit(req, stage_devices).plan
-        except AdmissionRefused as exc:
-            why = exc.reason
-        else:
-            report = simulate_plans([plan], cost, settings, pool.num_devices)
-            if report.all_meet_target and headroom:
-                return DefaultPlan(
-                    target_interval_ms=req.target_interval_ms, plan=plan, report=report
-                )
-            if report.all_meet_target:  # the pool at full load: add the headroom, check again
-                headroom = True
-                target /= pool.max_utilization
-                continue
-            s = report.streams[0]
-            why = f"predicted interval {s.interval_p50_ms:.1f} ms, {s.deadline_misses} late chunks"
-        target *= 1.05
-    raise ValueError(
-        f"no target interval up to {target:.1f} ms can be promised for model "
-        f"{request.model.name} on {pool.num_devices} worker(s): {why}"
-    )
-
-
 @dataclass
 class _Stream:
     pool_id: int
@@ -215,12 +79,13 @@ class _Stream:
     promise: StreamPromise
 
 
-class PooledEngine:
-    """A ``StreamEngine`` with admission, placement and revised promises (module docstring)."""
+class PoolAdmission:
+    """Admission, placement and revised promises of the engine core's streams (module
+    docstring). The core opens a stream through ``open`` and tells it what it closes and
+    what came out; nothing here touches the workers."""
 
     def __init__(
         self,
-        engine,
         pool: PoolConfig,
         cost: CostModel,
         settings: PoolSimulation,
@@ -230,16 +95,12 @@ class PooledEngine:
         default_target_ms: float,
         chunks_per_interval: int = 2,
         stage_devices: tuple[int, ...] | None = None,
-        max_streams: int = 1_000_000,
         recalibrate: bool = True,
     ) -> None:
-        """``engine``: opens streams with ``open_stream(spec, layout=...)``; may have
-        ``load_blocks(layout)`` (ranks load the weights a layout needs before it opens).
-        ``stage_devices``: every stream gets this placement (given by hand), checked.
+        """``stage_devices``: every stream gets this placement (given by hand), checked.
         ``recalibrate``: scale the costs by the measured latencies (module docstring)."""
         if not default_target_ms > 0:
             raise ValueError(f"default_target_ms must be > 0, got {default_target_ms}")
-        self.engine = engine
         self.pool = pool
         self.cost = cost
         self.settings = settings
@@ -248,7 +109,6 @@ class PooledEngine:
         self.default_target_ms = default_target_ms
         self.chunks_per_interval = chunks_per_interval
         self.stage_devices = stage_devices
-        self.max_streams = max_streams
         self.recalibrate = recalibrate
         self.controller = AdmissionController(
             pool, cost, simulated=self._predicted, slot_wait=False
@@ -262,19 +122,14 @@ class PooledEngine:
         self._lock = threading.Lock()
 
     # ---- admission -----------------------------------------------------------------------
-    def open_stream(self, spec: StreamSpec) -> StreamPromise:
-        """Admit, simulate the pool with the stream, open it; or raise ``AdmissionRefused``
+    def open(self, spec: StreamSpec, open_on: Callable[[Layout], StreamPromise]) -> StreamPromise:
+        """Admit, simulate the pool with the stream, open it with ``open_on(layout)`` (the
+        workers load the blocks it needs and open it there); or raise ``AdmissionRefused``
         naming the resource (and device) that ran out or the predicted interval. A request
         for interval 0 ("as fast as the pool allows") gets the fastest target the pool can
         promise it now: the default target on an empty pool, slower ones (x1.25 each) beside
         other streams."""
         with self._lock:
-            if len(self._streams) >= self.max_streams:
-                raise AdmissionRefused(
-                    f"{len(self._streams)} streams open, the engine takes {self.max_streams}",
-                    resource="streams",
-                    shortfall="1 stream",
-                )
             budget = spec.response_latency_budget_ms
             rollout = max(spec.horizon or 1, 1) if spec.rollouts else 1
             if spec.target_interval_ms:
@@ -285,11 +140,7 @@ class PooledEngine:
             plan = admission.plan
             others = dict(self._streams)
             try:
-                layout = plan_layout(plan)
-                load_blocks = getattr(self.engine, "load_blocks", None)
-                if load_blocks is not None:
-                    load_blocks(layout)
-                opened = self.engine.open_stream(spec, layout=layout)
+                opened = open_on(plan_layout(plan))
             except BaseException:
                 self.controller.close(plan.stream_id)
                 raise
@@ -445,11 +296,12 @@ class PooledEngine:
         with self._lock:
             return self._streams[stream_id].promise
 
-    def close_stream(self, stream_id: int) -> None:
+    def close(self, stream_id: int) -> None:
+        """The core closed the stream: its share of the pool is free, the others' promises
+        are simulated again."""
         with self._lock:
             st = self._streams.pop(stream_id, None)
             self._revised.pop(stream_id, None)
-            self.engine.close_stream(stream_id)
             if st is None:
                 return
             self._measured.pop(stream_id, None)
@@ -550,21 +402,10 @@ class PooledEngine:
                 far = mid
         return math.sqrt(near * far)
 
-    # ---- the rest of StreamEngine -----------------------------------------------------------
-    def submit_context(self, stream_id: int, frames, actions=None, state=None, *, slot=None) -> int:
-        return self.engine.submit_context(stream_id, frames, actions, state, slot=slot)
-
-    def submit_generate(self, stream_id: int, actions=None, *, slot=None) -> int:
-        return self.engine.submit_generate(stream_id, actions, slot=slot)
-
-    def poll(self, timeout_s: float):
-        outputs = self.engine.poll(timeout_s)
+    def measure(self, outputs) -> None:
+        """What came out of the core (recalibrating when the pool does)."""
         if outputs and self.recalibrate:
             self._measure(outputs)
-        return outputs
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
 
     def info(self) -> dict[str, str]:
         """What GetServerInfo reports: per device the committed utilization and memory."""
