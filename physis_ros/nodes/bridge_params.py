@@ -3,8 +3,11 @@ declared with ParameterDescriptors and read into a frozen, validated ``BridgePar
 
 from __future__ import annotations
 
+import ast
+import itertools
 import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.parameter import Parameter
@@ -232,10 +235,6 @@ _ARRAY_TYPES = {
 
 def parameter_docs() -> dict[str, str]:
     """name -> description, from the field docstrings above (one source of truth)."""
-    import ast
-    import itertools
-    from pathlib import Path
-
     # this file's source (inspect.getsource scans every loaded module: seconds at start-up)
     tree = ast.parse(Path(__file__).read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BridgeParams")

@@ -1,17 +1,74 @@
 """What the bridge reports once a second: the PipelineStats message and the three
-/diagnostics statuses (inputs, output, link), computed from the node's meters."""
+/diagnostics statuses (inputs, output, link), computed from a ``BridgeSnapshot`` of its
+meters that the bridge's parts fill (``BridgeInputs``, ``BridgeOutputs``, ``BridgeLink``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from physis_ros.link.client import LinkStats
 from physis_ros.msg import PipelineStats
 from physis_ros.nodes import outputs
 
+Summary = dict[str, float]
+"""A ``stats.RollingWindow.summary()``: median, mean, p99, std, n."""
 
-def pipeline_stats_msg(node, link, now_ns: int) -> PipelineStats:
+
+@dataclass(frozen=True, kw_only=True)
+class InputsSnapshot:
+    counts: dict[str, int]
+    """images, sent, not_sent_before_stream, commands, observations_with_command."""
+    rates_hz: dict[str, float]
+    """Per input stream: image, wrench, joints, command (and object with a tracker)."""
+    obs_to_send_ms: Summary
+    """From an image's callback to its observation handed to the link."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputsSnapshot:
+    counts: dict[str, int]
+    """chunks_received, chunks_published, chunks_expired, fallbacks."""
+    holding: str
+    """Why the robot holds a fallback ("": it does not)."""
+    fallback: str
+    world_model: bool
+    """Frames only: nothing commanded, nothing held."""
+    seconds_since_chunk: float
+    target_interval_ms: float
+    """The interval chunks are expected at (0 before the first chunk)."""
+    deadline_s: float
+    chunk_rate_hz: float
+    chunk_overlap: float
+    interval_ms: Summary
+    response_ms: Summary
+    hop_median_ms: dict[str, float]
+    receive_to_publish_ms: Summary
+    extra_values: dict[str, float | int]
+    """The previews' and the timed execution's values, where they are in use."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgeSnapshot:
+    inputs: InputsSnapshot
+    outputs: OutputsSnapshot
+    drops: dict[str, int]
+    """The node's own drops, by reason."""
+    link: LinkStats
+    link_waiting: str = ""
+    """What the link waits for before it connects (the server's port file); "": nothing."""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Every counter of the node, by name."""
+        return {**self.inputs.counts, **self.outputs.counts}
+
+
+def pipeline_stats_msg(snap: BridgeSnapshot, now_ns: int) -> PipelineStats:
+    link, out = snap.link, snap.outputs
     msg = PipelineStats()
     msg.header.stamp = outputs.time_msg(now_ns)
     msg.connection_state = outputs.CONNECTION_STATES.get(link.state, PipelineStats.DISCONNECTED)
-    msg.actions_stale = bool(node.holding)
+    msg.actions_stale = bool(out.holding)
     promise = link.promise
     if promise is not None:
         msg.stream_id = int(promise.stream_id)
@@ -22,40 +79,39 @@ def pipeline_stats_msg(node, link, now_ns: int) -> PipelineStats:
         msg.promised_interval_ms = float(promise.expected_interval_ms)
         msg.promised_response_latency_ms = float(promise.expected_response_latency_ms)
         msg.promise_revision = int(getattr(promise, "revision", 0))
-    msg.chunk_overlap = float(node.chunk_overlap.share())
-    msg.target_interval_ms = node.interval_s() * 1e3 if node.counts["chunks_received"] else 0.0
-    interval = node.interval_ms.summary()
+    msg.chunk_overlap = float(out.chunk_overlap)
+    msg.target_interval_ms = out.target_interval_ms
+    interval = out.interval_ms
     msg.interval_median_ms, msg.interval_p99_ms = interval["median"], interval["p99"]
     msg.interval_jitter_ms = interval["std"]
-    response = node.response_ms.summary()
+    response = out.response_ms
     msg.response_latency_ms, msg.response_latency_p99_ms = response["median"], response["p99"]
-    hops = sorted(node.hop_ms.items())
-    msg.hop_names = [name for name, _ in hops]
-    msg.hop_median_ms = [window.summary()["median"] for _, window in hops]
-    obs = node.obs_to_send_ms.summary()
+    msg.hop_names = list(out.hop_median_ms)
+    msg.hop_median_ms = list(out.hop_median_ms.values())
+    obs = snap.inputs.obs_to_send_ms
     msg.obs_to_send_median_ms, msg.obs_to_send_p99_ms = obs["median"], obs["p99"]
-    pub = node.receive_to_publish_ms.summary()
+    pub = out.receive_to_publish_ms
     msg.receive_to_publish_median_ms, msg.receive_to_publish_p99_ms = pub["median"], pub["p99"]
     msg.clock_offset_ms = float(link.clock_offset_ms or 0.0)
     msg.clock_offset_uncertainty_ms = float(link.clock_offset_uncertainty_ms or 0.0)
-    drops = all_drops(node, link)
+    drops = all_drops(snap)
     msg.drop_reasons = list(drops)
     msg.drop_counts = list(drops.values())
     msg.observations_dropped = sum(drops.values())
-    msg.images_received = node.counts["images"]
+    msg.images_received = snap.inputs.counts["images"]
     msg.observations_sent = int(link.observations_sent)
-    msg.chunks_received = node.counts["chunks_received"]
-    msg.chunks_published = node.counts["chunks_published"]
-    msg.chunks_expired = node.counts["chunks_expired"]
-    msg.fallbacks_published = node.counts["fallbacks"]
+    msg.chunks_received = out.counts["chunks_received"]
+    msg.chunks_published = out.counts["chunks_published"]
+    msg.chunks_expired = out.counts["chunks_expired"]
+    msg.fallbacks_published = out.counts["fallbacks"]
     msg.last_error = link.last_error
     return msg
 
 
-def all_drops(node, link) -> dict[str, int]:
+def all_drops(snap: BridgeSnapshot) -> dict[str, int]:
     """The node's own drop reasons plus the link's (prefixed ``link:``)."""
-    drops = dict(node.drops.snapshot())
-    drops.update({f"link:{reason}": count for reason, count in sorted(link.drops.items())})
+    drops = dict(snap.drops)
+    drops.update({f"link:{reason}": count for reason, count in sorted(snap.link.drops.items())})
     return drops
 
 
@@ -74,37 +130,46 @@ def server_faults(link) -> dict[str, int]:
     }
 
 
-def diagnostics_report(node, link) -> dict:
+def diagnostics_report(snap: BridgeSnapshot) -> dict:
     """part -> (level, message, values) for outputs.diagnostic_array."""
-    rates = {f"{name}_rate_hz": meter.rate_hz() for name, meter in node.rates.items()}
-    drops = node.drops.snapshot()
-    inputs_level = outputs.LEVEL_OK
-    inputs_message = "receiving"
+    return {
+        "inputs": _inputs_status(snap.inputs, snap.drops),
+        "output": _output_status(snap.outputs, snap.link),
+        "link": _link_status(snap.link, snap.outputs.holding, snap.link_waiting),
+    }
+
+
+def _inputs_status(inputs: InputsSnapshot, drops: dict[str, int]) -> tuple:
+    rates = {f"{name}_rate_hz": rate for name, rate in inputs.rates_hz.items()}
+    level, message = outputs.LEVEL_OK, "receiving"
     if rates["image_rate_hz"] == 0:
-        inputs_level, inputs_message = outputs.LEVEL_WARN, "no camera images"
+        level, message = outputs.LEVEL_WARN, "no camera images"
     elif drops:
-        inputs_level, inputs_message = outputs.LEVEL_WARN, f"{sum(drops.values())} inputs dropped"
-    inputs_values = {
+        level, message = outputs.LEVEL_WARN, f"{sum(drops.values())} inputs dropped"
+    values = {
         **rates,
-        "images_received": node.counts["images"],
-        "observations_handed_to_link": node.counts["sent"],
+        "images_received": inputs.counts["images"],
+        "observations_handed_to_link": inputs.counts["sent"],
         # images before the stream opened: their size for the model was not known yet
-        "images_before_stream": node.counts["not_sent_before_stream"],
+        "images_before_stream": inputs.counts["not_sent_before_stream"],
         # how many went with a commanded action (the world model's conditioning); why the
         # others did not is in the dropped_command:<reason> counts
-        "commands_received": node.counts["commands"],
-        "observations_with_command": node.counts["observations_with_command"],
+        "commands_received": inputs.counts["commands"],
+        "observations_with_command": inputs.counts["observations_with_command"],
     }
-    inputs_values.update({f"dropped_{k}": v for k, v in drops.items()})
-    obs = node.obs_to_send_ms.summary()
-    inputs_values.update(obs_to_send_median_ms=obs["median"], obs_to_send_p99_ms=obs["p99"])
+    values.update({f"dropped_{k}": v for k, v in drops.items()})
+    obs = inputs.obs_to_send_ms
+    values.update(obs_to_send_median_ms=obs["median"], obs_to_send_p99_ms=obs["p99"])
+    return level, message, values
 
+
+def _output_status(out: OutputsSnapshot, link: LinkStats) -> tuple:
     promise = link.promise
-    target_ms = node.interval_s() * 1e3 if node.counts["chunks_received"] else 0.0
-    interval = node.interval_ms.summary()
-    response = node.response_ms.summary()
-    output_values = {
-        "target_interval_ms": target_ms,
+    interval = out.interval_ms
+    response = out.response_ms
+    chunks_received = out.counts["chunks_received"]
+    values = {
+        "target_interval_ms": out.target_interval_ms,
         "promised_interval_ms": float(promise.expected_interval_ms) if promise else 0.0,
         "promised_response_latency_ms": (
             float(promise.expected_response_latency_ms) if promise else 0.0
@@ -112,43 +177,41 @@ def diagnostics_report(node, link) -> dict:
         "promise_revision": int(getattr(promise, "revision", 0)) if promise else 0,
         "horizon": int(promise.horizon) if promise else 0,
         "rollouts": bool(promise.rollouts) if promise else False,
-        "chunk_overlap": node.chunk_overlap.share(),
+        "chunk_overlap": out.chunk_overlap,
         "interval_median_ms": interval["median"],
         "interval_p99_ms": interval["p99"],
         "interval_jitter_ms": interval["std"],
-        "chunk_rate_hz": node.chunk_rate.rate_hz(),
+        "chunk_rate_hz": out.chunk_rate_hz,
         "response_latency_median_ms": response["median"],
         "response_latency_p99_ms": response["p99"],
-        "receive_to_publish_median_ms": node.receive_to_publish_ms.summary()["median"],
-        "chunks_received": node.counts["chunks_received"],
-        "chunks_published": node.counts["chunks_published"],
-        "chunks_expired": node.counts["chunks_expired"],
-        "fallbacks_published": node.counts["fallbacks"],
-        "deadline_ms": node.gate.deadline_s * 1e3,
+        "receive_to_publish_median_ms": out.receive_to_publish_ms["median"],
+        "chunks_received": chunks_received,
+        "chunks_published": out.counts["chunks_published"],
+        "chunks_expired": out.counts["chunks_expired"],
+        "fallbacks_published": out.counts["fallbacks"],
+        "deadline_ms": out.deadline_s * 1e3,
+        **out.extra_values,
+        "model_kind": "world model" if out.world_model else "world-action model",
+        "holding": out.holding,
     }
-    if node.p.previews or node.p.act_on_previews:
-        output_values.update(node.previews.values())
-    if node.execution.stats.accepted or node.p.act_on_previews:  # timed chunks: how they joined
-        output_values.update(node.execution.values(previews=node.p.act_on_previews))
-    world_model = not node.predicts_actions()
-    late_s = node.seconds_since_chunk()
-    output_values["model_kind"] = "world model" if world_model else "world-action model"
-    output_values["holding"] = node.holding
-    if node.holding:  # never OK while the robot holds
-        output_level = outputs.LEVEL_ERROR
-        output_message = f"{node.p.fallback} fallback out: {node.holding}"
-    elif world_model and node.counts["chunks_received"] and late_s > node.gate.deadline_s:
-        output_level = outputs.LEVEL_WARN
-        output_message = f"no predicted frames for {late_s * 1e3:.0f} ms"
-    elif node.counts["chunks_received"] == 0:
-        output_level, output_message = outputs.LEVEL_WARN, "no chunk yet"
+    late_s = out.seconds_since_chunk
+    target_ms = out.target_interval_ms
+    if out.holding:  # never OK while the robot holds
+        level, message = outputs.LEVEL_ERROR, f"{out.fallback} fallback out: {out.holding}"
+    elif out.world_model and chunks_received and late_s > out.deadline_s:
+        level, message = outputs.LEVEL_WARN, f"no predicted frames for {late_s * 1e3:.0f} ms"
+    elif chunks_received == 0:
+        level, message = outputs.LEVEL_WARN, "no chunk yet"
     elif target_ms > 0 and interval["median"] > 1.1 * target_ms:
-        output_level = outputs.LEVEL_WARN
-        output_message = f"interval {interval['median']:.1f} ms > 110% of target {target_ms:.1f} ms"
+        level = outputs.LEVEL_WARN
+        message = f"interval {interval['median']:.1f} ms > 110% of target {target_ms:.1f} ms"
     else:
-        output_level, output_message = outputs.LEVEL_OK, "chunks on time"
+        level, message = outputs.LEVEL_OK, "chunks on time"
+    return level, message, values
 
-    link_values = {
+
+def _link_status(link: LinkStats, holding: str, waiting: str) -> tuple:
+    values = {
         "state": link.state,
         "connections": link.connections,
         "observations_sent": link.observations_sent,
@@ -157,31 +220,28 @@ def diagnostics_report(node, link) -> dict:
         "clock_offset_uncertainty_ms": float(link.clock_offset_uncertainty_ms or 0.0),
         "last_error": link.last_error,
     }
-    link_values.update({f"dropped_{k}": v for k, v in sorted(link.drops.items())})
+    values.update({f"dropped_{k}": v for k, v in sorted(link.drops.items())})
+    promise = link.promise
     if promise is not None:
-        link_values.update(
+        values.update(
             model=promise.model, stream_id=promise.stream_id, pipeline_depth=promise.pipeline_depth
         )
-    if node.holding or (link.state == "disconnected" and link.connections > 0):
-        link_level, link_message = (
-            outputs.LEVEL_ERROR,
-            f"link {link.state}: {link.last_error or 'chunks stopped'}",
-        )
+    if holding or (link.state == "disconnected" and link.connections > 0):
+        level = outputs.LEVEL_ERROR
+        message = f"link {link.state}: {link.last_error or 'chunks stopped'}"
+    elif waiting:
+        level, message = outputs.LEVEL_WARN, waiting
     elif link.state != "streaming":
-        link_level, link_message = outputs.LEVEL_WARN, f"link {link.state}"
+        level, message = outputs.LEVEL_WARN, f"link {link.state}"
     elif faults := server_faults(link):
         # The server refused some of our observations (bad tensors, images it cannot decode,
         # NaN, ...) or its model produced NaN: streaming, but not as it should.
-        link_level = outputs.LEVEL_WARN
-        link_message = (
+        level = outputs.LEVEL_WARN
+        message = (
             f"server dropped {sum(faults.values())}: "
             + ", ".join(f"{reason} {count}" for reason, count in sorted(faults.items()))
             + (f" ({link.last_error})" if link.last_error else "")
         )
     else:
-        link_level, link_message = outputs.LEVEL_OK, "streaming"
-    return {
-        "inputs": (inputs_level, inputs_message, inputs_values),
-        "output": (output_level, output_message, output_values),
-        "link": (link_level, link_message, link_values),
-    }
+        level, message = outputs.LEVEL_OK, "streaming"
+    return level, message, values

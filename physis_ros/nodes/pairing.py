@@ -6,16 +6,20 @@ nearest to its stamp within ``slop_s``. Auxiliary streams keep a short history (
 faster than the camera); at most one image waits for a partner, and a newer image replaces
 it (the older one is counted as ``unpaired``). Stamps must increase per stream: an older or
 equal stamp is dropped as ``out_of_order_stamp``. All drops go to the shared DropCounter.
+A paired observation becomes the link's ``Observation`` (``PairedObservation.observation``);
+``SentImages`` keeps the recent ones' images by observation seq.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from physis_ros.link.client import CameraImage, Observation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +36,64 @@ class PairedObservation:
     wrench: Sample | None
     joints: Sample | None
     object_position: Sample | None = None
+
+    def observation(
+        self,
+        seq: int,
+        image,
+        *,
+        action: np.ndarray | None,
+        timeline: tuple[np.ndarray, int, int] | None,
+    ) -> Observation:
+        """The link's observation ``seq`` of this pairing with ``image`` (the camera's
+        ``ImageFields``, resized for the model or not), the commanded ``action`` and the
+        command ``timeline`` (commands, start_ns, dt_ns)."""
+        names, positions, velocities = self.joints.value if self.joints else ((), None, None)
+        return Observation(
+            seq=seq,
+            capture_stamp_ns=self.image.stamp_ns,
+            image=CameraImage(
+                encoding=image.encoding,
+                height=image.height,
+                width=image.width,
+                step=image.step,
+                data=image.data,
+            ),
+            wrench=self.wrench.value if self.wrench else None,
+            joint_names=names,
+            joint_positions=positions,
+            joint_velocities=velocities,
+            action=action,
+            commands=None if timeline is None else timeline[0],
+            commands_start_ns=0 if timeline is None else timeline[1],
+            commands_dt_ns=0 if timeline is None else timeline[2],
+            object_position=self.object_position.value if self.object_position else None,
+        )
+
+
+class SentImages:
+    """The images of the last ``kept`` observations, by their seq (numbered here, from 1);
+    thread-safe (the receive thread reads what the callbacks sent)."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._seq = 0
+        self._images: OrderedDict[int, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, image) -> int:
+        """The next observation's seq, with its image kept."""
+        with self._lock:
+            self._seq += 1
+            self._images[self._seq] = image
+            while len(self._images) > self._kept:
+                self._images.popitem(last=False)
+            return self._seq
+
+    def get(self, seq: int):
+        """Observation ``seq``'s image, while it is among the recent ones (else None)."""
+        with self._lock:
+            return self._images.get(seq)
 
 
 class ApproxTimePairer:

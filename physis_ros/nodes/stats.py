@@ -136,3 +136,50 @@ class ChunkOverlap:
 
     def __len__(self) -> int:
         return len(self._window)
+
+
+class ChunkTiming:
+    """When a stream's chunks come: per delivery (``Deliveries``) the interval since the
+    previous one, the response latency and each hop the chunk reports; the delivery rate; how
+    much the server's pipeline overlaps consecutive chunks (``ChunkOverlap``)."""
+
+    def __init__(self) -> None:
+        self.rate = RateMeter()
+        self.interval_ms = RollingWindow()
+        self.response_ms = RollingWindow()
+        self.hop_ms: dict[str, RollingWindow] = {}
+        self.overlap = ChunkOverlap()
+        self._deliveries = Deliveries()
+        self._last_delivery_s: float | None = None
+
+    def add(
+        self,
+        *,
+        stream_id: int,
+        anchor_slot: int,
+        hop_ms: dict[str, float],
+        server_times_ns: dict[str, int],
+        now_s: float,
+    ) -> None:
+        """A chunk came at ``now_s`` (monotonic): a delivery is timed, every chunk overlapped."""
+        if self._deliveries.is_new(stream_id, anchor_slot):
+            self.rate.tick(now_s)
+            if self._last_delivery_s is not None:
+                self.interval_ms.add((now_s - self._last_delivery_s) * 1e3)
+            self._last_delivery_s = now_s
+            for name, value in hop_ms.items():
+                self.hop_ms.setdefault(name, RollingWindow()).add(value)
+            if "capture_to_received" in hop_ms:
+                self.response_ms.add(hop_ms["capture_to_received"])
+        self.overlap.add(
+            stream_id, server_times_ns.get("entered", 0), server_times_ns.get("left", 0)
+        )
+
+    def seconds_since_delivery(self) -> float:
+        """Since the last delivery came (0 before the first)."""
+        last = self._last_delivery_s
+        return time.monotonic() - last if last is not None else 0.0
+
+    def hop_medians_ms(self) -> dict[str, float]:
+        """Each hop's median (ms), by name, sorted."""
+        return {name: window.summary()["median"] for name, window in sorted(self.hop_ms.items())}

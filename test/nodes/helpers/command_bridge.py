@@ -96,14 +96,18 @@ def main() -> int:
     deadline = time.monotonic() + 300.0
     while not done.is_set() and time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.02)
-        if not ready and node.client.stats().state == "streaming":
+        if not ready and node.link.stats().state == "streaming":
             print("ready", flush=True)
             ready = True
         while not asked.empty():
             asked.get()
             with engine._lock:
                 contexts = sum(kind == "context" for kind, _, _ in engine.events)
-            state = {"counts": node.counts, "drops": node.drops.snapshot(), "contexts": contexts}
+            state = {
+                "counts": node.snapshot().counts,
+                "drops": node.drops.snapshot(),
+                "contexts": contexts,
+            }
             print(json.dumps(state), flush=True)
     # let the last observations reach the engine before reporting
     end = time.monotonic() + 0.5
@@ -113,7 +117,7 @@ def main() -> int:
         events = list(engine.events)
     report = {
         "events": events,
-        "counts": node.counts,
+        "counts": node.snapshot().counts,
         "drops": node.drops.snapshot(),
     }
     node.shutdown()

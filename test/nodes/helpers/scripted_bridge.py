@@ -112,7 +112,8 @@ def main() -> int:
     # discovery took longer than the whole first stream, and the silence went unseen.
     watched_by = time.monotonic() + DISCOVERY_TIMEOUT_S
     while time.monotonic() < watched_by and not (
-        node.chunk_pub.get_subscription_count() and node.diag_pub.get_subscription_count()
+        node.topics.action_chunk.get_subscription_count()
+        and node.topics.diagnostics.get_subscription_count()
     ):
         rclpy.spin_once(node, timeout_sec=0.05)
     client.begin()
@@ -120,9 +121,14 @@ def main() -> int:
     while time.monotonic() < deadline:
         rclpy.spin_once(node, timeout_sec=0.05)
     node.shutdown()
+    snapshot = node.snapshot()
     print(
         json.dumps(
-            {"counts": node.counts, "drops": node.drops.snapshot(), "holding": node.holding}
+            {
+                "counts": snapshot.counts,
+                "drops": node.drops.snapshot(),
+                "holding": snapshot.outputs.holding,
+            }
         ),
         flush=True,
     )

@@ -107,7 +107,11 @@ def main() -> int:
     node = Bridge(client=client)
     client.clock_ns = lambda: node.get_clock().now().nanoseconds
     discovery_deadline = time.monotonic() + 60.0
-    while not (node.traj_pub.get_subscription_count() and node.chunk_pub.get_subscription_count()):
+    topics = node.topics
+    while not (
+        topics.joint_trajectory.get_subscription_count()
+        and topics.action_chunk.get_subscription_count()
+    ):
         if time.monotonic() > discovery_deadline:
             raise SystemExit("the test's monitor never subscribed to joint_trajectory")
         rclpy.spin_once(node, timeout_sec=0.05)
@@ -121,7 +125,7 @@ def main() -> int:
     print(
         json.dumps(
             {
-                "counts": node.counts,
+                "counts": node.snapshot().counts,
                 "drops": node.drops.snapshot(),
                 "t0_ns": T0_NS[0],
                 "accepted": stats.accepted,
