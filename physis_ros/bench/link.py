@@ -98,6 +98,9 @@ class EchoEngine:
     def close_stream(self, stream_id: int) -> None:
         self._chunks.pop(stream_id, None)
 
+    def next_slot(self, stream_id: int) -> int:
+        return self._chunks[stream_id]
+
     def submit_context(self, stream_id: int, frames, actions=None, *, slot=None) -> int:
         slot = self._chunks[stream_id] if slot is None else slot
         self._anchors[stream_id] = slot

@@ -79,7 +79,7 @@ def install_server(out_path: str) -> None:
         return out
 
     session.context_input = context_input
-    _wrap(session.Session, "push_chunk", "s_handed_over", lambda a, kw, r: a[1].chunk)
+    _wrap(session.Session, "take", "s_handed_over", lambda a, kw, r: a[1].out.chunk)
 
     original = session.Session._serialize_prediction
 
@@ -144,6 +144,7 @@ def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
     between messages, which tells the host's cost of a pause from the link's own."""
     from physis_ros.bench.link import ACTION_HA, IMAGE_HW, prediction_reply_bytes
     from physis_ros.engine.api import ChunkOutput, StreamPromise
+    from physis_ros.engine.live import Ran
     from physis_ros.link.client import LinkClient, Observation
     from physis_ros.link.wire import (
         observation_from_proto,
@@ -153,7 +154,7 @@ def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
         serialize_observation,
     )
     from physis_ros.serve.observations import context_input
-    from physis_ros.serve.session import ChunkReady, Session, SessionLimits
+    from physis_ros.serve.session import Session, SessionLimits
 
     image = rgb_image(np.zeros((*IMAGE_HW, 3), np.uint8))
     obs = Observation(seq=0, capture_stamp_ns=1, image=image)
@@ -172,7 +173,12 @@ def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
         action_horizon=ACTION_HA[0],
         action_dim=ACTION_HA[1],
     )
-    session = Session(promise=promise, target_interval_ms=20.0, limits=SessionLimits())
+    session = Session(
+        promise=promise,
+        limits=SessionLimits(),
+        add_frame=lambda _frame: (0, 0),
+        slot_counters=lambda: None,
+    )
     out = ChunkOutput(
         stream_id=1,
         chunk=1,
@@ -200,7 +206,7 @@ def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
         "client serialise": lambda: serialize_observation(obs, send_stamp_ns=1),
         "server parse+check": parse_and_check,
         "server serialise reply": lambda: session._serialize_prediction(
-            ChunkReady(out, None), sent_ns=1
+            Ran(out, None, None, -1), sent_ns=1
         ),
         "client parse reply": lambda: client._on_server_message(*parse_server_message(reply)),
     }

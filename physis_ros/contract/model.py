@@ -106,6 +106,15 @@ class WamContract:
     max_known_rows_ahead: int = 8
 
     def __post_init__(self) -> None:
+        for name in ("action_hz", "frame_hz", "min_committed_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ContractError(f"{name} must be a number, got {value!r}")
+        for name in ("rows_per_chunk", "image_height", "image_width", "frames_per_chunk"):
+            if not isinstance(getattr(self, name), int):
+                raise ContractError(f"{name} must be a whole number, got {getattr(self, name)!r}")
+        if not isinstance(self.max_known_rows_ahead, int):
+            raise ContractError("max_known_rows_ahead must be a whole number")
         if not self.action_names or len(set(self.action_names)) != len(self.action_names):
             raise ContractError(f"action names must be distinct and not empty: {self.action_names}")
         for name in ("action_hz", "frame_hz"):

@@ -8,7 +8,7 @@ uint8 numpy arrays, actions as float32 numpy arrays: no torch in the caller's ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -30,6 +30,9 @@ class StreamSpec:
     """Name of a prompt embedding the server holds ("": the model's empty prompt)."""
     prompt_embedding: np.ndarray | None = None
     """Or the embedding itself: [n <= text_len, text_dim] float32/float16 (not with ``prompt``)."""
+    task: dict[str, float] = field(default_factory=dict)
+    """The task's parameters by the names the model's contract gives them (a world-action
+    model's: its task state inputs and a ``task_features`` prompt are made of them)."""
     response_latency_budget_ms: float = 0.0
     """Most response latency the client accepts (an observation in to the first chunk
     conditioned on it out); 0: no budget. A pool that cannot meet it refuses the stream."""
@@ -169,6 +172,9 @@ class StreamEngine(Protocol):
         conditions a world model; for a world-action model with committed actions they are
         the rows the robot has committed (NaN rows: to generate). Returns its slot;
         ValueError when it would lie beyond the stream's horizon."""
+
+    def next_slot(self, stream_id: int) -> int:
+        """The slot the stream's next generated chunk (or new observation) takes."""
 
     def poll(self, timeout_s: float) -> list[ChunkOutput]:
         """Generated chunks that finished, in per-stream chunk order; waits up to timeout_s."""

@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from physis_ros.contract.model import WamContract
 from physis_ros.engine.api import (
     AdmissionRefused,
     ChunkOutput,
@@ -32,13 +32,12 @@ from physis_ros.engine.api import (
     StreamSpec,
     check_rollouts,
 )
-from physis_ros.engine.checkpoints import ResolvedModel, summary
 from physis_ros.engine.codec import check_stream_codec, make_codec
 from physis_ros.engine.controller import MODES, ChunkResult
 from physis_ros.engine.pipeline import Pipeline
 from physis_ros.engine.placement import Layout, Placement, validate_layout
 from physis_ros.engine.pool.service import PoolAdmission
-from physis_ros.engine.prompts import PromptBook, goal_prompted, trained_empty_prompt
+from physis_ros.engine.prompts import PromptBook
 from physis_ros.engine.sampler import (
     pack_chunk,
     request_actions,
@@ -63,6 +62,7 @@ class EngineCore:
         horizon: int = 0,
         max_in_flight: int = 0,
         max_streams: int = 64,
+        contract: WamContract | None = None,
     ) -> None:
         """``horizon``: a stream's default (StreamSpec.horizon None; 0: no limit, offline
         generation); ``max_in_flight``: chunks of a pipelined stream in flight at once (0: no
@@ -90,6 +90,8 @@ class EngineCore:
         self.block_ms = measure_block_ms(
             self.model, [self.sampler.window], block=held[len(held) // 2], repeats=5, warmup=2
         )
+        self.contract = contract
+        """A world-action model's contract (its weights'): what its served streams take."""
         self.admission: PoolAdmission | None = None
         """The pool that admits, places and promises (physis-serve sets it once planned);
         None: streams open on the executor's default layout, promised roughly."""
@@ -120,15 +122,19 @@ class EngineCore:
                     self.load_blocks(placed)
                     return self._open(spec, placed, max_in_flight)
 
-                return self.admission.open(spec, open_on)
-        return self._open(spec, layout, max_in_flight)
+                promise = self.admission.open(spec, open_on)
+        else:
+            promise = self._open(spec, layout, max_in_flight)
+        return promise
 
     def _open(
         self, spec: StreamSpec, layout: Layout | None, max_in_flight: int | None
     ) -> StreamPromise:
         self._check_alive()
         check_stream_codec(spec, self.codec)
-        cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding)
+        if spec.task and self.contract is not None:
+            self.contract.check_task(spec.task)
+        cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding, spec.task)
         K, L = self.sampler.steps, self.cfg.num_blocks
         placed = layout is not None
         layout = layout or self.executor.default_layout
@@ -287,6 +293,15 @@ class EngineCore:
         measured latencies moved them): one per stream, the newest."""
         return self.admission.take_revisions() if self.admission is not None else []
 
+    def next_slot(self, stream_id: int) -> int:
+        """The slot the stream's next generated chunk (or new observation) takes."""
+        with self._lock:
+            return self.controller.next_slot(stream_id)
+
+    def is_open(self, stream_id: int) -> bool:
+        with self._lock:
+            return stream_id in self.controller.streams
+
     def _decode(self, res: ChunkResult) -> ChunkOutput:
         x = res.x.float().cpu()
         latent, actions = unpack_chunk(self.cfg, x)
@@ -378,29 +393,3 @@ class EngineCore:
         failure = self.executor.failure()
         if failure is not None:
             raise StreamFailed(f"a worker failed: {failure!r}") from failure
-
-
-def prompt_book(
-    resolved: ResolvedModel, *, files: Sequence[str] = (), checkpoint_meta: dict | None = None
-) -> PromptBook:
-    """The prompts a server holds for a model: its files' named prompts and the model's empty
-    prompt (a Wan checkpoint's is its text encoder's, from a prompts file)."""
-    cfg = resolved.cfg
-    own = resolved.weights is not None
-    return PromptBook(
-        cfg,
-        list(files),
-        empty=None if own else trained_empty_prompt(cfg, checkpoint_meta),
-        goal_prompts=goal_prompted(checkpoint_meta),
-    )
-
-
-def log_summary(resolved: ResolvedModel, pipeline: Pipeline, checkpoint: str = "") -> None:
-    text = summary(
-        resolved,
-        pipeline.sampler,
-        pipeline.model.dtype,
-        checkpoint=checkpoint,
-        model=pipeline.model,
-    )
-    log.info("\n%s", text)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from physis_ros.contract.model import WamContract, prompt_features
 from physis_ros.engine.config import ModelConfig
 from physis_ros.weights import GOAL_PROMPT
 
@@ -183,12 +184,16 @@ class PromptBook:
         *,
         empty: torch.Tensor | None = None,
         goal_prompts: bool = False,
+        contract: WamContract | None = None,
     ) -> None:
         """``empty``: the model's empty prompt when no file has one (None: the model needs a
         file with it, e.g. a Wan checkpoint, whose empty prompt is its text encoder's);
         ``goal_prompts``: names ``goal_xy_<x>_<y>`` resolve to ``goal_prompt``."""
         self.cfg = cfg
         self.goal_prompts = goal_prompts
+        self.contract = contract
+        """A world-action model's contract: a ``task_features`` prompt is made of the
+        stream's task values."""
         self.prompts: dict[str, torch.Tensor] = {}
         self.sources: dict[str, str] = {}
         for path in files:
@@ -210,8 +215,21 @@ class PromptBook:
     def names(self) -> list[str]:
         return sorted(self.prompts)
 
-    def resolve(self, name: str = "", raw: np.ndarray | None = None) -> torch.Tensor:
-        """[n, text_dim] float32 CPU: the raw embedding, the named prompt, or the empty one."""
+    def resolve(
+        self, name: str = "", raw: np.ndarray | None = None, task: dict | None = None
+    ) -> torch.Tensor:
+        """[n, text_dim] float32 CPU: the raw embedding, the named prompt, the features of
+        the stream's ``task`` values (a contract's ``task_features`` prompt), or the empty
+        one."""
+        spec = self.contract.prompt if self.contract is not None else None
+        if task and spec is not None and spec.kind == "task_features":
+            if name or raw is not None:
+                raise ValueError("give the task's values or a prompt, not both")
+            self.contract.check_task(task)
+            values = [task[v] for v in spec.values]
+            return self._fit(
+                torch.from_numpy(prompt_features(values, spec.scale, self.cfg.text_dim)), "task"
+            )
         if raw is not None:
             if name:
                 raise ValueError("give a prompt name or a raw embedding, not both")

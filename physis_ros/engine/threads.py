@@ -17,11 +17,12 @@ import torch
 
 from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.api import StreamFailed
+from physis_ros.engine.assembly import contract_of, log_summary, prompt_book
 from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import ResolvedModel, load_weights, resolve_model
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.controller import MODES
-from physis_ros.engine.core import EngineCore, log_summary, prompt_book
+from physis_ros.engine.core import EngineCore
 from physis_ros.engine.executor import StreamOrder
 from physis_ros.engine.model import WanDiT
 from physis_ros.engine.pipeline import Pipeline
@@ -280,6 +281,7 @@ def local_engine(
         horizon=horizon,
         max_in_flight=max_in_flight,
         max_streams=max_streams,
+        contract=contract_of(meta),
     )
     executor.start()
     return core

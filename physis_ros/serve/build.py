@@ -178,8 +178,10 @@ def check_default_target(spec: ServingSpec, pool: Pool) -> None:
         )
 
 
-def pooled(engine: EngineCore, pool: Pool, spec: ServingSpec) -> EngineCore:
-    """``engine`` with the pool in it: from now on it admits, places and promises."""
+def as_served(engine: EngineCore, pool: Pool, spec: ServingSpec) -> EngineCore:
+    """``engine`` as physis-serve serves it: the pool in it (from now on it admits, places
+    and promises), a world-action model's contract as the spec resolved it."""
+    engine.contract = spec.contract()
     default_ms = spec.default_target_ms or pool.default.target_interval_ms
     engine.admission = PoolAdmission(
         pool.config,
@@ -266,7 +268,7 @@ def build_local(spec: ServingSpec) -> tuple[EngineCore, ServerDescription]:
         engine.shutdown()
         raise
     log.info("planned %s", pool.default.describe())
-    served = pooled(engine, pool, spec)
+    served = as_served(engine, pool, spec)
     return served, describe(spec, served, pool, kind="threads")
 
 
@@ -289,7 +291,6 @@ def describe(spec: ServingSpec, served: EngineCore, pool: Pool, *, kind: str):
         action_mode=cfg.action_mode,
         horizon=spec.horizon or 0,
         engine_info=engine_info,
-        wam=spec.wam_timing(),
         # a causal codec decodes each slot once, in order: no slot can be generated again
         rollouts=not served.codec.causal,
     )

@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from physis_ros.contract.model import ContractError
 from physis_ros.engine.api import DEFAULT_HORIZON, AdmissionRefused, StreamFailed, StreamSpec
 from physis_ros.engine.prompts import parse_goal_prompt_name
 from physis_ros.link.proto_gen import physis_pb2 as pb
@@ -40,7 +41,6 @@ from physis_ros.serve.session import (
     SessionLimits,
     fill_promise,
 )
-from physis_ros.serve.wam_requests import WamTiming
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,6 @@ class ServerDescription:
     ``DEFAULT_HORIZON``)."""
     engine_info: Callable[[], dict[str, Any]] | None = None
     """What the engine reports about itself (workers, open streams / slots), on demand."""
-    wam: WamTiming | None = None
-    """A world-action model with state values and committed actions: its timing (its
-    streams send state and command timelines and get timed replies)."""
     rollouts: bool = True
     """A world model's streams with a horizon > 1 get rollouts unless they ask otherwise
     (False: the engine's codec is causal, so none can have them)."""
@@ -219,24 +216,39 @@ class Frontend:
             with self._lock:
                 self._opening -= 1
 
-    def _goal(self, spec: pb.StreamSpec, context) -> tuple[float, float] | None:
-        """The goal a model with goal state columns takes from the stream's prompt (also its
-        cross-attention's: engine.prompts.PromptBook resolves the same name)."""
-        wam = self._description.wam
-        if wam is None or not wam.takes_goal:
-            return None
-        try:
-            goal = parse_goal_prompt_name(spec.prompt)
-        except ValueError as exc:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
-        if goal is None:
+    def _task(self, spec: pb.StreamSpec, context) -> tuple[dict[str, float], str]:
+        """(the task values the stream is opened with, its prompt): a world-action model's
+        contract names the values it takes (its task state inputs and a task_features
+        prompt); they are refused by name when they do not match."""
+        contract = getattr(self._loop.engine, "contract", None)
+        task, prompt = dict(spec.task), spec.prompt
+        if contract is None or not contract.task_names:
+            if task:
+                self._refuse(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"bad stream spec: task values {sorted(task)}: the model takes none",
+                )
+            return task, prompt
+        if not task and prompt:  # a client that names its goal as a prompt goal_xy_<x>_<y>
+            try:
+                goal = parse_goal_prompt_name(prompt)
+            except ValueError as exc:
+                self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
+            if goal is not None:
+                task, prompt = dict(zip(contract.task_names, goal, strict=False)), ""
+        if not task:
             self._refuse(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "bad stream spec: the model is conditioned on the task's goal: open the stream "
-                "with the prompt goal_xy_<x>_<y> (table frame, m; e.g. goal_xy_0.100_-0.300)",
+                f"with its task values {list(contract.task_names)}",
             )
-        return goal
+        try:
+            contract.check_task(task)
+        except ContractError as exc:
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
+        return task, prompt
 
     def _admit(self, spec: pb.StreamSpec, embedding, context) -> pb.OpenStreamReply:
         # A served stream always has a horizon: observations replace predicted slots.
@@ -252,20 +264,23 @@ class Frontend:
             and self._description.action_mode != "predict"
             and horizon > 1,
         )
-        goal = self._goal(spec, context)
+        task, prompt = self._task(spec, context)
         engine_spec = StreamSpec(
             seed=spec.seed,
             target_interval_ms=spec.target_interval_ms,
-            prompt=spec.prompt,
+            prompt=prompt,
             prompt_embedding=embedding,
+            task=task,
             response_latency_budget_ms=spec.response_latency_budget_ms,
             horizon=horizon,
             previews=spec.previews,
             rollouts=rollouts,
         )
         try:
+            live = self._config.limits.live()
             promise = self._loop.call(
-                lambda e: e.open_stream(engine_spec), timeout_s=self._config.open_timeout_s
+                lambda _e: self._loop.live.open(engine_spec, live),
+                timeout_s=self._config.open_timeout_s,
             )
         except AdmissionRefused as exc:
             self._refuse(
@@ -282,7 +297,7 @@ class Frontend:
         if budget_ms and promise.expected_response_latency_ms > budget_ms + 1e-3:
             # An engine without a planner for the budget (it promised what its placement
             # gives): the client asked for less, so the stream is not opened.
-            self._loop.call(lambda e: e.close_stream(promise.stream_id), timeout_s=5.0)
+            self._loop.call(lambda _e: self._loop.live.close(promise.stream_id), timeout_s=5.0)
             self._refuse(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -290,13 +305,16 @@ class Frontend:
                 f"budget {budget_ms:.1f} ms (resource latency, short by "
                 f"{promise.expected_response_latency_ms - budget_ms:.1f} ms)",
             )
+        live, sid = self._loop.live, promise.stream_id
+        predicts = promise.action_mode == "predict"
         session = Session(
             promise=promise,
-            target_interval_ms=spec.target_interval_ms,
             limits=self._config.limits,
+            add_frame=lambda frame: live.add_frame(sid, frame),
+            slot_counters=lambda: live.counters(sid),
             client_name=spec.client_name,
-            wam=self._description.wam,
-            goal=goal,
+            contract=getattr(self._loop.engine, "contract", None) if predicts else None,
+            task=task,
         )
         session.on_end = lambda why: self._finish(session, why)
         with self._lock:

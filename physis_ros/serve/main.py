@@ -61,11 +61,7 @@ def run_frontend(
     loop_options: dict[str, float] | None = None,
 ) -> int:
     """Serves ``engine`` until ``stop`` is set; writes the bound port to ``port_file``."""
-    loop = EngineLoop(
-        engine,
-        generate_with_actions=description.action_mode == "condition",
-        **(loop_options or {}),
-    )
+    loop = EngineLoop(engine, **(loop_options or {}))
     loop.start()
     try:
         handle = start_server(loop, config=config, description=description)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import io
 import time
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 
+from physis_ros.contract.model import WRENCH_KEYS, WamContract
+from physis_ros.engine.slots import FrameIn
+from physis_ros.engine.wam_rows import CommandTimeline
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     COMPRESSED_ENCODINGS,
@@ -25,28 +27,6 @@ from physis_ros.link.wire import (
     WireError,
     raw_image_to_rgb,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ContextInput:
-    """A checked observation, ready to enter the pipeline as a context chunk."""
-
-    seq: int
-    capture_stamp_ns: int
-    """Robot clock."""
-    send_stamp_ns: int
-    """Robot clock."""
-    received_ns: int
-    """Server wall clock, after parsing and checking."""
-    frames: np.ndarray
-    """[F, H, W, 3] uint8: [1, ...] from ``context_input`` (the observation's frame); the
-    session makes it the stream's newest chunk_frames frames."""
-    actions: np.ndarray | None
-    """[H, A] float32 commanded actions, or None."""
-    state: np.ndarray | None = None
-    """[S] float32 proprioception at the capture (a world-action model with state values)."""
-    commands: object | None = None
-    """The robot's command timeline sent with it (``wam_requests.CommandTimeline``)."""
 
 
 def check_header(o: pb.Observation) -> None:
@@ -121,7 +101,7 @@ def context_input(
     width: int,
     action_horizon: int,
     action_dim: int,
-) -> ContextInput:
+) -> FrameIn:
     """Checks ``obs`` against the stream's promise and makes the engine's context input
     (stamped ``received_ns`` once checked and decoded)."""
     if obs.image is None:
@@ -141,7 +121,7 @@ def context_input(
                 f"action has shape {action.shape}, the model takes ({action_dim},) or "
                 f"({action_horizon}, {action_dim})",
             )
-    return ContextInput(
+    return FrameIn(
         seq=obs.seq,
         capture_stamp_ns=obs.capture_stamp_ns,
         send_stamp_ns=send_stamp_ns,
@@ -149,3 +129,60 @@ def context_input(
         frames=frame[None],
         actions=actions,
     )
+
+
+def wam_inputs(
+    obs: Observation, contract: WamContract, task: dict[str, float]
+) -> tuple[np.ndarray, CommandTimeline | None]:
+    """(state [S] in the contract's order, command timeline) of one observation of a
+    world-action model's stream; WireError naming what the observation lacks."""
+    return state_vector(obs, contract, task), command_timeline(obs, contract)
+
+
+def state_vector(obs: Observation, contract: WamContract, task: dict[str, float]) -> np.ndarray:
+    """[S] float32 in the contract's order: joint positions and velocities by joint name,
+    the wrench's six values by name, a tracked object's position (the observation's
+    ``object_position``), and the stream's task values."""
+    names = list(obs.joint_names)
+    out = np.empty(len(contract.state), np.float32)
+    for i, s in enumerate(contract.state):
+        if s.source == "task":
+            out[i] = task[s.key]  # checked when the stream opened
+        elif s.source == "wrench":
+            if obs.wrench is None:
+                raise WireError("no_wrench", "the model takes the wrench; the observation has none")
+            out[i] = obs.wrench[WRENCH_KEYS.index(s.key)]
+        elif s.source == "object":
+            if obs.object_position is None:
+                raise WireError(
+                    "no_object_position",
+                    f"the model takes {s.name} (an object tracker's position); the "
+                    "observation has none: set the bridge's object_topic",
+                )
+            out[i] = obs.object_position["xyz".index(s.key[-1])]
+        else:
+            source = obs.joint_positions if s.source == "joint_position" else obs.joint_velocities
+            if source is None or s.key not in names:
+                raise WireError(
+                    "no_joint_state",
+                    f"the model takes {s.name}; the observation has joints {names} "
+                    f"({'with' if obs.joint_velocities is not None else 'without'} velocities)",
+                )
+            out[i] = source[names.index(s.key)]
+    return out
+
+
+def command_timeline(obs: Observation, contract: WamContract) -> CommandTimeline | None:
+    """The observation's command timeline, checked against the model's joints (None: it sent
+    none, e.g. a robot that has commanded nothing yet or executes naively)."""
+    if obs.commands is None:
+        return None
+    commands = np.asarray(obs.commands, np.float32)
+    joints = contract.action_names
+    if commands.ndim != 2 or commands.shape[1] != len(joints) or not len(commands):
+        raise WireError(
+            "commands_shape",
+            f"commands have shape {commands.shape}, the model takes [N>=1, {len(joints)}] "
+            f"({','.join(joints)})",
+        )
+    return CommandTimeline(commands, int(obs.commands_start_ns), int(obs.commands_dt_ns))

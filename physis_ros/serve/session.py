@@ -1,12 +1,10 @@
-"""Per-stream pacing between the gRPC front end and the engine.
+"""One admitted stream as the gRPC front end sees it: messages in, messages out, counters.
 
-``Session`` is one admitted stream: the gRPC reader thread offers it client messages (checked
-here; bad ones dropped and counted by reason), assigns every checked camera frame to its time
-slot (``slots.SlotAssembler``: frame n of the stream is in slot n // F; gaps filled and
-counted) and queues each completed slot's observed chunk for the engine thread; it also
-queues outgoing messages for the gRPC writer.
-
-The engine thread that feeds sessions to the engine is ``engine_loop.EngineLoop``.
+``Session`` is one stream's wire side: the gRPC reader thread offers it client messages
+(checked here; bad ones dropped and counted by reason) and hands every checked camera frame
+to the engine core (``EngineCore.add_frame``: the core puts it in its time slot and runs the
+stream's live timeline); the serving loop (``engine_loop.EngineLoop``) hands it what the core
+ran and the drops and ends it reports; the gRPC writer takes its outgoing messages.
 """
 
 from __future__ import annotations
@@ -27,7 +25,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from physis_ros.engine.api import ChunkOutput, StreamPromise
+from physis_ros.contract.model import WamContract
+from physis_ros.engine.api import StreamPromise
+from physis_ros.engine.live import LiveLimits, Ran, SlotCounters
+from physis_ros.engine.slots import FrameIn
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     PROMISE_FIELDS,
@@ -39,10 +40,8 @@ from physis_ros.link.wire import (
     serialize_with_payload,
     tensor_header,
 )
-from physis_ros.serve.observations import check_header, context_input
+from physis_ros.serve.observations import check_header, context_input, wam_inputs
 from physis_ros.serve.ratelog import RateLimit, held_note
-from physis_ros.serve.slots import ObservedChunk, SlotAssembler
-from physis_ros.serve.wam_requests import ActionTiming, WamStream, WamTiming
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +85,12 @@ class SessionLimits:
         if self.unattached_timeout_s <= 0:
             raise ValueError(f"unattached_timeout_s must be > 0, got {self.unattached_timeout_s}")
 
+    def live(self) -> LiveLimits:
+        """The limits the engine core ends a served stream by."""
+        return LiveLimits(
+            stall_timeout_s=self.stall_timeout_s, max_non_finite_chunks=self.max_non_finite_chunks
+        )
+
 
 FRAMES_DATA_PATH = ("prediction", "frames", "data")
 
@@ -95,47 +100,6 @@ def fill_promise(out: pb.StreamPromise, promise: StreamPromise, limits: SessionL
     for name in PROMISE_FIELDS:
         setattr(out, name, getattr(promise, name))
     out.max_observation_bytes = limits.max_observation_bytes
-
-
-@dataclass(frozen=True)
-class Anchor:
-    """What a reply says of the observation its chunk is anchored on: the newest
-    observation of an observed slot, and when that slot was queued for the engine.
-
-    Only these stamps, never the slot's frames: a stream remembers ANCHORS_KEPT anchors, and
-    holding each slot's pixels grew the server by ~1.8 MB per 640x480 observation (up to
-    ~1.8 GB a stream) and slowed the receive of every new message by ~0.6 ms per 0.9 MB
-    observation on loopback (most likely: it landed in memory the process had not touched)."""
-
-    seq: int
-    capture_stamp_ns: int
-    send_stamp_ns: int
-    received_ns: int
-    queued_ns: int
-    """Server wall clock."""
-
-    @staticmethod
-    def of(observed: ObservedChunk, queued_ns: int) -> Anchor:
-        newest = observed.newest
-        return Anchor(
-            seq=newest.seq,
-            capture_stamp_ns=newest.capture_stamp_ns,
-            send_stamp_ns=newest.send_stamp_ns,
-            received_ns=newest.received_ns,
-            queued_ns=queued_ns,
-        )
-
-
-@dataclass(frozen=True)
-class ChunkReady:
-    """A finished chunk on the outbound queue: the gRPC writer thread turns it into a
-    Prediction (so the engine thread does no per-stream serialisation)."""
-
-    out: ChunkOutput
-    conditioning: Anchor | None
-    """The observation it is anchored on."""
-    action_timing: ActionTiming | None = None
-    """A world-action model's rows on the robot clock."""
 
 
 @dataclass(frozen=True)
@@ -153,32 +117,27 @@ class Session:
         self,
         *,
         promise: StreamPromise,
-        target_interval_ms: float,
         limits: SessionLimits,
+        add_frame: Callable[[FrameIn], tuple[int, int]],
+        slot_counters: Callable[[], SlotCounters | None],
         client_name: str = "",
-        wam: WamTiming | None = None,
-        goal: tuple[float, float] | None = None,
+        contract: WamContract | None = None,
+        task: dict[str, float] | None = None,
     ) -> None:
-        """``wam``: the timing of a world-action model with state values and committed
-        actions (its observations carry state and commands; its replies are timed);
-        ``goal``: the task's goal its stream was opened with (a goal-prompted model)."""
+        """``add_frame``: hands a checked frame to the engine core (-> slots it completed,
+        frames of a gap skipped); ``slot_counters``: the core's slot counts of the stream;
+        ``contract``: a world-action model's (its observations carry state and command
+        timelines), with the stream's ``task`` values."""
         self.promise = promise
-        self.wam = WamStream(wam, goal) if wam is not None else None
+        self.contract = contract
+        self.task = dict(task or {})
         self.stream_id = promise.stream_id
         self.limits = limits
         self.client_name = client_name
-        # Paced at what the pool admitted it at (its request, or the default target for a
-        # request of 0); an engine without admission paces at the request.
-        paced_ms = promise.target_interval_ms or target_interval_ms
-        self.interval_s = max(paced_ms, 0.0) / 1000.0
-        self.next_generate_s = 0.0
-        """Monotonic: when the pace allows the next generated chunk."""
+        self._add_frame = add_frame
+        self._slot_counters = slot_counters
         self.opened_s = time.monotonic()
         self._lock = threading.Lock()
-        self.slots = SlotAssembler(max(promise.chunk_frames, 1), promise.action_horizon)
-        """Frames -> observed chunks (the reader thread adds, under the lock)."""
-        self._observed: collections.deque[ObservedChunk] = collections.deque()
-        """Completed observed chunks the engine thread has not taken yet."""
         self._last_seq: int | None = None
         self._outbound: collections.deque[Any] = collections.deque()
         # One token per item pushed: the writer takes a token, then an item (if one is still
@@ -190,25 +149,13 @@ class Session:
         self.on_end: Callable[[str], None] | None = None
         """Called once when the stream ends (the front end forgets it)."""
         self.on_observed: Callable[[], None] | None = None
-        """Called when an observed chunk completed (wakes the engine thread)."""
+        """Called when a frame completed a slot (wakes the serving loop)."""
         self.observations_received = 0
-        self.observations_used = 0
         self.predictions_sent = 0
         self.drops: collections.Counter[str] = collections.Counter()
         self.last_drop_detail = ""
         self._drop_log = RateLimit(limits.drop_log_interval_s)
-        self.non_finite_in_a_row = 0  # engine thread
-        # engine-thread state
-        self.inflight = 0
-        self.progress_s = 0.0  # monotonic: last chunk out, or first submit after none in flight
-        self.horizon = max(promise.horizon, 1)
-        self.next_slot = 0
-        """The next slot the engine has no chunk for."""
-        self.rolled_out = -1
-        """With rollouts: the newest observed slot whose rollout was generated."""
-        self.anchors: dict[int, Anchor] = {}
-        """Observed slot -> what the replies anchored on it say of it."""
-        self.newest_observed: ObservedChunk | None = None
+        # what came out (serving loop)
         self.left_s: collections.deque[float] = collections.deque(maxlen=33)
         self.chunks_out = 0
         # Response latency as the promise means it: observation handed to the engine -> the
@@ -280,7 +227,7 @@ class Session:
         p = self.promise
         try:
             observation = observation_from_proto(o, image_data=image_data)
-            ctx = context_input(
+            frame = context_input(
                 observation,
                 send_stamp_ns=o.send_stamp_ns,
                 height=p.image_height,
@@ -288,24 +235,20 @@ class Session:
                 action_horizon=p.action_horizon,
                 action_dim=p.action_dim,
             )
-            if self.wam is not None:  # its state and command timeline, or a counted drop
-                state, commands = self.wam.check(observation)
-                ctx = dataclasses.replace(ctx, state=state, commands=commands)
+            if self.contract is not None:  # its state and command timeline, or a counted drop
+                state, commands = wam_inputs(observation, self.contract, self.task)
+                frame = dataclasses.replace(frame, state=state, commands=commands)
         except WireError as exc:
             self.drop(exc.reason, f"observation {o.seq}: {exc.detail}")
             return
-        with self._lock:
-            if self.closed:
-                return
-            skipped = self.slots.skipped_frames
-            completed = self.slots.add(ctx)
-            skipped = self.slots.skipped_frames - skipped
-            self._observed.extend(completed)
+        if self.closed:
+            return
+        completed, skipped = self._add_frame(frame)
         if skipped:
             self.drop(
                 "seq_gap",
-                f"observation {ctx.seq} came {skipped} frames after the previous one: too long "
-                "a gap to fill, the stream's timeline goes on at the next slot",
+                f"observation {frame.seq} came {skipped} frames after the previous one: too "
+                "long a gap to fill, the stream's timeline goes on at the next slot",
             )
         if completed and self.on_observed is not None:
             self.on_observed()
@@ -333,17 +276,6 @@ class Session:
         if send_stats:
             self._push("stats")  # filled in when sent, with the counts of that moment
 
-    def output_not_finite(self, chunk: int) -> bool:
-        """A chunk whose model output held NaN or inf (engine thread): never published,
-        counted "non_finite_output". True when ``max_non_finite_chunks`` came in a row (the
-        caller ends the stream)."""
-        self.non_finite_in_a_row += 1
-        self.drop(
-            "non_finite_output",
-            f"chunk {chunk}: the model's output holds NaN or inf; not published",
-        )
-        return self.non_finite_in_a_row >= self.limits.max_non_finite_chunks
-
     # ---- outbound (gRPC writer side) ---------------------------------------------------
 
     def _push(self, item: Any) -> None:
@@ -353,7 +285,7 @@ class Session:
             if len(self._outbound) >= self.limits.outbound_queue:
                 # The client reads slower than we produce: drop its oldest prediction.
                 for i, old in enumerate(self._outbound):
-                    if isinstance(old, ChunkReady):
+                    if isinstance(old, Ran):
                         del self._outbound[i]
                         self.drops["client_slow"] += 1
                         self.last_drop_detail = (
@@ -382,12 +314,12 @@ class Session:
                 msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
                 fill_promise(msg.promise, self.promise, self.limits)
                 return msg.SerializeToString()
-            if isinstance(item, ChunkReady):
+            if isinstance(item, Ran):
                 self.predictions_sent += 1
         if isinstance(item, SessionEnded):
             return item
         now_ns = time.time_ns()
-        if isinstance(item, ChunkReady):
+        if isinstance(item, Ran):
             return self._serialize_prediction(item, sent_ns=now_ns)
         item.pong.server_send_ns = now_ns
         return item.SerializeToString()
@@ -399,7 +331,6 @@ class Session:
                 return
             self._outbound.append(SessionEnded(code, details))
             self.closed = True
-            self._observed.clear()
         self._outbound_tokens.put(None)
         if self.on_end is not None:
             self.on_end(details)
@@ -415,23 +346,35 @@ class Session:
 
     def _fill_counters(self, out: pb.StreamCounters) -> None:
         out.observations_received = self.observations_received
-        out.observations_used = self.observations_used
         out.predictions_sent = self.predictions_sent
-        out.observed_chunks = self.slots.observed_chunks
-        out.filled_frames = self.slots.filled_frames
-        out.incomplete_chunks = self.slots.incomplete_chunks
+        slots = self._slot_counters()
+        if slots is not None:
+            out.observations_used = slots.observations_used
+            out.observed_chunks = slots.observed_chunks
+            out.filled_frames = slots.filled_frames
+            out.incomplete_chunks = slots.incomplete_chunks
         out.last_drop_detail = self.last_drop_detail
         if self.drops:
             out.drops.update(self.drops)
 
-    # ---- engine thread side ------------------------------------------------------------
+    # ---- what the engine core ran (serving loop) -----------------------------------------
 
-    def take_observed(self) -> list[ObservedChunk]:
-        """The observed chunks completed since the last call, in slot order."""
-        with self._lock:
-            chunks = list(self._observed)
-            self._observed.clear()
-            return chunks
+    def take(self, ran: Ran) -> None:
+        """A chunk or a preview the core finished: counted, and queued for the writer unless
+        its output is not finite (the core reported that drop)."""
+        out = ran.out
+        if not out.preview_steps:
+            self.chunks_out += 1
+            if not self.promise.rollouts or out.horizon == 1:
+                self.left_s.append(out.left_s)  # rollouts: the interval between them
+            cond = ran.anchor
+            # response latency is the chunk's: a preview of it comes sooner and is not counted
+            if cond is not None and cond.seq > self._responded_seq:
+                self._responded_seq = cond.seq
+                left_ns = time.time_ns() - time.monotonic_ns() + int(out.left_s * 1e9)
+                self.response_ms.append((left_ns - cond.queued_ns) / 1e6)
+        if out.finite:
+            self._push(ran)
 
     def achieved_interval_ms(self) -> float:
         left = list(self.left_s)
@@ -439,37 +382,19 @@ class Session:
             return 0.0
         return statistics.median(b - a for a, b in itertools.pairwise(left)) * 1000.0
 
-    def push_chunk(self, out: ChunkOutput) -> None:
-        """A finished chunk (engine thread): queued for the writer with its anchor."""
-        cond = self.anchors.get(out.anchor)
-        # response latency is the chunk's: a preview of it comes sooner and is not counted
-        if cond is not None and not out.preview_steps and cond.seq > self._responded_seq:
-            self._responded_seq = cond.seq
-            left_ns = time.time_ns() - time.monotonic_ns() + int(out.left_s * 1e9)
-            self.response_ms.append((left_ns - cond.queued_ns) / 1e6)
-        timing = None
-        if self.wam is not None:
-            timing = self.wam.reply_timing(out.chunk, final=not out.preview_steps)
-        self._push(ChunkReady(out, cond, timing))
-
     def response_latency_ms(self) -> float:
         """Median over recent observations (0 before the first)."""
         values = list(self.response_ms)
         return statistics.median(values) if values else 0.0
 
-    @property
-    def rollouts(self) -> bool:
-        """Every observation generates the whole horizon again (the promise says)."""
-        return self.promise.rollouts
-
     def revise(self, promise: StreamPromise) -> None:
-        """A revised promise (engine thread): kept, and sent to the client."""
+        """A revised promise (serving loop): kept, and sent to the client."""
         with self._lock:
             self.promise = promise
         self._push("promise")
 
-    def _serialize_prediction(self, item: ChunkReady, *, sent_ns: int) -> bytes:
-        out, cond = item.out, item.conditioning
+    def _serialize_prediction(self, item: Ran, *, sent_ns: int) -> bytes:
+        out, cond = item.out, item.anchor
         msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
         p = msg.prediction
         p.stream_id = self.stream_id
@@ -487,8 +412,7 @@ class Session:
         p.observation_seq = -1
         p.anchor_slot = out.anchor
         p.horizon = out.horizon
-        first_seq = self.slots.first_seq
-        p.first_frame_seq = -1 if first_seq is None else first_seq + out.chunk * self.slots.frames
+        p.first_frame_seq = item.first_frame_seq
         t = p.server_times
         if cond is not None:
             p.observation_seq = cond.seq

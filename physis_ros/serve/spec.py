@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from physis_ros.cli_errors import UsageError, check_fields
+from physis_ros.contract.model import ContractError, WamContract
+from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.config import ModelConfig, SamplerConfig, model_config_from_json
 from physis_ros.engine.controller import MODES
 from physis_ros.engine.pool.admission import POLICIES
@@ -201,7 +203,7 @@ class ServingSpec:
             vae=self.vae,
         )
         if resolved.config.state_dim or resolved.config.committed_actions:
-            _wam_timing(resolved.config, resolved.weights)  # refused in one line if unusable
+            _contract(resolved.config, resolved.weights)  # refused in one line if unusable
         check_weights_fit(resolved)
         sampling = {
             "steps": 4,
@@ -222,17 +224,18 @@ class ServingSpec:
             context_noise=self.context_noise or str(sampling["context_noise"]),
         )
 
-    def wam_timing(self):
-        """A world-action model with state values or committed actions: its timing and
-        names (``serve.wam_requests.WamTiming``, from the weights' metadata); else None."""
+    def contract(self) -> WamContract | None:
+        """A world-action model with state values or committed actions: its contract (from
+        its weights' metadata; ``known_rows_ahead`` overrides how far committed rows reach);
+        else None."""
         self._need_resolved()
         cfg = self.model_config
         if not (cfg.state_dim or cfg.committed_actions):
             return None
-        timing = _wam_timing(cfg, self.weights or None)
+        contract = _contract(cfg, self.weights or None)
         if self.known_rows_ahead is None:
-            return timing
-        return dataclasses.replace(timing, max_known_rows_ahead=self.known_rows_ahead)
+            return contract
+        return dataclasses.replace(contract, max_known_rows_ahead=self.known_rows_ahead)
 
     @property
     def resolved(self) -> bool:
@@ -390,31 +393,33 @@ LEGACY_KEYS: dict[tuple[str, str], str] = {
 """Keys of earlier config files, and the field each now sets."""
 
 
-def _wam_timing(cfg: ModelConfig, weights):
-    """The timing a served world-action stream needs (camera and row rates, joint and state
-    names, how far known rows reach), from the weights' metadata; UsageError when there is
-    none to read (random weights) or it does not fit the model."""
-    from physis_ros.contract.safetensors import read_metadata
-    from physis_ros.serve.wam_requests import WamTiming
-
+def _contract(cfg: ModelConfig, weights) -> WamContract:
+    """The contract a served world-action stream is fed by (actions, camera, state inputs by
+    name, committed rows), from the weights' metadata; UsageError when there is none to read
+    (random weights) or it does not fit the model."""
     fix = "serve a checkpoint physis-train-wam wrote (--weights OUT/weights.safetensors)"
     if weights is None:
         raise UsageError(
-            f"{cfg.name}: a world-action model is served with its weights' metadata (camera and "
-            "row rates, joint and state names); random weights have none",
+            f"{cfg.name}: a world-action model is served with its weights' contract (actions, "
+            "camera, state inputs by name); random weights have none",
             fix,
         )
     try:
-        timing = WamTiming.from_metadata(
-            read_metadata(weights), rows=cfg.action_horizon, frames_per_chunk=cfg.frames_per_chunk
-        )
-    except ValueError as err:
+        contract = WamContract.from_metadata(read_metadata(weights))
+    except (ContractError, ValueError) as err:
         raise UsageError(f"{weights}: {err}", fix) from err
-    if len(timing.action_names) != cfg.action_dim or len(timing.state_names) != cfg.state_dim:
+    shapes = {
+        "actions": (len(contract.action_names), cfg.action_dim),
+        "state values": (len(contract.state), cfg.state_dim),
+        "rows per chunk": (contract.rows_per_chunk, cfg.action_horizon),
+        "frames per chunk": (contract.frames_per_chunk, cfg.frames_per_chunk),
+        "image size": ((contract.image_height, contract.image_width), tuple(cfg.image_size)),
+    }
+    wrong = [
+        f"{k} {mine} (model {theirs})" for k, (mine, theirs) in shapes.items() if mine != theirs
+    ]
+    if wrong:
         raise UsageError(
-            f"{weights}: metadata names {len(timing.action_names)} actions and "
-            f"{len(timing.state_names)} state values, model {cfg.name} takes {cfg.action_dim} "
-            f"and {cfg.state_dim}",
-            fix,
+            f"{weights}: its contract names {', '.join(wrong)}, model {cfg.name} differs", fix
         )
-    return timing
+    return contract

@@ -45,12 +45,12 @@ from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.launch import broadcast_text, init_from_env, tie_to_parent
 from physis_ros.engine.ranks.runtime import StopFlag, exit_now, run_worker_rank
 from physis_ros.serve.build import (
+    as_served,
     burst_scaled,
     check_default_target,
     hand_layout,
     load_profile,
     plan_pool,
-    pooled,
     usable_bytes,
 )
 from physis_ros.serve.build import describe as describe_server
@@ -187,6 +187,6 @@ def build_dist(spec, ctx):
     except BaseException:
         engine.shutdown()
         raise
-    served = pooled(engine, pool, spec)
+    served = as_served(engine, pool, spec)
     description = describe_server(spec, served, pool, kind=f"ranks ({ctx.backend})")
     return served, description

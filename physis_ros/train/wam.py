@@ -40,6 +40,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from physis_ros.contract.model import (
+    CONTRACT_KEY,
+    WRENCH_KEYS,
+    PromptSpec,
+    StateInput,
+    WamContract,
+)
 from physis_ros.engine.build import build_model
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.forward import forward_sequence, make_cond, pad_text
@@ -285,10 +292,41 @@ def _val_set(windows: WamWindows, cfg: WamTrainConfig, size: int = 48) -> tuple:
     return batch, sigma, eps
 
 
+def _contract(meta: dict[str, str], mcfg) -> WamContract:
+    """The push task's model contract, from the names and rates the metadata gives."""
+    state = []
+    for name in meta["state_names"].split(","):
+        if name.endswith(("_pos", "_vel")):
+            source = "joint_position" if name.endswith("_pos") else "joint_velocity"
+            state.append(StateInput(name, source, name[:-4]))
+        elif name in WRENCH_KEYS:
+            state.append(StateInput(name, "wrench", name))
+        elif name.startswith("goal_"):
+            state.append(StateInput(name, "task", name))
+        else:  # box_x, box_y: the tracked box
+            state.append(StateInput(name, "object", f"box.{name[-1]}"))
+    goal = meta.get("prompt") == GOAL_PROMPT
+    return WamContract(
+        action_names=tuple(meta["action_names"].split(",")),
+        action_unit="rad",
+        action_hz=float(meta["action_hz"]),
+        rows_per_chunk=mcfg.action_horizon,
+        frame_hz=float(meta["frame_hz"]),
+        image_height=mcfg.image_size[0],
+        image_width=mcfg.image_size[1],
+        frames_per_chunk=mcfg.frames_per_chunk,
+        state=tuple(state),
+        prompt=PromptSpec("task_features", ("goal_x", "goal_y"), 0.5) if goal else PromptSpec(),
+        min_committed_ms=float(meta["min_committed_ms"]),
+        max_known_rows_ahead=int(meta["max_known_rows_ahead"]),
+    )
+
+
 def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
-    """What the engine, the server and physis-eval read from the weights."""
+    """What the engine, the server and physis-eval read from the weights (the model's
+    contract among them)."""
     mcfg = get_preset(cfg.model)
-    return {
+    meta = {
         "format": "physis_ros world-action model",
         "model": cfg.model,
         "window": str(cfg.window),
@@ -308,6 +346,7 @@ def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
         "torch": torch.__version__,
         **extra,
     }
+    return {**meta, CONTRACT_KEY: _contract(meta, mcfg).to_json()}
 
 
 def _save(  # noqa: PLR0917 - one call site per use, all of them here

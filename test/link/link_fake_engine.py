@@ -36,8 +36,10 @@ class FakeEngine:
         action_horizon: int = 4,
         action_dim: int = 4,
         chunk_frames: int = 1,
+        action_mode: str = "none",
     ) -> None:
         self.slots = slots
+        self.action_mode = action_mode
         self.chunk_frames = chunk_frames
         self.chunk_s = chunk_ms / 1000.0
         self.height, self.width = height, width
@@ -81,12 +83,17 @@ class FakeEngine:
             horizon=spec.horizon or 0,
             target_interval_ms=spec.target_interval_ms,  # as a pool admits it
             rollouts=spec.rollouts,
+            action_mode=self.action_mode,
         )
 
     def close_stream(self, stream_id: int) -> None:
         with self._lock:
             self._streams.pop(stream_id, None)
             self._ready = [r for r in self._ready if r[1].stream_id != stream_id]
+
+    def next_slot(self, stream_id: int) -> int:
+        with self._lock:
+            return self._streams[stream_id]["chunk"]
 
     def submit_context(self, stream_id, frames, actions=None, *, slot=None) -> int:
         assert frames.dtype == np.uint8 and frames.shape[1:] == (self.height, self.width, 3)

@@ -13,7 +13,7 @@ from link_fake_engine import FakeEngine, served
 from link_raw import RawStream, observation_bytes
 from link_server import wait_for
 
-from physis_ros.serve.engine_loop import ANCHORS_KEPT
+from physis_ros.engine.live import ANCHORS_KEPT
 
 
 class _WatchedFrames(FakeEngine):

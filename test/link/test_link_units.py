@@ -264,7 +264,8 @@ def test_observed_chunks_are_the_frames_of_their_time_slot():
             (session,) = wait_for(loop.sessions, 10, what="a session")
             send(101, 10)  # frame 0 of the stream: slot 0 waits for its second frame
             wait_for(lambda: session.observations_received == 1, 10, what="frame 0 received")
-            assert contexts(session.stream_id) == [] and session.inflight == 0
+            timeline = loop.live.timeline(session.stream_id)
+            assert contexts(session.stream_id) == [] and timeline.outstanding == 0
             send(102, 20)
             wait_for(lambda: contexts(session.stream_id), 10, what="slot 0's context chunk")
             assert contexts(session.stream_id) == [[10, 20]]
@@ -294,7 +295,8 @@ def test_observed_chunks_are_the_frames_of_their_time_slot():
             client.close()
             wait_for(lambda: not loop.sessions(), 10, what="the stream closed")
     assert engine.info()["free_slots"] == "2"
-    assert session.closed and not session._observed  # a closed stream's queue is freed
+    # a closed stream's timeline (and its queue of observed slots) is freed
+    assert session.closed and loop.live.timeline(session.stream_id) is None
 
 
 def test_generation_is_paced_at_the_admitted_interval():
@@ -327,7 +329,9 @@ def test_generation_is_paced_at_the_admitted_interval():
                 wait_for(
                     lambda n=seq + 1: session.observations_received == n, 10, what="a frame in"
                 )
-            wait_for(lambda: session.observations_used == 12, 10, what="12 observed slots")
+            wait_for(
+                lambda: session.counters().observations_used == 12, 10, what="12 observed slots"
+            )
             wait_for(lambda: len(generated_s) >= 3, 10, what="3 generated chunks")
             # load only delays a generate: the pace is a lower bound on the gaps (half an
             # interval of slack for a camera's jitter, one per interval in the long run)
@@ -343,11 +347,12 @@ def test_generation_is_paced_at_the_admitted_interval():
 
 
 def test_action_conditioned_model_gets_the_newest_commanded_actions():
-    engine = FakeEngine(slots=1, chunk_ms=3.0, action_horizon=4, action_dim=2)
+    engine = FakeEngine(
+        slots=1, chunk_ms=3.0, action_horizon=4, action_dim=2, action_mode="condition"
+    )
     with served(
         engine,
         description=ServerDescription(model="fake", steps=2, blocks=2, action_mode="condition"),
-        generate_with_actions=True,
     ) as (_loop, handle):
         client = LinkClient(f"127.0.0.1:{handle.port}", connect_timeout_s=5)
         client.start()

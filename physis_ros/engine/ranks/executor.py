@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.api import AdmissionRefused, StreamFailed
-from physis_ros.engine.core import EngineCore, log_summary, prompt_book
+from physis_ros.engine.assembly import contract_of, log_summary, prompt_book
+from physis_ros.engine.core import EngineCore
 from physis_ros.engine.executor import StreamOrder
 from physis_ros.engine.pipeline import Pipeline
 from physis_ros.engine.placement import Layout, validate_layout
@@ -463,7 +464,12 @@ def ranks_engine(
         pipeline = Pipeline(executor, cfg.sampler_config)
         log_summary(resolved, pipeline, cfg.weights_path)
         return EngineCore(
-            pipeline, prompts=book, mode=mode, horizon=cfg.horizon, max_streams=max_streams
+            pipeline,
+            prompts=book,
+            mode=mode,
+            horizon=cfg.horizon,
+            max_streams=max_streams,
+            contract=contract_of(meta),
         )
     except BaseException:
         executor.shutdown()

@@ -1,4 +1,4 @@
-"""Frames -> observed slots (serve/slots.py): slot n // F, gaps filled and counted, slots in
+"""Frames -> observed slots (engine/slots.py): slot n // F, gaps filled and counted, slots in
 order, the timeline goes on after a long gap."""
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from physis_ros.serve.observations import ContextInput
-from physis_ros.serve.slots import MAX_GAP_SLOTS, SlotAssembler
+from physis_ros.engine.slots import MAX_GAP_SLOTS, FrameIn, SlotAssembler
 
 
-def obs(seq: int, action: float | None = None) -> ContextInput:
-    return ContextInput(
+def obs(seq: int, action: float | None = None) -> FrameIn:
+    return FrameIn(
         seq=seq,
         capture_stamp_ns=seq,
         send_stamp_ns=seq,

@@ -1,4 +1,4 @@
-"""A stream's camera frames -> observed chunks, one per time slot (DESIGN.md §3, live streams).
+"""A served stream's camera frames -> observed chunks, one per time slot (DESIGN.md §3.1).
 
 Frame n of a stream (n = seq - the seq of its first observation) belongs to slot n // F (F
 frames per chunk), position n % F. A slot's observed chunk is complete when its last frame
@@ -20,7 +20,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from physis_ros.serve.observations import ContextInput
+from physis_ros.engine.wam_rows import CommandTimeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameIn:
+    """One checked camera frame of a served stream, as the front end hands it to the core."""
+
+    seq: int
+    capture_stamp_ns: int
+    """Robot clock."""
+    send_stamp_ns: int
+    """Robot clock."""
+    received_ns: int
+    """Server wall clock, after parsing and checking."""
+    frames: np.ndarray
+    """[1, H, W, 3] uint8: the observation's frame."""
+    actions: np.ndarray | None
+    """[H, A] float32 commanded actions, or None."""
+    state: np.ndarray | None = None
+    """[S] float32 proprioception at the capture (a world-action model's, contract order)."""
+    commands: CommandTimeline | None = None
+    """The robot's command timeline sent with it (a world-action model's)."""
+
 
 MAX_GAP_SLOTS = 4
 """Whole slots a gap may span and still be filled; a longer one continues the timeline."""
@@ -35,7 +57,7 @@ class ObservedChunk:
     """[F, H, W, 3] uint8."""
     actions: np.ndarray | None
     """[H, A] float32 commanded actions (None: no frame carried one)."""
-    newest: ContextInput
+    newest: FrameIn
     """The newest observation received for the slot (seq and stamps of replies)."""
     filled: int
     """Frames filled from a neighbour."""
@@ -56,9 +78,9 @@ class SlotAssembler:
         self.first_seq: int | None = None
         """Seq of the stream's first observation: frame 0 of its timeline."""
         self._slot: int | None = None
-        self._have: dict[int, ContextInput] = {}
+        self._have: dict[int, FrameIn] = {}
         """Position -> observation of the slot being assembled."""
-        self._previous: tuple[int, ContextInput] | None = None
+        self._previous: tuple[int, FrameIn] | None = None
         """(frame index, observation) of the newest frame of the slots completed so far."""
         self._emitted = -1
         """The newest slot completed (an empty slot has no frame for ``_previous`` to hold)."""
@@ -71,7 +93,7 @@ class SlotAssembler:
     def frame_index(self, seq: int) -> int:
         return seq - (self.first_seq if self.first_seq is not None else seq)
 
-    def add(self, obs: ContextInput) -> list[ObservedChunk]:
+    def add(self, obs: FrameIn) -> list[ObservedChunk]:
         """Take one observation (seq strictly increasing); returns the slots it completed."""
         if self.first_seq is None:
             self.first_seq = obs.seq
@@ -100,7 +122,7 @@ class SlotAssembler:
             done.append(self._complete(following=None))
         return done
 
-    def _complete(self, following: tuple[int, ContextInput] | None) -> ObservedChunk:
+    def _complete(self, following: tuple[int, FrameIn] | None) -> ObservedChunk:
         """The slot being assembled, its missing frames filled from the nearest received."""
         slot, have = self._slot, self._have
         base = slot * self.frames
