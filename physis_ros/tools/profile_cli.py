@@ -12,7 +12,7 @@ the block forward): ``task_overhead_ms`` (``--loop-chunks 0`` skips it: 0, not m
 With ``--runtime gloo`` (CPU) the loop, controller, message and hop costs are measured on the
 torch.distributed runtime instead (a two-rank job on this host), and the block times are
 scaled to the level the worker's own forwards ran at there (see
-``physis_ros.tools.realcheck.calibrate_gloo``). The output is the ``Profile`` JSON that
+``physis_ros.tools.experiments.realcheck.calibrate_gloo``). The output is the ``Profile`` JSON that
 ``ProfileCostModel`` and ``physis-sim --profile`` read, with a ``provenance`` object beside
 its fields (device, driver, torch and CUDA versions, block implementation, build time).
 """
@@ -184,7 +184,7 @@ def measure_with_provenance(args: argparse.Namespace) -> tuple[Profile, dict]:
             rounds=args.rounds,
         )
     if args.runtime == "gloo":
-        from physis_ros.tools.realcheck import calibrate_gloo
+        from physis_ros.tools.experiments.realcheck import calibrate_gloo
 
         costs, entries = calibrate_gloo(
             cfg.name, args.steps, args.window, entries, repeats=args.gloo_repeats

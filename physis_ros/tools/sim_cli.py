@@ -24,11 +24,11 @@ from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_co
 from physis_ros.engine.config import SamplerConfig
 from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, Profile, ProfileCostModel
-from physis_ros.engine.pool.depth import depth, load_measured
-from physis_ros.engine.pool.experiments import max_verified_concurrency, pool24, sim_streams
-from physis_ros.engine.pool.frontier import frontier
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.simulator import SimConfig, simulate
+from physis_ros.tools.experiments.depth import depth, load_measured
+from physis_ros.tools.experiments.frontier import frontier
+from physis_ros.tools.experiments.pool24 import max_verified_concurrency, pool24, sim_streams
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -278,15 +278,15 @@ def main(argv: list[str] | None = None) -> int:
             device=_device(args),
         )
         if args.plot:
-            from physis_ros.tools.frontier_plot import frontier_chart
+            from physis_ros.tools.experiments.frontier_plot import frontier_chart
 
             frontier_chart(result, args.plot)
     elif args.experiment == "latencycheck":
-        from physis_ros.tools.latencycheck import latencycheck
+        from physis_ros.tools.experiments.latencycheck import latencycheck
 
         result = latencycheck()
     elif args.experiment == "realcheck":
-        from physis_ros.tools.realcheck import realcheck
+        from physis_ros.tools.experiments.realcheck import realcheck
 
         profile = Profile.load(args.profile) if args.profile else None
         result = realcheck(profile=profile)

@@ -1,4 +1,4 @@
-"""Helpers of the real checks (they live in ``physis_ros.tools.realcheck``), and
+"""Helpers of the real checks (they live in ``physis_ros.tools.experiments.realcheck``), and
 ``python test/pool/realcheck.py [--ranks 1,2] [--streams 1,3]``: the sim-vs-real comparison
 as JSON (same as ``physis-sim --experiment realcheck --json``)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from physis_ros.tools.realcheck import (
+from physis_ros.tools.experiments.realcheck import (
     K,
     W,
     intervals_ms,

@@ -9,7 +9,7 @@ import pytest
 
 from physis_ros.engine.placement import layout_even
 from physis_ros.engine.pool.costmodel import Profile, ProfileEntry
-from physis_ros.tools.realcheck import (
+from physis_ros.tools.experiments.realcheck import (
     WorkerSample,
     calibrate_gloo,
     fit_worker_costs,

@@ -131,8 +131,8 @@ def test_a_latency_budget_places_the_stream_shallower_and_it_keeps_its_promise()
     is packed beside B on rank 1 (its chunks pass ranks 0 -> 1 -> 0); with a budget between
     that promise and rank 0's, C is admitted on rank 0 alone (one rank on its path), and its
     measured interval and response latency are within 15% of the promise
-    (tools/latencycheck.py)."""
-    from physis_ros.tools.latencycheck import latencycheck
+    (tools/experiments/latencycheck.py)."""
+    from physis_ros.tools.experiments.latencycheck import latencycheck
 
     out = latencycheck()
     if not out.get("quiet", False):

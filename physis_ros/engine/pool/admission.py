@@ -151,9 +151,10 @@ class AdmissionController(SparePacker):
     ) -> None:
         """``simulated``: a predictor that runs a set of plans (stream id -> (median interval,
         median pipeline latency), e.g. the pool simulator calibrated on the real runtime, as
-        ``tools.latencycheck`` does); when given, latency predictions and budget checks use it
-        instead of the closed form (``latency``): for small pools, where a simulation per
-        candidate is cheap and processor sharing on one host is not in the closed form.
+        ``tools.experiments.latencycheck`` does); when given, latency predictions and budget
+        checks use it instead of the closed form (``latency``): for small pools, where a
+        simulation per candidate is cheap and processor sharing on one host is not in the
+        closed form.
         ``slot_wait``: response latency counts one interval of waiting for the stream's next
         slot (``latency``); False where it is counted from the observation entering the
         pipeline, as the server promises and measures it (the newest observation goes in

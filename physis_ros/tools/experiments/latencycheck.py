@@ -31,7 +31,7 @@ import os
 import statistics
 import time
 
-from physis_ros.tools.realcheck import (
+from physis_ros.tools.experiments.realcheck import (
     BATCHES,
     QUIET_CORES,
     WARM_CHUNKS,
