@@ -21,7 +21,7 @@ from typing import Any
 
 from physis_ros.cli_errors import UsageError, check_fields
 from physis_ros.engine.config import ModelConfig, SamplerConfig
-from physis_ros.engine.pool.admission import POLICIES
+from physis_ros.engine.pool.terms import POLICIES
 from physis_ros.engine.runtime import MODES
 
 SPEC_VERSION = 1

@@ -22,10 +22,11 @@ from physis_ros.cli_errors import cli_main, finite_float
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, Profile, ProfileCostModel
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.simulator import SimConfig, simulate
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
 from physis_ros.tools.experiments.depth import depth, load_measured
 from physis_ros.tools.experiments.frontier import frontier
 from physis_ros.tools.experiments.pool24 import max_verified_concurrency, pool24, sim_streams

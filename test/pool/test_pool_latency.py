@@ -10,7 +10,7 @@ import pytest
 
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import (
     GIB,
     H200,
@@ -30,6 +30,7 @@ from physis_ros.engine.pool.planner import (
     pareto,
     shapes,
 )
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
 from physis_ros.tools.experiments.frontier import frontier
 from physis_ros.tools.experiments.pool24 import admit_until_refused
 

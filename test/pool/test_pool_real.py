@@ -12,10 +12,11 @@ import torch
 
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.terms import PoolConfig
 from physis_ros.serve.dist.engine import DistEngine
 
 from .realcheck import K, W, intervals_ms, profile_gloo, realcheck, runtime_config

@@ -12,7 +12,6 @@ import pytest
 
 from physis_ros.engine.api import AdmissionRefused, ChunkOutput, StreamPromise, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.service import (
@@ -23,6 +22,7 @@ from physis_ros.engine.pool.service import (
     plan_default_target,
     simulate_plans,
 )
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
 
 CFG = get_preset("tiny")
 SAMPLER = SamplerConfig(steps=4, window=2)

@@ -10,10 +10,11 @@ from stream_plans import random_plan, run_plans, tiny_cond, worst_oracle_error
 
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.terms import PoolConfig
 from physis_ros.serve.dist.engine import DistEngine
 
 from .realcheck import K, W, runtime_config

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from physis_ros.engine.pool.costmodel import GIB
 from physis_ros.engine.pool.memory import StageCharge
 from physis_ros.engine.pool.plan import StreamPlan, block_split, contiguous_split
-
-if TYPE_CHECKING:
-    from physis_ros.engine.pool.admission import StreamRequest
+from physis_ros.engine.pool.terms import StreamRequest
 
 
 @dataclass

@@ -61,7 +61,8 @@ def _admit_scenario(scenario: tuple, ab: float, c: float, budget_ms: float, **kw
     """A and B admitted, A closed, then C (``budget_ms``): (the controller, B's and C's
     admissions). ``scenario``: (pool, cost, model config, sampler); ``kw`` goes to the
     ``AdmissionController``."""
-    from physis_ros.engine.pool.admission import AdmissionController, StreamRequest
+    from physis_ros.engine.pool.admission import AdmissionController
+    from physis_ros.engine.pool.terms import StreamRequest
 
     pool, cost, cfg, sampler = scenario
     work_ms = K * cfg.num_blocks * cost.group_ms(cfg, sampler, 1)
@@ -256,10 +257,11 @@ def latencycheck(
     from physis_ros.engine.api import AdmissionRefused, StreamSpec
     from physis_ros.engine.config import SamplerConfig, get_preset
     from physis_ros.engine.model import build_model
-    from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
+    from physis_ros.engine.pool.admission import AdmissionController
     from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
     from physis_ros.engine.pool.gate import AdmittedEngine
     from physis_ros.engine.pool.memory import MemoryModel
+    from physis_ros.engine.pool.terms import PoolConfig
     from physis_ros.engine.stage import BlockTimer
     from physis_ros.serve.dist.engine import DistEngine
 

@@ -16,12 +16,7 @@ from dataclasses import asdict
 
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import (
-    Admission,
-    AdmissionController,
-    PoolConfig,
-    StreamRequest,
-)
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import (
     H200,
     AnalyticCostModel,
@@ -32,6 +27,7 @@ from physis_ros.engine.pool.costmodel import (
 )
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.simulator import SimConfig, SimReport, SimStream, simulate
+from physis_ros.engine.pool.terms import Admission, PoolConfig, StreamRequest
 
 POOL24_BACKBONES = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "wan2.1-14b", "dit-22b", "dit-33b")
 POOL24_SAMPLER = SamplerConfig(steps=4, window=2)
