@@ -22,7 +22,8 @@ from physis_ros.engine.model import (
 )
 from physis_ros.engine.sampler import latent_to_tokens, tokens_to_latent
 from physis_ros.sim.record import RecordConfig, record_episode
-from physis_ros.train.train import DEFAULT_LOG_FLOOR, TrainConfig, Windows, noisy_history_loss
+from physis_ros.train.train import TrainConfig
+from physis_ros.train.windows import DEFAULT_LOG_FLOOR, Windows, noisy_history_loss
 from physis_ros.weights import engine_kwargs, read_metadata
 
 
