@@ -49,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     add_layout_arguments(p)
     p.add_argument("--steps", "-K", type=int, default=4, help="denoising steps K")
     p.add_argument("--window", "-W", type=int, default=2, help="history window W (chunks)")
-    # 60: a steady state many times the pipeline depth; with 20 the 15 measured gaps of a
-    # 2-rank run swung the speedup between 1.39 and 1.64 on a quiet host (60: 1.85-1.91).
+    # 60: a steady state many times the pipeline depth; with a few tens of measured gaps the
+    # speedup of a 2-rank run swings by a fifth from run to run.
     p.add_argument("--chunks", "-C", type=int, default=60, help="generated chunks per stream")
     p.add_argument("--streams", "-S", type=int, default=1)
     p.add_argument("--workers", "-N", type=int, default=1)

@@ -289,7 +289,7 @@ class _LinkRun:
                 "vs_bare_slotted_read": _round_trips(
                     round_trip, sorted(self.measured), bare_rounds["SlottedRead"], target=False
                 ),
-                # how far above the echo a protocol can get at best, on this host, this run
+                # how far above the echo a protocol can get at best, on the host, in this run
                 "floors_over_echo": {
                     m: _floor_over_echo(bare_rounds[m], bare_rounds["Echo"]) for m in READING
                 },

@@ -1,5 +1,5 @@
 """The gloo calibration of ``physis-profile --runtime gloo``: what the simulator needs beyond
-the per-block times, measured on a live two-rank torch.distributed job on this CPU
+the per-block times, measured on a live two-rank torch.distributed job on the local CPU
 (``serve.dist.calibrate.calibrate_on``, repeated and counted only while other jobs leave the
 host quiet). ``tools.experiments.realcheck`` calibrates its jobs with the same pieces.
 """
@@ -63,7 +63,7 @@ def runtime_config(model: str = "tiny", steps: int = K, window: int = W) -> Runt
 def calibrate_gloo(
     model: str, steps: int, window: int, entries, *, chunks: int = 120, repeats: int = 5
 ) -> tuple[dict, list]:
-    """Worker-loop, controller and message costs of a two-rank gloo job on this host, and
+    """Worker-loop, controller and message costs of a two-rank gloo job on the local host, and
     the probed block times ``entries`` at the level the worker's forwards ran at: the
     medians of ``repeats`` calibrations (``calibrate_on``; the worker's scale and cost per
     message fitted over all of them), counting only those during which other jobs used

@@ -10,7 +10,7 @@ through the engine's in-process transport, and the worker loop's own cost per ta
 runs of the engine, on a copy of the model cut to at most 4 blocks, without batching, minus
 the block forward): ``task_overhead_ms`` (``--loop-chunks 0`` skips it: 0, not measured).
 With ``--runtime gloo`` (CPU) the loop, controller, message and hop costs are measured on the
-torch.distributed runtime instead (a two-rank job on this host), and the block times are
+torch.distributed runtime instead (a two-rank job on the local host), and the block times are
 scaled to the level the worker's own forwards ran at there (see
 ``physis_ros.tools.gloo_calibration.calibrate_gloo``). The output is the ``Profile`` JSON
 that ``ProfileCostModel`` and ``physis-sim --profile`` read, with a ``provenance`` object

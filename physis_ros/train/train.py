@@ -106,7 +106,7 @@ class TrainConfig:
     another patch size: ``warmstart.load_init``) instead of the seeded initialisation."""
     seed: int = 0
     threads: int = 1
-    """torch CPU threads (1: bit-reproducible, and fastest on a shared 2-core machine)."""
+    """torch CPU threads (1: bit-reproducible, and the fastest where the cores are shared)."""
     val_every: int = 50
     max_minutes: float = 0.0
     """0: no limit; otherwise stop after this many minutes (the metadata says where it stopped)."""
@@ -276,8 +276,8 @@ def train(
     model = build_model(mcfg, seed=cfg.seed).train()
     init_how = load_init(model, cfg.init, checkpoint_config(cfg.init)) if cfg.init else ""
     if mcfg.anchor_residual:
-        # the anchor passes through at 1: learned, the gate fell to ~0.5 within 2400 steps
-        # and the head blurred still scenes again (docs/push_wm/README.md)
+        # the anchor passes through at 1: a learned gate drifts towards 0.5 and the head
+        # blurs still scenes again (docs/push_wm/README.md)
         model.head.anchor_gate.requires_grad_(False)
     # the weights that are validated and saved: an EMA of the trained ones (or those)
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model

@@ -1,5 +1,6 @@
-"""Real checks on this machine: the gloo runtime (DistEngine, real rank processes) with tiny
-streams, admission from a profile measured here, intervals measured on the real outputs."""
+"""Real checks on the local machine: the gloo runtime (DistEngine, real rank processes) with
+tiny streams, admission from a profile measured in the same run, intervals measured on the real
+outputs."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 TOL = 1e-5
 CHUNKS = 6
 
-# A fixed cost (1 ms per stage): admission decisions here do not depend on this host's speed.
+# A fixed cost (1 ms per stage): admission decisions here do not depend on the host's speed.
 STAGE_MS = 1.0
 PROFILE = Profile(
     device="test fixture",

@@ -1,11 +1,11 @@
 """A latency budget on the real runtime (CPU ranks over gloo): admitted, placed shallower, and
 measured against its promise.
 
-Two gloo ranks on this host, the controller on rank 0: every chunk enters and leaves the
-pipeline there. On these ranks a message costs ~0.3 ms of the sender's and the receiver's
-processor time and the ranks batch the tasks of different streams, so what a chunk's path
-costs is its hops, not queueing: a stream on rank 0 alone passes one rank, a stream on rank 1
-passes rank 0 -> rank 1 -> rank 0 (two hops).
+Two gloo ranks on the local host, the controller on rank 0: every chunk enters and leaves the
+pipeline there. On these ranks a message costs a fraction of a millisecond of the sender's
+and the receiver's processor time and the ranks batch the tasks of different streams, so what
+a chunk's path costs is its hops, not queueing: a stream on rank 0 alone passes one rank, a
+stream on rank 1 passes rank 0 -> rank 1 -> rank 0 (two hops).
 
 Stream A took rank 0 and stream B rank 1 (B did not fit next to A), then A left: rank 0 is
 free and rank 1 has room. Stream C without a budget is packed into the spare compute of the

@@ -1,4 +1,4 @@
-"""The simulator against the real runtime on this machine (CPU ranks over gloo).
+"""The simulator against the real runtime on the local machine (CPU ranks over gloo).
 
 ``calibrate_on`` measures, on a live torch.distributed job, what the simulator needs beyond
 the per-block times: the worker loop's cost per task and per batched forward and the
@@ -108,8 +108,8 @@ def pool_message_costs(profiles: list, samples: list[list[WorkerSample]]) -> lis
     """The calibrations with their message costs replaced by the median over all of them and
     the worker's scale and cost per message by one fit over all their ``samples``
     (``fit_worker_costs``). Each is a ratio or a per-message time from runs of its own, so
-    pooling them averages out one round's unlucky run (one round's rank work scale, from one
-    run, ranged 1.0-1.8); the block times and loop overheads stay per round, since the
+    pooling them averages out one round's unlucky run (a rank work scale from one run can
+    be far off); the block times and loop overheads stay per round, since the
     overheads were derived from that round's block times."""
     pooled = {key: statistics.median(getattr(p, key) for p in profiles) for key in POOLED}
     if any(samples):
