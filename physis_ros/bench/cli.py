@@ -14,7 +14,7 @@ from physis_ros.cli_errors import cli_main
 SUBCOMMANDS = {
     "engine": (
         "physis_ros.bench.engine",
-        "engine interval/latency/efficiency on the local machine (torch)",
+        "engine interval/latency/efficiency on this machine (torch)",
     ),
     "link": ("physis_ros.bench.link", "robot <-> workstation link round trip (no torch)"),
     "ros": ("physis_ros.bench.ros", "ROS 2 node throughput and latency (no torch)"),
