@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check of issue 23: fused vs eager block, floors, batching, engine interval, profiles
-# for the cost-model calibration. Never part of CI: it needs CUDA (--smoke: the same code on
-# the CPU with tiny presets, seconds).
+# The full GPU measurement of the block path: fused vs eager block, floors, batching, engine
+# interval, profiles for the cost-model calibration (scripts/gpu_verify.sh is the short
+# verification). Never part of CI: it needs CUDA (--smoke: the same code on the CPU with tiny
+# presets, seconds).
 #   scripts/gpu_check.sh OUT_DIR [--smoke]
 # Each step is its own process with its own timeout and writes its JSON under OUT_DIR as it
 # measures (physis_ros/tools/gpu_check.py says what each holds); a step that fails or times

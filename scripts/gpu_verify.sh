@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The short GPU verification of issue 23's CUDA-graph block path, for one lent H200 window:
+# The short GPU verification of the CUDA-graph block path, for one lent H200 window:
 # block-task eager / fused / graph p50 and the GEMM+attention floor, graph-vs-eager bf16 output
 # error, and the engine's chunk interval graph vs fused (physis_ros/tools/gpu_verify.py says
 # what each file holds). Never part of CI: it needs CUDA (--smoke: the same code on the CPU).

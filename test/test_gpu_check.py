@@ -19,6 +19,7 @@ GPU_PATH = [
     "physis_ros/engine/fused_triton.py",
     "physis_ros/engine/block_graphs.py",
     "physis_ros/tools/gpu_verify.py",
+    "physis_ros/tools/gpu_timing.py",
     "physis_ros/engine/devcopy.py",
     "physis_ros/engine/stage.py",
     "physis_ros/engine/kvring.py",

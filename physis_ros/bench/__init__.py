@@ -1,5 +1,5 @@
 """Benchmarks behind the ``physis-bench`` console script, one module per subcommand.
 
-``engine`` (this issue) imports torch; ``link`` and ``ros`` (robot side) must not, so the CLI
+``engine`` imports torch; ``link`` and ``ros`` (robot side) must not, so the CLI
 imports a subcommand's module only when that subcommand runs.
 """

@@ -2,7 +2,7 @@
 bytes as the link (a serialised observation up, a serialised 16x7 action prediction down).
 
 ``Echo``: the server's handler answers every request at once with the same pre-serialised
-reply, parsing nothing: what gRPC itself costs for these bytes on this host, the floor for
+reply, parsing nothing: what gRPC itself costs for these bytes on the host, the floor for
 the link's observation -> action round trip.
 
 ``Slotted``: the reply has the link's timing and threads but none of its code. A reader

@@ -11,7 +11,6 @@ measured in the same run through the same code (``stage.measure_block_ms``);
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
@@ -21,6 +20,8 @@ import time
 import numpy as np
 import torch
 
+from physis_ros.bench import engine_dist
+from physis_ros.bench.engine_streams import steady_state_ms, stream_plans
 from physis_ros.engine import fused
 from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
@@ -32,7 +33,6 @@ from physis_ros.engine.model import param_count
 from physis_ros.engine.oracle import sample as oracle_sample
 from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import layout_by_block_even, layout_even
-from physis_ros.engine.sampler import pack_chunk
 from physis_ros.engine.stage import BlockTimer
 from physis_ros.engine.threads import InProcRuntime
 
@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     add_layout_arguments(p)
     p.add_argument("--steps", "-K", type=int, default=4, help="denoising steps K")
     p.add_argument("--window", "-W", type=int, default=2, help="history window W (chunks)")
-    # 60: a steady state many times the pipeline depth; with 20 the 15 measured gaps of a
-    # 2-rank run swung the speedup between 1.39 and 1.64 on a quiet host (60: 1.85-1.91).
+    # 60: a steady state many times the pipeline depth; with a few tens of measured gaps the
+    # speedup of a 2-rank run swings by a fifth from run to run.
     p.add_argument("--chunks", "-C", type=int, default=60, help="generated chunks per stream")
     p.add_argument("--streams", "-S", type=int, default=1)
     p.add_argument("--workers", "-N", type=int, default=1)
@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("eager", "fused", "graph"),
         default=None,
         help="how blocks run (engine/fused.py; graph: fused, replayed as CUDA graphs, "
-        "engine/block_graphs.py); default: $PHYSIS_BLOCK_IMPL or eager",
+        "engine/block_graphs.py); default: $PHYSIS_BLOCK_IMPL, else fused on cuda, eager on cpu",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -93,25 +93,6 @@ def _parser() -> argparse.ArgumentParser:
         help="run over N torch.distributed ranks (physis_ros.bench.engine_dist); 0: in-process",
     )
     return p
-
-
-def _plans(cfg, args, codec: Codec) -> dict[int, list]:
-    rng = np.random.default_rng(args.seed)
-    h, w = cfg.image_size
-    plans = {}
-    for s in range(args.streams):
-
-        def obs() -> tuple[str, torch.Tensor]:
-            frames = rng.integers(0, 256, (cfg.frames_per_chunk, h, w, 3), dtype=np.uint8)
-            return ("context", pack_chunk(cfg, codec.encode(frames).cpu()))
-
-        plan = [obs()]
-        for c in range(args.chunks):
-            if c == args.chunks // 2:
-                plan.append(obs())  # a mid-stream observation: measures response latency
-            plan.append(("generate", None))
-        plans[s] = plan
-    return plans
 
 
 def _run_mode(
@@ -162,20 +143,8 @@ def _run_mode(
     cpu_ms = (time.process_time() - cpu0 - sum(d for _, d in pauses)) * 1e3
     generated = sum(kind == "generate" for plan in plans.values() for kind, _ in plan)
     skip = args.skip if args.skip >= 0 else K
-    gaps, fills, responses = [], [], []
-    for sid, plan in plans.items():
-        res = out[sid]
-        gen = [c for c, (kind, _) in enumerate(plan) if kind == "generate"]
-        ctx = [c for c, (kind, _) in enumerate(plan) if kind == "context"]
-        fills.append(span_ms(res[gen[0]].created_s, res[gen[0]].left_s))
-        for a, b in itertools.pairwise(gen[skip:]):
-            if b == a + 1:  # no observation in between
-                gaps.append(span_ms(res[a].left_s, res[b].left_s))
-        for c in ctx[1:]:
-            after = [g for g in gen if g > c]
-            if after:
-                entered = rt.controller.streams[sid].context_entered_s[c]
-                responses.append(span_ms(entered, res[after[0]].left_s))
+    entered = {sid: rt.controller.streams[sid].context_entered_s for sid in plans}
+    gaps, fills, responses = steady_state_ms(plans, out, entered, skip, span_ms)
     if not gaps:
         return {"error": f"no steady-state gaps: raise --chunks above --skip ({skip})"}
     tasks = sum(w.stats.tasks for w in rt.workers)
@@ -238,7 +207,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     codec = Codec(cfg, device=args.device)
     K, L, N, S = sampler.steps, cfg.num_blocks, args.workers, args.streams
-    plans = _plans(cfg, args, codec)
+    plans = stream_plans(cfg, args, codec)
     batching = not args.no_batching
     modes = list(MODES) if args.mode == "all" else [args.mode]
     # warm-up (excluded): allocator, kernels, caches
@@ -257,15 +226,7 @@ def run(args: argparse.Namespace) -> dict:
         )
     block_after = [timer.sample() for _ in range(20)]
     main = results[main_mode]
-    # block_ms, best source first: one-task forwards of middle blocks with a full window
-    # inside the main run itself; timer samples interleaved with it; samples before/after.
-    inrun, interleaved = main.get("inrun_block_samples", []), main.get("block_samples", [])
-    if len(inrun) >= 5:
-        block_ms, block_source = statistics.median(inrun), "in-run one-task forwards"
-    elif interleaved:
-        block_ms, block_source = statistics.median(interleaved), "timer interleaved with run"
-    else:
-        block_ms, block_source = statistics.median(block_before + block_after), "timer before/after"
+    block_ms, block_source = _main_block_ms(main, block_before + block_after)
     ideal = S * K * L * block_ms / N
     report = {
         "model": cfg.name,
@@ -291,6 +252,31 @@ def run(args: argparse.Namespace) -> dict:
         "block_ms_timer": statistics.median(block_before + block_after),
         "ideal_interval_ms": ideal,
     }
+    _add_main_figures(report, main, ideal, K * L, one_worker=N == 1)
+    _add_mode_figures(report, results, main, block_ms)
+    if args.compare_batching:
+        report.update(_compare_batching(model, sampler, args, plans))
+    report.update(_codec_ms(cfg, codec))
+    if args.check_oracle:
+        report["oracle_max_abs_diff"] = _oracle_diff(model, sampler, args, plans, results)
+    return report
+
+
+def _main_block_ms(main: dict, timer_samples: list[float]) -> tuple[float, str]:
+    """block_ms, best source first: one-task forwards of middle blocks with a full window
+    inside the main run itself; timer samples interleaved with it; samples before/after."""
+    inrun, interleaved = main.get("inrun_block_samples", []), main.get("block_samples", [])
+    if len(inrun) >= 5:
+        return statistics.median(inrun), "in-run one-task forwards"
+    if interleaved:
+        return statistics.median(interleaved), "timer interleaved with run"
+    return statistics.median(timer_samples), "timer before/after"
+
+
+def _add_main_figures(
+    report: dict, main: dict, ideal: float, stages: int, *, one_worker: bool
+) -> None:
+    """The main mode's interval, latency and efficiency (``stages``: K * L)."""
     for key in (
         "interval_ms",
         "interval_p99_ms",
@@ -306,11 +292,15 @@ def run(args: argparse.Namespace) -> dict:
     if "interval_ms" in main:
         report["efficiency"] = ideal / main["interval_ms"]
     cpu_blocks = main.get("inrun_block_cpu_samples", [])
-    if N == 1 and len(cpu_blocks) >= 5:
+    if one_worker and len(cpu_blocks) >= 5:
         # the same ratio in CPU time: insensitive to other jobs taking the core
         report["block_cpu_ms"] = statistics.median(cpu_blocks)
         # every chunk of the main (noisy) mode, observations too, passes all K*L stages
-        report["efficiency_cpu"] = K * L * report["block_cpu_ms"] / main["cpu_ms_per_any_chunk"]
+        report["efficiency_cpu"] = stages * report["block_cpu_ms"] / main["cpu_ms_per_any_chunk"]
+
+
+def _add_mode_figures(report: dict, results: dict, main: dict, block_ms: float) -> None:
+    """Every mode's interval (or error), and the speedup over sequential-clean."""
     for m, r in results.items():
         report[m.replace("-", "_") + "_interval_ms"] = r.get("interval_ms")
         if "error" in r:
@@ -325,33 +315,41 @@ def run(args: argparse.Namespace) -> dict:
             report["speedup_vs_clean_load_normalized"] = (
                 clean["interval_ms"] / clean_blocks / (main["interval_ms"] / block_ms)
             )
-    if args.compare_batching:
-        # A/B rounds alternate the order, so that drift in the machine's load hits both
-        gaps: dict[bool, list[float]] = {True: [], False: []}
-        batch_sizes = []
-        cpu: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(args.ab_rounds):
-            for setting in (True, False) if r % 2 == 0 else (False, True):
-                res = _run_mode(
-                    model, sampler, args, plans, mode="pipelined", batching=setting, timer=None
-                )
-                gaps[setting] += res.get("gaps", [])
-                cpu[setting].append(res["cpu_ms_per_chunk"])
-                if setting:
-                    batch_sizes.append(res.get("mean_batch", 0.0))
-        if gaps[True] and gaps[False]:
-            on, off = statistics.median(gaps[True]), statistics.median(gaps[False])
-            report["interval_batched_ms"] = on
-            report["interval_unbatched_ms"] = off
-            report["batching_speedup"] = off / on
-            report["cpu_ms_per_chunk_batched"] = statistics.median(cpu[True])
-            report["cpu_ms_per_chunk_unbatched"] = statistics.median(cpu[False])
-            report["batching_cpu_speedup"] = statistics.median(cpu[False]) / statistics.median(
-                cpu[True]
+
+
+def _compare_batching(model, sampler, args: argparse.Namespace, plans: dict) -> dict:
+    """Pipelined with and without batching in ``args.ab_rounds`` A/B rounds; {} when either
+    side measured no gap."""
+    # A/B rounds alternate the order, so that drift in the machine's load hits both
+    gaps: dict[bool, list[float]] = {True: [], False: []}
+    batch_sizes = []
+    cpu: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(args.ab_rounds):
+        for setting in (True, False) if r % 2 == 0 else (False, True):
+            res = _run_mode(
+                model, sampler, args, plans, mode="pipelined", batching=setting, timer=None
             )
-            report["mean_batch_batched"] = statistics.mean(batch_sizes)
-            report["ab_rounds"] = args.ab_rounds
-    # the codec, timed apart from the DiT (as published DiT numbers are)
+            gaps[setting] += res.get("gaps", [])
+            cpu[setting].append(res["cpu_ms_per_chunk"])
+            if setting:
+                batch_sizes.append(res.get("mean_batch", 0.0))
+    if not (gaps[True] and gaps[False]):
+        return {}
+    on, off = statistics.median(gaps[True]), statistics.median(gaps[False])
+    return {
+        "interval_batched_ms": on,
+        "interval_unbatched_ms": off,
+        "batching_speedup": off / on,
+        "cpu_ms_per_chunk_batched": statistics.median(cpu[True]),
+        "cpu_ms_per_chunk_unbatched": statistics.median(cpu[False]),
+        "batching_cpu_speedup": statistics.median(cpu[False]) / statistics.median(cpu[True]),
+        "mean_batch_batched": statistics.mean(batch_sizes),
+        "ab_rounds": args.ab_rounds,
+    }
+
+
+def _codec_ms(cfg, codec: Codec) -> dict:
+    """The codec, timed apart from the DiT (as published DiT numbers are)."""
     frames = np.zeros((cfg.frames_per_chunk, *cfg.image_size, 3), np.uint8)
     enc, dec = [], []
     for _ in range(5):
@@ -361,23 +359,27 @@ def run(args: argparse.Namespace) -> dict:
         codec.decode(lat)
         dec.append((time.perf_counter() - t1) * 1e3)
         enc.append((t1 - t0) * 1e3)
-    report["codec"] = cfg.codec
-    report["codec_encode_ms"] = statistics.median(enc)
-    report["codec_decode_ms"] = statistics.median(dec)
-    if args.check_oracle:
-        diffs = []
-        for m, r in results.items():
-            if "outputs" not in r:
-                continue
-            for sid, plan in plans.items():
-                cond = make_cond(model.cfg, 100 + sid)
-                ref = oracle_sample(model, sampler, plan, mode=m, seed=args.seed + sid, cond=cond)
-                diffs += [
-                    (r["outputs"][sid][c].x.float().cpu() - ref[c].float().cpu()).abs().max().item()
-                    for c in ref
-                ]
-        report["oracle_max_abs_diff"] = max(diffs)
-    return report
+    return {
+        "codec": cfg.codec,
+        "codec_encode_ms": statistics.median(enc),
+        "codec_decode_ms": statistics.median(dec),
+    }
+
+
+def _oracle_diff(model, sampler, args: argparse.Namespace, plans: dict, results: dict) -> float:
+    """Largest difference of any mode's outputs from the offline sampler's."""
+    diffs = []
+    for m, r in results.items():
+        if "outputs" not in r:
+            continue
+        for sid, plan in plans.items():
+            cond = make_cond(model.cfg, 100 + sid)
+            ref = oracle_sample(model, sampler, plan, mode=m, seed=args.seed + sid, cond=cond)
+            diffs += [
+                (r["outputs"][sid][c].x.float().cpu() - ref[c].float().cpu()).abs().max().item()
+                for c in ref
+            ]
+    return max(diffs)
 
 
 def _table(rep: dict) -> str:
@@ -420,12 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.block_impl:  # the ranks of --ranks build their models from the environment
         os.environ["PHYSIS_BLOCK_IMPL"] = args.block_impl
     try:
-        if args.ranks:
-            from physis_ros.bench.engine_dist import run as run_dist
-
-            rep = run_dist(args)
-        else:
-            rep = run(args)
+        rep = engine_dist.run(args) if args.ranks else run(args)
     except ValueError as err:
         print(f"physis-bench engine: {err}", file=sys.stderr)
         return 2

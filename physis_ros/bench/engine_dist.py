@@ -2,7 +2,7 @@
 
 This process becomes rank 0 (controller + a worker); ranks 1..N-1 are child processes started
 the way torchrun starts them (``ranks_engine``). The same S streams of C chunks as
-the in-process bench (``physis_ros.bench.engine._plans``) run twice in this run: on 1 rank
+the in-process bench (``engine_streams.stream_plans``) run twice in this run: on 1 rank
 (the baseline) and on N ranks (stages placed evenly), every rank on ``--threads`` threads.
 Reported on top of the in-process keys: ``ranks``, ``backend``, ``comm_ms`` (median of one
 activation hop rank 0 -> rank 1, half a measured round trip of x and h through both
@@ -17,13 +17,13 @@ worker spent in block forwards); ``cpu_share_1_rank`` for the baseline.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import time
 
 import numpy as np
 import torch
 
+from physis_ros.bench.engine_streams import steady_state_ms, stream_plans
 from physis_ros.engine.api import StreamSpec
 from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import load_weights, resolve_model_config
@@ -116,19 +116,7 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
         tasks = engine.executor.host.worker.stats.tasks
     by_stream = {s: {r.chunk: r for r in results if r.stream_id == sids[s]} for s in plans}
     skip = args.skip if args.skip >= 0 else K
-    gaps, fills, responses = [], [], []
-    for s, plan in plans.items():
-        res = by_stream[s]
-        gen = [c for c, (kind, _) in enumerate(plan) if kind == "generate"]
-        ctx = [c for c, (kind, _) in enumerate(plan) if kind == "context"]
-        fills.append((res[gen[0]].left_s - res[gen[0]].created_s) * 1e3)
-        for a, b in itertools.pairwise(gen[skip:]):
-            if b == a + 1:  # no observation in between
-                gaps.append((res[b].left_s - res[a].left_s) * 1e3)
-        for c in ctx[1:]:
-            after = [g for g in gen if g > c]
-            if after:
-                responses.append((res[after[0]].left_s - entered[s][c]) * 1e3)
+    gaps, fills, responses = steady_state_ms(plans, by_stream, entered, skip)
     if not gaps:
         raise ValueError(f"no steady-state gaps: raise --chunks above --skip ({skip})")
     return {
@@ -154,14 +142,12 @@ def measure(args: argparse.Namespace, plans: dict, ranks: int, *, in_flight: int
 
 def run(args: argparse.Namespace) -> dict:
     """The JSON report of ``physis-bench engine --ranks N``."""
-    from physis_ros.bench.engine import _plans
-
     if args.mode not in ("pipelined",):
         raise ValueError("--ranks runs the pipelined mode only")
     torch.set_num_threads(args.threads)
     cfg = resolve_model_config(args.model)
     K, L, N, S = args.steps, cfg.num_blocks, args.ranks, args.streams
-    plans = _plans(cfg, args, Codec(cfg))
+    plans = stream_plans(cfg, args, Codec(cfg))
     in_flight = args.max_in_flight if args.max_in_flight >= 0 else K * min(N, L)
     base = measure(args, plans, 1, in_flight=in_flight)
     multi = measure(args, plans, N, in_flight=in_flight)

@@ -26,137 +26,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
+from physis_ros.bench import link_trace
 from physis_ros.bench.bare_grpc import METHODS, READING, BareClient
 from physis_ros.bench.bare_grpc import serve as serve_bare
+from physis_ros.bench.link_echo import ACTION_HA, IMAGE_HW, prediction_reply_bytes, serve_echo
 from physis_ros.children import stop_child
 from physis_ros.cli_errors import finite_float
 from physis_ros.link.client import LinkClient, Observation
-from physis_ros.link.proto_gen import physis_pb2 as pb
-from physis_ros.link.wire import (
-    PROTOCOL_VERSION,
-    array_to_tensor,
-    rgb_image,
-    serialize_observation,
-)
+from physis_ros.link.wire import rgb_image, serialize_observation
+from physis_ros.serve.observations import context_input
 
-IMAGE_HW = (480, 640)
-ACTION_HA = (16, 7)
 TARGET_MEDIAN_MS = 2.0
 TARGET_P99_MS = 5.0
 TARGET_ROUND_TRIP_RATIO = 1.2
 """Observation -> action reply through the link, over the bare gRPC stream of the same bytes."""
 PAUSE_S = 0.020
 """The breakdown also times the link's per-message steps alone in one thread after a sleep
-this long (a 50 Hz stream's gap): what a pause costs on this host, without the link."""
+this long (a 50 Hz stream's gap): what a pause costs on the host, without the link."""
 AFTER_PAUSE_KEY = f"cpu_us_alone_after_{PAUSE_S * 1e3:g}ms_sleep"
-
-
-class EchoEngine:
-    """A StreamEngine with no model: each generate request is finished at once."""
-
-    def __init__(
-        self, *, image_hw: tuple[int, int] = IMAGE_HW, action_ha: tuple[int, int] = ACTION_HA
-    ) -> None:
-        self.image_hw, self.action_ha = image_hw, action_ha
-        self._next_id = 0
-        self._chunks: dict[int, int] = {}
-        """stream -> the next slot no chunk was submitted for."""
-        self._anchors: dict[int, int] = {}
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-
-    def open_stream(self, spec):
-        from physis_ros.engine.api import StreamPromise
-
-        sid, self._next_id = self._next_id, self._next_id + 1
-        self._chunks[sid] = 0
-        return StreamPromise(
-            stream_id=sid,
-            model="echo",
-            steps=1,
-            blocks=1,
-            expected_interval_ms=0.0,
-            pipeline_depth=1,
-            expected_response_latency_ms=0.0,
-            chunk_frames=1,
-            image_height=self.image_hw[0],
-            image_width=self.image_hw[1],
-            action_horizon=self.action_ha[0],
-            action_dim=self.action_ha[1],
-        )
-
-    def close_stream(self, stream_id: int) -> None:
-        self._chunks.pop(stream_id, None)
-
-    def next_slot(self, stream_id: int) -> int:
-        return self._chunks[stream_id]
-
-    def submit_context(self, stream_id: int, frames, actions=None, *, slot=None) -> int:
-        slot = self._chunks[stream_id] if slot is None else slot
-        self._anchors[stream_id] = slot
-        self._chunks[stream_id] = max(self._chunks[stream_id], slot + 1)
-        return slot
-
-    def submit_generate(self, stream_id: int, actions=None, *, slot=None) -> int:
-        from physis_ros.engine.api import ChunkOutput
-
-        chunk = self._chunks[stream_id] if slot is None else slot
-        self._chunks[stream_id] = max(self._chunks[stream_id], chunk + 1)
-        now_s = time.monotonic()
-        self._done.put(
-            ChunkOutput(
-                stream_id=stream_id,
-                chunk=chunk,
-                frames=None,
-                actions=np.full(self.action_ha, chunk, np.float32),
-                entered_s=now_s,
-                left_s=now_s,
-                decoded_s=now_s,
-                anchor=self._anchors.get(stream_id, -1),
-            )
-        )
-        return chunk
-
-    def poll(self, timeout_s: float):
-        out = []
-        try:
-            out.append(self._done.get(timeout=timeout_s))
-            while True:
-                out.append(self._done.get_nowait())
-        except queue.Empty:
-            pass  # nothing more finished: return what there is
-        return out
-
-    def shutdown(self) -> None:
-        self._chunks.clear()
-
-
-def serve_echo(port_file: str) -> int:
-    """The child process: the real front end over EchoEngine on 127.0.0.1, until SIGTERM."""
-    from physis_ros.serve.frontend import FrontendConfig, ServerDescription
-    from physis_ros.serve.main import run_frontend
-
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    return run_frontend(
-        EchoEngine(),
-        ServerDescription(model="echo", steps=1, blocks=1),
-        FrontendConfig(port=0),
-        port_file=port_file,
-        stop=stop,
-        loop_options={"poll_timeout_s": 0.001},
-    )
 
 
 def _summary(link_ms: list[float], inproc_ms: list[float], nbytes: int) -> dict[str, float]:
@@ -208,9 +103,6 @@ def run(
     ``samples / rounds`` observations through the link, then as many round trips of the same
     bytes over each bare stream, at the same rate. ``breakdown``: where the link's round
     trip goes (``link_trace``)."""
-    from physis_ros.bench import link_trace
-    from physis_ros.serve.observations import context_input
-
     children = []
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "server_trace.json"
@@ -268,20 +160,6 @@ def _bare_round(
         next_s += period_s
         time.sleep(max(0.0, next_s - time.monotonic()))
     return out
-
-
-def prediction_reply_bytes() -> bytes:
-    """A ServerMessage as the link sends a 16x7 action chunk (stamps and counters set)."""
-    msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
-    p = msg.prediction
-    p.stream_id, p.chunk_index, p.observation_seq = 1, 1000, 999
-    p.observation_stamp_ns = p.observation_send_stamp_ns = time.time_ns()
-    array_to_tensor(np.ones(ACTION_HA, np.float32), p.actions)
-    for name in ("received", "queued", "entered", "left", "decoded", "sent"):
-        setattr(p.server_times, f"{name}_ns", time.time_ns())
-    p.counters.observations_received = p.counters.observations_used = 999
-    p.counters.predictions_sent = 999
-    return msg.SerializeToString()
 
 
 class _LinkRun:
@@ -411,7 +289,7 @@ class _LinkRun:
                 "vs_bare_slotted_read": _round_trips(
                     round_trip, sorted(self.measured), bare_rounds["SlottedRead"], target=False
                 ),
-                # how far above the echo a protocol can get at best, on this host, this run
+                # how far above the echo a protocol can get at best, on the host, in this run
                 "floors_over_echo": {
                     m: _floor_over_echo(bare_rounds[m], bare_rounds["Echo"]) for m in READING
                 },
@@ -497,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.serve_echo:
         if args.trace:
-            from physis_ros.bench.link_trace import install_server
-
-            install_server(args.trace)
+            link_trace.install_server(args.trace)
         return serve_echo(args.serve_echo)
     if args.serve_bare:
         return serve_bare(args.serve_bare, prediction_reply_bytes(), args.interval_ms)
@@ -516,7 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         print(json.dumps(result))
-        return 0
+    else:
+        _print_human(result, breakdown=args.breakdown)
+    return 0
+
+
+def _print_human(result: dict, *, breakdown: bool) -> None:
     print(f"{'payload':28s} {'added med':>10s} {'added p99':>10s} {'in-proc med':>12s}  (ms)")
     for key in ("observation_rgb8_640x480", "actions_16x7"):
         r = result[key]
@@ -548,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         f"the bare streams that read over the echo: answered at once {floors['Read']:.2f}, "
         f"from an engine thread at the slot {floors['SlottedRead']:.2f}"
     )
-    if args.breakdown:
+    if breakdown:
         b = result["breakdown"]
         print(f"where the link's round trip goes (medians over {b['pairs']} pairs, ms):")
         for name, ms in b["segments_ms_median"].items():
@@ -562,7 +443,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {name:42s} {us:8.1f} / {b['cpu_us_warm_back_to_back'][name]:.1f} / "
                 f"{b[AFTER_PAUSE_KEY][name]:.1f}"
             )
-    return 0
 
 
 if __name__ == "__main__":

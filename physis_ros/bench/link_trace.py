@@ -17,12 +17,28 @@ between messages, and the same Python runs many times slower than warm.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import time
 from pathlib import Path
 
 import numpy as np
+
+from physis_ros.bench.link_echo import ACTION_HA, IMAGE_HW, prediction_reply_bytes
+from physis_ros.engine.api import ChunkOutput, StreamPromise
+from physis_ros.engine.live import Ran
+from physis_ros.link.client import LinkClient, Observation
+from physis_ros.link.wire import (
+    observation_from_proto,
+    parse_client_message,
+    parse_server_message,
+    rgb_image,
+    serialize_observation,
+)
+from physis_ros.serve import session
+from physis_ros.serve.observations import context_input
+from physis_ros.serve.session import Session, SessionLimits
 
 STAMPS: list[tuple[str, int, int, int]] = []
 """(step, key, monotonic ns at its end, processor ns it took)."""
@@ -45,23 +61,17 @@ def _wrap(owner, name: str, step: str, key) -> None:
 
 
 def install_client() -> None:
-    from physis_ros.link import client
-
-    _wrap(client.LinkClient, "send_observation", "c_serialised", lambda a, kw, r: a[1].seq)
+    _wrap(LinkClient, "send_observation", "c_serialised", lambda a, kw, r: a[1].seq)
 
     def reply_key(args, kwargs, out):
         msg = args[1]
         return msg.prediction.chunk_index if msg.WhichOneof("body") == "prediction" else None
 
-    _wrap(client.LinkClient, "_on_server_message", "c_parsed", reply_key)
+    _wrap(LinkClient, "_on_server_message", "c_parsed", reply_key)
 
 
 def install_server(out_path: str) -> None:
     """In the echo server's process: wrap, and write the stamps to ``out_path`` at exit."""
-    import atexit
-
-    from physis_ros.serve import session
-
     original_offer = session.Session.offer
 
     def offer(self, raw, received_ns):
@@ -142,20 +152,6 @@ def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
     """The same four steps in this thread alone: processor us each. ``pause_s`` 0: back to
     back (caches warm); else a sleep that long before each call, as the link's threads idle
     between messages, which tells the host's cost of a pause from the link's own."""
-    from physis_ros.bench.link import ACTION_HA, IMAGE_HW, prediction_reply_bytes
-    from physis_ros.engine.api import ChunkOutput, StreamPromise
-    from physis_ros.engine.live import Ran
-    from physis_ros.link.client import LinkClient, Observation
-    from physis_ros.link.wire import (
-        observation_from_proto,
-        parse_client_message,
-        parse_server_message,
-        rgb_image,
-        serialize_observation,
-    )
-    from physis_ros.serve.observations import context_input
-    from physis_ros.serve.session import Session, SessionLimits
-
     image = rgb_image(np.zeros((*IMAGE_HW, 3), np.uint8))
     obs = Observation(seq=0, capture_stamp_ns=1, image=image)
     raw = serialize_observation(obs, send_stamp_ns=1)

@@ -24,18 +24,22 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from physis_ros.cli_errors import finite_float
+from physis_ros.nodes.conversions import fill_image_msg
+from physis_ros.nodes.system import LocalSystem
 
 
 def feed_main(rate_hz: float, state_rate_hz: float, height: int, width: int) -> int:
     """Publishes synthetic camera/wrench/joint messages until SIGINT; prints the counts."""
-    import numpy as np
+    # ROS (rclpy and the message packages) is optional on a workstation: only the feed
+    # process and the monitor load it, so ``physis-bench ros --help`` answers without it.
     from geometry_msgs.msg import WrenchStamped
     from rclpy.node import Node
     from rclpy.qos import qos_profile_sensor_data
     from sensor_msgs.msg import Image, JointState
 
-    from physis_ros.nodes.conversions import fill_image_msg
     from physis_ros.nodes.run import run_node
 
     class Feed(Node):
@@ -101,8 +105,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def bench(args) -> dict:
-    from physis_ros.nodes.monitor import Monitor
-    from physis_ros.nodes.system import LocalSystem
+    from physis_ros.nodes.monitor import Monitor  # rclpy: optional, as in feed_main
 
     domain_id = args.domain_id or int(os.environ.get("ROS_DOMAIN_ID") or random.randint(150, 199))
     loop = LocalSystem(domain_id=domain_id, log_dir=args.log_dir)

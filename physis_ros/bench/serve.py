@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -30,10 +31,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from physis_ros.children import stop_child
 from physis_ros.link.client import LinkClient, Observation
+from physis_ros.link.proto_gen import physis_pb2 as pb
+from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.link.wire import rgb_image
 from physis_ros.nodes.stats import ChunkOverlap
 
@@ -104,8 +108,6 @@ def _pct(values: list[float], q: float) -> float:
 
 def start_server(args: argparse.Namespace, folder: Path):
     """physis-serve (one process or torchrun) on 127.0.0.1, an ephemeral port; its port."""
-    import subprocess
-
     port_file = folder / "port"
     serve = ["-m", "physis_ros.serve.main", "--config", str(args.config), "--host", "127.0.0.1"]
     serve += ["--port", "0", "--port-file", str(port_file)]
@@ -160,11 +162,6 @@ def open_stream(target: str, index: int, target_ms: float, timeout_s: float):
 
 
 def server_plan(target: str) -> tuple[str, dict[str, str]]:
-    import grpc
-
-    from physis_ros.link.proto_gen import physis_pb2 as pb
-    from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
-
     with grpc.insecure_channel(target) as channel:
         info = pb_grpc.PhysisStub(channel).GetServerInfo(pb.ServerInfoRequest(), timeout=10)
     return info.placement, dict(info.engine)

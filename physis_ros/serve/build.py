@@ -20,7 +20,6 @@ from physis_ros.cli_errors import UsageError
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.core import EngineCore
 from physis_ros.engine.placement import layout_balanced, layout_single, stage_costs
-from physis_ros.engine.pool.admission import PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import GIB, CostModel, Profile, ProfileCostModel
 from physis_ros.engine.pool.gate import plan_layout
 from physis_ros.engine.pool.measure import (
@@ -35,6 +34,7 @@ from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.planning import DefaultPlan, PoolSimulation, plan_default_target
 from physis_ros.engine.pool.service import PoolAdmission
 from physis_ros.engine.pool.simulator import SimStream, simulate
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
 from physis_ros.engine.ranks.runtime import parse_placement
 from physis_ros.engine.stage import measure_block_ms
 from physis_ros.engine.threads import local_engine

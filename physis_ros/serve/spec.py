@@ -24,7 +24,7 @@ from physis_ros.contract.model import ContractError, WamContract
 from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.config import ModelConfig, SamplerConfig, model_config_from_json
 from physis_ros.engine.controller import MODES
-from physis_ros.engine.pool.admission import POLICIES
+from physis_ros.engine.pool.terms import POLICIES
 
 SPEC_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")

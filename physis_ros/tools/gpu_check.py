@@ -1,6 +1,11 @@
-"""The GPU check of the fused block path (issue 23), one measurement group per process.
+"""The full GPU measurement of the block path, one measurement group per process.
 
-``scripts/gpu_check.sh OUT`` runs, each step its own process with its own timeout:
+``scripts/gpu_check.sh OUT`` runs it (about 2.5 minutes on an H200): three presets' blocks
+eager, fused and graph, their floors, bf16 accuracy against float32, batching, the engine's
+interval per block implementation, and the profiles and fit that calibrate the cost model.
+Its short sibling, ``gpu_verify`` (``scripts/gpu_verify.sh``), checks one preset against the
+target with a verdict, reusing this module's block measurements; both time with
+``gpu_timing``. Each step of ``scripts/gpu_check.sh``, its own process with its own timeout:
   env              device, driver, torch, CUDA, Triton; the two ceilings (8192^3 bf16 matmul,
                    device-to-device copy)                                    -> env.json
   block --model P  one middle block of preset P, bf16, 4680 tokens per chunk, window 2:
@@ -23,18 +28,14 @@ error and the next runs. ``--smoke`` runs the same code on the CPU (tiny presets
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import itertools
 import json
-import math
-import os
 import platform
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -42,110 +43,38 @@ import torch.nn.functional as F
 
 from physis_ros.engine import fused
 from physis_ros.engine.build import build_model
-from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.model import WanDiT
+from physis_ros.engine.config import get_preset
 from physis_ros.engine.pipeline import run_plan
 from physis_ros.engine.placement import layout_single
-from physis_ros.engine.pool.costmodel import block_work
+from physis_ros.engine.pool.calibrate import fit_device, fit_report
+from physis_ros.engine.pool.costmodel import H200, block_work
 from physis_ros.engine.stage import BlockTimer, StageCaches, run_block
 from physis_ros.engine.threads import InProcRuntime
+from physis_ros.tools.block_profile import environment, measure_with_provenance
+from physis_ros.tools.gpu_timing import (
+    SAMPLER,
+    BlockBench,
+    Recorder,
+    device_ms,
+    fmt,
+    graph_ms,
+    read_json,
+    rel,
+    sync,
+)
+from physis_ros.tools.profile_cli import build_parser
 
-SAMPLER = SamplerConfig(steps=4, window=2)
 DATASHEET_TFLOPS = 989.0
 """H200 dense bf16 peak (datasheet)."""
+BF16_FUSED_VS_EAGER = 2e-2
+"""Stated bf16 tolerance: ||fused - eager|| / ||eager|| of one block output."""
 TAIL_CHUNKS = 6
 """The engine's interval is also taken over the last this many chunks of its longer run: the
 steady state (in the graph path every composition captured by then)."""
-BF16_FUSED_VS_EAGER = 2e-2
-"""Stated bf16 tolerance: ||fused - eager|| / ||eager|| of one block output."""
-
-
-class Recorder:
-    """A JSON file of results, rewritten after every step; a failed step records why."""
-
-    def __init__(self, path: Path, **head) -> None:
-        self.path = path
-        self.data: dict = {**head, "errors": {}, "seconds": {}}
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
-        os.replace(tmp, self.path)
-
-    @contextlib.contextmanager
-    def step(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield self.data
-        except Exception as err:  # noqa: BLE001 - recorded; the next measurement still runs
-            self.data["errors"][name] = f"{err!r}\n{traceback.format_exc(limit=4)[-1500:]}"
-            print(f"gpu_check: {name} failed: {err!r}", file=sys.stderr)
-        finally:
-            self.data["seconds"][name] = round(time.perf_counter() - t0, 2)
-            self.save()
-
-
-# ---- timing ----------------------------------------------------------------------------------
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def wall_ms(fn, dev: torch.device, *, warmup: int, reps: int) -> float:
-    """Median wall time of fn() from a synchronised start to a synchronised end (CPU launch
-    overhead included, as ``stage.BlockTimer`` and physis-profile time)."""
-    out = []
-    for i in range(warmup + reps):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        if i >= warmup:
-            out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
-
-
-def device_ms(fn, dev: torch.device, *, warmup: int, reps: int) -> float:
-    """Median device time of fn() (CUDA events, launched back to back; wall on a CPU)."""
-    if dev.type != "cuda":
-        return wall_ms(fn, dev, warmup=warmup, reps=reps)
-    for _ in range(warmup):
-        fn()
-    marks = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        marks.append((a, b))
-    torch.cuda.synchronize(dev)
-    return statistics.median(a.elapsed_time(b) for a, b in marks)
-
-
-def graph_ms(fn, dev: torch.device, *, reps: int) -> float:
-    """fn captured once as a CUDA graph, then its replays timed (no launch overhead)."""
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return device_ms(graph.replay, dev, warmup=2, reps=reps)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
 
 
 # ---- env -------------------------------------------------------------------------------------
 def check_env(out: Path, dev: torch.device, dtype: torch.dtype, smoke: bool) -> None:
-    from physis_ros.tools.profile_cli import environment
-
     rec = Recorder(out / "env.json", smoke=smoke)
     with rec.step("versions") as d:
         d.update(environment(str(dev)), python=platform.python_version())
@@ -172,37 +101,6 @@ def _version(name: str) -> str | None:
         return __import__(name).__version__
     except ImportError:
         return None
-
-
-# ---- one block -------------------------------------------------------------------------------
-@dataclasses.dataclass
-class BlockBench:
-    """The middle block of a model, built alone on a device, with a one-task and a four-task
-    batch to time (what ``check_block`` and gpu_verify measure); times go into ``data``."""
-
-    model: WanDiT
-    mid: int
-    one: BlockTimer
-    four: BlockTimer
-    dev: torch.device
-    data: dict
-    reps: int
-
-    @classmethod
-    def build(cls, cfg, dev: torch.device, dtype: torch.dtype, *, data: dict, reps: int):
-        mid = cfg.num_blocks // 2
-        model = build_model(
-            cfg, seed=None, device=dev, dtype=dtype, block_ids={mid}, block_impl="eager"
-        )
-        one = BlockTimer(model, [SAMPLER.window], block=mid, window=SAMPLER.window)
-        four = BlockTimer(model, [SAMPLER.window] * 4, block=mid, window=SAMPLER.window)
-        return cls(model, mid, one, four, dev, data, reps)
-
-    def forward(self, timer: BlockTimer):
-        return lambda: run_block(self.model, self.mid, timer.tasks, timer.caches)
-
-    def timed(self, key: str, timer: BlockTimer) -> None:
-        self.data[key] = wall_ms(self.forward(timer), self.dev, warmup=3, reps=self.reps)
 
 
 def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smoke: bool) -> None:
@@ -242,9 +140,9 @@ def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smo
             timed("fused_ms", one)
         d["fused_tflops"] = flops / d["fused_ms"] / 1e9
     with rec.step("graph_impl"):
-        _graph_impl(d, runner, one=one, four=four, timed=timed, forward=forward)
+        time_graph_impl(d, runner, one=one, four=four, timed=timed, forward=forward)
     with rec.step("floor"):
-        d.update(_floor(model, mid, runner, dev, dtype, reps=reps))
+        d.update(floor_times(model, mid, runner, dev, dtype, reps=reps))
         d["floor_ms"] = d["gemm_ms"] + d["attn_ms"]
     with rec.step("accuracy"):
         d.update(_accuracy(model, mid, runner, dev))
@@ -256,12 +154,10 @@ def check_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, smo
         d["eager_batch_gain"] = 4 * d["eager_ms"] / d["eager4_ms"]
         d["fused_batch_gain"] = 4 * d["fused_ms"] / d["fused4_ms"]
     with rec.step("profile"):
-        from physis_ros.tools.profile_cli import _parser, measure_with_provenance
-
         argv = ["--model", name, "--device", str(dev), "--dtype", d["dtype"]]
         argv += ["--block-impl", "fused", "--batches", "1,2,4", "--repeats", str(reps)]
         argv += ["--warmup", "2", "--loop-chunks", "8" if cfg.dim < 4096 else "0"]
-        profile, provenance = measure_with_provenance(_parser().parse_args(argv))
+        profile, provenance = measure_with_provenance(build_parser().parse_args(argv))
         text = json.dumps({**profile.to_json(), "provenance": provenance}, indent=1)
         (out / f"profile_{name}.json").write_text(text + "\n")
         d["profile_ms"] = {e.tasks: e.ms_p50 for e in profile.entries}
@@ -287,7 +183,7 @@ def check_gelu_epilogue(d: dict, runner, model, mid: int) -> None:
     d["gelu_epilogue"] = runner.gelu_epilogue
 
 
-def _graph_impl(d: dict, runner, *, one, four, timed, forward) -> None:
+def time_graph_impl(d: dict, runner, *, one, four, timed, forward) -> None:
     """Block impl ``graph`` (engine/block_graphs.py): 1 and 4 tasks, its capture counts,
     and its output against the fused forward's on the same inputs (bf16)."""
     runner.set_graphs(True)
@@ -306,7 +202,7 @@ def _graph_impl(d: dict, runner, *, one, four, timed, forward) -> None:
         runner.set_graphs(False)
 
 
-def _floor(model, mid: int, runner, dev, dtype, *, reps: int) -> dict:
+def floor_times(model, mid: int, runner, dev, dtype, *, reps: int) -> dict:
     """The block's weight GEMMs alone and its attention alone, one task, device time."""
     cfg = model.cfg
     blk = model.blocks[mid]
@@ -406,8 +302,8 @@ def check_engine(  # noqa: PLR0917
     work = block_work(cfg, SAMPLER, 2)
     rec = Recorder(out / "engine.json", model=name, K=K, L=L, window=SAMPLER.window)
     d = rec.data
-    env = _read(out / "env.json")
-    block = _read(out / f"block_{name}.json")
+    env = read_json(out / "env.json")
+    block = read_json(out / f"block_{name}.json")
     matmul = env.get("matmul_tflops") or 788.0
     d["matmul_tflops"] = matmul
     d["floor_matmul_ms"] = K * L * (work.gemm_flops + work.attn_flops) / matmul / 1e9
@@ -415,13 +311,9 @@ def check_engine(  # noqa: PLR0917
         d["floor_parts_ms"] = K * L * block["floor_ms"]
     model = build_model(cfg, seed=None, device=dev, dtype=dtype, block_impl="eager")
     runner = fused.FusedBlocks(model)
-    # graph: every run's rings are new, so each run captures its compositions anew (one per
-    # block in the steady state, at its 2nd chunk): runs of 12 and 24 chunks hold the same
-    # captures, which the difference cancels
-    # graph: every run's rings are new, so each run captures its compositions anew (on the CPU
-    # with stand-in captures, K=4 W=2: the steady-state ones seen a 2nd time at the 7th
-    # chunk, then one replay per block and chunk); the small and big runs hold the same
-    # captures, which the difference cancels
+    # graph: every run's rings are new, so each run captures its compositions anew (the
+    # steady-state ones early in the run, then one replay per block and chunk): the small and
+    # big runs hold the same captures, which the difference cancels
     small, big = chunks or ((3, 6) if smoke else (12, 24))
 
     def run(chunks: int, impl: str) -> tuple[float, list[float], float]:
@@ -430,12 +322,12 @@ def check_engine(  # noqa: PLR0917
         runner.set_graphs(impl == "graph")
         rt = InProcRuntime(model, SAMPLER, layout_single(K, L), batching=True)
         plan = {0: [("generate", None)] * chunks}
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         with rt:
             res = run_plan(rt, plan, mode="pipelined", max_in_flight=K, seeds={0: 0},
                            conds={0: torch.zeros(0, cfg.text_dim)})  # fmt: skip
-            _sync(dev)
+            sync(dev)
             wall = time.perf_counter() - t0
         left = sorted(r.left_s for r in res[0].values())
         stats = rt.workers[0].stats
@@ -462,25 +354,15 @@ def check_engine(  # noqa: PLR0917
                 d[impl]["graph_stats"] = runner.graphs.stats.to_json()  # all three runs
 
 
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
 # ---- summary ---------------------------------------------------------------------------------
 def summarize(out: Path, presets: list[str]) -> int:
-    from physis_ros.engine.pool.calibrate import fit_device, fit_report
-    from physis_ros.engine.pool.costmodel import H200
-
-    env = _read(out / "env.json")
-    blocks = {p: _read(out / f"block_{p}.json") for p in presets}
-    engine = _read(out / "engine.json")
+    env = read_json(out / "env.json")
+    blocks = {p: read_json(out / f"block_{p}.json") for p in presets}
+    engine = read_json(out / "engine.json")
     cal = {"environment": {k: env.get(k) for k in ("device", "driver", "torch", "cuda")}}
     cal.update(dtype="bfloat16", steps=SAMPLER.steps, window=SAMPLER.window, presets={})
     for p, b in blocks.items():
-        prof = _read(out / f"profile_{p}.json")
+        prof = read_json(out / f"profile_{p}.json")
         if prof.get("entries") and b.get("gemm_ms") and b.get("attn_ms"):
             cal["presets"][p] = {
                 "tokens_per_chunk": b["tokens_per_chunk"],
@@ -506,16 +388,12 @@ def summarize(out: Path, presets: list[str]) -> int:
     return 0
 
 
-def _f(v, spec: str = ".2f") -> str:
-    return format(v, spec) if isinstance(v, int | float) and math.isfinite(v) else "-"
-
-
 def _table(env: dict, blocks: dict, engine: dict, fit: dict) -> str:
     mm = env.get("matmul_tflops")
     lines = [
         f"device {env.get('device')} driver {env.get('driver')} torch {env.get('torch')} "
-        f"cuda {env.get('cuda')} triton {env.get('triton')}; matmul {_f(mm, '.0f')} TFLOP/s, "
-        f"copy {_f(env.get('copy_TBps'))} TB/s",
+        f"cuda {env.get('cuda')} triton {env.get('triton')}; matmul {fmt(mm, '.0f')} TFLOP/s, "
+        f"copy {fmt(env.get('copy_TBps'))} TB/s",
         "preset        eager ms  fused ms  graph-impl ms  captured ms  floor ms  fused/floor  "
         "graph-impl/floor  TFLOP/s f/g  %989 f/g  x4 gain e/f/g  bf16 f-vs-e  g-vs-f  "
         "f/e vs fp32",
@@ -527,30 +405,30 @@ def _table(env: dict, blocks: dict, engine: dict, fit: dict) -> str:
         tg = flops / g / 1e9 if g else None
         g4 = 4 * g / b["graph_impl4_ms"] if g and b.get("graph_impl4_ms") else None
         lines.append(
-            f"{p:13s} {_f(b.get('eager_ms')):>8s}  {_f(t):>8s}  {_f(g):>13s}  "
-            f"{_f(b.get('fused_graph_ms')):>11s}  {_f(floor):>8s}  "
-            f"{_f(t / floor if t and floor else None, '.3f'):>11s}  "
-            f"{_f(g / floor if g and floor else None, '.3f'):>16s}  "
-            f"{_f(tf, '.0f'):>5s}/{_f(tg, '.0f'):<5s} "
-            f"{_f(tf / DATASHEET_TFLOPS * 100 if tf else None, '.0f'):>4s}/"
-            f"{_f(tg / DATASHEET_TFLOPS * 100 if tg else None, '.0f'):<4s} "
-            f"{_f(b.get('eager_batch_gain'))}/{_f(b.get('fused_batch_gain'))}/{_f(g4)}  "
-            f"{_f(b.get('fused_vs_eager'), '.1e'):>11s}  "
-            f"{_f(b.get('graph_impl_vs_fused'), '.1e')}  "
-            f"{_f(b.get('fused_vs_fp32'), '.1e')}/{_f(b.get('eager_vs_fp32'), '.1e')}"
+            f"{p:13s} {fmt(b.get('eager_ms')):>8s}  {fmt(t):>8s}  {fmt(g):>13s}  "
+            f"{fmt(b.get('fused_graph_ms')):>11s}  {fmt(floor):>8s}  "
+            f"{fmt(t / floor if t and floor else None, '.3f'):>11s}  "
+            f"{fmt(g / floor if g and floor else None, '.3f'):>16s}  "
+            f"{fmt(tf, '.0f'):>5s}/{fmt(tg, '.0f'):<5s} "
+            f"{fmt(tf / DATASHEET_TFLOPS * 100 if tf else None, '.0f'):>4s}/"
+            f"{fmt(tg / DATASHEET_TFLOPS * 100 if tg else None, '.0f'):<4s} "
+            f"{fmt(b.get('eager_batch_gain'))}/{fmt(b.get('fused_batch_gain'))}/{fmt(g4)}  "
+            f"{fmt(b.get('fused_vs_eager'), '.1e'):>11s}  "
+            f"{fmt(b.get('graph_impl_vs_fused'), '.1e')}  "
+            f"{fmt(b.get('fused_vs_fp32'), '.1e')}/{fmt(b.get('eager_vs_fp32'), '.1e')}"
         )
     if engine:
         for impl in [i for i in ("fused", "graph", "eager") if i in engine]:
             e = engine[impl]
             lines.append(
-                f"engine {engine.get('model')} {impl}: interval {_f(e.get('interval_ms'))} ms "
-                f"(gaps p50 {_f(e.get('interval_gaps_p50_ms'))}), mean batch "
-                f"{_f(e.get('mean_batch'))}; floors: matmul rate "
-                f"{_f(engine.get('floor_matmul_ms'))} ms, GEMMs+attention alone "
-                f"{_f(engine.get('floor_parts_ms'))} ms"
+                f"engine {engine.get('model')} {impl}: interval {fmt(e.get('interval_ms'))} ms "
+                f"(gaps p50 {fmt(e.get('interval_gaps_p50_ms'))}), mean batch "
+                f"{fmt(e.get('mean_batch'))}; floors: matmul rate "
+                f"{fmt(engine.get('floor_matmul_ms'))} ms, GEMMs+attention alone "
+                f"{fmt(engine.get('floor_parts_ms'))} ms"
             )
     for p, r in fit.get("presets", {}).items():
-        lines.append(f"calibrated model {p}: one-task error {_f(r['one_task_error'] * 100)}%")
+        lines.append(f"calibrated model {p}: one-task error {fmt(r['one_task_error'] * 100)}%")
     return "\n".join(lines)
 
 

@@ -1,5 +1,9 @@
-"""The short GPU verification of the CUDA-graph block path (issue 23): one run of well under
-two minutes on an H200, each step its own process (``scripts/gpu_verify.sh OUT``):
+"""The short GPU verification of the CUDA-graph block path: one preset's block-task against
+its GEMM + attention floor, with a verdict (``target_met``), in one run of well under two
+minutes on an H200. ``gpu_check`` is the full measurement (three presets, accuracy against
+float32, batching, profiles and the cost-model calibration); this reuses its env and engine
+steps and its block measurements, and ``gpu_timing``'s timers. Each step its own process
+(``scripts/gpu_verify.sh OUT``):
 
   gpu_check env            versions, the matmul and copy ceilings           -> env.json
   block --model P          one middle block of P (bf16, 4680 tokens per chunk, window 2):
@@ -33,20 +37,22 @@ from physis_ros.engine.pool.costmodel import block_work
 from physis_ros.engine.stage import BlockTimer, run_block
 from physis_ros.tools.gpu_check import (
     BF16_FUSED_VS_EAGER,
+    check_gelu_epilogue,
+    floor_times,
+    time_graph_impl,
+)
+from physis_ros.tools.gpu_timing import (
     SAMPLER,
     BlockBench,
     Recorder,
-    _f,
-    _floor,
-    _graph_impl,
-    _read,
-    check_gelu_epilogue,
+    fmt,
     graph_ms,
+    read_json,
     rel,
 )
 
 GRAPH_OVER_FLOOR = 1.10
-"""Issue 23's target: a block-task within 10% of its GEMM + attention time."""
+"""The target: a block-task within 10% of its GEMM + attention time."""
 
 
 # ---- one block -------------------------------------------------------------------------------
@@ -81,9 +87,9 @@ def verify_block(out: Path, name: str, dev: torch.device, dtype: torch.dtype, sm
     with rec.step("fused"):
         timed("fused_ms", one)
     with rec.step("graph_impl"):
-        _graph_impl(d, runner, one=one, four=four, timed=timed, forward=forward)
+        time_graph_impl(d, runner, one=one, four=four, timed=timed, forward=forward)
     with rec.step("floor"):
-        d.update(_floor(model, mid, runner, dev, dtype, reps=reps))
+        d.update(floor_times(model, mid, runner, dev, dtype, reps=reps))
         d["floor_ms"] = d["gemm_ms"] + d["attn_ms"]
         for impl in ("eager", "fused", "graph_impl"):
             if d.get(f"{impl}_ms"):
@@ -166,7 +172,9 @@ ERROR_KEYS = [
 
 
 def summarize(out: Path, name: str) -> dict:
-    env, block, engine = (_read(out / f) for f in ("env.json", f"block_{name}.json", "engine.json"))
+    env, block, engine = (
+        read_json(out / f) for f in ("env.json", f"block_{name}.json", "engine.json")
+    )
     steps = {"env": env, "block": block, "engine": engine}
     v: dict = {
         "model": name,
@@ -197,31 +205,31 @@ def _table(v: dict) -> str:
     lines = [
         f"device {env.get('device')} driver {env.get('driver')} torch {env.get('torch')} "
         f"triton {env.get('triton')}; {v['model']}, one block-task, bf16, window 2",
-        f"block-task p50 ms: eager {_f(b.get('eager_ms'))}  fused {_f(b.get('fused_ms'))}  "
-        f"graph {_f(b.get('graph_impl_ms'))}  (captured whole {_f(b.get('fused_graph_ms'))}; "
-        f"4 tasks graph {_f(b.get('graph_impl4_ms'))})",
-        f"floor (GEMMs {_f(b.get('gemm_ms'), '.3f')} + attention {_f(b.get('attn_ms'), '.3f')})"
-        f" {_f(b.get('floor_ms'), '.3f')} ms; over the floor: eager "
-        f"{_f(b.get('eager_over_floor'), '.3f')}, fused {_f(b.get('fused_over_floor'), '.3f')},"
-        f" graph {_f(b.get('graph_impl_over_floor'), '.3f')} (target <= {GRAPH_OVER_FLOOR}: "
+        f"block-task p50 ms: eager {fmt(b.get('eager_ms'))}  fused {fmt(b.get('fused_ms'))}  "
+        f"graph {fmt(b.get('graph_impl_ms'))}  (captured whole {fmt(b.get('fused_graph_ms'))}; "
+        f"4 tasks graph {fmt(b.get('graph_impl4_ms'))})",
+        f"floor (GEMMs {fmt(b.get('gemm_ms'), '.3f')} + attention {fmt(b.get('attn_ms'), '.3f')})"
+        f" {fmt(b.get('floor_ms'), '.3f')} ms; over the floor: eager "
+        f"{fmt(b.get('eager_over_floor'), '.3f')}, fused {fmt(b.get('fused_over_floor'), '.3f')},"
+        f" graph {fmt(b.get('graph_impl_over_floor'), '.3f')} (target <= {GRAPH_OVER_FLOOR}: "
         f"{'met' if v['target_met'] else 'NOT met'})",
-        f"bf16 output vs eager: graph max abs {_f(x.get('graph_vs_eager_max_abs'), '.3e')} "
-        f"(rel {_f(x.get('graph_vs_eager_rel'), '.2e')}), fused max abs "
-        f"{_f(x.get('fused_vs_eager_max_abs'), '.3e')} (rel "
-        f"{_f(x.get('fused_vs_eager_rel'), '.2e')}); graph vs fused max abs "
-        f"{_f(x.get('graph_vs_fused_max_abs'), '.3e')}; |eager| max "
-        f"{_f(x.get('eager_max_abs'), '.3e')}; replayed {x.get('graph_replayed')}, ok "
+        f"bf16 output vs eager: graph max abs {fmt(x.get('graph_vs_eager_max_abs'), '.3e')} "
+        f"(rel {fmt(x.get('graph_vs_eager_rel'), '.2e')}), fused max abs "
+        f"{fmt(x.get('fused_vs_eager_max_abs'), '.3e')} (rel "
+        f"{fmt(x.get('fused_vs_eager_rel'), '.2e')}); graph vs fused max abs "
+        f"{fmt(x.get('graph_vs_fused_max_abs'), '.3e')}; |eager| max "
+        f"{fmt(x.get('eager_max_abs'), '.3e')}; replayed {x.get('graph_replayed')}, ok "
         f"{x.get('errors_ok')}",
     ]
     for impl in ("fused", "graph"):
         r = e.get(impl)
         if r:
             lines.append(
-                f"engine {impl}: interval {_f(r.get('interval_ms'))} ms (runs of {r.get('chunks')}"
-                f" chunks; last {r.get('tail_chunks')} chunks {_f(r.get('interval_tail_ms'))}, "
-                f"gaps p50 {_f(r.get('interval_gaps_p50_ms'))}), mean batch "
-                f"{_f(r.get('mean_batch'))}; floors: matmul rate {_f(e.get('floor_matmul_ms'))}"
-                f" ms, GEMMs+attention {_f(e.get('floor_parts_ms'))} ms"
+                f"engine {impl}: interval {fmt(r.get('interval_ms'))} ms (runs of {r.get('chunks')}"
+                f" chunks; last {r.get('tail_chunks')} chunks {fmt(r.get('interval_tail_ms'))}, "
+                f"gaps p50 {fmt(r.get('interval_gaps_p50_ms'))}), mean batch "
+                f"{fmt(r.get('mean_batch'))}; floors: matmul rate {fmt(e.get('floor_matmul_ms'))}"
+                f" ms, GEMMs+attention {fmt(e.get('floor_parts_ms'))} ms"
             )
     if v["failed_steps"] or v["missing"]:
         lines.append(f"failed steps {v['failed_steps']}, missing {v['missing']} (see the JSON)")

@@ -22,13 +22,17 @@ from physis_ros.cli_errors import cli_main, finite_float
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
 from physis_ros.engine.config import SamplerConfig
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
+from physis_ros.engine.pool.admission import AdmissionController
+from physis_ros.engine.pool.calibrate import fit_device, fit_report, load_calibration
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, Profile, ProfileCostModel
-from physis_ros.engine.pool.depth import depth, load_measured
-from physis_ros.engine.pool.experiments import max_verified_concurrency, pool24, sim_streams
-from physis_ros.engine.pool.frontier import frontier
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.simulator import SimConfig, simulate
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
+from physis_ros.tools.experiments.depth import depth, load_measured
+from physis_ros.tools.experiments.frontier import frontier
+from physis_ros.tools.experiments.latencycheck import latencycheck
+from physis_ros.tools.experiments.pool24 import max_verified_concurrency, pool24, sim_streams
+from physis_ros.tools.experiments.realcheck import realcheck
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -252,8 +256,6 @@ def _device(args: argparse.Namespace):
     """The modelled H200, fitted to ``--calibration`` when given."""
     if not args.calibration:
         return H200
-    from physis_ros.engine.pool.calibrate import fit_device, load_calibration
-
     return fit_device(H200, load_calibration(args.calibration))
 
 
@@ -278,23 +280,18 @@ def main(argv: list[str] | None = None) -> int:
             device=_device(args),
         )
         if args.plot:
-            from physis_ros.tools.frontier_plot import frontier_chart
+            # Pillow: an optional dependency (the ``eval`` extra), only for --plot
+            from physis_ros.tools.experiments.frontier_plot import frontier_chart
 
             frontier_chart(result, args.plot)
     elif args.experiment == "latencycheck":
-        from physis_ros.tools.latencycheck import latencycheck
-
         result = latencycheck()
     elif args.experiment == "realcheck":
-        from physis_ros.tools.realcheck import realcheck
-
         profile = Profile.load(args.profile) if args.profile else None
         result = realcheck(profile=profile)
     else:
         result = run_pool(args)
     if args.calibration:
-        from physis_ros.engine.pool.calibrate import fit_report, load_calibration
-
         result["calibration"] = fit_report(_device(args), load_calibration(args.calibration))
     if args.json:
         print(json.dumps(result, indent=1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import platform
@@ -29,22 +30,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from physis_ros.cli_errors import cli_main, finite_float
 from physis_ros.engine.build import build_model
 from physis_ros.engine.config import CONTEXT_NOISE, ModelConfig, SamplerConfig, get_preset
-from physis_ros.engine.forward import forward_sequence, make_cond
+from physis_ros.engine.forward import make_cond
 from physis_ros.engine.model import load_upstream_state_dict, to_upstream_state_dict
-from physis_ros.engine.sampler import anchor_tokens, chunk_layout, sigmas, state_numel
+from physis_ros.engine.sampler import chunk_layout, sigmas, state_numel
+from physis_ros.eval.plots import line_chart
 from physis_ros.train.data import SequenceSampler, load_dataset
 from physis_ros.train.warmstart import load_init
-
-DEFAULT_LOG_FLOOR = 1e-8
-"""log_mse's floor: about 86 dB PSNR (an RMS error of 0.013 levels of 255). The per-window
-PSNR a user sees counts a frame copy-last-frame gets exactly as 100 dB; with a floor of 2e-5
-(53 dB) the loss could not tell a still scene reproduced exactly from one off by a level in
-a few pixels, and on the held-out bags those frames alone cost 0.4-0.6 dB of the mean
-(docs/push_wm)."""
+from physis_ros.train.windows import (
+    DEFAULT_LOG_FLOOR,
+    LOSSES,
+    Windows,
+    noisy_history_loss,
+    shifted,
+)
+from physis_ros.weights import read_metadata
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +102,7 @@ class TrainConfig:
     another patch size: ``warmstart.load_init``) instead of the seeded initialisation."""
     seed: int = 0
     threads: int = 1
-    """torch CPU threads (1: bit-reproducible, and fastest on a shared 2-core machine)."""
+    """torch CPU threads (1: bit-reproducible, and the fastest where the cores are shared)."""
     val_every: int = 50
     max_minutes: float = 0.0
     """0: no limit; otherwise stop after this many minutes (the metadata says where it stopped)."""
@@ -164,82 +168,7 @@ class TrainConfig:
         )
 
 
-LOSSES = ("mse", "log_mse")
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
-    return shift * u / (1.0 + (shift - 1.0) * u)
-
-
-@dataclass(frozen=True)
-class Windows:
-    """A batch of training windows: ``x0`` [B, C, X] packed clean chunks, the first C - h of
-    them observed positions (row b's observations are its last ``n_obs[b]`` of those, the
-    earlier ones unused), the last h predicted; ``sigma`` [B] each row's noise level; ``eps``
-    [B, C, S] noise over the state values (S = sampler.state_numel)."""
-
-    x0: torch.Tensor
-    n_obs: torch.Tensor
-    sigma: torch.Tensor
-    eps: torch.Tensor
-    horizon: int
-
-
-def as_served(cfg, x0: torch.Tensor, first_predicted: int) -> torch.Tensor:
-    """x0 [B, C, X] with every predicted chunk given what the server gives it: the newest
-    observed command (the last action row of chunk first_predicted - 1) held over it, and
-    that chunk as its anchor (``anchor_residual``)."""
-    out = x0.clone()
-    lay = chunk_layout(cfg)
-    newest = x0[:, first_predicted - 1]  # [B, X]
-    if cfg.action_mode == "condition":
-        held = newest[:, lay.actions][:, -cfg.action_dim :]  # [B, A]
-        out[:, first_predicted:, lay.actions] = held[:, None, :].repeat(1, 1, cfg.action_horizon)
-    if cfg.anchor_residual:
-        out[:, first_predicted:, lay.anchor] = anchor_tokens(cfg, newest)[:, None, :]
-    return out
-
-
-def window_mask(n_obs: torch.Tensor, chunks: int, horizon: int, window: int) -> torch.Tensor:
-    """[B, C, C] bool: block-causal with window W, unused leading positions attended by none
-    (each attends only itself, so its row stays finite)."""
-    i = torch.arange(chunks)
-    causal = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window)
-    used = i[None, :] >= (chunks - horizon - n_obs)[:, None]  # [B, C]
-    mask = causal[None] & used[:, None, :] & used[:, :, None]
-    return mask | torch.eye(chunks, dtype=torch.bool)[None]
-
-
-def noisy_history_loss(
-    model,
-    w: Windows,
-    *,
-    cond,
-    window: int,
-    context_noise: str = "clean",
-    loss: str = "mse",
-    log_floor: float = DEFAULT_LOG_FLOOR,
-):
-    """Mean squared velocity error over the predicted chunks' video values of windows ``w``
-    (``loss`` ``log_mse``: the mean of log(x0 MSE + log_floor) over the predicted chunks;
-    TrainConfig.loss)."""
-    cfg = model.cfg
-    b, c, _ = w.x0.shape
-    nvp = cfg.video_tokens * cfg.patch_dim
-    predicted = torch.arange(c)[None, :].expand(b, -1) >= c - w.horizon  # [B, C]
-    noised = predicted | torch.full_like(predicted, context_noise == "noised")
-    sig = torch.where(noised, w.sigma[:, None], torch.zeros(()))  # [B, C]
-    x0 = as_served(cfg, w.x0, c - w.horizon)
-    video = x0[..., :nvp]
-    x_in = x0.clone()
-    x_in[..., :nvp] = (1 - sig[..., None]) * video + sig[..., None] * w.eps[..., :nvp]
-    mask = window_mask(w.n_obs, c, w.horizon, window)
-    v = forward_sequence(model, x_in, sig, cond, window=window, chunk_mask=mask)[..., :nvp]
-    err = (v - (w.eps[..., :nvp] - video)).pow(2).mean(-1)  # [B, C]
-    if loss == "log_mse":  # v error = x0 error / sigma: back to the x0 error of each chunk
-        err = torch.log(err * sig.pow(2) + log_floor)
-    return (err * predicted).sum() / predicted.sum()
 
 
 @torch.no_grad()
@@ -307,6 +236,16 @@ def _windows(sampler: SequenceSampler, cfg: TrainConfig, gen: torch.Generator) -
     return Windows(x0, n_obs, sigma, eps, cfg.horizon)
 
 
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The model configuration a physis-train checkpoint was trained with (its metadata's
+    ``model`` and ``train_config.model_overrides``)."""
+    meta = read_metadata(path)
+    if "model" not in meta:
+        raise ValueError(f"{path}: no physis-train metadata (model)")
+    overrides = json.loads(meta.get("train_config", "{}")).get("model_overrides", "")
+    return TrainConfig(model=meta["model"], model_overrides=overrides).model_config
+
+
 def train(
     cfg: TrainConfig,
     data_paths: list[str | Path],
@@ -317,10 +256,6 @@ def train(
 ) -> dict:
     """Train, write ``weights.safetensors``, ``train_log.json`` and ``loss_curve.png`` into
     ``out_dir``; returns the log."""
-    from tqdm import tqdm
-
-    from physis_ros.eval.plots import line_chart
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.threads)
@@ -335,47 +270,16 @@ def train(
         val_sampler = SequenceSampler(val_data, mcfg, chunks=chunks, seed=cfg.seed + 1)
     val = _val_batch(val_sampler, cfg, 32) if val_sampler else None
     model = build_model(mcfg, seed=cfg.seed).train()
-    init_how = load_init(model, cfg.init) if cfg.init else ""
+    init_how = load_init(model, cfg.init, checkpoint_config(cfg.init)) if cfg.init else ""
     if mcfg.anchor_residual:
-        # the anchor passes through at 1: learned, the gate fell to ~0.5 within 2400 steps
-        # and the head blurred still scenes again (docs/push_wm/README.md)
+        # the anchor passes through at 1: a learned gate drifts towards 0.5 and the head
+        # blurs still scenes again (docs/push_wm/README.md)
         model.head.anchor_gate.requires_grad_(False)
     # the weights that are validated and saved: an EMA of the trained ones (or those)
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
-    )
-    noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
     log: dict = {"train_loss": [], "val_loss": [], "config": asdict(cfg)}
     t0 = time.perf_counter()
-    stopped_early = False
-    bar = tqdm(range(cfg.steps), desc="train", unit="step", disable=not progress)
-    for step in bar:
-        windows = _windows(sampler, cfg, noise_gen)
-        cond = make_cond(mcfg, 0).expand(cfg.batch_size, -1, -1)
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, cfg)
-        loss = noisy_history_loss(model, windows, cond=cond, **_loss_args(cfg))
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower --lr")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        if cfg.ema:
-            _ema_update(shipped, model, min(cfg.ema, (1 + step) / (10 + step)))
-        log["train_loss"].append(round(loss.item(), 6))
-        if val is not None and (step % cfg.val_every == 0 or step == cfg.steps - 1):
-            vloss = _val_loss(shipped, val, cfg)
-            model.train()
-            log["val_loss"].append([step, round(vloss, 6)])
-            bar.set_postfix(loss=f"{loss.item():.4f}", val=f"{vloss:.4f}")
-        if cfg.stop_after_steps and step + 1 >= cfg.stop_after_steps:
-            stopped_early = True
-            break
-        if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
-            stopped_early = True
-            break
+    stopped_early = _fit(model, shipped, sampler, val, cfg, log=log, progress=progress)
     model.eval()
     wall_s = time.perf_counter() - t0
     steps_done = len(log["train_loss"])
@@ -405,8 +309,6 @@ def train(
         "torch": torch.__version__,
         **({"init_sha256": _sha256(cfg.init), "init": init_how} if cfg.init else {}),
     }
-    from safetensors.torch import save_file
-
     save_file(state, str(out / "weights.safetensors"), metadata=meta)
     log.update(
         steps_done=steps_done,
@@ -420,25 +322,67 @@ def train(
         final_val_loss=final_val,
     )
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    steps_axis = list(range(steps_done))
+    _plot_losses(out / "loss_curve.png", log, cfg.model)
+    return log
+
+
+def _fit(model, shipped, sampler, val, cfg: TrainConfig, *, log: dict, progress: bool) -> bool:
+    """The optimizer steps (losses into ``log``; ``shipped`` follows as the EMA); True when
+    ``stop_after_steps`` or ``max_minutes`` stopped it before ``steps``."""
+    # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
+    from tqdm import tqdm
+
+    mcfg = model.cfg
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
+    )
+    noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    t0 = time.perf_counter()
+    bar = tqdm(range(cfg.steps), desc="train", unit="step", disable=not progress)
+    for step in bar:
+        windows = _windows(sampler, cfg, noise_gen)
+        cond = make_cond(mcfg, 0).expand(cfg.batch_size, -1, -1)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, cfg)
+        loss = noisy_history_loss(model, windows, cond=cond, **_loss_args(cfg))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower --lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        if cfg.ema:
+            _ema_update(shipped, model, min(cfg.ema, (1 + step) / (10 + step)))
+        log["train_loss"].append(round(loss.item(), 6))
+        if val is not None and (step % cfg.val_every == 0 or step == cfg.steps - 1):
+            vloss = _val_loss(shipped, val, cfg)
+            model.train()
+            log["val_loss"].append([step, round(vloss, 6)])
+            bar.set_postfix(loss=f"{loss.item():.4f}", val=f"{vloss:.4f}")
+        if cfg.stop_after_steps and step + 1 >= cfg.stop_after_steps:
+            return True
+        if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+            return True
+    return False
+
+
+def _plot_losses(path: Path, log: dict, model: str) -> None:
+    steps_axis = list(range(len(log["train_loss"])))
     smooth = _ema(log["train_loss"], 0.95)
     series = {"train loss (EMA 0.95)": (steps_axis, smooth)}
     if log["val_loss"]:
         series["held-out loss"] = ([s for s, _ in log["val_loss"]], [v for _, v in log["val_loss"]])
     line_chart(
-        out / "loss_curve.png",
+        path,
         series,
-        title=f"physis-train {cfg.model}: velocity MSE",
+        title=f"physis-train {model}: velocity MSE",
         xlabel="step",
         ylabel="loss",
         markers=False,
     )
-    return log
 
 
 def _sha256(path: str) -> str:
-    import hashlib
-
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 

@@ -7,39 +7,26 @@ uniform patch (a sum over the old sub-positions), the new head the mean of the o
 sub-positions, so a flat region maps as before; every other tensor (blocks, time and text
 embeddings, action conditioning) is the trained one. One trained with a plain x0 head starts an
 ``anchor_residual`` model with its head zeroed and the anchor gate at 1 (the model then starts
-as copy-last-frame, with the trained blocks). The checkpoint's model comes from its metadata
-(``model`` and ``train_config.model_overrides``).
+as copy-last-frame, with the trained blocks). The caller says which model the checkpoint was
+trained as (``train.checkpoint_config`` reads it from its metadata).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from physis_ros.engine.config import ModelConfig
 from physis_ros.engine.model import WanDiT, load_upstream_state_dict
 
 
-def checkpoint_config(path: str | Path) -> ModelConfig:
-    """The model configuration a physis-train checkpoint was trained with."""
-    from physis_ros.contract.safetensors import read_metadata
-    from physis_ros.train.train import TrainConfig
-
-    meta = read_metadata(path)
-    if "model" not in meta:
-        raise ValueError(f"{path}: no physis-train metadata (model)")
-    overrides = json.loads(meta.get("train_config", "{}")).get("model_overrides", "")
-    return TrainConfig(model=meta["model"], model_overrides=overrides).model_config
-
-
-def load_init(model: WanDiT, path: str | Path) -> str:
-    """Load checkpoint ``path`` into ``model`` (see the module docstring); returns how."""
-    from safetensors.torch import load_file
-
-    old = checkpoint_config(path)
+def load_init(model: WanDiT, path: str | Path, trained_as: ModelConfig) -> str:
+    """Load checkpoint ``path``, trained as ``trained_as`` (``train.checkpoint_config``), into
+    ``model`` (see the module docstring); returns how."""
+    old = trained_as
     new = model.cfg
     state = load_file(str(path), device="cpu")
     if new.anchor_residual and "head.anchor_gate" not in state:

@@ -1,4 +1,5 @@
-"""Helpers of the real checks (they live in ``physis_ros.tools.realcheck``), and
+"""Helpers of the real checks (they live in ``physis_ros.tools.experiments.realcheck``,
+``physis_ros.tools.gloo_calibration`` and ``physis_ros.engine.ranks.calibrate``), and
 ``python test/pool/realcheck.py [--ranks 1,2] [--streams 1,3]``: the sim-vs-real comparison
 as JSON (same as ``physis-sim --experiment realcheck --json``)."""
 
@@ -11,15 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from physis_ros.tools.realcheck import (
-    K,
-    W,
-    intervals_ms,
-    profile_gloo,
-    realcheck,
-    run_free,
-    runtime_config,
-)
+from physis_ros.engine.ranks.calibrate import K, W, run_free
+from physis_ros.tools.experiments.realcheck import intervals_ms, profile_gloo, realcheck
+from physis_ros.tools.gloo_calibration import runtime_config
 
 __all__ = [
     "K",

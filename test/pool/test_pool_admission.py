@@ -6,11 +6,12 @@ from hypothesis import strategies as st
 
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import GIB, H200, AnalyticCostModel
-from physis_ros.engine.pool.experiments import POOL24_BACKBONES, admit_until_refused
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.plan import StreamPlan, block_split, contiguous_split
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
+from physis_ros.tools.experiments.pool24 import POOL24_BACKBONES, admit_until_refused
 
 SAMPLER = SamplerConfig(steps=4, window=2)
 COST = AnalyticCostModel(H200)

@@ -9,14 +9,14 @@ import pytest
 
 from physis_ros.engine.placement import layout_even
 from physis_ros.engine.pool.costmodel import Profile, ProfileEntry
-from physis_ros.tools.realcheck import (
+from physis_ros.engine.ranks.calibrate import (
     WorkerSample,
-    calibrate_gloo,
     fit_worker_costs,
     layout_strided,
     layout_whole_steps,
-    pool_message_costs,
 )
+from physis_ros.tools.experiments.realcheck import pool_message_costs
+from physis_ros.tools.gloo_calibration import calibrate_gloo
 
 K, L = 4, 2
 

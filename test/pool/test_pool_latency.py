@@ -10,7 +10,7 @@ import pytest
 
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import (
     GIB,
     H200,
@@ -19,8 +19,6 @@ from physis_ros.engine.pool.costmodel import (
     ProfileCostModel,
     ProfileEntry,
 )
-from physis_ros.engine.pool.experiments import admit_until_refused
-from physis_ros.engine.pool.frontier import frontier
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.plan import StreamPlan
 from physis_ros.engine.pool.planner import (
@@ -32,6 +30,9 @@ from physis_ros.engine.pool.planner import (
     pareto,
     shapes,
 )
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
+from physis_ros.tools.experiments.frontier import frontier
+from physis_ros.tools.experiments.pool24 import admit_until_refused
 
 from physis_testing import REPO_ROOT
 

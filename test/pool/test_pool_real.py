@@ -1,6 +1,6 @@
-"""Real checks on this machine: the gloo runtime (the engine core over real rank processes)
-with tiny streams, admission from a profile measured here, intervals measured on the real
-outputs."""
+"""Real checks on the local machine: the gloo runtime (the engine core over real rank
+processes) with tiny streams, admission from a profile measured in the same run, intervals
+measured on the real outputs."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import torch
 
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.terms import PoolConfig
 from physis_ros.engine.ranks.executor import ranks_engine
 
 from .realcheck import K, W, intervals_ms, profile_gloo, realcheck, runtime_config
@@ -132,8 +133,8 @@ def test_a_latency_budget_places_the_stream_shallower_and_it_keeps_its_promise()
     is packed beside B on rank 1 (its chunks pass ranks 0 -> 1 -> 0); with a budget between
     that promise and rank 0's, C is admitted on rank 0 alone (one rank on its path), and its
     measured interval and response latency are within 15% of the promise
-    (tools/latencycheck.py)."""
-    from physis_ros.tools.latencycheck import latencycheck
+    (tools/experiments/latencycheck.py)."""
+    from physis_ros.tools.experiments.latencycheck import latencycheck
 
     out = latencycheck()
     if not out.get("quiet", False):

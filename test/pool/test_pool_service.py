@@ -13,7 +13,6 @@ import pytest
 
 from physis_ros.engine.api import AdmissionRefused, ChunkOutput, StreamPromise, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import PoolConfig, StreamRequest
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.planning import PoolSimulation, plan_default_target, simulate_plans
@@ -22,6 +21,7 @@ from physis_ros.engine.pool.service import (
     RECALIBRATE_WARMUP_CHUNKS,
     PoolAdmission,
 )
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
 
 CFG = get_preset("tiny")
 SAMPLER = SamplerConfig(steps=4, window=2)

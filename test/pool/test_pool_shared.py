@@ -10,10 +10,11 @@ from stream_plans import random_plan, run_plans, tiny_cond, worst_oracle_error
 
 from physis_ros.engine.api import AdmissionRefused, StreamSpec
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import GIB, Profile, ProfileCostModel, ProfileEntry
 from physis_ros.engine.pool.gate import AdmittedEngine, plan_layout
 from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.terms import PoolConfig
 from physis_ros.engine.ranks.executor import ranks_engine
 
 from .realcheck import K, W, runtime_config
@@ -22,7 +23,7 @@ torch.set_num_threads(1)
 TOL = 1e-5
 CHUNKS = 6
 
-# A fixed cost (1 ms per stage): admission decisions here do not depend on this host's speed.
+# A fixed cost (1 ms per stage): admission decisions here do not depend on the host's speed.
 STAGE_MS = 1.0
 PROFILE = Profile(
     device="test fixture",

@@ -9,11 +9,11 @@ import pytest
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, Profile, ProfileCostModel
 from physis_ros.engine.pool.costmodel import ProfileEntry as E
-from physis_ros.engine.pool.depth import depth, load_measured
-from physis_ros.engine.pool.experiments import pool24
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.plan import StreamPlan
 from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
+from physis_ros.tools.experiments.depth import depth, load_measured
+from physis_ros.tools.experiments.pool24 import pool24
 
 from physis_testing import REPO_ROOT
 

@@ -18,7 +18,7 @@ def test_bench_opens_streams_until_refused_and_reports_each(tmp_path, capsys):
     config.write_text(
         "engine: {model: tiny, steps: 4, window: 2}\n"
         f"placement: {{workers: 1, profile: {tmp_path / 'profile.json'}}}\n"
-        # the profile's costs throughout: what this host measures must not move admissions
+        # the profile's costs throughout: what the host measures must not move admissions
         "pool: {max_utilization: 0.9, recalibrate: false}\n"
     )
     args = ["--config", str(config), "--target-ms", "32", "--max-streams", "5"]

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.build import build_model
 from physis_ros.engine.config import get_preset
 from physis_ros.engine.forward import forward_sequence, make_cond
 from physis_ros.engine.sampler import chunk_layout, chunk_numel, latent_to_tokens, tokens_to_latent
 from physis_ros.sim.record import RecordConfig, record_episode
-from physis_ros.train.train import DEFAULT_LOG_FLOOR, TrainConfig, Windows, noisy_history_loss
-from physis_ros.weights import engine_kwargs
+from physis_ros.train.train import TrainConfig
+from physis_ros.train.windows import DEFAULT_LOG_FLOOR, Windows, noisy_history_loss
+from physis_ros.weights import engine_kwargs, read_metadata
 
 
 @pytest.fixture(scope="module")

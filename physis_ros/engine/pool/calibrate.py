@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.pool.costmodel import AnalyticCostModel, DeviceSpec, block_work
+from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, DeviceSpec, block_work
 
 
 def load_calibration(path: str | Path) -> dict:
@@ -203,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("runs", nargs="+")
     merge.add_argument("-o", "--out", required=True)
     args = p.parse_args(argv)
-    from physis_ros.engine.pool.costmodel import H200
-
     try:
         if args.cmd == "fit":
             data = load_calibration(args.calibration)

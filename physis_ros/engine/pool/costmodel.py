@@ -3,7 +3,7 @@
 Two sources of numbers behind one interface (``CostModel``):
 
 - ``AnalyticCostModel``: FLOPs and bytes from a ``ModelConfig`` and a ``DeviceSpec`` (a
-  roofline with stated efficiencies). It stands in for devices this machine does not have;
+  roofline with stated efficiencies). It stands in for devices the local machine does not have;
   ``H200`` is the preset used by the pool24 and depth experiments.
 - ``ProfileCostModel``: per-block times *measured* by ``physis-profile`` on the actual
   device, as a function of the batch composition (tasks per batched forward), read from the
@@ -93,19 +93,16 @@ class DeviceSpec:
 
 # NVIDIA H200 SXM (HGX H200 8-GPU node). Peak, bandwidth, memory and links: datasheet
 # figures. Compute efficiencies, elementwise passes and the per-forward overhead: fitted
-# (``pool/calibrate.py``) to block-task times measured on one H200 by scripts/gpu_check.sh
-# (two runs, 2026-12-04; driver 580.159.04, torch 2.11.0+cu130, CUDA 13.0, the fused block
-# path with Triton kernels): docs/pool/h200_calibration.json, test_pool_calibrate checks that
-# refitting that file gives these numbers. Before that fit they were assumptions (GEMM 0.70,
-# attention 0.55, 24 passes, 0.05 ms): one block-task 1.31x (1.3B), 1.03x (14B) and 1.01x
-# (33B) faster than the fused block measured there (1.37x, 1.13x than the eager block).
+# (``pool/calibrate.py``) to block-task times of the fused block path measured on an H200 by
+# scripts/gpu_check.sh: docs/pool/h200_calibration.json holds them with their environment, and
+# test_pool_calibrate checks that refitting that file gives these numbers.
 H200 = DeviceSpec(
     name="H200-SXM (calibrated: NVIDIA H200)",
     peak_flops=989e12,  # dense BF16 tensor-core peak (datasheet 1979 TFLOP/s is with sparsity)
     gemm_efficiency=0.7269,  # fitted: the block's six weight GEMMs timed alone (cuBLAS)
     attn_efficiency=0.5067,  # fitted: self + cross attention timed alone (SDPA, cuDNN)
     mem_bandwidth_Bps=4.8e12,  # HBM3e
-    bandwidth_efficiency=0.80,  # assumption (a device copy measured 4.25 TB/s: 0.885)
+    bandwidth_efficiency=0.80,  # assumption (a device-to-device copy reaches about 0.885)
     memory_bytes=141e9,  # 141 GB HBM3e
     reserved_bytes=6 * GIB,  # assumption: CUDA context, NCCL buffers, allocator slack
     dtype_bytes=2,  # bf16 weights, activations and KV

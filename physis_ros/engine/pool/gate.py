@@ -14,8 +14,9 @@ from typing import Protocol
 
 from physis_ros.engine.api import StreamPromise, StreamSpec
 from physis_ros.engine.config import ModelConfig, SamplerConfig
-from physis_ros.engine.pool.admission import Admission, AdmissionController, StreamRequest
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.plan import StreamPlan
+from physis_ros.engine.pool.terms import Admission, StreamRequest
 
 
 class LayoutEngine(Protocol):

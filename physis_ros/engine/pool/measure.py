@@ -9,7 +9,11 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from dataclasses import replace
 
+import numpy as np
+
+from physis_ros.engine.api import StreamSpec
 from physis_ros.engine.pool.costmodel import Profile, ProfileEntry
 
 
@@ -19,6 +23,7 @@ def _p99(values: list[float]) -> float:
 
 
 def device_name(device) -> str:
+    # torch only here: the rest of the pool package is pure Python and imports without it
     import torch
 
     device = torch.device(device)
@@ -27,21 +32,23 @@ def device_name(device) -> str:
     return f"cpu x{torch.get_num_threads()} threads"
 
 
-def run_burst(engine, layout, *, pairs: int, skip: int, timeout_s: float = 120.0) -> float:
-    """Mean interval (ms) of ``pairs`` generated chunks, each behind a context chunk, all
-    queued at once on a stream of ``layout`` of ``engine`` (a ``StreamEngine`` whose
-    ``open_stream`` takes a layout): the whole engine as it serves (worker threads or ranks,
-    transport, controller, decoding), free running. Intervals after the first ``skip``."""
-    import numpy as np
-
-    from physis_ros.engine.api import StreamSpec
-
+def _blank_inputs(engine):
+    """(model config, frames, actions, state) of one blank observation for ``engine``."""
     cfg = engine.model_cfg if hasattr(engine, "model_cfg") else engine.cfg
     frames = np.zeros((cfg.frames_per_chunk, *cfg.image_size, 3), np.uint8)
     actions = None
     if cfg.action_mode != "none":
         actions = np.zeros((cfg.action_horizon, cfg.action_dim), np.float32)
     state = np.zeros((cfg.frames_per_chunk, cfg.state_dim), np.float32) if cfg.state_dim else None
+    return cfg, frames, actions, state
+
+
+def run_burst(engine, layout, *, pairs: int, skip: int, timeout_s: float = 120.0) -> float:
+    """Mean interval (ms) of ``pairs`` generated chunks, each behind a context chunk, all
+    queued at once on a stream of ``layout`` of ``engine`` (a ``StreamEngine`` whose
+    ``open_stream`` takes a layout): the whole engine as it serves (worker threads or ranks,
+    transport, controller, decoding), free running. Intervals after the first ``skip``."""
+    cfg, frames, actions, state = _blank_inputs(engine)
     sid = engine.open_stream(StreamSpec(seed=0), layout=layout).stream_id
     try:
         for _ in range(pairs):
@@ -65,8 +72,6 @@ def scaled_profile(profile: Profile, scale: float) -> Profile:
     """``profile`` with every worker-time number (block forwards, loop overheads, controller
     work per chunk) multiplied by ``scale``: what the whole engine measured relative to what
     the profile's parts predicted."""
-    from dataclasses import replace
-
     return replace(
         profile,
         entries=tuple(
@@ -82,16 +87,7 @@ def run_sequential(engine, layout, *, pairs: int, timeout_s: float = 120.0) -> l
     """Latency (ms, entered to left) of ``pairs`` context + generated chunk pairs sent one at
     a time (each after the previous one's chunk came back): the pipeline with no batching
     across pairs."""
-    import numpy as np
-
-    from physis_ros.engine.api import StreamSpec
-
-    cfg = engine.model_cfg if hasattr(engine, "model_cfg") else engine.cfg
-    frames = np.zeros((cfg.frames_per_chunk, *cfg.image_size, 3), np.uint8)
-    actions = None
-    if cfg.action_mode != "none":
-        actions = np.zeros((cfg.action_horizon, cfg.action_dim), np.float32)
-    state = np.zeros((cfg.frames_per_chunk, cfg.state_dim), np.float32) if cfg.state_dim else None
+    cfg, frames, actions, state = _blank_inputs(engine)
     sid = engine.open_stream(StreamSpec(seed=1), layout=layout).stream_id
     latencies = []
     try:

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from physis_ros.engine.pool.costmodel import GIB
 from physis_ros.engine.pool.memory import StageCharge
 from physis_ros.engine.pool.plan import StreamPlan, block_split, contiguous_split
-
-if TYPE_CHECKING:
-    from physis_ros.engine.pool.admission import StreamRequest
+from physis_ros.engine.pool.terms import StreamRequest
 
 
 @dataclass
@@ -156,22 +153,11 @@ class SparePacker:
         L, S = cfg.num_blocks, sampler.steps * cfg.num_blocks
         # A stage's work per interval: one forward per chunk that passes it.
         s_ms = self.stage_ms(cfg, sampler) * req.chunks_per_interval
-        mem = self.pool.memory
         # One hop in and one out are reserved on every device when messages cost compute.
         reserve = sum(self._comm_ms(cfg)) * req.chunks_per_interval if len(candidates) > 1 else 0.0
         budget = {d: self._budget_ms(d, T) - reserve for d in candidates}
         free = {d: self.pool.usable_bytes - self._mem_used[d] for d in candidates}
-        charges: dict[int, StageCharge] = {}
-        for d in candidates:
-            blocks, edges, ws = self._held(d)
-            charges[d] = StageCharge(
-                mem=mem,
-                cfg=cfg,
-                sampler=sampler,
-                held_blocks=blocks,
-                held_edges=edges,
-                workspace_now=ws,
-            )
+        charges = self._charges(req, candidates)
         total_spare = sum(max(0.0, b) for b in budget.values())
         if total_spare < S * s_ms:
             interval = S * s_ms / max(total_spare / T, 1e-12)
@@ -217,9 +203,32 @@ class SparePacker:
             stage_devices.append(d)
             cur = d
         plan = self._plan(sid, req, tuple(stage_devices))
+        over = self._over_budget(plan)
+        return (None, over) if over else (plan, Failure("", "", ""))
+
+    def _charges(self, req: StreamRequest, candidates: list[int]) -> dict[int, StageCharge]:
+        """Per candidate device, what each stage of ``req`` would cost its memory given the
+        blocks, edges and workspace it holds now."""
+        charges = {}
+        for d in candidates:
+            blocks, edges, ws = self._held(d)
+            charges[d] = StageCharge(
+                mem=self.pool.memory,
+                cfg=req.model,
+                sampler=req.sampler,
+                held_blocks=blocks,
+                held_edges=edges,
+                workspace_now=ws,
+            )
+        return charges
+
+    def _over_budget(self, plan: StreamPlan) -> Failure | None:
+        """A device ``plan`` would keep busy beyond its spare compute (its sends beyond the
+        one reserved), if any."""
+        T = plan.target_interval_ms
         for d, ms in self.device_load_ms(plan).items():
-            if ms > self._budget_ms(d, T) + 1e-9:  # sends beyond the reserved one
-                return None, Failure(
+            if ms > self._budget_ms(d, T) + 1e-9:
+                return Failure(
                     resource="compute",
                     reason=(
                         f"compute: device {d} would be busy {ms:.1f} ms per interval with "
@@ -227,7 +236,7 @@ class SparePacker:
                     ),
                     shortfall=f"{ms - self._budget_ms(d, T):.1f} ms",
                 )
-        return plan, Failure("", "", "")
+        return None
 
     @staticmethod
     def _stuck(i, L, s_ms, S, T, *, short, budget, free, charges, cur) -> Failure:

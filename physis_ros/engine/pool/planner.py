@@ -18,8 +18,9 @@ A *shape* says how one stream's K*L stages sit on devices:
   cheap, on CPUs and small models). And floor(G / d) groups side by side (replicas).
 
 ``estimate`` is the closed form of a shape (what the simulator gives when every stream keeps
-its slots; ``frontier.py`` checks it by simulation); ``shapes`` enumerates what fits in
-memory; ``pareto`` keeps the shapes no other beats on all of I, R and devices per stream.
+its slots; ``tools/experiments/frontier.py`` checks it by simulation); ``shapes`` enumerates
+what fits in memory; ``pareto`` keeps the shapes no other beats on all of I, R and devices per
+stream.
 Chunk size (latent frames per chunk) and window W are inputs: the caller passes the model
 with ``latent_frames`` replaced and the sampler with its window.
 """

@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass
 
 from physis_ros.engine.api import AdmissionRefused
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import CostModel
 from physis_ros.engine.pool.plan import StreamPlan
 from physis_ros.engine.pool.simulator import SimConfig, SimReport, SimStream, simulate
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
 
 SIM_CHUNKS = 24
 """Chunks per stream in a promise's simulation (warm-up and cool-down excluded below)."""

@@ -43,12 +43,13 @@ from dataclasses import dataclass
 from physis_ros.engine.api import AdmissionRefused, StreamPromise, StreamSpec
 from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.placement import Layout
-from physis_ros.engine.pool.admission import AdmissionController, PoolConfig, StreamRequest
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import CostModel
 from physis_ros.engine.pool.gate import plan_layout
 from physis_ros.engine.pool.plan import StreamPlan, contiguous_split
 from physis_ros.engine.pool.planning import PoolSimulation, SlowerCost, simulate_plans
 from physis_ros.engine.pool.simulator import SimReport
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
 
 log = logging.getLogger(__name__)
 

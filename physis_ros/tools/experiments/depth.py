@@ -18,11 +18,11 @@ from pathlib import Path
 
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, DeviceSpec, block_work
-from physis_ros.engine.pool.experiments import POOL24_SAMPLER, backbone_facts
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.plan import StreamPlan
 from physis_ros.engine.pool.planner import Shape, estimate
 from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
+from physis_ros.tools.experiments.pool24 import POOL24_SAMPLER, backbone_facts
 
 PUBLISHED_DEPTH_INTERVAL_MS = 4.083
 CHUNK_FRAMES = (1, 2, 3)

@@ -16,12 +16,7 @@ from dataclasses import asdict
 
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
-from physis_ros.engine.pool.admission import (
-    Admission,
-    AdmissionController,
-    PoolConfig,
-    StreamRequest,
-)
+from physis_ros.engine.pool.admission import AdmissionController
 from physis_ros.engine.pool.costmodel import (
     H200,
     AnalyticCostModel,
@@ -32,6 +27,7 @@ from physis_ros.engine.pool.costmodel import (
 )
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.simulator import SimConfig, SimReport, SimStream, simulate
+from physis_ros.engine.pool.terms import Admission, PoolConfig, StreamRequest
 
 POOL24_BACKBONES = ("wan2.1-1.3b", "wan2.2-ti2v-5b", "wan2.1-14b", "dit-22b", "dit-33b")
 POOL24_SAMPLER = SamplerConfig(steps=4, window=2)
@@ -228,102 +224,146 @@ def pool24(
     sim = SimConfig(num_devices=devices, chunks=chunks, warmup_chunks=4, cooldown_chunks=2)
     rows, details = [], {}
     for name in backbones:
-        request = StreamRequest(
-            model=get_preset(name), sampler=sampler, target_interval_ms=target_interval_ms
+        row, details[name] = _backbone(
+            name,
+            sampler=sampler,
+            target_interval_ms=target_interval_ms,
+            make_pool=lambda policy, cap: _h200_pool(policy, devices, cap, device),
+            max_utilization=max_utilization,
+            cost=cost,
+            sim=sim,
+            seed=seed,
+            device=device,
         )
-        result = {}
-        for policy in ("static", "shared"):
-            result[policy] = max_verified_concurrency(
-                request=request,
-                pool=_h200_pool(policy, devices, max_utilization, device),
-                cost=cost,
-                sim=sim,
-                seed=seed,
-            )
-        static, shared = result["static"]["verified"], result["shared"]["verified"]
-        pool = _h200_pool("shared", devices, max_utilization, device)
-        bound = sharing_bound(request, pool, cost, static)
-        row = {
-            "backbone": name,
-            "static": static,
-            "shared": shared,
-            "ratio": round(shared / static, 3) if static else None,
-            "meets_target": bool(static) and shared >= SHARED_OVER_STATIC_TARGET * static,
-            "bound_ratio_at_cap": bound["max_ratio_at_cap"],
-            "bound_ratio_at_100_percent": bound["max_ratio_at_100_percent"],
-        }
-        if not row["meets_target"] and bound["target_reachable"]:
-            # Reachable only above the admission's headroom: what it takes, verified.
-            cap = math.ceil(bound["admission_cap_for_target"] * 100) / 100
-            above = max_verified_concurrency(
-                request=request,
-                pool=_h200_pool("shared", devices, cap, device),
-                cost=cost,
-                sim=sim,
-                seed=seed,
-            )
-            row["at_utilization"] = {
-                "max_utilization": cap,
-                "shared": above["verified"],
-                "ratio": round(above["verified"] / static, 3),
-            }
         rows.append(row)
-        stage_ms = cost.group_ms(request.model, sampler, 1)
-        details[name] = {
-            **backbone_facts(name, sampler, device),
-            "stage_ms": round(stage_ms, 3),
-            "chunk_compute_ms_one_device": round(
-                stage_ms * sampler.steps * get_preset(name).num_blocks, 1
-            ),
-            "static": result["static"],
-            "shared": result["shared"],
-            "bound": bound,
-        }
     return {
         "experiment": "pool24",
         "target_ratio": SHARED_OVER_STATIC_TARGET,
         "rows": rows,
         "details": details,
-        "assumptions": {
-            "devices": devices,
-            "target_interval_ms": target_interval_ms,
-            "K": sampler.steps,
-            "W": sampler.window,
-            "max_utilization": max_utilization,
-            "admission_compute": "unbatched group_ms(1) per stage per interval",
-            "sim": asdict(sim),
-            "stream_phases": f"uniform random in [0, T), seed {seed}",
-            "source": "each stream releases one chunk per target interval",
-            "meets_target": "median interval <= 1.01 T and no chunk later than its slot on "
-            "the output clock + 0.10 T",
-            "chunk": "3 latent frames (12 camera frames at VAE stride 4); "
-            "480x832 (Wan2.1 / 22B / 33B presets), 704x1280 (Wan2.2 TI2V 5B)",
-            "published": {
-                "shared_over_static": "1.7-3.3x band for 1.3B, 5B, 22B and 33B; 0.75x for "
-                "Wan2.1 14B (24 streams static -> 18 shared)",
-                "chunk_and_resolution": "not stated with the published ratios; the static "
-                "baseline's group sizes neither (ours: the smallest group meeting T alone, which "
-                "keeps its GPUs 55-75% busy for 14B/22B/33B on the calibrated H200: see "
-                "details.*.bound)",
-            },
-            "not_modelled": "VAE encode/decode and text encoder (timed apart, as published); "
-            "entry/exit hops to the front end; embed/head FLOPs (<0.1% of a block)",
-            "policies": {
-                "static": "each stream gets an exclusive group of empty GPUs, the smallest "
-                "(contiguous stages or whole blocks per GPU) whose busiest GPU stays within "
-                "max_utilization of T alone and whose memory fits",
-                "shared": "same model shares GPUs: pack the new stream's stages into the "
-                "spare compute and memory of GPUs in use; else a fresh static-sized group; "
-                "else pack anywhere; admitted streams never move",
-            },
-            "memory": {
-                **asdict(_h200_pool("shared", devices, max_utilization, device).memory),
-                "usable_bytes_per_gpu": device.usable_bytes,
-                "per_gpu": "weights of each block hosted (once for all steps and streams) + "
-                "embed/head where block 0 or L-1 is hosted + per (stream, stage) KV ring of W "
-                "chunks x tokens x 2 x D + per (stream, block) cross-attention K/V of text_len "
-                "tokens + 2 receive buffers per inbound hop + workspace of max_batch tasks",
-            },
-            **cost.assumptions(),
+        "assumptions": _assumptions(
+            devices, target_interval_ms, sampler, max_utilization, sim, seed, device, cost
+        ),
+    }
+
+
+def _backbone(
+    name: str,
+    *,
+    sampler: SamplerConfig,
+    target_interval_ms: float,
+    make_pool,
+    max_utilization: float,
+    cost: AnalyticCostModel,
+    sim: SimConfig,
+    seed: int,
+    device: DeviceSpec,
+) -> tuple[dict, dict]:
+    """One backbone's row (static and shared verified, their ratio, the bound; above the
+    headroom when the target is reachable only there) and its details. ``make_pool(policy,
+    max_utilization)``: the modelled pool."""
+    request = StreamRequest(
+        model=get_preset(name), sampler=sampler, target_interval_ms=target_interval_ms
+    )
+    result = {}
+    for policy in ("static", "shared"):
+        result[policy] = max_verified_concurrency(
+            request=request,
+            pool=make_pool(policy, max_utilization),
+            cost=cost,
+            sim=sim,
+            seed=seed,
+        )
+    static, shared = result["static"]["verified"], result["shared"]["verified"]
+    pool = make_pool("shared", max_utilization)
+    bound = sharing_bound(request, pool, cost, static)
+    row = {
+        "backbone": name,
+        "static": static,
+        "shared": shared,
+        "ratio": round(shared / static, 3) if static else None,
+        "meets_target": bool(static) and shared >= SHARED_OVER_STATIC_TARGET * static,
+        "bound_ratio_at_cap": bound["max_ratio_at_cap"],
+        "bound_ratio_at_100_percent": bound["max_ratio_at_100_percent"],
+    }
+    if not row["meets_target"] and bound["target_reachable"]:
+        # Reachable only above the admission's headroom: what it takes, verified.
+        cap = math.ceil(bound["admission_cap_for_target"] * 100) / 100
+        above = max_verified_concurrency(
+            request=request,
+            pool=make_pool("shared", cap),
+            cost=cost,
+            sim=sim,
+            seed=seed,
+        )
+        row["at_utilization"] = {
+            "max_utilization": cap,
+            "shared": above["verified"],
+            "ratio": round(above["verified"] / static, 3),
+        }
+    stage_ms = cost.group_ms(request.model, sampler, 1)
+    detail = {
+        **backbone_facts(name, sampler, device),
+        "stage_ms": round(stage_ms, 3),
+        "chunk_compute_ms_one_device": round(
+            stage_ms * sampler.steps * get_preset(name).num_blocks, 1
+        ),
+        "static": result["static"],
+        "shared": result["shared"],
+        "bound": bound,
+    }
+    return row, detail
+
+
+def _assumptions(  # noqa: PLR0917 - the experiment's own settings, reported as they were
+    devices: int,
+    target_interval_ms: float,
+    sampler: SamplerConfig,
+    max_utilization: float,
+    sim: SimConfig,
+    seed: int,
+    device: DeviceSpec,
+    cost: AnalyticCostModel,
+) -> dict:
+    return {
+        "devices": devices,
+        "target_interval_ms": target_interval_ms,
+        "K": sampler.steps,
+        "W": sampler.window,
+        "max_utilization": max_utilization,
+        "admission_compute": "unbatched group_ms(1) per stage per interval",
+        "sim": asdict(sim),
+        "stream_phases": f"uniform random in [0, T), seed {seed}",
+        "source": "each stream releases one chunk per target interval",
+        "meets_target": "median interval <= 1.01 T and no chunk later than its slot on "
+        "the output clock + 0.10 T",
+        "chunk": "3 latent frames (12 camera frames at VAE stride 4); "
+        "480x832 (Wan2.1 / 22B / 33B presets), 704x1280 (Wan2.2 TI2V 5B)",
+        "published": {
+            "shared_over_static": "1.7-3.3x band for 1.3B, 5B, 22B and 33B; 0.75x for "
+            "Wan2.1 14B (24 streams static -> 18 shared)",
+            "chunk_and_resolution": "not stated with the published ratios; the static "
+            "baseline's group sizes neither (ours: the smallest group meeting T alone, which "
+            "keeps its GPUs 55-75% busy for 14B/22B/33B on the calibrated H200: see "
+            "details.*.bound)",
         },
+        "not_modelled": "VAE encode/decode and text encoder (timed apart, as published); "
+        "entry/exit hops to the front end; embed/head FLOPs (<0.1% of a block)",
+        "policies": {
+            "static": "each stream gets an exclusive group of empty GPUs, the smallest "
+            "(contiguous stages or whole blocks per GPU) whose busiest GPU stays within "
+            "max_utilization of T alone and whose memory fits",
+            "shared": "same model shares GPUs: pack the new stream's stages into the "
+            "spare compute and memory of GPUs in use; else a fresh static-sized group; "
+            "else pack anywhere; admitted streams never move",
+        },
+        "memory": {
+            **asdict(_h200_pool("shared", devices, max_utilization, device).memory),
+            "usable_bytes_per_gpu": device.usable_bytes,
+            "per_gpu": "weights of each block hosted (once for all steps and streams) + "
+            "embed/head where block 0 or L-1 is hosted + per (stream, stage) KV ring of W "
+            "chunks x tokens x 2 x D + per (stream, block) cross-attention K/V of text_len "
+            "tokens + 2 receive buffers per inbound hop + workspace of max_batch tasks",
+        },
+        **cost.assumptions(),
     }

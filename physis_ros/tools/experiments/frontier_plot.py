@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from PIL import Image, ImageDraw, ImageFont
+
 WIDTH, HEIGHT = 900, 560
 LEFT, RIGHT, TOP, BOTTOM = 80, 230, 50, 60
 # Devices per stream, upper bound of each colour class.
@@ -21,8 +23,6 @@ CLASSES = [
 
 
 def _font(size: int = 13):
-    from PIL import ImageFont
-
     try:
         return ImageFont.load_default(size=size)
     except TypeError:  # Pillow without FreeType: a fixed bitmap font
@@ -49,8 +49,6 @@ def _label(v: float) -> str:
 
 def frontier_chart(result: dict, path: str | Path) -> None:
     """Draw ``physis-sim --experiment frontier`` output into ``path``."""
-    from PIL import Image, ImageDraw
-
     points = result["frontier"]
     if not points:
         raise ValueError("no frontier points to draw")
@@ -104,6 +102,12 @@ def frontier_chart(result: dict, path: str | Path) -> None:
         color = next(c for bound, _, c in CLASSES if p["devices_per_stream"] <= bound)
         x, y = px(p["interval_ms"], p["response_latency_ms"])
         draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color, outline="black")
+    _legend(draw, points, right, font)
+    img.save(str(path))
+
+
+def _legend(draw: ImageDraw.ImageDraw, points: list[dict], right: float, font) -> None:
+    """The colour classes and what the points are, right of the plot."""
     draw.text((right + 14, TOP + 4), "devices per stream", fill="black", font=font)
     for i, (_, name, color) in enumerate(CLASSES):
         y = TOP + 26 + 20 * i
@@ -129,4 +133,3 @@ def frontier_chart(result: dict, path: str | Path) -> None:
     ):
         draw.text((right + 14, note_y), line, fill=(60, 60, 60), font=_font(11))
         note_y += 15
-    img.save(str(path))

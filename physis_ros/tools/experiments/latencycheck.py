@@ -1,11 +1,11 @@
 """A latency budget on the real runtime (CPU ranks over gloo): admitted, placed shallower, and
 measured against its promise.
 
-Two gloo ranks on this host, the controller on rank 0: every chunk enters and leaves the
-pipeline there. On these ranks a message costs ~0.3 ms of the sender's and the receiver's
-processor time and the ranks batch the tasks of different streams, so what a chunk's path
-costs is its hops, not queueing: a stream on rank 0 alone passes one rank, a stream on rank 1
-passes rank 0 -> rank 1 -> rank 0 (two hops).
+Two gloo ranks on the local host, the controller on rank 0: every chunk enters and leaves the
+pipeline there. On these ranks a message costs a fraction of a millisecond of the sender's
+and the receiver's processor time and the ranks batch the tasks of different streams, so what
+a chunk's path costs is its hops, not queueing: a stream on rank 0 alone passes one rank, a
+stream on rank 1 passes rank 0 -> rank 1 -> rank 0 (two hops).
 
 Stream A took rank 0 and stream B rank 1 (B did not fit next to A), then A left: rank 0 is
 free and rank 1 has room. Stream C without a budget is packed into the spare compute of the
@@ -30,19 +30,35 @@ import itertools
 import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from physis_ros.tools.realcheck import (
-    BATCHES,
-    QUIET_CORES,
+import torch
+
+from physis_ros.engine.api import AdmissionRefused, StreamSpec
+from physis_ros.engine.build import build_model
+from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
+from physis_ros.engine.core import EngineCore
+from physis_ros.engine.pool.admission import AdmissionController
+from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
+from physis_ros.engine.pool.gate import AdmittedEngine
+from physis_ros.engine.pool.memory import MemoryModel
+from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
+from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
+from physis_ros.engine.ranks.calibrate import (
     WARM_CHUNKS,
     ForeignLoad,
     K,
     W,
     _all_tasks_cpu_ms,
-    _Job,
-    host_busy,
     host_cores,
-    pool_message_costs,
+)
+from physis_ros.engine.ranks.executor import ranks_engine
+from physis_ros.engine.stage import BlockTimer
+from physis_ros.tools.experiments.realcheck import BATCHES, GlooJob, pool_message_costs
+from physis_ros.tools.gloo_calibration import (
+    QUIET_CORES,
+    host_busy,
     runtime_config,
     wait_for_quiet,
     warm_up,
@@ -61,8 +77,6 @@ def _admit_scenario(scenario: tuple, ab: float, c: float, budget_ms: float, **kw
     """A and B admitted, A closed, then C (``budget_ms``): (the controller, B's and C's
     admissions). ``scenario``: (pool, cost, model config, sampler); ``kw`` goes to the
     ``AdmissionController``."""
-    from physis_ros.engine.pool.admission import AdmissionController, StreamRequest
-
     pool, cost, cfg, sampler = scenario
     work_ms = K * cfg.num_blocks * cost.group_ms(cfg, sampler, 1)
     ctl = AdmissionController(pool, cost, **kw)
@@ -81,8 +95,6 @@ def _shares(pool, cost, cfg, sampler, predict) -> tuple[float, float, float]:
     """(share of A and B, share of C, predicted gain): of the shares that put A on rank 0,
     B on rank 1 and C, without a budget, beside B on rank 1, those where ``predict`` gives C
     on rank 0 the largest relative cut in response latency (the first reaching ``MIN_GAIN``)."""
-    from physis_ros.engine.api import AdmissionRefused
-
     scenario = (pool, cost, cfg, sampler)
     best: tuple[float, float, float] | None = None
     for ab, c in SHARES:
@@ -115,8 +127,6 @@ def _predictor(profiles: list, cores: int, chunks: int, skip: int, foreign: floa
     """plans -> {stream: (median interval, median pipeline latency)}: the pool simulator with
     each calibration (``realcheck.simulate_free``'s configuration, streams paced at their
     targets, released together), the median over calibrations."""
-    from physis_ros.engine.pool.costmodel import ProfileCostModel
-    from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
 
     def predict(plans: list) -> dict[int, tuple[float, float]]:
         runs = []
@@ -240,6 +250,104 @@ def _summary(runs: list, skip: int, max_foreign: float, predict_with_load) -> di
     }
 
 
+@dataclass(kw_only=True)
+class _Scenario:
+    """The job, the pool and the calibrated costs that streams A, B and C are admitted on:
+    A and B at ``target_ab_ms``, C at ``target_c_ms``."""
+
+    engine: EngineCore
+    pool: PoolConfig
+    cost: ProfileCostModel
+    predict: Callable[[list], dict[int, tuple[float, float]]]
+    cfg: ModelConfig
+    sampler: SamplerConfig
+    target_ab_ms: float
+    target_c_ms: float
+
+    def admit_all(self, budget_ms: float):
+        """A and B admitted and opened, A closed (it left), C admitted with ``budget_ms`` and
+        opened: the gate and {name: (engine stream id, admission)}."""
+        gate = AdmittedEngine(
+            self.engine,
+            AdmissionController(self.pool, self.cost, simulated=self.predict),
+            self.cfg,
+            self.sampler,
+        )
+        opened = {}
+        for i, (name, target, budget) in enumerate(
+            (
+                ("A", self.target_ab_ms, 0.0),
+                ("B", self.target_ab_ms, 0.0),
+                ("C", self.target_c_ms, budget_ms),
+            )
+        ):
+            if name == "C":
+                gate.close_stream(opened.pop("A")[0])
+            spec = StreamSpec(seed=i, target_interval_ms=target, response_latency_budget_ms=budget)
+            promise, admission = gate.open_stream(spec, max_in_flight=0)
+            opened[name] = (promise.stream_id, admission)
+        return gate, opened
+
+    def probe(self, budget_ms: float):
+        """C's admission with ``budget_ms``, then all closed again."""
+        gate, opened = self.admit_all(budget_ms)
+        for sid, _ in opened.values():
+            gate.close_stream(sid)
+        return opened["C"][1]
+
+    def one_run(self, budget_ms: float, chunks: int):
+        """Admit, run B and C, close them: (the admissions, C's chunks, the other jobs' load
+        meanwhile)."""
+        pids = [os.getpid()] + [proc.pid for proc in self.engine.executor.procs]
+        gate, opened = self.admit_all(budget_ms)
+        try:
+            streams = {n: (sid, a.expected_interval_ms) for n, (sid, a) in opened.items()}
+            _drive(self.engine, streams, WARM_CHUNKS)  # unmeasured, as every realcheck run
+            meter = ForeignLoad(pids)
+            out = _drive(self.engine, streams, chunks)
+            return opened, out["C"], meter.cores()
+        finally:
+            for sid, _ in opened.values():
+                gate.close_stream(sid)
+
+    def alternate(
+        self, budget: float, runs: int, chunks: int, max_foreign_cores: float, quiet_wait_s: float
+    ) -> tuple[dict[str, list], str | None]:
+        """``runs`` runs of C without and with ``budget``, alternating (the same minutes of
+        the host), a disturbed run retried up to twice: the runs per key, and the refusal's
+        reason if admission refused C."""
+        done_runs: dict[str, list] = {"without_budget": [], "with_budget": []}
+        for _ in range(runs):
+            for key, budget_ms in (("without_budget", 0.0), ("with_budget", budget)):
+                for attempt in range(3):
+                    if attempt:
+                        wait_for_quiet(quiet_wait_s)
+                    try:
+                        opened, chunks_c, foreign = self.one_run(budget_ms, chunks)
+                    except AdmissionRefused as refusal:
+                        return done_runs, refusal.reason
+                    if foreign < max_foreign_cores:
+                        break
+                done_runs[key].append((opened, chunks_c, foreign))
+        return done_runs, None
+
+
+def _calibration_job(model: str, skip: int) -> GlooJob:
+    """realcheck's job settings, to calibrate ``WORLD`` ranks with (no cases of its own)."""
+    block_model = build_model(get_preset(model), device="cpu")
+    return GlooJob(
+        world=WORLD,
+        model=model,
+        chunks=120,
+        skip=skip,
+        max_foreign_cores=QUIET_CORES,
+        quiet_wait_s=5.0,
+        timers={b: BlockTimer(block_model, [W] * b, window=W) for b in BATCHES},
+        calibrations=[],
+        runs={},
+    )
+
+
 def latencycheck(
     *,
     model: str = "tiny",
@@ -251,39 +359,15 @@ def latencycheck(
     quiet_wait_s: float = 20.0,
 ) -> dict:
     """Calibrate, admit C beside B with and without a budget, run, compare (module doc)."""
-    import torch
-
-    from physis_ros.engine.api import AdmissionRefused, StreamSpec
-    from physis_ros.engine.build import build_model
-    from physis_ros.engine.config import SamplerConfig, get_preset
-    from physis_ros.engine.pool.admission import AdmissionController, PoolConfig
-    from physis_ros.engine.pool.costmodel import GIB, ProfileCostModel
-    from physis_ros.engine.pool.gate import AdmittedEngine
-    from physis_ros.engine.pool.memory import MemoryModel
-    from physis_ros.engine.ranks.executor import ranks_engine
-    from physis_ros.engine.stage import BlockTimer
-
     torch.set_num_threads(1)  # rank 0 lives in this process
     t_start = time.perf_counter()
     cores = host_cores()
     cfg, sampler = get_preset(model), SamplerConfig(steps=K, window=W)
-    block_model = build_model(cfg, device="cpu")
-    timers = {b: BlockTimer(block_model, [W] * b, window=W) for b in BATCHES}
-    older = set(_all_tasks_cpu_ms())
+    job = _calibration_job(model, skip)
+    older = set(_all_tasks_cpu_ms())  # this process's threads before the job's ranks start
     with ranks_engine(runtime_config(model), world_size=WORLD) as engine:
         warm_up(engine)
-        job = _Job(
-            world=WORLD,
-            model=model,
-            chunks=120,
-            skip=skip,
-            max_foreign_cores=QUIET_CORES,
-            quiet_wait_s=5.0,
-            timers=timers,
-            calibrations=[],
-            runs={},
-        )
-        done = [job._calibrate(engine, older) for _ in range(calibrations)]
+        done = [job.calibrate(engine, older) for _ in range(calibrations)]
         profiles = pool_message_costs([p for p, _, _ in done], [s for _, _, s in done])
         cost = ProfileCostModel(profiles[len(profiles) // 2])
         # Admission predicts for the host without other jobs (as realcheck does: only runs
@@ -301,75 +385,27 @@ def latencycheck(
         share_ab, share_c, gain = _shares(pool, cost, cfg, sampler, predict)
         work_ms = K * cfg.num_blocks * cost.group_ms(cfg, sampler, 1)
         t_ab, t_c = work_ms / share_ab, work_ms / share_c
-        pids = [os.getpid()] + [proc.pid for proc in engine.executor.procs]
-
-        def admit_all(budget_ms: float):
-            """A and B admitted and opened, A closed (it left), C admitted with
-            ``budget_ms`` and opened: the gate and {name: (engine stream id, admission)}."""
-            gate = AdmittedEngine(
-                engine, AdmissionController(pool, cost, simulated=predict), cfg, sampler
-            )
-            opened = {}
-            for i, (name, target, budget) in enumerate(
-                (("A", t_ab, 0.0), ("B", t_ab, 0.0), ("C", t_c, budget_ms))
-            ):
-                if name == "C":
-                    gate.close_stream(opened.pop("A")[0])
-                spec = StreamSpec(
-                    seed=i, target_interval_ms=target, response_latency_budget_ms=budget
-                )
-                promise, admission = gate.open_stream(spec, max_in_flight=0)
-                opened[name] = (promise.stream_id, admission)
-            return gate, opened
-
-        def one_run(budget_ms: float):
-            """Admit, run B and C, close them: (the admissions, C's chunks, the other jobs'
-            load meanwhile)."""
-            gate, opened = admit_all(budget_ms)
-            try:
-                streams = {n: (sid, a.expected_interval_ms) for n, (sid, a) in opened.items()}
-                _drive(engine, streams, WARM_CHUNKS)  # unmeasured, as every realcheck run
-                meter = ForeignLoad(pids)
-                out = _drive(engine, streams, chunks)
-                return opened, out["C"], meter.cores()
-            finally:
-                for sid, _ in opened.values():
-                    gate.close_stream(sid)
-
-        def probe(budget_ms: float):
-            """C's admission with ``budget_ms``, then all closed again."""
-            gate, opened = admit_all(budget_ms)
-            for sid, _ in opened.values():
-                gate.close_stream(sid)
-            return opened["C"][1]
-
-        deep_ms = probe(0.0).expected_response_latency_ms  # C without a budget
+        scenario = _Scenario(
+            engine=engine,
+            pool=pool,
+            cost=cost,
+            predict=predict,
+            cfg=cfg,
+            sampler=sampler,
+            target_ab_ms=t_ab,
+            target_c_ms=t_c,
+        )
+        deep_ms = scenario.probe(0.0).expected_response_latency_ms  # C without a budget
         # Just under it, admission must find a shallower placement; the budget asked in the
         # runs is halfway between the two promises.
         try:
-            shallow_ms = probe(deep_ms * 0.999).expected_response_latency_ms
+            shallow_ms = scenario.probe(deep_ms * 0.999).expected_response_latency_ms
         except AdmissionRefused:
             shallow_ms = deep_ms * 0.999
         budget = round((deep_ms + shallow_ms) / 2, 3)
-        done_runs: dict[str, list] = {"without_budget": [], "with_budget": []}
-        refused = None
-        for _ in range(runs):  # the two placements alternate: the same minutes of the host
-            for key, budget_ms in (("without_budget", 0.0), ("with_budget", budget)):
-                for attempt in range(3):
-                    if attempt:
-                        wait_for_quiet(quiet_wait_s)
-                    try:
-                        opened, chunks_c, foreign = one_run(budget_ms)
-                    except AdmissionRefused as refusal:
-                        refused = refusal.reason
-                        break
-                    if foreign < max_foreign_cores:
-                        break
-                if refused is not None:
-                    break
-                done_runs[key].append((opened, chunks_c, foreign))
-            if refused is not None:
-                break
+        done_runs, refused = scenario.alternate(
+            budget, runs, chunks, max_foreign_cores, quiet_wait_s
+        )
 
         def with_load(foreign: float):
             return _predictor(profiles, cores, chunks, skip, foreign)
@@ -387,23 +423,40 @@ def latencycheck(
         "predicted_gain": round(gain, 4),
         "runtime_s": round(time.perf_counter() - t_start, 1),
         "profiles": [p.to_json() for p in profiles],
-        "method": (
-            f"{WORLD} gloo ranks, controller on rank 0; {calibrations} calibrations on the job "
-            f"(realcheck's); A and B each take {share_ab:.0%} of a rank per interval (A on "
-            f"rank 0, B on rank 1, then A closed), C {share_c:.0%}; admission (shared, "
-            f"{MAX_UTILIZATION:.0%} utilization at most) "
-            "predicts with the simulator under each calibration (median), for a host without "
-            "other jobs; C asks for a budget halfway between its promises "
-            "without a budget and just under that. The two placements "
-            f"alternate, {runs} runs each of {chunks} chunks per stream after a warm-up, "
-            "every stream paced at its target from the same start; a run other jobs "
-            f"disturbed (over {max_foreign_cores} cores) is retried after waiting for a quiet "
-            "host (3 tries); measured: medians over the quiet runs (all when none was) of "
-            f"each run's median after {skip} chunks (interval, pipeline latency = chunk in "
-            "to out), response latency = their sum; error = promise / measured - 1; "
-            "'_with_measured_load': the simulator also given the other jobs' load"
-        ),
+        "method": _method(calibrations, share_ab, share_c, runs, chunks, skip, max_foreign_cores),
     }
+    return _verdict(common, result, refused, budget)
+
+
+def _method(  # noqa: PLR0917 - the report's own settings, one sentence
+    calibrations: int,
+    share_ab: float,
+    share_c: float,
+    runs: int,
+    chunks: int,
+    skip: int,
+    max_foreign_cores: float,
+) -> str:
+    return (
+        f"{WORLD} gloo ranks, controller on rank 0; {calibrations} calibrations on the job "
+        f"(realcheck's); A and B each take {share_ab:.0%} of a rank per interval (A on "
+        f"rank 0, B on rank 1, then A closed), C {share_c:.0%}; admission (shared, "
+        f"{MAX_UTILIZATION:.0%} utilization at most) "
+        "predicts with the simulator under each calibration (median), for a host without "
+        "other jobs; C asks for a budget halfway between its promises "
+        "without a budget and just under that. The two placements "
+        f"alternate, {runs} runs each of {chunks} chunks per stream after a warm-up, "
+        "every stream paced at its target from the same start; a run other jobs "
+        f"disturbed (over {max_foreign_cores} cores) is retried after waiting for a quiet "
+        "host (3 tries); measured: medians over the quiet runs (all when none was) of "
+        f"each run's median after {skip} chunks (interval, pipeline latency = chunk in "
+        "to out), response latency = their sum; error = promise / measured - 1; "
+        "'_with_measured_load': the simulator also given the other jobs' load"
+    )
+
+
+def _verdict(common: dict, result: dict, refused: str | None, budget: float) -> dict:
+    """The report: C with and without the budget, and whether the budget's promise held."""
     if refused is not None:
         return {
             **common,

@@ -1,4 +1,4 @@
-"""The simulator against the real runtime on this machine (CPU ranks over gloo).
+"""The simulator against the real runtime on the local machine (CPU ranks over gloo).
 
 ``calibrate_on`` measures, on a live torch.distributed job, what the simulator needs beyond
 the per-block times: the worker loop's cost per task and per batched forward and the
@@ -11,18 +11,24 @@ worker's own work costs beside the other ranks (a scale, and a cost per message)
 evenly over the ranks) for each (ranks, streams) case, calibrating each job in rounds
 between its cases, and simulates the same cases with those calibrations and the host's core
 count; it reports predicted, measured and relative error per case. ``calibrate_gloo``
-(``physis-profile --runtime gloo``) is the same calibration on a two-rank job, for profiles
-used elsewhere.
+(``tools.gloo_calibration``, ``physis-profile --runtime gloo``) is the same calibration on a
+two-rank job, for profiles used elsewhere.
 
 Other jobs on the host (other users' tests) take processor time the simulation does not have,
 so calibration and every measured run record the other jobs' load while they ran, and only
-quiet runs count (see ``realcheck``).
+quiet runs count (see ``realcheck``). And a shared host's speed is not steady: runs of the
+same case back to back can differ nearly twofold with no other job on the host (a neighbour
+under a VM, on the scale of tens of milliseconds to seconds), and a block-forward probe just
+before or after a run does not predict it. So one run, or one calibration, is a sample of a
+wide distribution, and a calibration done once before the cases compares different stretches
+of time: each job calibrates itself in rounds between its runs, so that the calibrations and
+the runs sample the same minutes, and several jobs run, because a job's processes keep how
+the kernel placed them (within one job the calibrations and the runs err in the same
+direction; a fresh job draws again).
 
 Calibration layouts are ones no checked case uses, except that with one rank "every stage on
 rank 0" is the one-rank case itself: that case repeats a calibration run; every other case is
-a prediction. ``physis-sim --experiment realcheck`` prints the result as JSON. This module
-imports ``physis_ros.serve`` lazily: the rest of the pool package does not need
-torch.distributed.
+a prediction. ``physis-sim --experiment realcheck`` prints the result as JSON.
 """
 
 from __future__ import annotations
@@ -33,106 +39,44 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
-from physis_ros.engine.ranks.calibrate import (  # noqa: F401 - the calibration's pieces live there
+import torch
+
+from physis_ros.engine.build import build_model
+from physis_ros.engine.config import SamplerConfig, get_preset
+from physis_ros.engine.placement import layout_even
+from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
+from physis_ros.engine.pool.plan import StreamPlan
+from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
+from physis_ros.engine.ranks.calibrate import (
     WARM_CHUNKS,
     ForeignLoad,
     K,
     W,
     WorkerSample,
     _all_tasks_cpu_ms,
-    _cpu_times,
     calibrate_on,
     fit_worker_costs,
     host_cores,
-    layout_strided,
-    layout_whole_steps,
     mean_block_entries,
     run_free,
-    scaled_entries,
-    task_cpu_ms,
 )
+from physis_ros.engine.ranks.executor import ranks_engine
+from physis_ros.engine.stage import BlockTimer
+from physis_ros.tools.block_profile import measure
+from physis_ros.tools.gloo_calibration import (
+    QUIET_CORES,
+    runtime_config,
+    wait_for_quiet,
+    warm_up,
+)
+from physis_ros.tools.profile_cli import build_parser
 
 BATCHES = [1, 2, 3, 4, 6, 8, 12]
 """Batch sizes the checked cases form (up to 3 streams x 4 steps on one rank)."""
-QUIET_CORES = 0.1
-"""A run counts as quiet when other jobs used fewer processors than this while it ran."""
-
-
-def host_busy(window_s: float = 0.3) -> float:
-    """Fraction of all processors busy over ``window_s`` (ours idle: other jobs' load)."""
-    b0, t0 = _cpu_times()
-    time.sleep(window_s)
-    b1, t1 = _cpu_times()
-    return (b1 - b0) / max(t1 - t0, 1)
-
-
-def wait_for_quiet(max_wait_s: float, below: float = 0.15) -> float:
-    """Wait (up to ``max_wait_s``) until other jobs leave the host nearly idle; returns the
-    last busy fraction seen. A quiet host returns at once."""
-    deadline = time.monotonic() + max_wait_s
-    busy = host_busy()
-    while busy > below and time.monotonic() < deadline:
-        busy = host_busy()
-    return busy
-
-
-def runtime_config(model: str = "tiny", steps: int = K, window: int = W):
-    from physis_ros.engine.ranks.runtime import RuntimeConfig
-
-    return RuntimeConfig(
-        model=model,
-        steps=steps,
-        window=window,
-        device="cpu",
-        placement="even",
-        heartbeat_interval_s=0.2,
-        fault_timeout_s=5.0,
-        comm_timeout_s=60.0,
-        startup_timeout_s=60.0,
-    )
 
 
 def intervals_ms(left_s: list[float], skip: int) -> list[float]:
     return [(b - a) * 1e3 for a, b in itertools.pairwise(left_s[skip:])]
-
-
-def calibrate_gloo(
-    model: str, steps: int, window: int, entries, *, chunks: int = 120, repeats: int = 5
-) -> tuple[dict, list]:
-    """Worker-loop, controller and message costs of a two-rank gloo job on this host, and
-    the probed block times ``entries`` at the level the worker's forwards ran at: the
-    medians of ``repeats`` calibrations (``calibrate_on``; the worker's scale and cost per
-    message fitted over all of them), counting only those during which other jobs used
-    under ``QUIET_CORES`` (up to ``3 * repeats`` tries; all of them when none was quiet)."""
-    from physis_ros.engine.ranks.executor import ranks_engine
-
-    older = set(_all_tasks_cpu_ms())
-    quiet, noisy = [], []
-    with ranks_engine(runtime_config(model, steps, window), world_size=2) as engine:
-        warm_up(engine)
-        while len(quiet) < repeats and len(quiet) + len(noisy) < 3 * repeats:
-            if noisy:
-                wait_for_quiet(5.0)
-            costs, scaled, foreign, samples = calibrate_on(
-                engine, entries, chunks=chunks, older=older
-            )
-            (quiet if foreign < QUIET_CORES else noisy).append((costs, scaled, samples))
-    runs = quiet or noisy
-    medians = {key: statistics.median(c[key] for c, _, _ in runs) for key in runs[0][0]}
-    scale, per_message_ms = fit_worker_costs([samples for _, _, samples in runs])
-    medians.update(rank_work_scale=scale, worker_message_ms=per_message_ms)
-    level = statistics.median(e[0].ms_p50 for _, e, _ in runs) / entries[0].ms_p50
-    return medians, scaled_entries(entries, level)
-
-
-def warm_up(engine) -> None:
-    """A few chunks through every rank and the transport's threads (first-use costs)."""
-    from physis_ros.engine.placement import layout_even
-
-    K_, L = engine.sampler.steps, engine.cfg.num_blocks
-    run_free(engine, [layout_even(K_, L, engine.executor.world_size)], 8)
-    if engine.executor.world_size > 1:
-        engine.executor.measure_hop_ms(rounds=5, warmup=5)
 
 
 def profile_gloo(
@@ -148,15 +92,11 @@ def profile_gloo(
     """A ``physis-profile --runtime gloo`` profile of this CPU (one torch thread per rank).
     The default batch sizes are every size the checked cases form (up to 3 streams x 4 steps
     on one rank), each the fastest of ``rounds`` round-robin medians."""
-    import torch
-
-    from physis_ros.tools.profile_cli import _parser, measure
-
     torch.set_num_threads(1)
     argv = ["--model", model, "--steps", str(steps), "--window", str(window), "--runtime", "gloo"]
     argv += ["--batches", batches, "--repeats", str(repeats), "--rounds", str(rounds)]
     argv += ["--gloo-repeats", str(gloo_repeats)]
-    return measure(_parser().parse_args(argv))
+    return measure(build_parser().parse_args(argv))
 
 
 POOLED = ("send_cpu_ms", "recv_cpu_ms", "hop_ms")
@@ -168,8 +108,8 @@ def pool_message_costs(profiles: list, samples: list[list[WorkerSample]]) -> lis
     """The calibrations with their message costs replaced by the median over all of them and
     the worker's scale and cost per message by one fit over all their ``samples``
     (``fit_worker_costs``). Each is a ratio or a per-message time from runs of its own, so
-    pooling them averages out one round's unlucky run (one round's rank work scale, from one
-    run, ranged 1.0-1.8); the block times and loop overheads stay per round, since the
+    pooling them averages out one round's unlucky run (a rank work scale from one run can
+    be far off); the block times and loop overheads stay per round, since the
     overheads were derived from that round's block times."""
     pooled = {key: statistics.median(getattr(p, key) for p in profiles) for key in POOLED}
     if any(samples):
@@ -189,11 +129,6 @@ def simulate_free(
     foreign: float = 0.0,
 ):
     """Mean interval per stream that the simulator predicts for ``run_free``."""
-    from physis_ros.engine.config import SamplerConfig, get_preset
-    from physis_ros.engine.pool.costmodel import ProfileCostModel
-    from physis_ros.engine.pool.plan import StreamPlan
-    from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
-
     cfg = get_preset(profile.model)
     sampler = SamplerConfig(steps=profile.steps, window=profile.window)
     streams = [
@@ -246,23 +181,13 @@ def realcheck(
 ) -> dict:
     """Calibrate and measure every case in interleaved rounds, then predict.
 
-    This host's speed is not steady: on the shared 2-core VM, 240-chunk runs of the same
-    one-rank case back to back ranged 1.18-2.22 ms (8 runs), with no other job on the host (a
-    neighbour under the VM, on the scale of tens of milliseconds to seconds), and a
-    block-forward probe just before or after a run did not predict it (correlation 0.2-0.5
-    over 25 runs). So one run, or one calibration, is a sample of a wide distribution, and
-    a calibration done once before the cases compares different stretches of time. Instead
-    each number of ranks gets ``jobs`` jobs that calibrate themselves (``calibrate_on``:
-    block times in this process, then the single-rank, ping-pong, strided and whole-step
-    runs on the job's own ranks) and run every case ``runs_per_round`` times, in ``rounds`` rounds
-    each, so that the calibrations and the runs sample the same minutes. Several jobs,
-    because a job's processes keep how the kernel placed them: within one job the
-    calibrations and the runs differed by up to 16% in the same direction, a fresh job
-    drew again. A case's prediction is the median of the predictions of the calibrations
-    (``_compare``; message costs and the worker's scale and cost per message pooled,
-    ``pool_message_costs``),
-    its measured interval the median of its runs. A given ``profile`` is used instead of
-    calibrating.
+    Each number of ranks gets ``jobs`` jobs that calibrate themselves (``calibrate_on``: block
+    times in this process, then the single-rank, ping-pong, strided and whole-step runs on the
+    job's own ranks) and run every case ``runs_per_round`` times, in ``rounds`` rounds each
+    (the module docstring says why). A case's prediction is the median of the predictions of
+    the calibrations (``_compare``; message costs and the worker's scale and cost per message
+    pooled, ``pool_message_costs``), its measured interval the median of its runs. A given
+    ``profile`` is used instead of calibrating.
 
     Other jobs on the host take processor time the simulation does not have (a multi-rank
     case needs both cores), so every run's foreign load is measured while it runs (the
@@ -270,46 +195,33 @@ def realcheck(
     and is retried when it is not (up to 3 tries, each retry waiting up to ``quiet_wait_s``
     for a quiet host; no other run waits, see ``WARM_CHUNKS``). A case with no quiet run is
     measured on all of its runs and marked not quiet."""
-    import torch
-
-    from physis_ros.engine.build import build_model
-    from physis_ros.engine.config import get_preset
-    from physis_ros.engine.stage import BlockTimer
-
     torch.set_num_threads(1)  # rank 0 lives in this process
     t_start = time.perf_counter()
     load_before = os.getloadavg()[0]
     cores = host_cores()
     block_model = build_model(get_preset(model), device="cpu")
     timers = {b: BlockTimer(block_model, [W] * b, window=W) for b in BATCHES}
+    job = {
+        "model": model,
+        "chunks": chunks,
+        "skip": skip,
+        "max_foreign_cores": max_foreign_cores,
+        "quiet_wait_s": quiet_wait_s,
+        "timers": timers,
+    }
     cases, profiles = [], {}
     for world in ranks:
-        calibrations: list = []  # (profile, other jobs' cores while it ran, worker samples)
+        # (profile, other jobs' cores while it ran, worker samples); runs: per stream count
+        calibrations: list = []
         runs: dict[int, list[tuple[float, float]]] = {n: [] for n in streams}
+        calibrating = calibrations if profile is None else None
         for _ in range(jobs):
-            _Job(
-                world=world,
-                model=model,
-                chunks=chunks,
-                skip=skip,
-                max_foreign_cores=max_foreign_cores,
-                quiet_wait_s=quiet_wait_s,
-                timers=timers,
-                calibrations=calibrations if profile is None else None,
-                runs=runs,
-            ).run(rounds, runs_per_round)
+            GlooJob(world=world, calibrations=calibrating, runs=runs, **job).run(
+                rounds, runs_per_round
+            )
         job_profiles = [profile]
         if profile is None:
-            quiet = [c for c in calibrations if c[1] < max_foreign_cores]
-            job_profiles = pool_message_costs(
-                [p for p, _, _ in quiet or calibrations], [s for _, _, s in quiet or calibrations]
-            )
-            profiles[world] = {
-                "calibrations": [p.to_json() for p in job_profiles],
-                "calibrations_quiet": len(quiet),
-                "calibration_foreign_cores": [round(f, 2) for _, f, _ in calibrations],
-                "worker_samples": [[asdict(x) for x in s] for _, _, s in calibrations],
-            }
+            job_profiles, profiles[world] = _pooled(calibrations, max_foreign_cores)
         for n, case_runs in runs.items():
             cases.append(
                 _compare(
@@ -323,43 +235,74 @@ def realcheck(
                     max_foreign_cores=max_foreign_cores,
                 )
             )
-    worst = max(abs(c["error"]) for c in cases)
-    noisy = [(c["ranks"], c["streams"]) for c in cases if not c["quiet"]]
-    worst_load = max(abs(c["error_with_measured_load"]) for c in cases)
     return {
         "experiment": "realcheck",
         "cases": cases,
-        "max_abs_error": worst,
-        "within_15_percent": worst <= 0.15,
-        "cases_without_a_quiet_run": noisy,
-        "max_abs_error_with_measured_load": worst_load,
+        **_errors(cases),
         "host_cores": cores,
         "loadavg_1min_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "runtime_s": round(time.perf_counter() - t_start, 1),
         "profiles_by_ranks": profiles if profile is None else {"given": profile.to_json()},
-        "method": (
-            f"per number of ranks, {jobs} gloo jobs; {rounds} rounds in each, a calibration "
-            "(block times: shape from a round-robin probe, level from the worker's forwards; "
-            "all stages on rank 0 without and with batching; with 2+ ranks a ping-pong and "
-            "two runs on all ranks, the stages and whole steps dealt round robin) then "
-            f"{runs_per_round} runs of "
-            "every case, each after an unmeasured warm-up: "
-            f"free-running streams (all {chunks} chunks queued), stages split evenly over the "
-            f"ranks (layout_even), mean interval after {skip} chunks; measured: the median "
-            f"of the runs with other jobs below {max_foreign_cores} cores "
-            "(measured during each run); prediction: the median over the calibrations of "
-            "physis-sim with that calibration (message costs: medians over the "
-            "calibrations; the worker's scale and cost per message: one fit over them), "
-            "the worker's pick rule, processor sharing of "
-            f"{cores} cores among busy ranks and message threads; '_with_measured_load': the "
-            "same, with the other jobs' load (median over the case's runs, in processors) "
-            "sharing those cores"
-        ),
+        "method": _method(jobs, rounds, runs_per_round, chunks, skip, max_foreign_cores, cores),
     }
 
 
+def _errors(cases: list[dict]) -> dict:
+    worst = max(abs(c["error"]) for c in cases)
+    return {
+        "max_abs_error": worst,
+        "within_15_percent": worst <= 0.15,
+        "cases_without_a_quiet_run": [(c["ranks"], c["streams"]) for c in cases if not c["quiet"]],
+        "max_abs_error_with_measured_load": max(abs(c["error_with_measured_load"]) for c in cases),
+    }
+
+
+def _pooled(calibrations: list, max_foreign_cores: float) -> tuple[list, dict]:
+    """The calibrations of one number of ranks to predict with (the quiet ones, else all;
+    ``pool_message_costs``), and their record for the report."""
+    quiet = [c for c in calibrations if c[1] < max_foreign_cores]
+    used = quiet or calibrations
+    job_profiles = pool_message_costs([p for p, _, _ in used], [s for _, _, s in used])
+    record = {
+        "calibrations": [p.to_json() for p in job_profiles],
+        "calibrations_quiet": len(quiet),
+        "calibration_foreign_cores": [round(f, 2) for _, f, _ in calibrations],
+        "worker_samples": [[asdict(x) for x in s] for _, _, s in calibrations],
+    }
+    return job_profiles, record
+
+
+def _method(  # noqa: PLR0917 - the report's own settings, one sentence
+    jobs: int,
+    rounds: int,
+    runs_per_round: int,
+    chunks: int,
+    skip: int,
+    max_foreign_cores: float,
+    cores: int,
+) -> str:
+    return (
+        f"per number of ranks, {jobs} gloo jobs; {rounds} rounds in each, a calibration "
+        "(block times: shape from a round-robin probe, level from the worker's forwards; "
+        "all stages on rank 0 without and with batching; with 2+ ranks a ping-pong and "
+        "two runs on all ranks, the stages and whole steps dealt round robin) then "
+        f"{runs_per_round} runs of "
+        "every case, each after an unmeasured warm-up: "
+        f"free-running streams (all {chunks} chunks queued), stages split evenly over the "
+        f"ranks (layout_even), mean interval after {skip} chunks; measured: the median "
+        f"of the runs with other jobs below {max_foreign_cores} cores "
+        "(measured during each run); prediction: the median over the calibrations of "
+        "physis-sim with that calibration (message costs: medians over the "
+        "calibrations; the worker's scale and cost per message: one fit over them), "
+        "the worker's pick rule, processor sharing of "
+        f"{cores} cores among busy ranks and message threads; '_with_measured_load': the "
+        "same, with the other jobs' load (median over the case's runs, in processors) "
+        "sharing those cores"
+    )
+
+
 @dataclass(kw_only=True)
-class _Job:
+class GlooJob:
     """One gloo job of ``world`` ranks in ``realcheck``: rounds of one calibration (unless
     ``calibrations`` is None) and ``runs_per_round`` runs of every case, appended to
     ``calibrations`` and ``runs``."""
@@ -375,8 +318,6 @@ class _Job:
     runs: dict[int, list[tuple[float, float]]]
 
     def run(self, rounds: int, runs_per_round: int) -> None:
-        from physis_ros.engine.ranks.executor import ranks_engine
-
         older = set(_all_tasks_cpu_ms())
         with ranks_engine(runtime_config(self.model), world_size=self.world) as engine:
             warm_up(engine)
@@ -386,13 +327,13 @@ class _Job:
                     last = self.calibrations[-1:]
                     if last and last[0][1] >= self.max_foreign_cores:
                         wait_for_quiet(self.quiet_wait_s)
-                    self.calibrations.append(self._calibrate(engine, older))
+                    self.calibrations.append(self.calibrate(engine, older))
                 for n in [*self.runs] * runs_per_round:
                     self.runs[n].append(self._measure(engine, pids, n))
 
-    def _calibrate(self, engine, older: set[int]) -> tuple:
-        from physis_ros.engine.pool.costmodel import Profile
-
+    def calibrate(self, engine, older: set[int]) -> tuple:
+        """One calibration on ``engine`` (``calibrate_on``; ``older``: threads that existed
+        before the job): (its profile, other jobs' cores meanwhile, the worker samples)."""
         costs, entries, foreign, samples = calibrate_on(
             engine, mean_block_entries(self.timers), chunks=self.chunks, older=older
         )
@@ -413,8 +354,6 @@ class _Job:
     def _measure(self, engine, pids, n: int) -> tuple[float, float]:
         """Mean interval of ``n`` free-running streams and other jobs' load meanwhile; a run
         other jobs disturbed is retried (twice at most) after waiting for a quiet host."""
-        from physis_ros.engine.placement import layout_even
-
         layouts = [layout_even(K, engine.cfg.num_blocks, self.world)] * n
         for attempt in range(3):
             if attempt:
@@ -444,9 +383,6 @@ def _compare(
     predictions of the calibrations for its number of ranks, each used whole (its loop
     overheads were derived from its own block times, so mixing numbers of different
     calibrations would not add up to any run's time)."""
-    from physis_ros.engine.config import get_preset
-    from physis_ros.engine.placement import layout_even
-
     layouts = [layout_even(K, get_preset(profiles[0].model).num_blocks, world)] * n
     quiet = [m for m, f in case_runs if f < max_foreign_cores] or [m for m, _ in case_runs]
     foreign = statistics.median(f for _, f in case_runs)

@@ -16,11 +16,11 @@ from dataclasses import asdict
 
 from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
 from physis_ros.engine.pool.costmodel import H200, AnalyticCostModel, CostModel, DeviceSpec
-from physis_ros.engine.pool.experiments import POOL24_SAMPLER, backbone_facts
 from physis_ros.engine.pool.memory import MemoryModel
 from physis_ros.engine.pool.plan import StreamPlan
 from physis_ros.engine.pool.planner import Estimate, pareto, shapes
 from physis_ros.engine.pool.simulator import SimConfig, SimStream, simulate
+from physis_ros.tools.experiments.pool24 import POOL24_SAMPLER, backbone_facts
 
 PROMISE_TOLERANCE = 1e-5
 """Relative slack of a simulated point against its promise (float round-off)."""
