@@ -8,7 +8,8 @@ are full (W previous chunks), with the block implementation the engine would use
 (``--block-impl``; default ``PHYSIS_BLOCK_IMPL``, else fused on CUDA and eager on the CPU).
 It also times one activation hop through the engine's in-process transport, and the worker
 loop's own cost per task (one-worker runs of the engine, on a copy of the model cut to at
-most 4 blocks, without batching, minus the block forward): ``task_overhead_ms`` (``--loop-chunks 0`` skips it: 0, not measured).
+most 4 blocks, without batching, minus the block forward): ``task_overhead_ms``
+(``--loop-chunks 0`` skips it: 0, not measured).
 With ``--runtime gloo`` (CPU) the loop, controller, message and hop costs are measured on the
 torch.distributed runtime instead (a two-rank job on the local host), and the block times are
 scaled to the level the worker's own forwards ran at there (see
