@@ -9,12 +9,12 @@ import queue
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
 from physis_ros.engine.api import ChunkOutput, StreamPromise
-from physis_ros.link.proto_gen import physis_pb2 as pb
-from physis_ros.link.wire import PROTOCOL_VERSION, array_to_tensor
+from physis_ros.link.wire import StreamCounts, serialize_prediction
 
 IMAGE_HW = (480, 640)
 ACTION_HA = (16, 7)
@@ -116,13 +116,27 @@ def serve_echo(port_file: str) -> int:
 
 def prediction_reply_bytes() -> bytes:
     """A ServerMessage as the link sends a 16x7 action chunk (stamps and counters set)."""
-    msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
-    p = msg.prediction
-    p.stream_id, p.chunk_index, p.observation_seq = 1, 1000, 999
-    p.observation_stamp_ns = p.observation_send_stamp_ns = time.time_ns()
-    array_to_tensor(np.ones(ACTION_HA, np.float32), p.actions)
-    for name in ("received", "queued", "entered", "left", "decoded", "sent"):
-        setattr(p.server_times, f"{name}_ns", time.time_ns())
-    p.counters.observations_received = p.counters.observations_used = 999
-    p.counters.predictions_sent = 999
-    return msg.SerializeToString()
+    now_ns, now_s = time.time_ns(), time.monotonic()
+    out = ChunkOutput(
+        stream_id=1,
+        chunk=1000,
+        frames=None,
+        actions=np.ones(ACTION_HA, np.float32),
+        entered_s=now_s,
+        left_s=now_s,
+        decoded_s=now_s,
+        anchor=999,
+    )
+    anchor = SimpleNamespace(
+        seq=999, capture_stamp_ns=now_ns, send_stamp_ns=now_ns, received_ns=now_ns, queued_ns=now_ns
+    )
+    counts = StreamCounts(observations_received=999, observations_used=999, predictions_sent=999)
+    return serialize_prediction(
+        out,
+        stream_id=1,
+        anchor=anchor,
+        action_timing=None,
+        first_frame_seq=-1,
+        counts=counts,
+        sent_ns=now_ns,
+    )

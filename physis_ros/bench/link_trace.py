@@ -26,19 +26,19 @@ from pathlib import Path
 import numpy as np
 
 from physis_ros.bench.link_echo import ACTION_HA, IMAGE_HW, prediction_reply_bytes
-from physis_ros.engine.api import ChunkOutput, StreamPromise
-from physis_ros.engine.live import Ran
+from physis_ros.engine.api import ChunkOutput
 from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.wire import (
+    StreamCounts,
     observation_from_proto,
     parse_client_message,
     parse_server_message,
     rgb_image,
     serialize_observation,
+    serialize_prediction,
 )
 from physis_ros.serve import session
-from physis_ros.serve.observations import context_input
-from physis_ros.serve.session import Session, SessionLimits
+from physis_ros.serve.observations import check_observation, context_input
 
 STAMPS: list[tuple[str, int, int, int]] = []
 """(step, key, monotonic ns at its end, processor ns it took)."""
@@ -91,14 +91,14 @@ def install_server(out_path: str) -> None:
     session.context_input = context_input
     _wrap(session.Session, "take", "s_handed_over", lambda a, kw, r: a[1].out.chunk)
 
-    original = session.Session._serialize_prediction
+    original = session.serialize_prediction
 
-    def serialise(self, item, *, sent_ns):
-        STAMPS.append(("s_writer_has_it", item.out.chunk, time.perf_counter_ns(), 0))
-        return original(self, item, sent_ns=sent_ns)
+    def serialise(out, **kwargs):
+        STAMPS.append(("s_writer_has_it", out.chunk, time.perf_counter_ns(), 0))
+        return original(out, **kwargs)
 
-    session.Session._serialize_prediction = serialise
-    _wrap(session.Session, "_serialize_prediction", "s_serialised", lambda a, kw, r: a[1].out.chunk)
+    session.serialize_prediction = serialise
+    _wrap(session, "serialize_prediction", "s_serialised", lambda a, kw, r: a[0].chunk)
     atexit.register(lambda: Path(out_path).write_text(json.dumps(STAMPS)))
 
 
@@ -155,26 +155,6 @@ def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
     image = rgb_image(np.zeros((*IMAGE_HW, 3), np.uint8))
     obs = Observation(seq=0, capture_stamp_ns=1, image=image)
     raw = serialize_observation(obs, send_stamp_ns=1)
-    promise = StreamPromise(
-        stream_id=1,
-        model="echo",
-        steps=1,
-        blocks=1,
-        expected_interval_ms=0.0,
-        pipeline_depth=1,
-        expected_response_latency_ms=0.0,
-        chunk_frames=1,
-        image_height=IMAGE_HW[0],
-        image_width=IMAGE_HW[1],
-        action_horizon=ACTION_HA[0],
-        action_dim=ACTION_HA[1],
-    )
-    session = Session(
-        promise=promise,
-        limits=SessionLimits(),
-        add_frame=lambda _frame: (0, 0),
-        slot_counters=lambda: None,
-    )
     out = ChunkOutput(
         stream_id=1,
         chunk=1,
@@ -189,8 +169,10 @@ def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
 
     def parse_and_check():  # what the reader does to the "received" stamp
         msg, pixels = parse_client_message(raw)
+        observation = observation_from_proto(msg.observation, image_data=pixels)
+        check_observation(observation)
         context_input(
-            observation_from_proto(msg.observation, image_data=pixels),
+            observation,
             send_stamp_ns=1,
             height=IMAGE_HW[0],
             width=IMAGE_HW[1],
@@ -201,8 +183,14 @@ def step_cpu_us(repeats: int = 300, pause_s: float = 0.0) -> dict[str, float]:
     steps = {
         "client serialise": lambda: serialize_observation(obs, send_stamp_ns=1),
         "server parse+check": parse_and_check,
-        "server serialise reply": lambda: session._serialize_prediction(
-            Ran(out, None, None, -1), sent_ns=1
+        "server serialise reply": lambda: serialize_prediction(
+            out,
+            stream_id=1,
+            anchor=None,
+            action_timing=None,
+            first_frame_seq=-1,
+            counts=StreamCounts(),
+            sent_ns=1,
         ),
         "client parse reply": lambda: client._on_server_message(*parse_server_message(reply)),
     }

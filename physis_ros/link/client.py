@@ -20,22 +20,23 @@ import grpc
 import numpy as np
 
 from physis_ros.link.clock import ClockOffsetEstimator
+from physis_ros.link.encoding import array_to_tensor
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.link.wire import (
     AUTH_METADATA_KEY,
-    HOP_NAMES,
-    PROMISE_FIELDS,
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
     CameraImage,
+    LinkPromise,
     Observation,
     Prediction,
     WireError,
-    array_to_tensor,
     parse_server_message,
+    prediction_from_proto,
+    promise_from_proto,
     serialize_observation,
-    tensor_to_array,
+    serialize_ping,
 )
 from physis_ros.memtune import freeze_startup_objects, retain_freed_memory
 
@@ -65,38 +66,6 @@ def _close_after_polling(channel: grpc.Channel) -> None:
     while getattr(state, "polling", False) and time.monotonic() < deadline:
         time.sleep(0.01)
     channel.close()
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinkPromise:
-    """What the server promised this stream (from OpenStream; revised by the server when
-    other streams join or leave)."""
-
-    stream_id: int
-    model: str
-    steps: int
-    blocks: int
-    expected_interval_ms: float
-    pipeline_depth: int
-    expected_response_latency_ms: float
-    chunk_frames: int
-    image_height: int
-    image_width: int
-    action_horizon: int
-    action_dim: int
-    max_observation_bytes: int
-    target_interval_ms: float = 0.0
-    """The interval the server paces the stream at (0: unpaced)."""
-    revision: int = 0
-    """0: the promise made at OpenStream; n: its n-th revision."""
-    horizon: int = 0
-    """Chunks ahead of its newest observation the stream predicts."""
-    action_mode: str = ""
-    """none / condition: a world model (frames only); predict: a world-action model (its
-    chunks carry actions); empty: the server did not say."""
-    rollouts: bool = False
-    """Every observation generates the whole horizon again: predictions come in rollouts
-    (horizons 1..h on one anchor), the interval is between rollouts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -437,7 +406,7 @@ class LinkClient:
                     "protocol_version",
                     f"server speaks {reply.protocol_version}, client {PROTOCOL_VERSION}",
                 )
-            promise = _promise_from_proto(reply.promise)
+            promise = promise_from_proto(reply.promise)
             with self._cv:
                 if self._closing:
                     return False
@@ -569,10 +538,7 @@ class LinkClient:
             if item is None:
                 next_ping_s = time.monotonic() + (0.01 if burst > 0 else self._ping_interval_s)
                 burst -= 1
-                yield pb.ClientMessage(
-                    protocol_version=PROTOCOL_VERSION,
-                    ping=pb.ClockPing(client_send_ns=self._clock_ns()),
-                ).SerializeToString()
+                yield serialize_ping(self._clock_ns())
                 continue
             seq, raw = item
             if len(raw) > promise.max_observation_bytes:
@@ -599,11 +565,17 @@ class LinkClient:
         elif kind == "promise":  # revised: keep what only OpenStream says (message limits)
             with self._stats_lock:
                 if self._promise is not None and msg.promise.stream_id == self._promise.stream_id:
-                    self._promise = _promise_from_proto(
+                    self._promise = promise_from_proto(
                         msg.promise, max_observation_bytes=self._promise.max_observation_bytes
                     )
         elif kind == "prediction":
-            prediction = self._prediction_from_proto(msg.prediction, received_ns, frames_data)
+            prediction = prediction_from_proto(
+                msg.prediction,
+                received_ns=received_ns,
+                offset_ns=self._clock.offset_ns,
+                drops=self._take_counters(msg.prediction.counters),
+                frames_data=frames_data,
+            )
             with self._stats_lock:
                 self._predictions_received += 1
             if self._on_prediction is not None:
@@ -620,59 +592,6 @@ class LinkClient:
                 with contextlib.suppress(queue.Empty):
                     self._predictions.get_nowait()  # the oldest
                     self._count_client_drop("prediction_queue_full")
-
-    def _prediction_from_proto(
-        self, p: pb.Prediction, received_ns: int, frames_data: memoryview | None = None
-    ) -> Prediction:
-        # Every reply runs this on a cold processor (the link idles between chunks): each
-        # field is read once and nothing is built twice.
-        drops = self._take_counters(p.counters)
-        st = p.server_times
-        received, queued, entered = st.received_ns, st.queued_ns, st.entered_ns
-        left, decoded, sent = st.left_ns, st.decoded_ns, st.sent_ns
-        times = dict(zip(HOP_NAMES, (received, queued, entered, left, decoded, sent), strict=True))
-        hop_ms: dict[str, float] = {}
-        for name, start, end in (
-            ("server_queue", received, queued),
-            ("pipeline_wait", queued, entered),
-            ("pipeline", entered, left),
-            ("decode", left, decoded),
-            ("server_send", decoded, sent),
-        ):
-            if start and end:
-                hop_ms[name] = (end - start) / 1e6
-        offset_ns = self._clock.offset_ns
-        if offset_ns is not None:
-            if p.observation_send_stamp_ns and received:
-                hop_ms["uplink"] = (received - offset_ns - p.observation_send_stamp_ns) / 1e6
-            if sent:
-                hop_ms["downlink"] = (received_ns - sent + offset_ns) / 1e6
-        seq = p.observation_seq
-        if seq >= 0 and p.observation_stamp_ns:
-            hop_ms["capture_to_received"] = (received_ns - p.observation_stamp_ns) / 1e6
-        return Prediction(
-            stream_id=p.stream_id,
-            chunk_index=p.chunk_index,
-            frames=(
-                tensor_to_array(p.frames, name="frames", data=frames_data)
-                if p.HasField("frames")
-                else None
-            ),
-            actions=tensor_to_array(p.actions, name="actions") if p.HasField("actions") else None,
-            observation_seq=seq,
-            observation_stamp_ns=p.observation_stamp_ns,
-            server_times_ns=times,
-            received_ns=received_ns,
-            hop_ms=hop_ms,
-            server_drops=drops,
-            action_start_ns=p.action_start_ns,
-            action_dt_ns=p.action_dt_ns,
-            known_action_rows=p.known_action_rows,
-            anchor_slot=p.anchor_slot,
-            horizon=p.horizon,
-            first_frame_seq=p.first_frame_seq,
-            preview_steps=p.preview_steps,
-        )
 
     def _take_counters(self, counters: pb.StreamCounters) -> dict[str, int]:
         """The server's drop counts of this stream, kept for ``stats``; returned."""
@@ -712,17 +631,6 @@ ROLLOUT_CHOICES = {"default": None, "on": True, "off": False}
 
 class NotConnected(Exception):
     """No connection to the server within the connect timeout; says why where gRPC knows."""
-
-
-def _promise_from_proto(
-    p: pb.StreamPromise, *, max_observation_bytes: int | None = None
-) -> LinkPromise:
-    return LinkPromise(
-        **{name: getattr(p, name) for name in PROMISE_FIELDS},
-        max_observation_bytes=(
-            p.max_observation_bytes if max_observation_bytes is None else max_observation_bytes
-        ),
-    )
 
 
 def _rpc_error_text(exc: grpc.RpcError) -> str:

@@ -24,23 +24,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from physis_ros.contract.model import ContractError
 from physis_ros.engine.api import DEFAULT_HORIZON, AdmissionRefused, StreamFailed, StreamSpec
 from physis_ros.engine.prompts import parse_goal_prompt_name
+from physis_ros.link.encoding import tensor_to_array
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
     WireError,
-    tensor_to_array,
+    counts_to_proto,
+    promise_to_proto,
 )
 from physis_ros.memtune import IdleTrim, freeze_startup_objects, retain_freed_memory
 from physis_ros.serve import listen
 from physis_ros.serve.auth import TokenAuthInterceptor
 from physis_ros.serve.engine_loop import EngineLoop
-from physis_ros.serve.session import (
-    Session,
-    SessionEnded,
-    SessionLimits,
-    fill_promise,
-)
+from physis_ros.serve.session import Session, SessionEnded, SessionLimits
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +320,9 @@ class Frontend:
         self._loop.add(session)
         log.info("opened stream %d for %r", promise.stream_id, spec.client_name)
         reply = pb.OpenStreamReply(protocol_version=PROTOCOL_VERSION)
-        fill_promise(reply.promise, promise, self._config.limits)
+        promise_to_proto(
+            promise, reply.promise, max_observation_bytes=self._config.limits.max_observation_bytes
+        )
         return reply
 
     # ---- Stream ------------------------------------------------------------------------
@@ -412,7 +411,9 @@ class Frontend:
             # As the proto promises: not open (already closed or never opened) is an answer.
             return pb.CloseStreamReply(closed=False)
         self._finish(session, "CloseStream")
-        return pb.CloseStreamReply(closed=True, counters=session.counters())
+        reply = pb.CloseStreamReply(closed=True)
+        counts_to_proto(session.counters(), reply.counters)
+        return reply
 
     def server_info(self, raw: bytes, context) -> pb.ServerInfo:
         try:
@@ -442,7 +443,7 @@ class Frontend:
                 attached=s.attached,
                 achieved_interval_ms=s.achieved_interval_ms(),
                 chunks_out=s.chunks_out,
-                counters=s.counters(),
+                counters=counts_to_proto(s.counters(), pb.StreamCounters()),
                 client_name=s.client_name,
                 promised_interval_ms=promise.expected_interval_ms,
                 promised_response_latency_ms=promise.expected_response_latency_ms,

@@ -21,11 +21,12 @@ from physis_ros.engine.wam_rows import CommandTimeline
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     COMPRESSED_ENCODINGS,
+    MAX_IMAGE_PIXELS,
     MAX_STAMP_NS,
+    RAW_ENCODINGS,
     CameraImage,
     Observation,
     WireError,
-    raw_image_to_rgb,
 )
 
 
@@ -40,6 +41,45 @@ def check_header(o: pb.Observation) -> None:
         stamp = getattr(o, name)
         if not 0 <= stamp < MAX_STAMP_NS:
             raise WireError("bad_stamp", f"observation {o.seq}: {name} {stamp} is out of range")
+
+
+def check_observation(obs: Observation) -> None:
+    """What an observation's tensors hold: float, finite, shaped as the proto says (the
+    image and the stream's own sizes are checked by ``context_input`` and ``wam_inputs``)."""
+    for name in ("wrench", "joint_positions", "joint_velocities", "action", "commands"):
+        _check_float(name, getattr(obs, name))
+    _check_float("object_position", obs.object_position)
+    if obs.wrench is not None and obs.wrench.shape != (6,):
+        raise WireError("bad_tensor", f"wrench has shape {obs.wrench.shape}, expected (6,)")
+    names = obs.joint_names
+    for label in ("joint_positions", "joint_velocities"):
+        arr = getattr(obs, label)
+        if arr is not None and (arr.ndim != 1 or (names and arr.shape[0] != len(names))):
+            raise WireError(
+                "bad_tensor", f"{label} has shape {arr.shape} for {len(names)} joint names"
+            )
+    if obs.action is not None and obs.action.ndim not in (1, 2):
+        raise WireError(
+            "bad_tensor", f"action has shape {obs.action.shape}, expected [A] or [H, A]"
+        )
+    if obs.commands is not None and (obs.commands.ndim != 2 or obs.commands_dt_ns <= 0):
+        raise WireError(
+            "bad_tensor",
+            f"commands have shape {obs.commands.shape} and dt {obs.commands_dt_ns} ns, "
+            "expected [N, A] and dt > 0",
+        )
+    position = obs.object_position
+    if position is not None and position.shape != (3,):
+        raise WireError("bad_tensor", f"object_position has shape {position.shape}, expected (3,)")
+
+
+def _check_float(name: str, arr: np.ndarray | None) -> None:
+    if arr is None:
+        return
+    if arr.dtype.kind != "f":
+        raise WireError("bad_tensor", f"{name}: dtype {arr.dtype.name} is not float")
+    if not np.isfinite(arr).all():
+        raise WireError("non_finite", f"{name} holds NaN or inf")
 
 
 def decode_image(img: CameraImage, *, height: int, width: int) -> np.ndarray:
@@ -186,3 +226,34 @@ def command_timeline(obs: Observation, contract: WamContract) -> CommandTimeline
             f"({','.join(joints)})",
         )
     return CommandTimeline(commands, int(obs.commands_start_ns), int(obs.commands_dt_ns))
+
+
+def raw_image_to_rgb(img: CameraImage) -> np.ndarray:
+    """A raw ROS image -> [H, W, 3] uint8 RGB (copy), honouring the row step."""
+    channels = RAW_ENCODINGS.get(img.encoding)
+    if channels is None:
+        raise WireError(
+            "image_encoding",
+            f"encoding {img.encoding!r} is not one of {sorted(RAW_ENCODINGS)} "
+            f"or {COMPRESSED_ENCODINGS}",
+        )
+    row_bytes = img.width * channels
+    if img.height <= 0 or img.width <= 0:
+        raise WireError("image_layout", f"image size {img.height}x{img.width}")
+    if img.height * img.width > MAX_IMAGE_PIXELS:
+        raise WireError(
+            "image_size", f"image size {img.height}x{img.width} is over {MAX_IMAGE_PIXELS} pixels"
+        )
+    if img.step < row_bytes:
+        raise WireError("image_layout", f"step {img.step} < width*channels {row_bytes}")
+    if len(img.data) != img.step * img.height:
+        raise WireError(
+            "image_layout", f"{len(img.data)} bytes for step {img.step} x height {img.height}"
+        )
+    rows = np.frombuffer(img.data, dtype=np.uint8).reshape(img.height, img.step)
+    pixels = rows[:, :row_bytes].reshape(img.height, img.width, channels)
+    if img.encoding in ("rgb8", "rgba8"):
+        return np.ascontiguousarray(pixels[:, :, :3])
+    if img.encoding in ("bgr8", "bgra8"):
+        return np.ascontiguousarray(pixels[:, :, 2::-1])
+    return np.repeat(pixels, 3, axis=2)  # mono8

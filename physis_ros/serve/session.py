@@ -31,16 +31,22 @@ from physis_ros.engine.live import LiveLimits, Ran, SlotCounters
 from physis_ros.engine.slots import FrameIn
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
-    PROMISE_FIELDS,
     PROTOCOL_VERSION,
+    StreamCounts,
     WireError,
-    array_to_tensor,
     observation_from_proto,
     parse_client_message,
-    serialize_with_payload,
-    tensor_header,
+    serialize_pong,
+    serialize_prediction,
+    serialize_promise,
+    serialize_stats,
 )
-from physis_ros.serve.observations import check_header, context_input, wam_inputs
+from physis_ros.serve.observations import (
+    check_header,
+    check_observation,
+    context_input,
+    wam_inputs,
+)
 from physis_ros.serve.ratelog import RateLimit, held_note
 
 log = logging.getLogger(__name__)
@@ -90,16 +96,6 @@ class SessionLimits:
         return LiveLimits(
             stall_timeout_s=self.stall_timeout_s, max_non_finite_chunks=self.max_non_finite_chunks
         )
-
-
-FRAMES_DATA_PATH = ("prediction", "frames", "data")
-
-
-def fill_promise(out: pb.StreamPromise, promise: StreamPromise, limits: SessionLimits) -> None:
-    """The wire form of ``promise`` (OpenStream's reply and every revision)."""
-    for name in PROMISE_FIELDS:
-        setattr(out, name, getattr(promise, name))
-    out.max_observation_bytes = limits.max_observation_bytes
 
 
 @dataclass(frozen=True)
@@ -196,10 +192,7 @@ class Session:
             return
         kind = msg.WhichOneof("body")
         if kind == "ping":
-            pong = pb.ClockPong(
-                client_send_ns=msg.ping.client_send_ns, server_receive_ns=received_ns
-            )
-            self._push(pb.ServerMessage(protocol_version=PROTOCOL_VERSION, pong=pong))
+            self._push(_Pong(msg.ping.client_send_ns, received_ns))
         elif kind == "observation":
             self._offer_observation(msg.observation, image_data)
         else:
@@ -227,6 +220,7 @@ class Session:
         p = self.promise
         try:
             observation = observation_from_proto(o, image_data=image_data)
+            check_observation(observation)
             frame = context_input(
                 observation,
                 send_stamp_ns=o.send_stamp_ns,
@@ -308,21 +302,27 @@ class Session:
             item = self._outbound.popleft()
             if item == "stats":
                 self._stats_pending = False
-                msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION, stats=self._counters())
-                return msg.SerializeToString()
+                return serialize_stats(self._counts())
             if item == "promise":
-                msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
-                fill_promise(msg.promise, self.promise, self.limits)
-                return msg.SerializeToString()
+                return serialize_promise(
+                    self.promise, max_observation_bytes=self.limits.max_observation_bytes
+                )
             if isinstance(item, Ran):
                 self.predictions_sent += 1
+                counts = self._counts()
         if isinstance(item, SessionEnded):
             return item
-        now_ns = time.time_ns()
         if isinstance(item, Ran):
-            return self._serialize_prediction(item, sent_ns=now_ns)
-        item.pong.server_send_ns = now_ns
-        return item.SerializeToString()
+            return serialize_prediction(
+                item.out,
+                stream_id=self.stream_id,
+                anchor=item.anchor,
+                action_timing=item.action_timing,
+                first_frame_seq=item.first_frame_seq,
+                counts=counts,
+                sent_ns=time.time_ns(),
+            )
+        return serialize_pong(item.client_send_ns, item.server_receive_ns, time.time_ns())
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
         """Ends the stream: the writer sends what it has, then ends the call with ``code``."""
@@ -335,27 +335,22 @@ class Session:
         if self.on_end is not None:
             self.on_end(details)
 
-    def counters(self) -> pb.StreamCounters:
+    def counters(self) -> StreamCounts:
         with self._lock:
-            return self._counters()
+            return self._counts()
 
-    def _counters(self) -> pb.StreamCounters:
-        out = pb.StreamCounters()
-        self._fill_counters(out)
-        return out
-
-    def _fill_counters(self, out: pb.StreamCounters) -> None:
-        out.observations_received = self.observations_received
-        out.predictions_sent = self.predictions_sent
-        slots = self._slot_counters()
-        if slots is not None:
-            out.observations_used = slots.observations_used
-            out.observed_chunks = slots.observed_chunks
-            out.filled_frames = slots.filled_frames
-            out.incomplete_chunks = slots.incomplete_chunks
-        out.last_drop_detail = self.last_drop_detail
-        if self.drops:
-            out.drops.update(self.drops)
+    def _counts(self) -> StreamCounts:
+        slots = self._slot_counters() or SlotCounters(0, 0, 0, 0)
+        return StreamCounts(
+            observations_received=self.observations_received,
+            observations_used=slots.observations_used,
+            predictions_sent=self.predictions_sent,
+            observed_chunks=slots.observed_chunks,
+            filled_frames=slots.filled_frames,
+            incomplete_chunks=slots.incomplete_chunks,
+            last_drop_detail=self.last_drop_detail,
+            drops=collections.Counter(self.drops),
+        )
 
     # ---- what the engine core ran (serving loop) -----------------------------------------
 
@@ -393,41 +388,10 @@ class Session:
             self.promise = promise
         self._push("promise")
 
-    def _serialize_prediction(self, item: Ran, *, sent_ns: int) -> bytes:
-        out, cond = item.out, item.anchor
-        msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
-        p = msg.prediction
-        p.stream_id = self.stream_id
-        p.chunk_index = out.chunk
-        p.preview_steps = out.preview_steps
-        frames = None
-        if out.frames is not None:
-            frames = tensor_header(out.frames, p.frames)
-        if out.actions is not None:
-            array_to_tensor(out.actions, p.actions)
-        if item.action_timing is not None:  # row i is for action_start_ns + i * action_dt_ns
-            p.action_start_ns = item.action_timing.start_ns
-            p.action_dt_ns = item.action_timing.dt_ns
-            p.known_action_rows = item.action_timing.known_rows
-        p.observation_seq = -1
-        p.anchor_slot = out.anchor
-        p.horizon = out.horizon
-        p.first_frame_seq = item.first_frame_seq
-        t = p.server_times
-        if cond is not None:
-            p.observation_seq = cond.seq
-            p.observation_stamp_ns = cond.capture_stamp_ns
-            p.observation_send_stamp_ns = cond.send_stamp_ns
-            t.received_ns = cond.received_ns
-            t.queued_ns = cond.queued_ns
-        # One wall-minus-monotonic offset for all three, so their order is kept exactly.
-        wall_minus_mono_ns = time.time_ns() - time.monotonic_ns()
-        t.entered_ns = wall_minus_mono_ns + int(out.entered_s * 1e9)
-        t.left_ns = wall_minus_mono_ns + int(out.left_s * 1e9)
-        t.decoded_ns = wall_minus_mono_ns + int(out.decoded_s * 1e9)
-        t.sent_ns = sent_ns
-        with self._lock:
-            self._fill_counters(p.counters)
-        if frames is None:
-            return msg.SerializeToString()
-        return serialize_with_payload(msg, FRAMES_DATA_PATH, frames)
+
+@dataclass(frozen=True)
+class _Pong:
+    """A clock probe's answer, stamped when the writer sends it."""
+
+    client_send_ns: int
+    server_receive_ns: int

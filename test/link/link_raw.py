@@ -9,9 +9,10 @@ import time
 import grpc
 import numpy as np
 
+from physis_ros.link.encoding import array_to_tensor
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
-from physis_ros.link.wire import PROTOCOL_VERSION, STREAM_ID_METADATA_KEY, array_to_tensor
+from physis_ros.link.wire import PROTOCOL_VERSION, STREAM_ID_METADATA_KEY
 
 STREAM_METHOD = "/physis.v1.Physis/Stream"
 

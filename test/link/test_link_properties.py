@@ -10,16 +10,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from physis_ros.engine.api import StreamPromise
-from physis_ros.link.proto_gen import physis_pb2 as pb
-from physis_ros.link.wire import (
+from physis_ros.link.encoding import (
     LARGE_PAYLOAD_BYTES,
-    PROTOCOL_VERSION,
     TENSOR_DTYPES,
-    WireError,
-    parse_client_message,
     serialize_with_payload,
     tensor_to_array,
 )
+from physis_ros.link.proto_gen import physis_pb2 as pb
+from physis_ros.link.wire import PROTOCOL_VERSION, WireError, parse_client_message
 from physis_ros.serve.session import Session, SessionLimits
 
 H, W = 8, 6

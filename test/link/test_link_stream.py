@@ -19,14 +19,10 @@ from link_server import REPO_ROOT, running_server, server_info, wait_for
 from PIL import Image, PngImagePlugin
 
 from physis_ros.link.client import LinkClient, Observation
+from physis_ros.link.encoding import array_to_tensor
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
-from physis_ros.link.wire import (
-    PROTOCOL_VERSION,
-    STREAM_ID_METADATA_KEY,
-    array_to_tensor,
-    rgb_image,
-)
+from physis_ros.link.wire import PROTOCOL_VERSION, STREAM_ID_METADATA_KEY, rgb_image
 
 MAX_OBSERVATION_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 256 * 1024

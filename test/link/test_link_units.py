@@ -20,25 +20,26 @@ from PIL import Image
 
 from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.clock import ClockOffsetEstimator
+from physis_ros.link.encoding import (
+    LARGE_PAYLOAD_BYTES,
+    array_to_tensor,
+    tensor_header,
+    tensor_to_array,
+)
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
-    LARGE_PAYLOAD_BYTES,
     CameraImage,
     WireError,
-    array_to_tensor,
     observation_from_proto,
     observation_to_proto,
     parse_client_message,
     parse_server_message,
-    raw_image_to_rgb,
     rgb_image,
     serialize_observation,
-    tensor_header,
-    tensor_to_array,
 )
 from physis_ros.serve.config import frontend_config
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription
-from physis_ros.serve.observations import decode_image
+from physis_ros.serve.observations import check_observation, decode_image, raw_image_to_rgb
 from physis_ros.serve.session import SessionLimits
 
 
@@ -114,14 +115,21 @@ def test_observation_round_trip_and_checks():
         seq=1, capture_stamp_ns=0, joint_names=("a",), joint_positions=np.array([1.0, 2.0])
     )
     with pytest.raises(WireError, match="bad_tensor"):
-        observation_from_proto(observation_to_proto(bad, send_stamp_ns=0).observation)
+        _received(observation_to_proto(bad, send_stamp_ns=0).observation)
+
+
+def _received(o: pb.Observation) -> Observation:
+    """What the server makes of an observation message: parsed, then checked."""
+    obs = observation_from_proto(o)
+    check_observation(obs)
+    return obs
 
 
 def test_object_position_crosses_as_three_floats_and_is_checked_like_the_wrench():
     def crossed(position) -> Observation:
         obs = Observation(seq=1, capture_stamp_ns=2, object_position=position)
         raw = serialize_observation(obs, send_stamp_ns=3)
-        return observation_from_proto(pb.ClientMessage.FromString(raw).observation)
+        return _received(pb.ClientMessage.FromString(raw).observation)
 
     back = crossed(np.array([0.1, -0.3, 0.02]))
     assert back.object_position.dtype == np.float32
@@ -387,7 +395,7 @@ def test_action_conditioned_model_gets_the_newest_commanded_actions():
 
 @pytest.mark.parametrize("size", [10, 70_000, 921_600])
 def test_serialize_with_payload_decodes_to_the_same_message(size):
-    from physis_ros.link.wire import serialize_with_payload
+    from physis_ros.link.encoding import serialize_with_payload
 
     rng = np.random.default_rng(size)
     frames = rng.integers(0, 255, size, dtype=np.uint8)
