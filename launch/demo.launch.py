@@ -95,11 +95,11 @@ def generate_launch_description():
                     "sim_task": PythonExpression(
                         ["'goal_push' if '", arg("drive"), "' == 'true' else 'free'"]
                     ),
-                    "goal_topic": PythonExpression(
+                    "task_topic": PythonExpression(
                         ["'goal' if '", arg("drive"), "' == 'true' else ''"]
                     ),
-                    "object_topic": PythonExpression(
-                        ["'object_position' if '", arg("drive"), "' == 'true' else ''"]
+                    "object_topics": PythonExpression(
+                        ["\"['box=object_position']\" if '", arg("drive"), "' == 'true' else '[]'"]
                     ),
                     "sim_idle_policy": PythonExpression(
                         ["'hold' if '", arg("drive"), "' == 'true' else 'scripted'"]

@@ -78,17 +78,16 @@ def generate_launch_description():
             "chunk a horizon ahead; default: the server's (on for world models)",
         ),
         (
-            "goal_topic",
+            "task_topic",
             "",
-            "the task's goal (PointStamped) a goal-prompted model's stream opens with ('' = none; "
-            "sim_robot's goal_push episodes publish theirs on goal)",
+            "the task's parameters (PointStamped) a model that takes task values opens its "
+            "stream with ('' = none; sim_robot's episodes publish theirs on goal)",
         ),
         (
-            "object_topic",
-            "",
-            "a tracked object's position (PointStamped, table frame, from an object tracker) sent "
-            "with each image: push-wam's box_x, box_y ('' = none; sim_robot publishes its box "
-            "centre on object_position)",
+            "object_topics",
+            "[]",
+            "tracked objects, each name=topic (PointStamped, table frame, from an object "
+            "tracker), e.g. \"['box=object_position']\" for push-wam ([] = none)",
         ),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
         (
@@ -137,8 +136,8 @@ def generate_launch_description():
                         "act_on_previews": ParameterValue(arg("act_on_previews"), value_type=bool),
                         "horizon": ParameterValue(arg("horizon"), value_type=int),
                         "rollouts": ParameterValue(arg("rollouts"), value_type=str),
-                        "goal_topic": ParameterValue(arg("goal_topic"), value_type=str),
-                        "object_topic": ParameterValue(arg("object_topic"), value_type=str),
+                        "task_topic": ParameterValue(arg("task_topic"), value_type=str),
+                        "object_topics": ParameterValue(arg("object_topics"), value_type=list[str]),
                     },
                 ],
             ),

@@ -8,8 +8,8 @@ trajectories the bridge publishes (a world model publishes none: its scripted po
 With ``--model push-wam`` the world-action model drives: sim_robot runs goal-push episodes
 (a goal drawn on the table; it holds still when no trajectory comes), the bridge executes
 the model's chunks delay-aware (``--execution``, ``--join``), and the episodes' successes
-are printed and summarised; the bridge takes sim_robot's goal (``goal_topic``) and box
-centre (``object_topic``) where the weights take them (a goal prompt; box_x, box_y).
+are printed and summarised; the bridge takes sim_robot's goal (``task_topic``) and box
+centre (``object_topics``) where the model's contract takes them (task values; box_x, box_y).
 Prints once a second the achieved interval against the server's promise, the response
 latency, the chunk overlap (the share of chunks that entered the server's pipeline before
 the previous one left it: the assembly line at work) and drops; stops ``--duration-s``
@@ -156,14 +156,15 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
     """For a preset with shipped weights (or the ``weights`` file given): the camera the
     weights were trained on (image size, frame rate) and the video one chunk covers; None for
     the others. Reads the safetensors header only (no torch in this process)."""
+    from physis_ros.contract.model import CONTRACT_KEY, WamContract
     from physis_ros.contract.safetensors import read_metadata
-    from physis_ros.sim.task import BOX_STATE_NAMES
-    from physis_ros.weights import GOAL_PROMPT, SHIPPED
+    from physis_ros.weights import SHIPPED
 
     path = Path(weights) if weights else SHIPPED.get(model)
     if path is None or not path.exists():
         return None
     meta = read_metadata(path)
+    contract = WamContract.from_metadata(meta) if CONTRACT_KEY in meta else None
     height, width = (int(v) for v in meta["image_size"].split("x"))
     frame_hz = float(meta["frame_hz"])
     frames_per_chunk = int(meta.get("frames_per_chunk", "2"))
@@ -173,8 +174,8 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
         "camera_rate_hz": frame_hz,
         "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
         "drives": meta.get("format") == "physis_ros world-action model",
-        "goal_prompted": meta.get("prompt") == GOAL_PROMPT,
-        "tracks_object": bool(set(BOX_STATE_NAMES) & set(meta.get("state_names", "").split(","))),
+        "task_names": list(contract.task_names) if contract is not None else [],
+        "objects": list(contract.objects) if contract is not None else [],
         "action_names": meta.get("action_names", "").split(","),
         "lacks": [k for k in WAM_METADATA if k not in meta],
     }
@@ -297,10 +298,12 @@ def main(argv=None) -> int:
                 join=args.join,
                 act_on_previews=args.act_on_previews,
             )
-            if camera["goal_prompted"]:  # its streams open with sim_robot's episode goals
-                bridge_params.update(goal_topic="goal")
-            if camera["tracks_object"]:  # box_x, box_y: sim_robot's box, as a tracker's
-                bridge_params.update(object_topic="object_position")
+            if camera["task_names"]:  # its streams open with sim_robot's episode tasks
+                bridge_params.update(task_topic="goal")
+            if camera["objects"]:  # sim_robot's tracked object, as a tracker would report it
+                bridge_params.update(
+                    object_topics=[f"{name}=object_position" for name in camera["objects"]]
+                )
         elif args.act_on_previews:  # a world model's previews are for looking at only
             print(
                 "physis-demo: --act-on-previews: the model commands nothing (a world model); "

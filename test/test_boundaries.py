@@ -1,8 +1,9 @@
-"""DESIGN.md §5: which part may import what, and a ROS-free install of the workstation side.
+"""DESIGN.md §5: which part may import what, no import cycle, and a ROS-free install of the
+workstation side.
 
 Two checks per rule: a static scan of every import statement (lazy ones inside functions
 included), and a child process that imports every module of the part and then looks at
-sys.modules (catches transitive imports).
+sys.modules (catches transitive imports). Every subpackage and top-level module has a rule.
 """
 
 import ast
@@ -20,18 +21,24 @@ PKG = REPO_ROOT / "physis_ros"
 
 # part -> top-level modules it must never import
 FORBIDDEN = {
+    "contract": {"torch", "rclpy", "grpc"},
     "engine": {"rclpy", "rosbags"},
     "serve": {"rclpy"},
     "link": {"torch", "rclpy"},
     "nodes": {"torch"},
     "eval": {"rclpy"},
     "sim": {"torch", "rclpy"},
+    "train": {"rclpy"},
     "tools": {"rclpy"},
+    "weights": {"torch", "rclpy"},
 }
 # Files allowed to break their part's rule, and why.
 EXCEPTIONS = {
     # physis-replay publishes bag messages into live ROS (the `ros2 bag play` we lack).
     PKG / "eval" / "replay.py": {"rclpy"},
+    # The simulated robot's own node and its TF frames draw the simulated scene.
+    PKG / "nodes" / "sim_robot.py": {"sim"},
+    PKG / "nodes" / "frames.py": {"sim"},
 }
 
 
@@ -62,18 +69,38 @@ def _modules(part: str) -> list[str]:
 @pytest.mark.parametrize("part", sorted(FORBIDDEN))
 def test_no_forbidden_import_statements(part):
     offenders = []
-    for path in sorted((PKG / part).rglob("*.py")):
+    for path in _files(part):
         bad = (_imported_roots(path) & FORBIDDEN[part]) - EXCEPTIONS.get(path, set())
         if bad:
             offenders.append(f"{path.relative_to(REPO_ROOT)} imports {sorted(bad)}")
     assert not offenders, "\n".join(offenders)
 
 
-# part -> parts of this package it must never import (DESIGN.md §5: the engine is the bottom
-# layer; the server, the tools and the benchmarks build on it, never the other way round)
-FORBIDDEN_PARTS = {
-    "engine": {"serve", "tools", "bench", "nodes", "eval", "link", "sim", "train"},
-    "link": {"engine", "serve", "nodes", "tools", "bench"},
+PARTS = {
+    p.name if p.is_dir() else p.stem
+    for p in PKG.iterdir()
+    if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")
+}
+"""Every subpackage and top-level module of physis_ros."""
+# part -> the parts of this package it may import (DESIGN.md §5: contract at the bottom, the
+# engine on it, the server on the engine; the robot side on link; the demo task, evaluation,
+# training and tools above; the product knows no demo task)
+ALLOWED_PARTS = {
+    "contract": set(),
+    "cli_errors": set(),
+    "children": set(),
+    "memtune": set(),
+    "weights": {"contract"},
+    "link": {"contract", "memtune", "cli_errors"},
+    "engine": {"contract", "weights", "memtune", "cli_errors"},
+    "serve": {"engine", "link", "contract", "memtune", "cli_errors"},
+    "nodes": {"link", "contract", "msg", "cli_errors", "children"},
+    "sim": {"contract", "cli_errors"},
+    "eval": {"engine", "link", "contract", "sim", "weights", "cli_errors", "children"},
+    "train": {"engine", "eval", "sim", "contract", "weights", "cli_errors"},
+    "tools": {"engine", "contract", "weights", "cli_errors", "children"},
+    "bench": PARTS - {"sim", "train", "demo"},
+    "demo": PARTS,
 }
 
 
@@ -85,18 +112,95 @@ def _imported_parts(path: Path) -> set[str]:
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-        parts.update(n.split(".")[1] for n in names if n.startswith("physis_ros.") and "." in n)
+            if node.module == "physis_ros":  # from physis_ros import weights
+                names = [f"physis_ros.{alias.name}" for alias in node.names]
+        parts.update(n.split(".")[1] for n in names if n.startswith("physis_ros."))
     return parts
 
 
-@pytest.mark.parametrize("part", sorted(FORBIDDEN_PARTS))
-def test_no_imports_of_higher_parts(part):
+def _files(part: str) -> list[Path]:
+    return sorted((PKG / part).rglob("*.py")) if (PKG / part).is_dir() else [PKG / f"{part}.py"]
+
+
+def test_every_part_has_a_rule():
+    assert set(ALLOWED_PARTS) >= PARTS, (
+        f"parts without a rule: {sorted(PARTS - set(ALLOWED_PARTS))}"
+    )
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED_PARTS))
+def test_no_imports_of_parts_it_may_not_know(part):
     offenders = []
-    for path in sorted((PKG / part).rglob("*.py")):
-        bad = _imported_parts(path) & FORBIDDEN_PARTS[part]
+    for path in _files(part):
+        allowed = ALLOWED_PARTS[part] | {part} | EXCEPTIONS.get(path, set())
+        bad = _imported_parts(path) - allowed
         if bad:
             offenders.append(f"{path.relative_to(REPO_ROOT)} imports physis_ros.{sorted(bad)}")
     assert not offenders, "\n".join(offenders)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_package_import_graph_has_no_cycle():
+    """Module -> the modules it imports (at any depth: inside functions too), strongly
+    connected components by Tarjan's algorithm: none may hold two modules."""
+    paths = [p for p in PKG.rglob("*.py") if "proto_gen" not in p.parts]
+    modules = {_module_name(p): p for p in paths}
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                o = owner(t) if t.startswith("physis_ros") else None
+                if o and o not in (name, "physis_ros"):
+                    deps.add(o)
+        edges[name] = deps
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(modules):
+        if v not in index:
+            visit(v)
+    assert len(modules) > 100 and sum(map(len, edges.values())) > 300  # the graph was built
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
 CHILD = """

@@ -214,6 +214,14 @@ class WamContract:
         bad = sorted(k for k, v in task.items() if not math.isfinite(v))
         if bad:
             raise ContractError(f"task values {bad} are not finite numbers")
+        if self.prompt.kind == "task_features":  # as far as the model was trained
+            scale = self.prompt.scale
+            out = sorted(v for v in self.prompt.values if abs(task[v]) > scale)
+            if out:
+                raise ContractError(
+                    f"task values {out} lie outside the range the model was trained on "
+                    f"(|value| <= {scale:g})"
+                )
 
     def state_vector(self, values: dict[str, float], task: dict[str, float]) -> np.ndarray:
         """[S] float32 in the contract's order: robot inputs from ``values`` (by name), task

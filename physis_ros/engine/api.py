@@ -82,6 +82,9 @@ class StreamPromise:
     rollouts: bool = False
     """Each observation generates the whole horizon again (``StreamSpec.rollouts``); the
     interval is then between rollouts, the response latency that of a rollout's first chunk."""
+    contract: str = ""
+    """A world-action model's contract (its JSON: what each observation must carry by name);
+    "" for a world model."""
 
 
 def check_rollouts(spec: StreamSpec, horizon: int) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from physis_ros.contract.model import CONTRACT_KEY, WamContract
 from physis_ros.engine.checkpoints import ResolvedModel, summary
 from physis_ros.engine.pipeline import Pipeline
-from physis_ros.engine.prompts import PromptBook, goal_prompted, trained_empty_prompt
+from physis_ros.engine.prompts import PromptBook, trained_empty_prompt
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ def prompt_book(
         cfg,
         list(files),
         empty=None if own else trained_empty_prompt(cfg, checkpoint_meta),
-        goal_prompts=goal_prompted(checkpoint_meta),
         contract=contract_of(checkpoint_meta),
     )
 

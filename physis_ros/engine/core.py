@@ -132,7 +132,9 @@ class EngineCore:
     ) -> StreamPromise:
         self._check_alive()
         check_stream_codec(spec, self.codec)
-        if spec.task and self.contract is not None:
+        if spec.task:  # the model's contract names the task values it takes
+            if self.contract is None or not self.contract.task_names:
+                raise ValueError(f"task values {sorted(spec.task)}: the model takes none")
             self.contract.check_task(spec.task)
         cond = self.prompts.resolve(spec.prompt, spec.prompt_embedding, spec.task)
         K, L = self.sampler.steps, self.cfg.num_blocks
@@ -190,6 +192,7 @@ class EngineCore:
             horizon=horizon,
             action_mode=cfg.action_mode,
             rollouts=spec.rollouts,
+            contract=self.contract.to_json() if self.contract is not None else "",
         )
 
     def _rough_interval(self, layout: Layout) -> tuple[float, int]:

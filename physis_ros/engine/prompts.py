@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,6 @@ import torch
 
 from physis_ros.contract.model import WamContract, prompt_features
 from physis_ros.engine.config import ModelConfig
-from physis_ros.weights import GOAL_PROMPT
 
 FORMAT = "physis_ros prompt embeddings"
 VERSION = "1"
@@ -118,55 +116,13 @@ def read_prompts(path: str | Path) -> PromptFile:
     )
 
 
-GOAL_SCALE_M = 0.5
-"""The goal's coordinates are divided by this (the sim table's half-width); a goal beyond it
-is refused."""
-_GOAL_NAME = re.compile(r"^goal_xy_(-?[0-9]+(?:\.[0-9]+)?)_(-?[0-9]+(?:\.[0-9]+)?)$")
-
-
-def goal_prompt(goal_xy, text_dim: int) -> np.ndarray:
-    """[1, text_dim] float32: the task's instruction ("push the box to this point") as one
-    conditioning token, where a text encoder's output would go: the goal's table coordinates
-    (/ GOAL_SCALE_M) and their sines and cosines at three scales. The camera shows the goal
-    too, as a few green pixels; a model trained on those alone planned the same motion for a
-    goal and its mirror image through the box (docs/push_wam)."""
-    x, y = (float(v) / GOAL_SCALE_M for v in goal_xy)
-    features = [x, y]
-    for k in range(3):
-        w = math.pi * 2**k
-        features += [math.sin(w * x), math.cos(w * x), math.sin(w * y), math.cos(w * y)]
-    if text_dim < len(features):
-        raise ValueError(f"a goal prompt needs text_dim >= {len(features)}, got {text_dim}")
-    out = np.zeros((1, text_dim), np.float32)
-    out[0, : len(features)] = features
-    return out
-
-
-def parse_goal_prompt_name(name: str) -> tuple[float, float] | None:
-    """The goal a prompt name ``goal_xy_<x>_<y>`` names (None: not such a name)."""
-    m = _GOAL_NAME.match(name)
-    if m is None:
-        return None
-    x, y = float(m.group(1)), float(m.group(2))
-    if max(abs(x), abs(y)) > GOAL_SCALE_M:
-        raise ValueError(
-            f"goal prompt {name!r}: the goal is off the table (|x|, |y| <= {GOAL_SCALE_M} m)"
-        )
-    return x, y
-
-
-def goal_prompted(checkpoint_meta: dict[str, str] | None) -> bool:
-    """A push-wam trained on goal prompts (metadata ``prompt``: ``weights.GOAL_PROMPT``)."""
-    return bool(checkpoint_meta) and checkpoint_meta.get("prompt") == GOAL_PROMPT
-
-
 def trained_empty_prompt(
     cfg: ModelConfig, checkpoint_meta: dict[str, str] | None
 ) -> torch.Tensor | None:
     """The empty prompt of a model without a text encoder: for a physis-train checkpoint the
-    conditioning it was trained with (metadata ``cond_seed``: ``model.make_cond``); for random
-    weights or a goal-prompted model no tokens (all padding: the engine's own measuring
-    streams; physis-serve refuses a client's stream without its goal)."""
+    conditioning it was trained with (metadata ``cond_seed``: ``forward.make_cond``); for
+    random weights, or a model conditioned on its task's values, no tokens (all padding: the
+    engine's own measuring streams; physis-serve refuses a client's stream without them)."""
     from physis_ros.engine.forward import make_cond
 
     if checkpoint_meta and "cond_seed" in checkpoint_meta:
@@ -183,14 +139,11 @@ class PromptBook:
         files: list[str | Path] | tuple = (),
         *,
         empty: torch.Tensor | None = None,
-        goal_prompts: bool = False,
         contract: WamContract | None = None,
     ) -> None:
         """``empty``: the model's empty prompt when no file has one (None: the model needs a
-        file with it, e.g. a Wan checkpoint, whose empty prompt is its text encoder's);
-        ``goal_prompts``: names ``goal_xy_<x>_<y>`` resolve to ``goal_prompt``."""
+        file with it, e.g. a Wan checkpoint, whose empty prompt is its text encoder's)."""
         self.cfg = cfg
-        self.goal_prompts = goal_prompts
         self.contract = contract
         """A world-action model's contract: a ``task_features`` prompt is made of the
         stream's task values."""
@@ -235,20 +188,11 @@ class PromptBook:
                 raise ValueError("give a prompt name or a raw embedding, not both")
             return self.check_raw(raw)
         key = name or EMPTY
-        if self.goal_prompts:
-            goal = parse_goal_prompt_name(key)
-            if goal is not None:
-                return self._fit(torch.from_numpy(goal_prompt(goal, self.cfg.text_dim)), key)
         if key not in self.prompts:
             if key == EMPTY:
                 raise ValueError(
                     f"model {self.cfg.name} has no empty-prompt embedding for a stream without "
                     "a prompt: run physis-embed (it writes 'empty') and serve with --prompts FILE"
-                )
-            if parse_goal_prompt_name(key) is not None:
-                raise ValueError(
-                    f"prompt {name!r} names a goal, but model {self.cfg.name} was not trained "
-                    "on goal prompts (its weights' metadata has no prompt=goal_xy)"
                 )
             raise ValueError(f"unknown prompt {name!r}; the server has {self.names()}")
         return self.prompts[key]

@@ -173,13 +173,12 @@ class ModelDecider:
         goal_xy,
     ) -> Answer:
         from physis_ros.engine.api import StreamSpec
-        from physis_ros.engine.prompts import goal_prompt
 
         eng = self.engine
-        prompt = None
-        if self.prompt == GOAL_PROMPT:
-            prompt = goal_prompt(goal_xy, eng.cfg.text_dim)
-        sid = eng.open_stream(StreamSpec(seed=seed, prompt_embedding=prompt)).stream_id
+        task = {}
+        if self.prompt == GOAL_PROMPT:  # the engine makes the goal's features (its contract)
+            task = {"goal_x": float(goal_xy[0]), "goal_y": float(goal_xy[1])}
+        sid = eng.open_stream(StreamSpec(seed=seed, task=task)).stream_id
         try:
             for ctx, rows in zip(contexts, known, strict=True):
                 state = model_state(ctx.state, goal_xy, ctx.box_xy)[:, self.state_cols]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from physis_ros.contract.model import ContractError, WamContract
 from physis_ros.link.clock import ClockOffsetEstimator
 from physis_ros.link.encoding import array_to_tensor
 from physis_ros.link.proto_gen import physis_pb2 as pb
@@ -123,12 +124,15 @@ class LinkClient:
         horizon: int = 0,
         previews: bool = False,
         rollouts: bool | None = None,
+        task: dict[str, float] | None = None,
     ) -> None:
         """``horizon``: chunks ahead of its newest observation the stream asks for (0: the
         model's default). ``previews``: also receive each chunk's x0 estimate after every
         denoising step but the last (``Prediction.preview_steps`` > 0), before the chunk.
         ``rollouts``: whether every observation generates the whole horizon again (None: the
-        server's default, on for world models).
+        server's default, on for world models). ``task``: the task's values by the names the
+        model's contract gives them (a world-action model's, e.g. a goal's coordinates; the
+        stream opens only once it has the ones the model takes: ``set_task``).
 
         ``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
@@ -185,6 +189,10 @@ class LinkClient:
             previews=previews,
             rollouts=ROLLOUTS[rollouts],
         )
+        self._spec.task.update(task or {})
+        self._contract: WamContract | None = None
+        self._task_changed = False
+        """set_task gave other values: the next stream opens at once, not after a backoff."""
         if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
             array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
         self._metadata: tuple[tuple[str, str], ...] = (
@@ -261,16 +269,38 @@ class LinkClient:
         self._thread.start()
 
     def set_prompt(self, prompt: str) -> None:
-        """Streams from now on are opened with ``prompt`` (a task's new instruction: a goal
-        for a goal-prompted model). A different prompt ends the stream now on the server
-        (its context goes: it belonged to the old task) and a new one opens at once."""
+        """Streams from now on are opened with ``prompt`` (a task's new instruction). A
+        different prompt ends the stream now on the server (its context goes: it belonged to
+        the old task) and a new one opens at once."""
         with self._cv:
             if prompt == self._spec.prompt:
                 return
             self._spec.prompt = prompt
+        self._reopen()
+
+    def set_task(self, task: dict[str, float]) -> None:
+        """Streams from now on are opened with the task's values ``task`` (a new goal). Other
+        values end the stream now on the server (its context belonged to the old task) and a
+        new one opens at once."""
+        with self._cv:
+            if dict(self._spec.task) == task:
+                return
+            self._spec.task.clear()
+            self._spec.task.update(task)
+            self._task_changed = True
+            self._cv.notify_all()
+        self._reopen()
+
+    @property
+    def contract(self) -> WamContract | None:
+        """The served model's contract, as the server said at the last connection (None: a
+        world model, or not connected yet)."""
+        return self._contract
+
+    def _reopen(self) -> None:
         stub, promise, call = self._stub, self._promise, self._call
         if stub is not None and promise is not None and self._state == "streaming":
-            # (an error: the stream ended meanwhile; the next one opens with the new prompt)
+            # (an error: the stream ended meanwhile; the next one opens as asked)
             with contextlib.suppress(grpc.RpcError, ValueError):
                 stub.CloseStream(
                     pb.CloseStreamRequest(stream_id=promise.stream_id),
@@ -384,7 +414,7 @@ class LinkClient:
                 break
             backoff_s = lo if streamed else min(backoff_s * 2, hi)
             with self._cv:
-                self._cv.wait_for(lambda: self._closing, timeout=backoff_s)
+                self._cv.wait_for(lambda: self._closing or self._task_changed, timeout=backoff_s)
         self._set_state("disconnected")
 
     def _run_stream(self) -> bool:
@@ -397,9 +427,17 @@ class LinkClient:
         try:
             self._wait_ready(channel)
             stub = pb_grpc.PhysisStub(channel)
-            with self._cv:  # set_prompt may change it from another thread
+            self._contract = self._server_contract(stub)
+            with self._cv:  # set_prompt / set_task may change it from another thread
                 spec = pb.StreamSpec()
                 spec.CopyFrom(self._spec)
+                self._task_changed = False
+            takes = self._contract.task_names if self._contract is not None else ()
+            if takes and not spec.task:
+                raise NotConnected(
+                    f"waiting for the task's values: the model takes {list(takes)} (set_task; "
+                    "the bridge's task_topic)"
+                )
             reply = stub.OpenStream(spec, metadata=self._metadata, timeout=self._connect_timeout_s)
             if reply.protocol_version != PROTOCOL_VERSION:
                 raise WireError(
@@ -436,6 +474,19 @@ class LinkClient:
         finally:
             self._call = None
             _close_after_polling(channel)
+
+    def _server_contract(self, stub) -> WamContract | None:
+        """The served model's contract (GetServerInfo): what each observation must carry and
+        which task values a stream opens with."""
+        info = stub.GetServerInfo(
+            pb.ServerInfoRequest(), metadata=self._metadata, timeout=self._connect_timeout_s
+        )
+        if not info.contract:
+            return None
+        try:
+            return WamContract.from_json(info.contract)
+        except ContractError as exc:
+            raise WireError("contract", f"the server's model contract: {exc}") from exc
 
     def _wait_ready(self, channel: grpc.Channel) -> None:
         """Until ``channel`` is ready. A failed attempt (TLS handshake, connection refused)

@@ -75,9 +75,9 @@ class Observation:
     what was commanded before the capture and what is committed after it."""
     commands_start_ns: int = 0
     commands_dt_ns: int = 0
-    object_position: np.ndarray | None = None
-    """[3] float32 xyz (table frame, m): a tracked object's position at the capture, from an
-    object tracker on the robot (push-wam's box_x, box_y state columns)."""
+    state: dict[str, float] = field(default_factory=dict)
+    """The robot's state by the names the model's contract gives its inputs (a world-action
+    model's: joint positions and velocities, wrench, tracked objects' coordinates)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,8 +155,8 @@ def observation_to_proto(
         array_to_tensor(np.asarray(obs.commands, dtype=np.float32), o.commands)
         o.commands_start_ns = obs.commands_start_ns
         o.commands_dt_ns = obs.commands_dt_ns
-    if obs.object_position is not None:
-        array_to_tensor(np.asarray(obs.object_position, dtype=np.float32), o.object_position)
+    if obs.state:
+        o.state.update(obs.state)
     return msg
 
 
@@ -235,7 +235,7 @@ def observation_from_proto(
         commands=commands,
         commands_start_ns=o.commands_start_ns if commands is not None else 0,
         commands_dt_ns=o.commands_dt_ns if commands is not None else 0,
-        object_position=opt("object_position"),
+        state=dict(o.state),
     )
 
 
@@ -268,6 +268,7 @@ _PROMISE_FIELDS = (
     "horizon",
     "action_mode",
     "rollouts",
+    "contract",
 )
 """The fields of the engine's promise that cross the wire unchanged (StreamPromise ->
 pb.StreamPromise -> LinkPromise)."""
@@ -303,6 +304,9 @@ class LinkPromise:
     rollouts: bool = False
     """Every observation generates the whole horizon again: predictions come in rollouts
     (horizons 1..h on one anchor), the interval is between rollouts."""
+    contract: str = ""
+    """A world-action model's contract (JSON, ``contract.model.WamContract.from_json``):
+    what each observation must carry by name; "" for a world model."""
 
 
 def promise_to_proto(promise: Any, out: pb.StreamPromise, *, max_observation_bytes: int) -> None:

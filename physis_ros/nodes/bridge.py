@@ -33,6 +33,7 @@ fallback, the reports, from a ``bridge_report.BridgeSnapshot``).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from diagnostic_msgs.msg import DiagnosticArray
@@ -112,7 +113,7 @@ class Bridge(Node):
         self._make_subscriptions()
         self.create_timer(p.watchdog_period_s, self._on_watchdog)
         self.create_timer(p.stats_period_s, self._on_stats_timer)
-        if not p.goal_topic:  # else the stream opens with the first goal (_on_goal)
+        if not p.task_topic:  # else the stream opens with the first task (_on_task)
             self.link.open_stream()
         self._port_timer = None
         if not self.link.try_start():
@@ -133,12 +134,14 @@ class Bridge(Node):
             )
         self.create_subscription(WrenchStamped, p.wrench_topic, self._on_wrench, qos)
         self.create_subscription(JointState, p.joint_states_topic, self._on_joints, qos)
-        if p.object_topic:
-            self.create_subscription(PointStamped, p.object_topic, self._on_object, qos)
+        for name, topic in self.inputs.objects.items():
+            self.create_subscription(
+                PointStamped, topic, functools.partial(self._on_object, name), qos
+            )
         if p.command_topic:
             self.create_subscription(JointTrajectory, p.command_topic, self._on_command, qos)
-        if p.goal_topic:  # latched: a goal is published once per episode
-            self.create_subscription(PointStamped, p.goal_topic, self._on_goal, LATCHED_QOS)
+        if p.task_topic:  # latched: a task is published once per episode
+            self.create_subscription(PointStamped, p.task_topic, self._on_task, LATCHED_QOS)
 
     def _make_publishers(self) -> OutputTopics:
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
@@ -166,9 +169,9 @@ class Bridge(Node):
         f, t = msg.wrench.force, msg.wrench.torque
         self.inputs.take_vector("wrench", msg.header, [f.x, f.y, f.z, t.x, t.y, t.z], "nan_wrench")
 
-    def _on_object(self, msg: PointStamped) -> None:
+    def _on_object(self, name: str, msg: PointStamped) -> None:
         p = msg.point
-        self.inputs.take_vector("object", msg.header, [p.x, p.y, p.z], "nan_object")
+        self.inputs.take_vector(f"object:{name}", msg.header, [p.x, p.y, p.z], "nan_object")
 
     def _on_joints(self, msg: JointState) -> None:
         self.inputs.take_joints(msg)
@@ -176,12 +179,14 @@ class Bridge(Node):
     def _on_command(self, msg: JointTrajectory) -> None:
         self.inputs.take_command(msg)
 
-    def _on_goal(self, msg: PointStamped) -> None:
-        """A new goal reopens the stream with its prompt; the old stream's chunks stop by
+    def _on_task(self, msg: PointStamped) -> None:
+        self._start_task(self.inputs.take_task(msg))
+
+    def _start_task(self, task: dict[str, float]) -> None:
+        """A new task reopens the stream with its values; the old stream's chunks stop by
         intent, so the new one has a whole deadline to start."""
-        prompt = self.inputs.take_goal(msg)
-        if prompt:
-            self.link.set_prompt(prompt)
+        if task:
+            self.link.set_task(task)
             self.outputs.expect_new_stream()
             self.link.open_stream()
 
@@ -205,6 +210,7 @@ class Bridge(Node):
 
     @quiet_at_shutdown
     def _on_stats_timer(self) -> None:
+        self._start_task(self.inputs.pending_task())  # its names once the contract is known
         snap = self.snapshot(self.link.poll())
         now_ns = self.now_ns()
         self.outputs.publish_stats(snap, now_ns)

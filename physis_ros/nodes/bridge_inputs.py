@@ -9,8 +9,11 @@ The observation carries that command as its ``action`` and, for a world-action m
 command timeline (``wam_execution``: what the robot commanded before the capture and has
 committed after it).
 
-The task's goal (``goal_topic``) becomes the prompt the stream opens with
-(``task_goal_prompt``).
+A world-action model says what it takes by name in its contract (``contract.model``, from
+the stream's promise): the bridge reads each of its robot inputs from the topic bound to its
+source (joint states, the wrench, ``object_topics``) and sends them as the observation's
+named state values; an input with no binding is named, and the stream refused. The task's
+values (``task_topic``'s point, named by ``task_names`` or the contract) open the stream.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from physis_ros.contract.model import WRENCH_KEYS, ContractError, WamContract
 from physis_ros.link.client import LinkPromise
 from physis_ros.nodes.bridge_link import BridgeLink
 from physis_ros.nodes.bridge_params import BridgeParams
@@ -40,19 +44,9 @@ from physis_ros.nodes.pairing import (
 )
 from physis_ros.nodes.stats import DropCounter, RateMeter, RollingWindow
 from physis_ros.nodes.wam_execution import ActionExecution
-from physis_ros.sim.task import goal_prompt_name
 
 OBSERVED_IMAGES_KEPT = 16
 """Recent observed images (full size) kept by observation seq, for the side-by-side view."""
-
-
-def task_goal_prompt(goal_xy_m: np.ndarray) -> str:
-    """The prompt a goal-prompted model's stream opens with for a goal (table frame, m).
-
-    The one place the bridge knows a task: the prompt format is the push task's
-    (``goal_xy_<x>_<y>``); how a goal conditions a model belongs with the model's contract.
-    """
-    return goal_prompt_name(goal_xy_m)
 
 
 def stamp_ns(header) -> int:
@@ -76,26 +70,34 @@ class BridgeInputs:
         self.p = p
         self._link, self._commands, self._execution = link, commands, execution
         self._drops, self._logger, self._clock_ns = drops, logger, clock_ns
+        self.objects = p.objects()
         self.pairer = ApproxTimePairer(
             slop_s=p.slop_s,
             require_wrench=p.require_wrench,
             require_joints=p.require_joints,
-            require_object=bool(p.object_topic) and p.require_object,
+            objects=tuple(self.objects),
+            require_object=p.require_object,
             drops=drops,
         )
         # The action columns' joints: fixed by parameter, else on the first command.
         self._command_order: tuple[str, ...] = p.command_joint_names or p.action_names
         streams = ["image", "wrench", "joints", "command"]
-        if p.object_topic:  # (no object_rate_hz on /diagnostics without a tracker)
-            streams.append("object")
+        streams += [f"object:{name}" for name in self.objects]
         self.rates = {name: RateMeter() for name in streams}
         self.counts = dict.fromkeys(
             ("images", "sent", "not_sent_before_stream", "commands", "observations_with_command"),
             0,
         )
         self.obs_to_send_ms = RollingWindow()
-        self.goal_prompt = ""
-        """The prompt naming the newest goal ('' before the first, or without goal_topic)."""
+        self.task: dict[str, float] = {}
+        """The newest task values (empty before the first, or without task_topic)."""
+        self._task_point: tuple[float, ...] | None = None
+        """The newest task_topic point, until the model's contract names its values."""
+        self.unbound = ""
+        """Why the model cannot be fed (an input it takes has no binding): the stream is
+        refused ("" while it can)."""
+        self._checked_contract = ""
+        self._parsed: WamContract | None = None
         self._sent_images = SentImages(OBSERVED_IMAGES_KEPT)
         # An image waiting for the command in force when it was taken: (it, monotonic deadline)
         self._awaiting_command: tuple[PairedObservation, float] | None = None
@@ -178,20 +180,39 @@ class BridgeInputs:
             self._awaiting_command = None  # every command before the image is in now
             self._send_now(waiting[0])
 
-    def take_goal(self, msg) -> str:
-        """The prompt for a new goal; "" when it is the same goal's or the goal is bad."""
+    def take_task(self, msg) -> dict[str, float]:
+        """The task values of a new task_topic point; {} when they are the same as before, are
+        bad, or the model's contract that names them is not known yet (``pending_task``)."""
         try:
-            goal = validate_vector([msg.point.x, msg.point.y], size=2, reason="bad_goal")
-            prompt = task_goal_prompt(goal)  # one the server cannot take: the link says why
-        except ValueError as exc:  # ConversionError, or a goal no prompt names
-            self._drops.add("bad_goal")
-            self._logger.warning(f"goal dropped: {exc}", throttle_duration_sec=2.0)
-            return ""
-        if prompt == self.goal_prompt:
-            return ""
-        self._logger.info(f"goal ({goal[0]:.3f}, {goal[1]:.3f}) m: stream prompt {prompt}")
-        self.goal_prompt = prompt
-        return prompt
+            xyz = [msg.point.x, msg.point.y, msg.point.z]
+            point = validate_vector(xyz, size=3, reason="bad_task")
+        except ConversionError as exc:
+            self._drops.add("bad_task")
+            self._logger.warning(f"task dropped: {exc}", throttle_duration_sec=2.0)
+            return {}
+        self._task_point = tuple(float(v) for v in point)
+        return self.pending_task()
+
+    def pending_task(self) -> dict[str, float]:
+        """The task values of the newest point once the names are known ({} while not, or
+        when they are the ones the stream has)."""
+        if self._task_point is None:
+            return {}
+        names = self.p.task_names
+        if not names:
+            contract = self._link.contract()
+            names = contract.task_names if contract is not None else ()
+        if not names:
+            return {}
+        if len(names) > len(self._task_point):
+            self._note_unbound(f"the model takes task values {list(names)}; a point gives 3")
+            return {}
+        task = dict(zip(names, self._task_point, strict=False))
+        if task == self.task:
+            return {}
+        self._logger.info(f"task {task}: the stream opens with it")
+        self.task = task
+        return task
 
     def flush_overdue(self) -> None:
         """The image waiting for its command goes once it has waited command_wait_s."""
@@ -290,6 +311,11 @@ class BridgeInputs:
         observed = paired.image.value
         fields = observed
         promise = self._link.current_promise()
+        state = None
+        if promise is not None and promise.contract:
+            state = self._state_values(paired, promise.contract)
+            if state is None:
+                return  # counted: an input is unbound, or missing from this pairing
         if promise is None and self.p.resize_to_model:
             # The model's image size comes with the stream: sent as captured, the image would
             # wait in the link and reach the server at the camera's size (dropped there,
@@ -304,10 +330,93 @@ class BridgeInputs:
         if promise is not None and promise.action_dim > 0 and self.p.command_topic:
             # a world-action model continues the rows the robot committed (wam_execution.py)
             timeline = self._execution.command_timeline(paired.image.stamp_ns)
-        if not self._link.send(paired.observation(seq, fields, action=action, timeline=timeline)):
+        observation = paired.observation(seq, fields, action=action, timeline=timeline, state=state)
+        if not self._link.send(observation):
             self.counts["not_sent_before_stream"] += 1  # no client yet: no stream either
             return
         self.counts["sent"] += 1
         if action is not None:
             self.counts["observations_with_command"] += 1
         self.obs_to_send_ms.add((time.perf_counter() - paired.image.received_s) * 1e3)
+
+    # ---- the model's inputs by name ------------------------------------------------------
+
+    def _state_values(self, paired: PairedObservation, contract_json: str) -> dict | None:
+        """The model's robot inputs by name from this pairing (its contract: the promise's);
+        None when one cannot be given (an unbound input refuses the stream; a missing joint
+        in this joint state drops this image), counted."""
+        contract = self._contract(contract_json)
+        if contract is None:
+            return None
+        names, positions, velocities = paired.joints.value if paired.joints else ((), None, None)
+        values = {}
+        for s in contract.robot_state:
+            if s.source == "wrench":
+                if paired.wrench is None:
+                    self._drops.add("missing_wrench")
+                    return None
+                values[s.name] = float(paired.wrench.value[WRENCH_KEYS.index(s.key)])
+            elif s.source == "object":
+                sample = paired.objects.get(s.object_name)
+                if sample is None:
+                    self._drops.add("missing_object")
+                    return None
+                values[s.name] = float(sample.value["xyz".index(s.key[-1])])
+            else:
+                source = positions if s.source == "joint_position" else velocities
+                if source is None or s.key not in names:
+                    self._drops.add("missing_joint")
+                    self._logger.warning(
+                        f"image dropped: the model takes {s.name} ({s.source} of joint "
+                        f"{s.key}); the joint state has {list(names)}",
+                        throttle_duration_sec=2.0,
+                    )
+                    return None
+                values[s.name] = float(source[names.index(s.key)])
+        return values
+
+    def _contract(self, contract_json: str) -> WamContract | None:
+        """The stream's contract, its bindings checked once per contract: an input whose
+        source has no binding refuses the stream (``unbound``)."""
+        if contract_json != self._checked_contract:
+            self._checked_contract = contract_json
+            try:
+                contract = WamContract.from_json(contract_json)
+            except ContractError as exc:
+                self._note_unbound(f"the server's model contract is unusable: {exc}")
+                return None
+            self.unbound = ""
+            problems = binding_problems(contract, self.p, tuple(self.objects))
+            if problems:
+                self._note_unbound("; ".join(problems))
+            self._parsed = contract
+        return None if self.unbound else self._parsed
+
+    def _note_unbound(self, why: str) -> None:
+        if why != self.unbound:
+            self._logger.error(f"the model cannot be fed: {why}; the stream is refused")
+            self._link.refuse(f"the model cannot be fed: {why}")
+        self.unbound = why
+        self._drops.add("unbound_input")
+
+
+def binding_problems(contract: WamContract, p: BridgeParams, objects: tuple[str, ...]) -> list:
+    """What the model's contract takes that no parameter binds, each named with its fix."""
+    problems = []
+    sources = {s.source for s in contract.robot_state}
+    if sources & {"joint_position", "joint_velocity"} and not p.joint_states_topic:
+        problems.append("it takes joint states: set joint_states_topic")
+    if "wrench" in sources and not p.wrench_topic:
+        problems.append("it takes the wrench: set wrench_topic")
+    for name in contract.objects:
+        if name not in objects:
+            inputs = [s.name for s in contract.robot_state if s.object_name == name]
+            problems.append(
+                f"it takes object {name!r} ({', '.join(inputs)}): bind it with "
+                f"object_topics:=['{name}=<PointStamped topic>']"
+            )
+    if contract.task_names and not p.task_topic:
+        problems.append(
+            f"it takes task values {list(contract.task_names)}: set task_topic (a PointStamped)"
+        )
+    return problems

@@ -4,8 +4,9 @@ thread that takes its predictions.
 Nothing here waits in the node's constructor. With ``server_port_file`` the client is made
 once the server has written its port there (``try_start``, polled by the node's timer; the
 link says ``waiting for port file ...`` in /diagnostics until then), else at once. With
-``goal_topic`` the stream opens with the first goal (``open_stream``), else as soon as the
-client is made. Predictions go to ``on_prediction`` on the link's own receive thread.
+``task_topic`` the stream opens with the first task's values (``open_stream``), else as soon
+as the client is made. Predictions go to ``on_prediction`` on the link's own receive thread.
+A model whose inputs the robot's topics cannot give refuses the stream (``refuse``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from physis_ros.contract.model import WamContract
 from physis_ros.link.client import (
     ROLLOUT_CHOICES,
     LinkClient,
@@ -63,7 +65,9 @@ class BridgeLink:
         self._client_name, self._clock_ns = client_name, clock_ns
         self._on_prediction = on_prediction
         self._logger = logger
-        self._prompt = p.prompt
+        self._task: dict[str, float] = {}
+        self.refused = ""
+        """Why the model cannot be fed from this robot's topics ("" while it can)."""
         self._token = p.token or None
         if p.token_file:  # read now: a missing file fails the node at start
             with open(p.token_file) as f:
@@ -88,7 +92,8 @@ class BridgeLink:
         return LinkClient(
             target,
             seed=p.seed,
-            prompt=self._prompt,
+            prompt=p.prompt,
+            task=self._task,
             target_interval_ms=p.target_interval_ms,
             response_latency_budget_ms=p.response_latency_budget_ms,
             previews=p.previews or p.act_on_previews,
@@ -134,14 +139,30 @@ class BridgeLink:
         self._receiver.start()
         return True
 
-    def set_prompt(self, prompt: str) -> None:
-        """Streams open with ``prompt`` from now on (the open one is reopened with it)."""
-        self._prompt = prompt
+    def set_task(self, task: dict[str, float]) -> None:
+        """Streams open with the task's values ``task`` from now on (the open one is
+        reopened with them)."""
+        self._task = task
         if self._client is not None:
-            self._client.set_prompt(prompt)
+            self._client.set_task(task)
+
+    def contract(self) -> WamContract | None:
+        """The served model's contract, once the link has reached the server (None before,
+        or for a world model)."""
+        return self._client.contract if self._client is not None else None
+
+    def refuse(self, why: str) -> None:
+        """The model cannot be fed from this robot's topics: the stream is closed and stays
+        closed (``refused`` says why, on /diagnostics)."""
+        self.refused = why
+        self._stream_wanted = False
+        if self._client is not None:
+            self._client.close(timeout_s=2.0)
 
     def open_stream(self) -> None:
         """The stream opens now, or as soon as the link starts (again: no-op)."""
+        if self.refused:
+            return
         self._stream_wanted = True
         if self._started:
             self._client.start()

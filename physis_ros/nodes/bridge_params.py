@@ -29,10 +29,11 @@ class BridgeParams:
     """geometry_msgs/WrenchStamped force/torque topic."""
     joint_states_topic: str = "joint_states"
     """sensor_msgs/JointState topic."""
-    object_topic: str = ""
-    """geometry_msgs/PointStamped: a tracked object's position (table frame, m) from an object
-    tracker (fiducial tag, motion capture), paired with each image by stamp like the wrench
-    and sent as its object_position: push-wam takes the box's x, y ('' to disable)."""
+    object_topics: tuple[str, ...] = ()
+    """Tracked objects, each ``name=topic``: a geometry_msgs/PointStamped topic with the
+    object's position (table frame, m) from an object tracker (fiducial tag, motion capture),
+    paired with each image by stamp like the wrench; a model whose contract takes object
+    ``name`` gets its coordinates (e.g. push-wam: ``box=object``)."""
     command_topic: str = "joint_command"
     """trajectory_msgs/JointTrajectory commanded joint targets, one point, sent with each
     observation as the action the world model is conditioned on ('' to disable)."""
@@ -56,7 +57,8 @@ class BridgeParams:
     require_joints: bool = True
     """Only send images that have joint states within the slop."""
     require_object: bool = True
-    """With object_topic: only send images that have an object position within the slop."""
+    """With object_topics: only send images that have every object's position within the
+    slop."""
     resize_to_model: bool = True
     """Downscale raw images to the model's image size before sending (less to send)."""
     # link
@@ -82,10 +84,14 @@ class BridgeParams:
     prompt: str = ""
     """Name of a prompt embedding the server holds (its --prompts files); '' for the model's
     empty prompt."""
-    goal_topic: str = ""
-    """geometry_msgs/PointStamped: the task's goal (table frame, m) for a goal-prompted model
-    (push-wam): the stream opens once a goal arrives, with the prompt goal_xy_<x>_<y>, and
-    reopens with each new goal ('' to disable; then prompt applies)."""
+    task_topic: str = ""
+    """geometry_msgs/PointStamped: the task's parameters (e.g. a goal's position, table frame,
+    m) for a model whose contract takes task values: the stream opens once one arrives, with
+    its x, y, z as the values task_names names, and reopens with each new one ('' to
+    disable)."""
+    task_names: tuple[str, ...] = ()
+    """The task values task_topic's x, y, z are, in order (empty: the model's contract's task
+    names)."""
     target_interval_ms: float = 0.0
     """Interval the robot needs between chunks (0: as fast as the server can)."""
     response_latency_budget_ms: float = 0.0
@@ -213,17 +219,34 @@ class BridgeParams:
             )
         if len(self.arm_base_xy_m) != 2:
             raise ValueError(f"arm_base_xy_m must be [x, y], got {self.arm_base_xy_m}")
+        self.objects()  # each binding name=topic
+        if len(self.task_names) > 3:
+            raise ValueError(f"task_names {self.task_names}: a point gives at most 3 values")
+
+    def objects(self) -> dict[str, str]:
+        """Tracked object name -> its topic (object_topics)."""
+        out = {}
+        for binding in self.object_topics:
+            name, sep, topic = binding.partition("=")
+            if not sep or not name or not topic or name in out:
+                raise ValueError(
+                    f"object_topics entry {binding!r} must be name=topic, each name once"
+                )
+            out[name] = topic
+        return out
 
 
 _READ_ONLY = {
-    "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic", "object_topic",
+    "image_topic", "compressed_image_topic", "wrench_topic", "joint_states_topic", "object_topics",
     "command_topic", "command_joint_names",
     "input_reliability", "input_depth", "server", "server_port_file", "token", "token_file",
     "root_cert_path", "client_cert_path", "client_key_path", "seed", "target_interval_ms",
-    "prompt", "goal_topic",
+    "prompt", "task_topic", "task_names",
     "response_latency_budget_ms", "previews", "act_on_previews", "horizon", "rollouts",
 }  # fmt: skip
 _ARRAY_TYPES = {
+    "object_topics": Parameter.Type.STRING_ARRAY,
+    "task_names": Parameter.Type.STRING_ARRAY,
     "command_joint_names": Parameter.Type.STRING_ARRAY,
     "action_names": Parameter.Type.STRING_ARRAY,
     "joint_names": Parameter.Type.STRING_ARRAY,

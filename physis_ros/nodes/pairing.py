@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,8 @@ class PairedObservation:
     image: Sample
     wrench: Sample | None
     joints: Sample | None
-    object_position: Sample | None = None
+    objects: dict[str, Sample] = field(default_factory=dict)
+    """Tracked object name -> its position sample."""
 
     def observation(
         self,
@@ -44,10 +45,11 @@ class PairedObservation:
         *,
         action: np.ndarray | None,
         timeline: tuple[np.ndarray, int, int] | None,
+        state: dict[str, float] | None = None,
     ) -> Observation:
         """The link's observation ``seq`` of this pairing with ``image`` (the camera's
-        ``ImageFields``, resized for the model or not), the commanded ``action`` and the
-        command ``timeline`` (commands, start_ns, dt_ns)."""
+        ``ImageFields``, resized for the model or not), the commanded ``action``, the
+        command ``timeline`` (commands, start_ns, dt_ns) and the model's named ``state``."""
         names, positions, velocities = self.joints.value if self.joints else ((), None, None)
         return Observation(
             seq=seq,
@@ -67,7 +69,7 @@ class PairedObservation:
             commands=None if timeline is None else timeline[0],
             commands_start_ns=0 if timeline is None else timeline[1],
             commands_dt_ns=0 if timeline is None else timeline[2],
-            object_position=self.object_position.value if self.object_position else None,
+            state=state or {},
         )
 
 
@@ -98,7 +100,7 @@ class SentImages:
 
 class ApproxTimePairer:
     """Pairs images with the nearest wrench/joint/object samples (aux streams ``wrench``,
-    ``joints``, ``object``); thread-safe."""
+    ``joints``, ``object:<name>`` per tracked object); thread-safe."""
 
     def __init__(
         self,
@@ -106,6 +108,7 @@ class ApproxTimePairer:
         slop_s: float,
         require_wrench: bool,
         require_joints: bool,
+        objects: tuple[str, ...] = (),
         require_object: bool = False,
         drops,
         history: int = 64,
@@ -118,7 +121,7 @@ class ApproxTimePairer:
         self._require = {
             "wrench": require_wrench,
             "joints": require_joints,
-            "object": require_object,
+            **{f"object:{name}": require_object for name in objects},
         }
         self._drops = drops
         self._aux: dict[str, deque[Sample]] = {
@@ -148,11 +151,13 @@ class ApproxTimePairer:
         found = {name: self._nearest(name, image.stamp_ns) for name in self._aux}
         if any(self._require[name] and found[name] is None for name in found):
             return None
+        objects = {
+            name.split(":", 1)[1]: sample
+            for name, sample in found.items()
+            if name.startswith("object:") and sample is not None
+        }
         return PairedObservation(
-            image=image,
-            wrench=found["wrench"],
-            joints=found["joints"],
-            object_position=found["object"],
+            image=image, wrench=found["wrench"], joints=found["joints"], objects=objects
         )
 
     def add_image(self, sample: Sample) -> PairedObservation | None:

@@ -23,7 +23,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from physis_ros.contract.model import ContractError
 from physis_ros.engine.api import DEFAULT_HORIZON, AdmissionRefused, StreamFailed, StreamSpec
-from physis_ros.engine.prompts import parse_goal_prompt_name
 from physis_ros.link.encoding import tensor_to_array
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
@@ -213,39 +212,25 @@ class Frontend:
             with self._lock:
                 self._opening -= 1
 
-    def _task(self, spec: pb.StreamSpec, context) -> tuple[dict[str, float], str]:
-        """(the task values the stream is opened with, its prompt): a world-action model's
-        contract names the values it takes (its task state inputs and a task_features
-        prompt); they are refused by name when they do not match."""
+    def _task(self, spec: pb.StreamSpec, context) -> dict[str, float]:
+        """The task values the stream is opened with: a world-action model's contract names
+        the ones it takes (its task state inputs and a task_features prompt); refused by name
+        when they do not match."""
         contract = getattr(self._loop.engine, "contract", None)
-        task, prompt = dict(spec.task), spec.prompt
-        if contract is None or not contract.task_names:
-            if task:
-                self._refuse(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"bad stream spec: task values {sorted(task)}: the model takes none",
-                )
-            return task, prompt
-        if not task and prompt:  # a client that names its goal as a prompt goal_xy_<x>_<y>
-            try:
-                goal = parse_goal_prompt_name(prompt)
-            except ValueError as exc:
-                self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
-            if goal is not None:
-                task, prompt = dict(zip(contract.task_names, goal, strict=False)), ""
-        if not task:
+        task = dict(spec.task)
+        takes = contract.task_names if contract is not None else ()
+        if not takes and task:
             self._refuse(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "bad stream spec: the model is conditioned on the task's goal: open the stream "
-                f"with its task values {list(contract.task_names)}",
+                f"bad stream spec: task values {sorted(task)}: the model takes none",
             )
-        try:
-            contract.check_task(task)
-        except ContractError as exc:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
-        return task, prompt
+        if takes:
+            try:
+                contract.check_task(task)
+            except ContractError as exc:
+                self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
+        return task
 
     def _admit(self, spec: pb.StreamSpec, embedding, context) -> pb.OpenStreamReply:
         # A served stream always has a horizon: observations replace predicted slots.
@@ -261,11 +246,11 @@ class Frontend:
             and self._description.action_mode != "predict"
             and horizon > 1,
         )
-        task, prompt = self._task(spec, context)
+        task = self._task(spec, context)
         engine_spec = StreamSpec(
             seed=spec.seed,
             target_interval_ms=spec.target_interval_ms,
-            prompt=prompt,
+            prompt=spec.prompt,
             prompt_embedding=embedding,
             task=task,
             response_latency_budget_ms=spec.response_latency_budget_ms,
@@ -436,6 +421,9 @@ class Frontend:
                 streams_closed=self.streams_closed,
                 refusals=dict(self.refusals),
             )
+        contract = getattr(self._loop.engine, "contract", None)
+        if contract is not None:
+            info.contract = contract.to_json()
         for s in sessions:
             promise = s.promise
             info.streams.add(

@@ -10,12 +10,13 @@ image that is not the model's size.
 from __future__ import annotations
 
 import io
+import math
 import time
 import warnings
 
 import numpy as np
 
-from physis_ros.contract.model import WRENCH_KEYS, WamContract
+from physis_ros.contract.model import WamContract
 from physis_ros.engine.slots import FrameIn
 from physis_ros.engine.wam_rows import CommandTimeline
 from physis_ros.link.proto_gen import physis_pb2 as pb
@@ -48,7 +49,9 @@ def check_observation(obs: Observation) -> None:
     image and the stream's own sizes are checked by ``context_input`` and ``wam_inputs``)."""
     for name in ("wrench", "joint_positions", "joint_velocities", "action", "commands"):
         _check_float(name, getattr(obs, name))
-    _check_float("object_position", obs.object_position)
+    bad = sorted(k for k, v in obs.state.items() if not math.isfinite(v))
+    if bad:
+        raise WireError("non_finite", f"state values {bad} hold NaN or inf")
     if obs.wrench is not None and obs.wrench.shape != (6,):
         raise WireError("bad_tensor", f"wrench has shape {obs.wrench.shape}, expected (6,)")
     names = obs.joint_names
@@ -68,9 +71,6 @@ def check_observation(obs: Observation) -> None:
             f"commands have shape {obs.commands.shape} and dt {obs.commands_dt_ns} ns, "
             "expected [N, A] and dt > 0",
         )
-    position = obs.object_position
-    if position is not None and position.shape != (3,):
-        raise WireError("bad_tensor", f"object_position has shape {position.shape}, expected (3,)")
 
 
 def _check_float(name: str, arr: np.ndarray | None) -> None:
@@ -180,36 +180,22 @@ def wam_inputs(
 
 
 def state_vector(obs: Observation, contract: WamContract, task: dict[str, float]) -> np.ndarray:
-    """[S] float32 in the contract's order: joint positions and velocities by joint name,
-    the wrench's six values by name, a tracked object's position (the observation's
-    ``object_position``), and the stream's task values."""
-    names = list(obs.joint_names)
-    out = np.empty(len(contract.state), np.float32)
-    for i, s in enumerate(contract.state):
-        if s.source == "task":
-            out[i] = task[s.key]  # checked when the stream opened
-        elif s.source == "wrench":
-            if obs.wrench is None:
-                raise WireError("no_wrench", "the model takes the wrench; the observation has none")
-            out[i] = obs.wrench[WRENCH_KEYS.index(s.key)]
-        elif s.source == "object":
-            if obs.object_position is None:
-                raise WireError(
-                    "no_object_position",
-                    f"the model takes {s.name} (an object tracker's position); the "
-                    "observation has none: set the bridge's object_topic",
-                )
-            out[i] = obs.object_position["xyz".index(s.key[-1])]
-        else:
-            source = obs.joint_positions if s.source == "joint_position" else obs.joint_velocities
-            if source is None or s.key not in names:
-                raise WireError(
-                    "no_joint_state",
-                    f"the model takes {s.name}; the observation has joints {names} "
-                    f"({'with' if obs.joint_velocities is not None else 'without'} velocities)",
-                )
-            out[i] = source[names.index(s.key)]
-    return out
+    """[S] float32 in the contract's order: the robot's inputs from the observation's named
+    state values (exactly the contract's, checked by name), the task's from the stream's
+    task values."""
+    want = {s.name for s in contract.robot_state}
+    missing, extra = sorted(want - set(obs.state)), sorted(set(obs.state) - want)
+    if missing:
+        raise WireError(
+            "missing_state",
+            f"the model takes {missing} (by name, as its contract says); the observation "
+            f"has {sorted(obs.state) or 'no state values'}: bind them in the robot's bridge",
+        )
+    if extra:
+        raise WireError(
+            "unknown_state", f"state values {extra} are not the model's inputs {sorted(want)}"
+        )
+    return contract.state_vector(obs.state, task)
 
 
 def command_timeline(obs: Observation, contract: WamContract) -> CommandTimeline | None:

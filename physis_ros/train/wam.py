@@ -46,12 +46,12 @@ from physis_ros.contract.model import (
     PromptSpec,
     StateInput,
     WamContract,
+    prompt_features,
 )
 from physis_ros.engine.build import build_model
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.forward import forward_sequence, make_cond, pad_text
 from physis_ros.engine.model import load_upstream_state_dict, to_upstream_state_dict
-from physis_ros.engine.prompts import goal_prompt
 from physis_ros.engine.sampler import chunk_layout, sigmas
 from physis_ros.eval.closed_loop import ClosedLoopConfig
 from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ
@@ -260,7 +260,9 @@ def window_cond(mcfg, prompt: str, goal: torch.Tensor) -> torch.Tensor:
     """[B, text_len, text_dim]: each window's prompt (its goal's, or the fixed stand-in)."""
     if not prompt:
         return make_cond(mcfg, 0).expand(len(goal), -1, -1)
-    tokens = [torch.from_numpy(goal_prompt(g.tolist(), mcfg.text_dim)) for g in goal]
+    tokens = [
+        torch.from_numpy(prompt_features(g.tolist(), GOAL_SCALE_M, mcfg.text_dim)) for g in goal
+    ]
     return pad_text(mcfg, torch.stack(tokens))
 
 
@@ -292,6 +294,10 @@ def _val_set(windows: WamWindows, cfg: WamTrainConfig, size: int = 48) -> tuple:
     return batch, sigma, eps
 
 
+GOAL_SCALE_M = 0.5
+"""The goal's coordinates are divided by this (the sim table's half-width) in its prompt."""
+
+
 def _contract(meta: dict[str, str], mcfg) -> WamContract:
     """The push task's model contract, from the names and rates the metadata gives."""
     state = []
@@ -316,7 +322,9 @@ def _contract(meta: dict[str, str], mcfg) -> WamContract:
         image_width=mcfg.image_size[1],
         frames_per_chunk=mcfg.frames_per_chunk,
         state=tuple(state),
-        prompt=PromptSpec("task_features", ("goal_x", "goal_y"), 0.5) if goal else PromptSpec(),
+        prompt=PromptSpec("task_features", ("goal_x", "goal_y"), GOAL_SCALE_M)
+        if goal
+        else PromptSpec(),
         min_committed_ms=float(meta["min_committed_ms"]),
         max_known_rows_ahead=int(meta["max_known_rows_ahead"]),
     )

@@ -137,34 +137,32 @@ def test_empty_prompt_of_models_without_a_text_encoder():
     assert torch.equal(cond_from_json(cond_to_json(shipped)), shipped)  # to the ranks, exact
 
 
-def test_a_goal_prompted_model_takes_its_goal_by_name():
-    """push-wam trained on goal prompts (metadata prompt=goal_xy): a stream opened with the
-    prompt goal_xy_<x>_<y> is conditioned on goal_prompt((x, y)) (physis-serve refuses a
-    client's stream without one: test_serve_wam.py); a model not trained on goals refuses a
-    goal name with the reason."""
+def test_a_model_conditioned_on_its_task_takes_the_task_values():
+    """push-wam's contract makes its prompt of the task's values (task_features of goal_x,
+    goal_y): a stream opened with them is conditioned on prompt_features(values, 0.5)
+    (physis-serve refuses a client's stream without them: test_serve_wam.py); values outside
+    the trained range are refused; a model without such a contract takes no task values."""
     import numpy as np
 
-    from physis_ros.engine.prompts import (
-        goal_prompt,
-        goal_prompted,
-        parse_goal_prompt_name,
-        trained_empty_prompt,
-    )
-    from physis_ros.sim.task import goal_prompt_name
+    from physis_ros.contract.model import ContractError, WamContract, prompt_features
+    from physis_ros.contract.safetensors import read_metadata
+    from physis_ros.engine.prompts import trained_empty_prompt
+    from physis_ros.weights import WAM_WEIGHTS
 
     cfg = get_preset("push-wam")
-    meta = {"prompt": "goal_xy"}
-    assert goal_prompted(meta) and not goal_prompted({"cond_seed": "0"})
-    book = PromptBook(cfg, empty=trained_empty_prompt(cfg, meta), goal_prompts=True)
-    name = goal_prompt_name((0.12, -0.305))
-    assert name == "goal_xy_0.120_-0.305" and parse_goal_prompt_name(name) == (0.12, -0.305)
-    cond = book.resolve(name)
-    np.testing.assert_array_equal(cond.numpy(), goal_prompt((0.12, -0.305), cfg.text_dim))
-    assert not torch.equal(cond, book.resolve(goal_prompt_name((-0.12, -0.305))))
+    contract = WamContract.from_metadata(read_metadata(WAM_WEIGHTS))
+    book = PromptBook(cfg, empty=trained_empty_prompt(cfg, {}), contract=contract)
+    cond = book.resolve(task={"goal_x": 0.12, "goal_y": -0.305})
+    np.testing.assert_array_equal(cond.numpy(), prompt_features((0.12, -0.305), 0.5, cfg.text_dim))
+    assert not torch.equal(cond, book.resolve(task={"goal_x": -0.12, "goal_y": -0.305}))
     assert book.resolve("").shape == (0, cfg.text_dim)  # all padding: the engine measuring
-    with pytest.raises(ValueError, match="off the table"):
-        book.resolve("goal_xy_0.900_0.000")
+    with pytest.raises(ContractError, match="outside the range"):
+        book.resolve(task={"goal_x": 0.9, "goal_y": 0.0})
+    with pytest.raises(ValueError, match="not both"):
+        book.resolve("empty", task={"goal_x": 0.1, "goal_y": 0.0})
     plain = PromptBook(cfg, empty=trained_empty_prompt(cfg, {"cond_seed": "0"}))
-    with pytest.raises(ValueError, match="not trained on goal prompts"):
-        plain.resolve(name)
+    assert torch.equal(
+        plain.resolve("", task={"goal_x": 0.1, "goal_y": 0.0}),
+        trained_empty_prompt(cfg, {"cond_seed": "0"}),
+    )  # no task_features contract: the task's values make no prompt
     assert torch.equal(plain.resolve(""), trained_empty_prompt(cfg, {"cond_seed": "0"}))

@@ -121,6 +121,8 @@ def test_bad_input_is_refused_and_the_stream_goes_on():
             )
         with pytest.raises(ValueError, match="not open"):
             eng.submit_generate(sid + 5)
+        with pytest.raises(ValueError, match="the model takes none"):
+            eng.open_stream(StreamSpec(task={"goal_x": 0.1}))
         assert eng.submit_generate(sid) == 0  # nothing was numbered for the refused inputs
         assert [o.chunk for o in _poll_until(eng, 1)] == [0]
 

@@ -39,15 +39,19 @@ CONTRACT = WamContract(
 )
 
 
+ROBOT_STATE = {
+    "elbow_pos": 0.2,
+    "shoulder_pos": 0.1,
+    "shoulder_vel": 0.3,
+    "elbow_vel": 0.4,
+    "force_x": 1.0,
+    "torque_z": 6.0,
+}
+"""What a bridge sends for CONTRACT: the model's robot inputs by name."""
+
+
 def _obs(**kw) -> Observation:
-    base = dict(
-        seq=0,
-        capture_stamp_ns=0,
-        wrench=np.array([1, 2, 3, 4, 5, 6], np.float32),
-        joint_names=("shoulder", "elbow"),
-        joint_positions=np.array([0.1, 0.2], np.float32),
-        joint_velocities=np.array([0.3, 0.4], np.float32),
-    )
+    base = dict(seq=0, capture_stamp_ns=0, state=dict(ROBOT_STATE))
     return Observation(**(base | kw))
 
 
@@ -55,21 +59,26 @@ def test_state_follows_the_contracts_names_and_missing_parts_are_named():
     state, timeline = wam_inputs(_obs(), CONTRACT, {})
     np.testing.assert_array_equal(state, np.float32([0.2, 0.1, 0.3, 0.4, 1, 6]))
     assert timeline is None  # no command timeline: every row is generated
-    for bad, reason in (
-        ({"joint_velocities": None}, "no_joint_state"),
-        ({"joint_names": ("a", "b")}, "no_joint_state"),
-        ({"wrench": None}, "no_wrench"),
-        ({"commands": np.zeros((4, 3), np.float32), "commands_dt_ns": 50 * MS}, "commands_shape"),
+    without_velocity = {k: v for k, v in ROBOT_STATE.items() if k != "elbow_vel"}
+    for bad, reason, named in (
+        ({"state": without_velocity}, "missing_state", "elbow_vel"),
+        ({"state": {}}, "missing_state", "torque_z"),
+        ({"state": ROBOT_STATE | {"gripper": 0.02}}, "unknown_state", "gripper"),
+        (
+            {"commands": np.zeros((4, 3), np.float32), "commands_dt_ns": 50 * MS},
+            "commands_shape",
+            "shoulder,elbow",
+        ),
     ):
         with pytest.raises(WireError) as err:
             wam_inputs(_obs(**bad), CONTRACT, {})
-        assert err.value.reason == reason
+        assert err.value.reason == reason and named in err.value.detail
 
 
 def test_task_and_object_inputs_come_from_the_stream_and_the_object_tracker():
     """push-wam's last state inputs: the goal from the stream's task values, the box centre
-    from the robot's object tracker (the observation's object_position x, y; z is not
-    taken)."""
+    from the robot's object tracker (named state values box_x, box_y, as the bridge sends
+    them from its object_topics binding)."""
     contract = dataclasses.replace(
         CONTRACT,
         state=(
@@ -81,16 +90,18 @@ def test_task_and_object_inputs_come_from_the_stream_and_the_object_tracker():
         ),
     )
     task = {"goal_x": 0.1, "goal_y": -0.3}
-    state, _ = wam_inputs(_obs(object_position=np.float32([0.05, -0.25, 0.02])), contract, task)
+    box = {"box_x": 0.05, "box_y": -0.25}
+    state, _ = wam_inputs(_obs(state=ROBOT_STATE | box), contract, task)
     assert state.shape == (10,)
     np.testing.assert_array_equal(state[-4:], np.float32([0.1, -0.3, 0.05, -0.25]))
     with pytest.raises(WireError) as err:
         wam_inputs(_obs(), contract, task)
-    assert err.value.reason == "no_object_position"
-    assert "object_topic" in err.value.detail
-    # a model without the box inputs (tiny-wam) takes an observation with or without one
-    for position in (None, np.zeros(3, np.float32)):
-        assert wam_inputs(_obs(object_position=position), CONTRACT, {})[0].shape == (6,)
+    assert err.value.reason == "missing_state"
+    assert "box_x" in err.value.detail and "bridge" in err.value.detail
+    # a model without the box inputs (tiny-wam) refuses values it does not take
+    with pytest.raises(WireError) as err:
+        wam_inputs(_obs(state=ROBOT_STATE | box), CONTRACT, {})
+    assert err.value.reason == "unknown_state"
 
 
 def test_known_rows_reach_the_capture_plus_the_latency_at_most_as_far_as_trained():

@@ -1,8 +1,8 @@
-"""The bridge with ``goal_topic`` (a goal-prompted push-wam): its stream opens only once the
-task's goal is known, with the prompt naming it, and reopens with each new goal; a bad goal
-is dropped and counted. Real topics in a real ROS process (helpers/goal_bridge.py); the
-client side of the reopening is test/link/test_link_stream.py's, the server's
-test/engine/test_embed.py's."""
+"""The bridge with ``task_topic`` (push-wam, which takes the task values goal_x, goal_y): its
+stream opens only once the task's goal is known, with its values named as the model's
+contract names them, and reopens with each new goal; a bad goal is dropped and counted. Real
+topics in a real ROS process (helpers/goal_bridge.py); the client side of the reopening is
+test/link/test_link_stream.py's, the server's test/engine/test_embed.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ HELPER = str(Path(__file__).parent / "helpers" / "goal_bridge.py")
 def test_the_stream_opens_with_the_goal_and_reopens_with_each_new_one(ros_env):
     report = child_report([sys.executable, HELPER], ros_env)
     assert not report["started_before_goal"]
-    assert report["started_with"] == ["goal_xy_0.100_-0.300"]  # the late joiner got it
+    first = {"goal_x": 0.1, "goal_y": -0.3}
+    assert report["started_with"] == [first]  # the late joiner got it
     # the same goal again changes nothing; the NaN one is dropped; the new one reopens
-    assert report["prompts"] == ["goal_xy_0.100_-0.300", "goal_xy_-0.200_-0.250"]
-    assert report["drops"].get("bad_goal") == 1
+    assert report["tasks"] == [first, {"goal_x": -0.2, "goal_y": -0.25}]
+    assert report["drops"].get("bad_task") == 1

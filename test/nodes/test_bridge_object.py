@@ -1,9 +1,10 @@
 """An object tracker's positions, for push-wam's box_x, box_y: sim_robot publishes its box
-centre on ``object_position`` as a tracker would, and the bridge with ``object_topic`` sends
-each image with the tracked position stamped with it, as its object_position; a NaN position
-is dropped and counted, and its image, with no object within the slop, is not sent. Real
-topics in real ROS processes (helpers/object_bridge.py); the wire and the server's side are
-test/link/test_link_units.py's and test/serve/test_serve_wam.py's."""
+centre on ``object_position`` as a tracker would, and the bridge with ``object_topics``
+(box=object_position) sends each image with the tracked position stamped with it, as the
+model's named state values box_x, box_y; a NaN position is dropped and counted, and its
+image, with no object within the slop, is not sent. Real topics in real ROS processes
+(helpers/object_bridge.py); the wire and the server's side are test/link/test_link_units.py's
+and test/serve/test_serve_wam.py's."""
 
 from __future__ import annotations
 
@@ -27,8 +28,13 @@ def test_each_image_goes_with_the_object_position_stamped_with_it(ros_env):
     report = child_report([sys.executable, HELPER], ros_env)
     sent = report["object_positions"]
     assert len(sent) == 2, report  # the NaN one's image was not sent
-    np.testing.assert_allclose(sent, [[0.1, -0.2, 0.0], [0.3, -0.1, 0.05]], atol=1e-6)
+    np.testing.assert_allclose(sent, [[0.1, -0.2], [0.3, -0.1]], atol=1e-6)
     assert report["drops"].get("nan_object") == 1, report["drops"]
+    # every robot input of the model's contract, by name (the task's come with the stream)
+    assert report["state_names"] == sorted(
+        ["shoulder_pos", "elbow_pos", "shoulder_vel", "elbow_vel", "box_x", "box_y",
+         "force_x", "force_y", "force_z", "torque_x", "torque_y", "torque_z"]
+    )  # fmt: skip
 
 
 def test_sim_robot_publishes_its_box_centre_stamped_as_its_wrench(ros_env, monitor):

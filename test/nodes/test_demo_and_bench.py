@@ -92,7 +92,7 @@ def test_demo_world_action_model_drives_sim_robot(tmp_path, ros_env):
     it, untrained here): physis-serve serves it, sim_robot runs goal-push episodes on the
     trajectories the bridge publishes from its timed chunks, and the server drops none of the
     bridge's observations for lack of joint state, wrench, command timeline or the box's
-    position (sim_robot's object_position, the bridge's object_topic)."""
+    position (sim_robot's object_position, the bridge's object_topics)."""
     from safetensors.torch import save_file
 
     from physis_ros.engine.build import build_model

@@ -8,11 +8,12 @@ sends camera frames with joint states, the wrench and its command timeline, kept
 closed-loop evaluation builds (per-frame state in the weights' order; the rows known up to the
 newest capture plus the promised response latency (``known_until_ns``), read off the command
 timeline with ``ChunkExecutor.rows_on_grid`` and ``known_rows``), and its action timing is the
-robot-clock time of its slot's first frame. Bad observations (no joint state, no wrench,
-commands of the wrong shape) are dropped, counted by reason, and the stream goes on. Weights
-that ask for a commit floor (min_committed_ms) get their committed rows that far whatever the
-latency. push-wam (random weights) is served only streams with a goal, and fills its box columns
-from each observation's object_position.
+robot-clock time of its slot's first frame. Each observation carries the model's inputs by
+the names its contract gives them; bad observations (a state value missing, one the model does
+not take, commands of the wrong shape) are dropped, counted by reason, and the stream goes on.
+Weights that ask for a commit floor (min_committed_ms) get their committed rows that far
+whatever the latency. push-wam (random weights) is served only streams with its task's values,
+and takes its box inputs from each observation's named state.
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ STATE_NAMES = (
     "force_x", "force_y", "force_z", "torque_x", "torque_y", "torque_z",
 )  # fmt: skip
 MAX_KNOWN_ROWS_AHEAD = 8
+WRENCH = ("force_x", "force_y", "force_z", "torque_x", "torque_y", "torque_z")
+
+
+def named_state(pos, vel, force, *, joints=True, wrench=True, box_xy=None) -> dict[str, float]:
+    """The robot's state by the contract's names, as the bridge sends it."""
+    state = {}
+    if joints:
+        for j, name in enumerate(JOINTS):
+            state[f"{name}_pos"], state[f"{name}_vel"] = float(pos[j]), float(vel[j])
+    if wrench:
+        state.update(zip(WRENCH, map(float, force), strict=True))
+    if box_xy is not None:
+        state["box_x"], state["box_y"] = map(float, box_xy)
+    return state
+
+
 SLOTS = 5
 WAIT_S = 180.0  # a generous bound for a busy machine: no timing is asserted
 
@@ -117,12 +134,17 @@ class Robot:
     model must hold (the closed-loop evaluation's builder)."""
 
     def __init__(
-        self, port: int, *, prompt: str = "", image_size: int = 8, min_committed_ms: float = 0.0
+        self,
+        port: int,
+        *,
+        task: dict | None = None,
+        image_size: int = 8,
+        min_committed_ms: float = 0.0,
     ) -> None:
         from physis_ros.link.client import LinkClient
 
         self.client = LinkClient(
-            f"127.0.0.1:{port}", seed=SEED, prompt=prompt, target_interval_ms=200.0
+            f"127.0.0.1:{port}", seed=SEED, task=task, target_interval_ms=200.0
         )
         self.client.start()
         self.rng = np.random.default_rng(5)
@@ -143,8 +165,9 @@ class Robot:
             time.sleep(0.05)
         return self.client.stats().promise.expected_response_latency_ms
 
-    def observation(self, *, joints=True, wrench=True, commands_cols=2, box_xy=None):
-        """``box_xy``: the box centre its object tracker reports (none: no object_position)."""
+    def observation(self, *, joints=True, wrench=True, commands_cols=2, box_xy=None, extra=None):
+        """``box_xy``: the box centre its object tracker reports (none: no box_x, box_y);
+        ``extra``: a named value the model does not take."""
         from physis_ros.link.client import Observation
         from physis_ros.link.wire import rgb_image
 
@@ -171,7 +194,8 @@ class Robot:
             commands=commands.astype(np.float32),
             commands_start_ns=start_ns,
             commands_dt_ns=ROW_NS,
-            object_position=None if box_xy is None else np.float32([*box_xy, 0.0]),
+            state=named_state(pos, vel, force, joints=joints, wrench=wrench, box_xy=box_xy)
+            | (extra or {}),
         )
         state = np.concatenate([pos, vel, force]).astype(np.float32)
         return obs, image, state, capture_ns
@@ -327,7 +351,12 @@ def test_bad_observations_are_counted_and_the_stream_goes_on(server):
         latency_ms = robot.latency_ms()
         robot.observe_slot(0, latency_ms)
         robot.prediction(1)
-        for bad in ({"joints": False}, {"wrench": False}, {"commands_cols": 1}):
+        for bad in (
+            {"joints": False},
+            {"wrench": False},
+            {"extra": {"gripper_width": 0.03}},
+            {"commands_cols": 1},
+        ):
             robot.send(robot.observation(**bad)[0])
         for _ in range(6):  # frames 5..10: slots 1 (filled) to 4 complete
             robot.send(robot.observation()[0])
@@ -336,7 +365,8 @@ def test_bad_observations_are_counted_and_the_stream_goes_on(server):
         drops = robot.client.stats().drops
     finally:
         robot.client.close()
-    for reason in ("no_joint_state", "no_wrench", "commands_shape"):
+    assert drops.get("server:missing_state") == 2, drops  # no joint states; no wrench
+    for reason in ("unknown_state", "commands_shape"):
         assert drops.get(f"server:{reason}") == 1, drops
 
 
@@ -375,9 +405,10 @@ def push_wam_server(tmp_path_factory):
 
 
 def test_a_goal_conditioned_model_is_served_only_streams_with_a_goal(push_wam_server):
-    """push-wam takes the task's goal (state columns goal_x, goal_y and its prompt): a
-    client's stream opens with the prompt goal_xy_<x>_<y>; one without a goal, or with a goal
-    off the table, is refused with what to send, and the server goes on."""
+    """push-wam takes the task's goal (its contract's task values goal_x, goal_y: state
+    inputs and its prompt): a client's stream opens with them; one without them, with other
+    names, or with a goal off the table, is refused with what to send, and the server goes
+    on. The server says what the model takes before a stream opens (GetServerInfo)."""
     import grpc
 
     from physis_ros.link.proto_gen import physis_pb2 as pb
@@ -386,25 +417,29 @@ def test_a_goal_conditioned_model_is_served_only_streams_with_a_goal(push_wam_se
     with grpc.insecure_channel(f"127.0.0.1:{push_wam_server}") as channel:
         stub = pb_grpc.PhysisStub(channel)
 
-        def open_with(prompt: str):
-            spec = pb.StreamSpec(protocol_version=1, prompt=prompt, target_interval_ms=1000)
+        def open_with(task: dict):
+            spec = pb.StreamSpec(protocol_version=1, task=task, target_interval_ms=1000)
             return stub.OpenStream(spec, timeout=60)
 
-        for prompt, why in (("", "conditioned on the task's goal"),
-                            ("goal_xy_0.900_0.000", "off the table")):  # fmt: skip
+        info = stub.GetServerInfo(pb.ServerInfoRequest(), timeout=60)
+        assert '"task_features"' in info.contract and '"goal_x"' in info.contract
+        for task, why in (({}, "missing ['goal_x', 'goal_y']"),
+                          ({"goal_x": 0.1, "target_y": 0.2}, "unknown ['target_y']"),
+                          ({"goal_x": 0.9, "goal_y": 0.0}, "outside the range")):  # fmt: skip
             with pytest.raises(grpc.RpcError) as refused:
-                open_with(prompt)
+                open_with(task)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert why in refused.value.details()
-        promise = open_with("goal_xy_0.120_-0.300").promise
+        promise = open_with({"goal_x": 0.12, "goal_y": -0.3}).promise
         assert promise.action_mode == "predict" and promise.stream_id > 0
+        assert '"box.x"' in promise.contract
 
 
-def test_push_wam_takes_the_box_from_each_observations_object_position(push_wam_server):
-    """push-wam's box_x, box_y come from the robot's object tracker (the observation's
-    object_position): an observation without one is dropped and counted
-    (no_object_position), and the stream goes on with those that carry it."""
-    robot = Robot(push_wam_server, prompt="goal_xy_0.120_-0.300", image_size=32)
+def test_push_wam_takes_the_box_from_each_observations_named_state(push_wam_server):
+    """push-wam's box_x, box_y come from the robot's object tracker (the observation's named
+    state values): an observation without them is dropped and counted (missing_state), and
+    the stream goes on with those that carry them."""
+    robot = Robot(push_wam_server, task={"goal_x": 0.12, "goal_y": -0.3}, image_size=32)
     try:
         robot.latency_ms()  # the stream is open
         robot.send(robot.observation()[0])  # no tracker: dropped
@@ -415,4 +450,4 @@ def test_push_wam_takes_the_box_from_each_observations_object_position(push_wam_
         drops = robot.client.stats().drops
     finally:
         robot.client.close()
-    assert drops == {"server:no_object_position": 1}, drops
+    assert drops == {"server:missing_state": 1}, drops

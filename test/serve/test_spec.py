@@ -67,12 +67,12 @@ def test_a_world_action_stream_is_told_the_committed_rows_the_spec_allows():
 
     trained = ServingSpec(model="push-wam").resolve()
     meta = read_metadata(trained.weights)
-    assert trained.wam_timing().max_known_rows_ahead == int(meta["max_known_rows_ahead"]) > 0
+    assert trained.contract().max_known_rows_ahead == int(meta["max_known_rows_ahead"]) > 0
     args = parse_args(["--model", "push-wam", "--known-rows-ahead", "0"])
     spec = serving_spec(args, {"engine": {"known_rows_ahead": 3}}).resolve()
     assert spec.known_rows_ahead == 0  # the flag overrides the file
-    assert spec.wam_timing().max_known_rows_ahead == 0
-    assert ServingSpec.from_json(spec.to_json()).wam_timing().max_known_rows_ahead == 0
+    assert spec.contract().max_known_rows_ahead == 0
+    assert ServingSpec.from_json(spec.to_json()).contract().max_known_rows_ahead == 0
 
 
 def test_json_rebuilds_exactly_the_resolved_spec():

@@ -66,6 +66,7 @@ def main() -> int:
         width=WIDTH,
         action_horizon=ACTION_HORIZON,
         action_dim=ACTION_DIM,
+        action_mode="condition",  # a world model conditioned on the commanded actions
     )
     stop = threading.Event()
     server = threading.Thread(

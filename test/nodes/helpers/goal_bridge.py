@@ -1,12 +1,13 @@
-"""Child process for the goal test: the real bridge node with ``goal_topic``, a link client
-that records what the bridge asks of it, and a publisher of goals on the real topic (kept
-for late joiners, as sim_robot's are).
+"""Child process for the task test: the real bridge node with ``task_topic``, a link client
+that records what the bridge asks of it (and says the model is push-wam, which takes task
+values goal_x, goal_y), and a publisher of goals on the real topic (kept for late joiners,
+as sim_robot's are).
 
     goal_bridge.py
 
 Publishes a first goal before the bridge exists (a late joiner must still get it), then the
-same goal again, a NaN goal and a second goal; prints one JSON line: the prompts the client
-was given, whether it had been started before the first goal, the bridge's drops.
+same goal again, a NaN goal and a second goal; prints one JSON line: the task values the
+client was given, whether it had been started before the first goal, the bridge's drops.
 """
 
 import json
@@ -23,7 +24,7 @@ GOALS = [(0.1, -0.3), (0.1, -0.3), (float("nan"), 0.0), (-0.2, -0.25)]
 
 
 def main() -> int:
-    rclpy.init(args=["--ros-args", "-p", "goal_topic:=goal"])
+    rclpy.init(args=["--ros-args", "-p", "task_topic:=goal"])
     teacher = rclpy.create_node("goal_teacher")
     pub = teacher.create_publisher(PointStamped, "goal", LATCHED_QOS)  # as sim_robot's
 
@@ -37,14 +38,14 @@ def main() -> int:
     client = RecordingClient()
     node = Bridge(client=client)
     started_before_goal = client.started_with is not None
-    spin_until([node, teacher], lambda: len(client.prompts) >= 1)
+    spin_until([node, teacher], lambda: len(client.tasks) >= 1)
     for goal in GOALS[1:]:
         publish(*goal)
         spin_until([node, teacher], lambda: False, timeout_s=0.5)
-    spin_until([node, teacher], lambda: len(client.prompts) >= 2)
+    spin_until([node, teacher], lambda: len(client.tasks) >= 2)
     node.shutdown()
     report = {
-        "prompts": client.prompts,
+        "tasks": client.tasks,
         "started_before_goal": started_before_goal,
         "started_with": client.started_with,
         "drops": node.drops.snapshot(),

@@ -1,12 +1,13 @@
-"""Child process for the object test: the real bridge node with ``object_topic``, a link
-client that records the observations the bridge hands it, and a robot that publishes camera
+"""Child process for the object test: the real bridge node with ``object_topics``
+(box=object_position), a link client that records the observations the bridge hands it (and
+says the model is push-wam, which takes box_x, box_y), and a robot that publishes camera
 images, wrenches, joint states and an object tracker's positions on the real topics.
 
     object_bridge.py
 
 Three instants, each stamped alike on every topic: a tracked position, then a NaN one
 (dropped: its image has no object within the slop and is never sent), then another; prints
-one JSON line: each sent observation's object_position and the bridge's drops.
+one JSON line: each sent observation's box_x, box_y and the bridge's drops.
 """
 
 import json
@@ -63,7 +64,8 @@ class Robot:
 
 def main() -> int:
     rclpy.init(
-        args=["--ros-args", "-p", "object_topic:=object_position", "-p", "command_topic:=''",
+        args=["--ros-args", "-p", "object_topics:=['box=object_position']",
+              "-p", "task_topic:=goal", "-p", "command_topic:=''",
               "-p", "resize_to_model:=false"]
     )  # fmt: skip
     client = RecordingClient()
@@ -78,9 +80,9 @@ def main() -> int:
     node.shutdown()
     report = {
         "object_positions": [
-            None if obs.object_position is None else obs.object_position.tolist()
-            for obs in client.observations
+            [obs.state.get("box_x"), obs.state.get("box_y")] for obs in client.observations
         ],
+        "state_names": sorted(client.observations[0].state) if client.observations else [],
         "drops": node.drops.snapshot(),
     }
     print(json.dumps(report), flush=True)
