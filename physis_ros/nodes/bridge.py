@@ -113,8 +113,9 @@ class Bridge(Node):
         self._make_subscriptions()
         self.create_timer(p.watchdog_period_s, self._on_watchdog)
         self.create_timer(p.stats_period_s, self._on_stats_timer)
-        if not p.task_topic:  # else the stream opens with the first task (_on_task)
-            self.link.open_stream()
+        # With task_topic the client connects now, learns the model's contract, and opens
+        # its stream once the first task's values are set (_on_task).
+        self.link.open_stream()
         self._port_timer = None
         if not self.link.try_start():
             self.get_logger().info(f"link {self.link.waiting()}")
@@ -188,7 +189,6 @@ class Bridge(Node):
         if task:
             self.link.set_task(task)
             self.outputs.expect_new_stream()
-            self.link.open_stream()
 
     # ---- predictions: the link's receive thread --------------------------------------------
 

@@ -125,24 +125,18 @@ def _received(o: pb.Observation) -> Observation:
     return obs
 
 
-def test_object_position_crosses_as_three_floats_and_is_checked_like_the_wrench():
-    def crossed(position) -> Observation:
-        obs = Observation(seq=1, capture_stamp_ns=2, object_position=position)
+def test_named_state_values_cross_as_doubles_and_are_checked_like_the_wrench():
+    def crossed(state) -> Observation:
+        obs = Observation(seq=1, capture_stamp_ns=2, state=state)
         raw = serialize_observation(obs, send_stamp_ns=3)
         return _received(pb.ClientMessage.FromString(raw).observation)
 
-    back = crossed(np.array([0.1, -0.3, 0.02]))
-    assert back.object_position.dtype == np.float32
-    np.testing.assert_array_equal(back.object_position, np.float32([0.1, -0.3, 0.02]))
-    assert crossed(None).object_position is None  # optional: a robot without a tracker
-    for position, reason in (
-        (np.zeros(2), "bad_tensor"),
-        (np.zeros((1, 3)), "bad_tensor"),
-        (np.array([0.1, np.nan, 0.0]), "non_finite"),
-    ):
-        with pytest.raises(WireError) as err:
-            crossed(position)
-        assert err.value.reason == reason
+    back = crossed({"box_x": 0.1, "box_y": -0.3, "gripper_width": 0.02})
+    assert back.state == {"box_x": 0.1, "box_y": -0.3, "gripper_width": 0.02}  # exactly
+    assert crossed({}).state == {}  # optional: a world model takes none
+    with pytest.raises(WireError) as err:
+        crossed({"box_x": 0.1, "box_y": float("nan")})
+    assert err.value.reason == "non_finite" and "box_y" in err.value.detail
 
 
 def test_raw_encodings_and_row_padding():

@@ -19,9 +19,10 @@ HELPER = str(Path(__file__).parent / "helpers" / "goal_bridge.py")
 @pytest.mark.ros
 def test_the_stream_opens_with_the_goal_and_reopens_with_each_new_one(ros_env):
     report = child_report([sys.executable, HELPER], ros_env)
-    assert not report["started_before_goal"]
     first = {"goal_x": 0.1, "goal_y": -0.3}
-    assert report["started_with"] == [first]  # the late joiner got it
+    # the client is started at once (it learns the contract's task names from the server),
+    # with no task: it opens its stream only once the first one is set (the late joiner's)
+    assert report["started_before_goal"] and report["started_with"] == []
     # the same goal again changes nothing; the NaN one is dropped; the new one reopens
     assert report["tasks"] == [first, {"goal_x": -0.2, "goal_y": -0.25}]
     assert report["drops"].get("bad_task") == 1

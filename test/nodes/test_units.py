@@ -119,6 +119,7 @@ def _pairer(drops, **kw):
         slop_s=0.02,
         require_wrench=kw.get("wrench", True),
         require_joints=True,
+        objects=("box",),
         require_object=kw.get("object", False),
         drops=drops,
     )
@@ -173,13 +174,13 @@ def test_an_object_position_pairs_like_the_wrench_and_is_optional_unless_require
     pairer = _pairer(drops)
     for stream in ("wrench", "joints"):
         pairer.add_aux(stream, s(10))
-    assert pairer.add_image(s(10)).object_position is None  # no tracker: the image goes
+    assert pairer.add_image(s(10)).objects == {}  # no tracker: the image goes
     required = _pairer(drops, object=True)
     for stream in ("wrench", "joints"):
         required.add_aux(stream, s(10))
     assert required.add_image(s(10)) is None  # waits for the tracker
-    paired = required.add_aux("object", s(12, "box"))
-    assert paired.object_position.value == "box" and drops.snapshot() == {}
+    paired = required.add_aux("object:box", s(12, "box"))
+    assert paired.objects["box"].value == "box" and drops.snapshot() == {}
 
 
 def test_command_history_takes_the_newest_command_strictly_before_the_image():

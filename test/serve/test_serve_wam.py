@@ -451,3 +451,28 @@ def test_push_wam_takes_the_box_from_each_observations_named_state(push_wam_serv
     finally:
         robot.client.close()
     assert drops == {"server:missing_state": 1}, drops
+
+
+def test_a_client_opens_its_stream_only_once_it_has_the_tasks_values(push_wam_server):
+    """LinkClient learns the model's contract from the server before it opens a stream: with
+    no task values it opens none and says what it waits for; set_task opens it with them."""
+    from physis_ros.link.client import LinkClient
+
+    client = LinkClient(f"127.0.0.1:{push_wam_server}", connect_timeout_s=30)
+    client.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while "waiting for the task's values" not in client.stats().last_error:
+            assert time.monotonic() < deadline, client.stats()
+            time.sleep(0.05)
+        assert client.stats().promise is None and client.contract.task_names == (
+            "goal_x",
+            "goal_y",
+        )
+        client.set_task({"goal_x": 0.12, "goal_y": -0.3})
+        while client.stats().promise is None:
+            assert time.monotonic() < deadline, client.stats()
+            time.sleep(0.05)
+        assert client.stats().state == "streaming"
+    finally:
+        client.close()

@@ -20,7 +20,9 @@ class RecordingClient:
         self.tasks: list[dict] = []
         self.observations = []
         self.started_with: list[dict] | None = None
-        """The task values set before ``start`` (None: never started)."""
+        """The task values set before ``start`` (None: never started): the real client
+        connects then, and opens its stream only once it has the task's values
+        (test/link/test_link_stream.py)."""
         self.clock_ns = time.time_ns
         self.contract = CONTRACT
         self.promise = LinkPromise(
