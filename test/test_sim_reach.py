@@ -127,3 +127,37 @@ def test_reach_episodes_on_a_clock_end_at_the_target_and_start_the_next():
     np.testing.assert_allclose(scene.target_xy, sample_reach(41).target_xy)
     assert episodes.report(scene)["tool_tip_to_goal_m"] != "0.000"
 
+
+def test_physis_record_records_the_reach_scene_with_its_target(tmp_path):
+    """physis-record --scene reach: the reach robot's topics (camera, joint states of its 3
+    joints, commands) and each frame's target, no wrench; its expert reaches targets."""
+    from rosbags.rosbag2 import Reader
+
+    from physis_ros.sim.record import BAG_TASK_SEED0, RecordConfig, main, record_episode, typestore
+
+    cfg = RecordConfig(scene="reach", seed=2, duration_s=6.0, image_height=32, image_width=32)
+    summary = record_episode(tmp_path / "bag", cfg)
+    assert summary.scene == "reach" and summary.goals_reached >= 1
+    assert summary.contact_fraction == 0.0 and summary.box_travel_m == 0.0
+    store = typestore()
+    with Reader(tmp_path / "bag") as reader:
+        topics = {c.topic: c.msgtype for c in reader.connections}
+        assert topics == {
+            "/camera/image_raw": "sensor_msgs/msg/Image",
+            "/joint_states": "sensor_msgs/msg/JointState",
+            "/joint_command": "trajectory_msgs/msg/JointTrajectory",
+            "/target": "geometry_msgs/msg/PointStamped",
+        }
+        msgs: dict[str, list] = {t: [] for t in topics}
+        for conn, _, raw in reader.messages():
+            msgs[conn.topic].append(store.deserialize_cdr(raw, conn.msgtype))
+    assert len(msgs["/target"]) == len(msgs["/camera/image_raw"]) == summary.camera_frames
+    first = msgs["/target"][0].point
+    assert (first.x, first.y) == pytest.approx(sample_reach(BAG_TASK_SEED0 + 2000).target_xy)
+    assert len({(m.point.x, m.point.y) for m in msgs["/target"]}) >= 2  # the target moved
+    assert {tuple(m.name) for m in msgs["/joint_states"]} == {("shoulder", "elbow", "wrist")}
+    assert {len(m.points[0].positions) for m in msgs["/joint_command"]} == {3}
+    # the command line: --scene reach
+    assert main([str(tmp_path / "cli"), "--scene", "reach", "--duration-s", "1",
+                 "--height", "16", "--width", "16"]) == 0  # fmt: skip
+    assert (tmp_path / "cli" / "episode_00000" / "metadata.yaml").exists()
