@@ -156,8 +156,8 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
     """For a preset with shipped weights (or the ``weights`` file given): the camera the
     weights were trained on (image size, frame rate) and the video one chunk covers; None for
     the others. Reads the safetensors header only (no torch in this process)."""
+    from physis_ros.contract.model import CONTRACT_KEY, WamContract
     from physis_ros.contract.safetensors import read_metadata
-    from physis_ros.sim.task import BOX_STATE_NAMES
     from physis_ros.weights import GOAL_PROMPT, SHIPPED
 
     path = Path(weights) if weights else SHIPPED.get(model)
@@ -174,7 +174,7 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
         "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
         "drives": meta.get("format") == "physis_ros world-action model",
         "goal_prompted": meta.get("prompt") == GOAL_PROMPT,
-        "tracks_object": bool(set(BOX_STATE_NAMES) & set(meta.get("state_names", "").split(","))),
+        "tracks_object": CONTRACT_KEY in meta and bool(WamContract.from_metadata(meta).objects),
         "action_names": meta.get("action_names", "").split(","),
         "lacks": [k for k in WAM_METADATA if k not in meta],
     }
