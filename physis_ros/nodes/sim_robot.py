@@ -82,7 +82,7 @@ PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
     ),
     ("table_frame", "table", "TF root: the table centre (frame of joint_command)", "fixed"),
     ("camera_frame", "camera", "frame_id of images (TF: top-down above the table)", "fixed"),
-    ("tool_frame", "tool", "frame_id of the wrench (TF: the pusher at the arm's tip)", "fixed"),
+    ("tool_frame", "tool", "frame_id of the wrench (TF: the tool at the arm's tip)", "fixed"),
     ("publish_tf", True, "publish the scene's frames on tf and tf_static (relative)", "fixed"),
     (
         "task",

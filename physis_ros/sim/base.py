@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from physis_ros.contract.model import ContractError, PromptSpec, StateInput, WamContract
+from physis_ros.sim.table import SceneConfig
 
 PHYSICS_HZ = 100
 CONTROL_HZ = 20
@@ -85,6 +86,10 @@ class Task:
     that raise NotImplementedError; what follows from them is here."""
 
     name: ClassVar[str]
+    setup_type: ClassVar[type]
+    """Its episodes' setup (a frozen dataclass: ``Setup``)."""
+    scene_type: ClassVar[type]
+    """Its scene, made from a ``SceneConfig`` (camera size, seed)."""
     label: ClassVar[str]
     """The name of its episodes in logs and diagnostics."""
     joint_names: ClassVar[tuple[str, ...]]
@@ -118,14 +123,6 @@ class Task:
     # ---- what a task defines ---------------------------------------------------------
     def sample(self, seed: int) -> Setup:
         """The start and goal of episode ``seed`` (held-out seeds: never trained on)."""
-        raise NotImplementedError
-
-    def setup_from_dict(self, fields: dict) -> Setup:
-        """A setup from its ``dataclasses.asdict`` (JSON lists back to tuples)."""
-        raise NotImplementedError
-
-    def new_scene(self, image_size: tuple[int, int], seed: int) -> Any:
-        """The task's scene (a camera of ``image_size`` [H, W]), seeded."""
         raise NotImplementedError
 
     def start(self, scene: Any, setup: Setup) -> None:
@@ -162,6 +159,18 @@ class Task:
         return None
 
     # ---- what follows -----------------------------------------------------------------
+    def setup_from_dict(self, fields: dict) -> Setup:
+        """A setup from its ``dataclasses.asdict`` (JSON lists back to tuples)."""
+        return self.setup_type(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+        )
+
+    def new_scene(self, image_size: tuple[int, int], seed: int) -> Any:
+        """The task's scene with a camera of ``image_size`` [H, W], seeded."""
+        return self.scene_type(
+            SceneConfig(image_height=image_size[0], image_width=image_size[1], seed=seed)
+        )
+
     def error_m(self, scene: Any) -> float:
         """Distance from what the task moves to its goal."""
         return float(np.linalg.norm(self.moved_xy(scene) - self.goal_xy(scene)))

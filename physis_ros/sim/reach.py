@@ -251,6 +251,8 @@ class ReachTask(base.Task):
         *(StateInput(n, "task", n) for n in TARGET_NAMES),
     )
     prompt = PromptSpec("task_features", TARGET_NAMES, TARGET_SCALE_M)
+    setup_type = ReachSetup
+    scene_type = ReachScene
     default_model = "reach-wam"
     moved = "tool tip"
     goal_topic = "target"
@@ -263,14 +265,6 @@ class ReachTask(base.Task):
 
     def sample(self, seed: int) -> ReachSetup:
         return sample_reach(seed)
-
-    def setup_from_dict(self, fields: dict) -> ReachSetup:
-        return ReachSetup(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-
-    def new_scene(self, image_size: tuple[int, int], seed: int) -> ReachScene:
-        return ReachScene(
-            SceneConfig(image_height=image_size[0], image_width=image_size[1], seed=seed)
-        )
 
     def start(self, scene: ReachScene, setup: ReachSetup) -> None:
         scene.set_state(joints=np.array(setup.joints))

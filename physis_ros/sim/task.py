@@ -26,7 +26,6 @@ from physis_ros.sim.scene import (
     LINK_LENGTHS_M,
     PUSHER_RADIUS_M,
     PushScene,
-    SceneConfig,
     ScriptedPolicy,
     forward_kinematics,
     in_push_region,
@@ -286,6 +285,8 @@ class PushTask(base.Task):
         *(StateInput(n, "object", f"box.{n[-1]}") for n in BOX_STATE_NAMES),
     )
     prompt = PromptSpec("task_features", GOAL_STATE_NAMES, GOAL_SCALE_M)
+    setup_type = TaskSetup
+    scene_type = PushScene
     default_model = "push-wam"
     moved = "box"
     has_wrench = True
@@ -301,14 +302,6 @@ class PushTask(base.Task):
 
     def sample(self, seed: int) -> TaskSetup:
         return sample_task(seed)
-
-    def setup_from_dict(self, fields: dict) -> TaskSetup:
-        return TaskSetup(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-
-    def new_scene(self, image_size: tuple[int, int], seed: int) -> PushScene:
-        return PushScene(
-            SceneConfig(image_height=image_size[0], image_width=image_size[1], seed=seed)
-        )
 
     def start(self, scene: PushScene, setup: TaskSetup) -> None:
         scene.set_state(
