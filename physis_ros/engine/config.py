@@ -419,6 +419,20 @@ PRESETS["push-wam-nowrench"] = dataclasses.replace(
     state_scale=tuple(PRESETS["push-wam"].state_scale[i] for i in _NO_WRENCH),
 )
 
+# push-wam's recipe for the 3-joint reaching arm (physis-train-wam --task reach): 3 joint
+# targets a row; state: joint positions and velocities, the target's x, y (m); normalised by
+# the spread of the reach expert's joint targets.
+PRESETS["reach-wam"] = dataclasses.replace(
+    PRESETS["push-wam"],
+    name="reach-wam",
+    action_dim=3,
+    state_dim=8,
+    action_center=(1.05, 1.6, -0.75),
+    action_scale=(0.5, 0.45, 0.5),
+    state_center=(1.05, 1.6, -0.75, *(0.0,) * 5),
+    state_scale=(0.5, 0.45, 0.5, 1.0, 1.0, 1.0, 0.3, 0.3),
+)
+
 
 def get_preset(name: str, **overrides) -> ModelConfig:
     """The preset called ``name``, with fields replaced by ``overrides``."""

@@ -6,8 +6,8 @@ fed window by window. Over the link: ``--link HOST:PORT`` streams the bags to a 
 physis-serve, ``--serve-local`` to a physis-serve child on 127.0.0.1 serving those same engine
 settings (see link_replay.py for what is scored there).
 Closed loop (``--closed-loop``, no bags): a world-action model (default: the shipped push-wam)
-drives the goal-push task in simulation for ``--episodes`` held-out episodes at each
-``--delay-ms``, beside the scripted expert; see closed_loop.py.
+drives a simulated task (``--task``: push, reach) for ``--episodes`` held-out episodes at
+each ``--delay-ms``, beside the scripted expert; see closed_loop.py.
 Prints one JSON summary line on stdout; progress and skip messages go to stderr.
 Exit status: 0 when at least one window was scored, 1 when none could be (or the server could
 not be reached), 2 on bad usage.
@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c = p.add_argument_group("closed loop (a world-action model drives the simulated robot)")
     c.add_argument("--closed-loop", action="store_true", help="run episodes instead of bags")
+    c.add_argument(
+        "--task",
+        default=None,
+        help="simulated task: push or reach (default: the weights' task, else push)",
+    )
     c.add_argument("--episodes", type=int, default=20, help="episodes per run (default 20)")
     c.add_argument(
         "--seed0", type=int, default=10_000, help="task seed of the first episode (held out)"
@@ -164,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-limit-s",
         type=finite_float,
         default=None,
-        help="simulated seconds an episode may take to reach the goal (default: the task's 15)",
+        help="simulated seconds an episode may take to reach the goal (default: the task's)",
     )
     k.add_argument(
         "--horizons",

@@ -1,21 +1,23 @@
-"""Closed-loop evaluation: a world-action model drives the goal-push task in simulation.
+"""Closed-loop evaluation: a world-action model drives a simulated task.
 
-What belongs here: one episode of the task (``physis_ros.sim.task``) on simulated time, with
-either the scripted expert acting every control period or the model answering every
-observed chunk after a response latency (injected: the answer to the observation at t is
-applied at t + delay, however long the computation took); the robot side's
-``ChunkExecutor`` joins the chunks (delay-aware, or the naive baseline); and the per-episode
-measurements: success (box within GOAL_TOLERANCE_M of the goal within the time limit), time
+What belongs here: one episode of a task (``physis_ros.sim.tasks``; ``ClosedLoopConfig.task``,
+push by default) on simulated time, with either the scripted expert acting every control
+period or the model answering every observed chunk after a response latency (injected: the
+answer to the observation at t is applied at t + delay, however long the computation took);
+the robot side's ``ChunkExecutor`` joins the chunks (delay-aware, or the naive baseline); and
+the per-episode measurements: success (the task's goal reached within its time limit), time
 to goal, the action error against what the expert would command in the same state, and the
-joint-target jumps where chunks join. Reports and plots: ``closed_loop_report.py``; the
-command line: ``physis-eval --closed-loop`` (``cli.py``).
+joint-target jumps where chunks join. The model is fed through its contract
+(``physis_ros.contract.model``): its state inputs by name, its prompt from the task values.
+Reports and plots: ``closed_loop_report.py``; the command line: ``physis-eval --closed-loop``
+(``cli.py``).
 With ``Takeovers`` the expert drives now and then instead of the model, and the episode is
 kept as training data (``EpisodeResult.record``: the on-policy episodes of a DAgger round,
 ``physis_ros.train.wam_onpolicy``).
 
 The model's request on the live timeline (DESIGN.md §3; docs/push_wam/README.md): when the
 camera completes slot o (frames oF..oF+F-1), the observed slots o-n+1..o go in as context
-(frames, proprioception, the joint-target rows the robot knows) and slot o+1 is generated;
+(frames, state, the joint-target rows the robot knows) and slot o+1 is generated;
 every row at or before (newest frame's time + expected latency) is known — executed, or
 committed and executed before the answer arrives — and enters clean, the rest is generated.
 """
@@ -27,22 +29,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from physis_ros.contract.model import WamContract
 from physis_ros.contract.timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
-from physis_ros.sim.episodes import TaskEpisode
-from physis_ros.sim.task import (
+from physis_ros.sim.base import (
     CONTROL_HZ,
     FRAME_HZ,
-    MODEL_STATE_NAMES,
     PHYSICS_HZ,
     TICKS_PER_FRAME,
     TICKS_PER_ROW,
-    TIME_LIMIT_S,
-    GoalPushExpert,
+    Episode,
     TaskSim,
-    model_state,
-    sample_task,
 )
-from physis_ros.weights import GOAL_PROMPT, TRAINED_KNOWN_ROWS_AHEAD
+from physis_ros.sim.tasks import TASKS, get_task
+from physis_ros.weights import TRAINED_KNOWN_ROWS_AHEAD
 
 NS = 1_000_000_000
 TICK_NS = NS // PHYSICS_HZ
@@ -57,6 +56,8 @@ ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
 class ClosedLoopConfig:
     """How the episodes run."""
 
+    task: str = "push"
+    """The simulated task (``physis_ros.sim.tasks``)."""
     episodes: int = 20
     seed0: int = 10_000
     """Episode i uses task seed seed0 + i (held-out: never trained on)."""
@@ -74,11 +75,16 @@ class ClosedLoopConfig:
     min_committed_ms: float = 0.0
     """Delay-aware: the rows up to at least this long after the newest frame are committed
     (told to the model and executed as planned) even when the answer comes sooner."""
-    time_limit_s: float = TIME_LIMIT_S
+    time_limit_s: float | None = None
+    """Simulated seconds an episode may take to reach the goal (None: the task's)."""
     after_goal_s: float = 0.5
-    """Simulated time kept after the box reached the goal (the end of the strip)."""
+    """Simulated time kept after the goal was reached (the end of the strip)."""
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task {self.task!r} is not one of {sorted(TASKS)}")
+        if self.time_limit_s is None:  # frozen: the task's limit, resolved once
+            object.__setattr__(self, "time_limit_s", get_task(self.task).time_limit_s)
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {POLICIES}")
         if self.episodes < 1 or self.seed0 < 0:
@@ -102,10 +108,11 @@ class SlotObservation:
     slot: int
     frames: np.ndarray
     """[F, H, W, 3] uint8."""
-    state: np.ndarray
-    """[F, S] float32 proprioception (STATE_NAMES)."""
-    box_xy: np.ndarray
-    """[F, 2] the box centre at each frame, as an object tracker reports it."""
+    values: np.ndarray
+    """[F, K] float32 the task's state values at each frame (columns ``names``: joint
+    positions and velocities, a wrench, tracked objects' coordinates, as the robot's topics
+    carry them)."""
+    names: tuple[str, ...]
 
 
 @dataclass
@@ -125,9 +132,11 @@ class EpisodeResult:
     time_to_goal_s: float | None
     final_error_m: float
     duration_s: float
-    box_path: np.ndarray
-    """[T, 2] box centre at each frame."""
+    path: np.ndarray
+    """[T, 2] at each frame, where what the task moves onto the goal was (push: the box
+    centre; reach: the tool tip)."""
     goal_xy: tuple[float, float]
+    task: str
     action_rmse_rad: float
     """RMS over control periods of (commanded target - what the expert would command)."""
     boundary_jumps: list[float] = field(default_factory=list)
@@ -144,23 +153,28 @@ class EpisodeResult:
     """Camera frames (kept for the strip of one episode)."""
     predicted: dict = field(default_factory=dict)
     """slot -> predicted frames of that slot."""
-    record: TaskEpisode | None = None
+    record: Episode | None = None
     """With takeovers: the episode as training data (the model's rows flagged, the expert's
     rows the targets)."""
+
+    @property
+    def box_path(self) -> np.ndarray:
+        """``path``, by the name push's readers know it."""
+        return self.path
 
 
 class ModelDecider:
     """Answers a request with a ``StreamEngine``: one stream per request (the observed slots,
-    then the generated slot), so each answer sees exactly the window it was trained on; a
-    model trained on goal prompts (metadata ``prompt``) gets the episode's goal as its
-    stream's prompt."""
+    then the generated slot), so each answer sees exactly the window it was trained on. The
+    model is fed as its contract (the weights' metadata) says: each frame's state inputs by
+    name, from the robot's values and the episode's task values; a prompted model's stream
+    conditioned on its task values (``prompt_features``)."""
 
     def __init__(self, engine, *, meta: dict[str, str], poll_timeout_s: float = 120.0) -> None:
         self.engine = engine
-        self.state_cols = [MODEL_STATE_NAMES.index(n) for n in meta["state_names"].split(",")]
-        self.prompt = meta.get("prompt", "")
-        if self.prompt not in ("", GOAL_PROMPT):
-            raise ValueError(f"unknown prompt kind {self.prompt!r} in the weights' metadata")
+        self.contract = WamContract.from_metadata(meta)
+        if self.contract.prompt.kind == "text":
+            raise ValueError("a text-prompted model is not run in the closed loop")
         self.poll_timeout_s = poll_timeout_s
 
     def answer(
@@ -169,20 +183,17 @@ class ModelDecider:
         known: list[np.ndarray],
         gen_known,
         seed: int,
-        *,
-        goal_xy,
+        task: dict[str, float],
     ) -> Answer:
         from physis_ros.engine.api import StreamSpec
 
         eng = self.engine
-        task = {}
-        if self.prompt == GOAL_PROMPT:  # the engine makes the goal's features (its contract)
-            task = {"goal_x": float(goal_xy[0]), "goal_y": float(goal_xy[1])}
-        sid = eng.open_stream(StreamSpec(seed=seed, task=task)).stream_id
+        # the engine makes the conditioning of the task's values (its contract's prompt)
+        task_values = dict(task) if self.contract.task_names else {}
+        sid = eng.open_stream(StreamSpec(seed=seed, task=task_values)).stream_id
         try:
             for ctx, rows in zip(contexts, known, strict=True):
-                state = model_state(ctx.state, goal_xy, ctx.box_xy)[:, self.state_cols]
-                eng.submit_context(sid, ctx.frames, rows, state)
+                eng.submit_context(sid, ctx.frames, rows, self.state(ctx, task))
             chunk = eng.submit_generate(sid, gen_known)
             waited = 0.0
             while waited < self.poll_timeout_s:
@@ -193,6 +204,13 @@ class ModelDecider:
             raise TimeoutError(f"no answer in {self.poll_timeout_s} s")
         finally:
             eng.close_stream(sid)
+
+    def state(self, ctx: SlotObservation, task: dict[str, float]) -> np.ndarray:
+        """[F, S] float32: each frame's state inputs in the contract's order."""
+        rows = [
+            dict(zip(ctx.names, (float(v) for v in frame), strict=True)) for frame in ctx.values
+        ]
+        return np.stack([self.contract.state_vector(values, task) for values in rows])
 
 
 class Takeovers:
@@ -244,8 +262,11 @@ class _Episode:
         if cfg.policy == "model" and decider is None:
             raise ValueError("the model policy needs a decider")
         self.cfg, self.seed, self.decider, self.takeovers = cfg, seed, decider, takeovers
-        self.sim = TaskSim(sample_task(seed))
-        self.shadow = GoalPushExpert(self.sim.goal)
+        self.task = get_task(cfg.task)
+        setup = self.task.sample(seed)
+        self.sim = TaskSim(self.task, setup)
+        self.shadow = self.task.expert(setup)
+        self.task_values = self.task.task_values(setup)
         self.expert = cfg.policy == "expert"
         if self.expert:  # the expert's row for the next period replaces the rest
             self.executor = ChunkExecutor(join="replace")
@@ -253,7 +274,7 @@ class _Episode:
             self.executor = ChunkExecutor(
                 join=cfg.join, fade_rows=cfg.fade_rows, delay_aware=cfg.delay_aware
             )
-        self.executor.seed(0, self.sim.scene.joint_positions())
+        self.executor.seed(0, self.sim.joint_positions())
         self.delay_ticks = math.ceil(cfg.delay_ms * 1e-3 * PHYSICS_HZ - 1e-9)
         model_cfg = decider.engine.cfg if decider is not None else None
         self.frames_per_slot = model_cfg.frames_per_chunk if model_cfg else 1
@@ -261,8 +282,7 @@ class _Episode:
         self.slots: list[SlotObservation] = []
         self.frames: list[np.ndarray] = []
         self.states: list[np.ndarray] = []
-        self.box: list[np.ndarray] = []
-        self.box_yaw: list[float] = []
+        self.path: list[np.ndarray] = []
         self.pending: list[tuple[int, int, Answer, int]] = []
         """(arrival tick, generated slot, answer, ns of its first row)"""
         self.commanded: list[np.ndarray] = []
@@ -271,8 +291,9 @@ class _Episode:
         self.switches: list[int] = []
         self.errors: list[float] = []
         self.proposal: np.ndarray | None = None
+        goal = (float(self.sim.goal[0]), float(self.sim.goal[1]))
         self.result = EpisodeResult(
-            seed, False, None, 0.0, 0.0, np.zeros((0, 2)), self.sim.setup.goal_xy, 0.0
+            seed, False, None, 0.0, 0.0, np.zeros((0, 2)), goal, cfg.task, 0.0
         )
 
     def run(self, *, keep_frames: bool) -> EpisodeResult:
@@ -294,16 +315,14 @@ class _Episode:
     def _camera(self, t_ns: int) -> None:
         sim, f = self.sim, self.frames_per_slot
         self.frames.append(sim.render())
-        self.states.append(sim.proprio())
-        pose = sim.scene.box_pose()
-        self.box.append(pose[:2].copy())
-        self.box_yaw.append(float(pose[2]))
+        self.states.append(sim.state())
+        self.path.append(sim.moved_xy().copy())
         if self.decider is None or len(self.frames) % f:
             return
         o = len(self.frames) // f - 1  # slot o is complete: ask for slot o + 1
         self.slots.append(
             SlotObservation(
-                o, np.stack(self.frames[-f:]), np.stack(self.states[-f:]), np.stack(self.box[-f:])
+                o, np.stack(self.frames[-f:]), np.stack(self.states[-f:]), self.task.state_names
             )
         )
         if self._expert_drives((sim.tick + self.delay_ticks) * TICK_NS):
@@ -341,7 +360,7 @@ class _Episode:
             [known_from(s.slot) for s in ctx],
             known_from(o + 1),
             self.seed * 10_000 + o,
-            goal_xy=self.sim.goal,
+            self.task_values,
         )
         return answer, (o + 1) * f * FRAME_NS
 
@@ -385,10 +404,11 @@ class _Episode:
         sim, r = self.sim, self.result
         r.success = sim.reached_s is not None and sim.reached_s <= self.cfg.time_limit_s
         r.time_to_goal_s = sim.reached_s
-        r.final_error_m = sim.box_error_m()
+        r.final_error_m = sim.error_m()
         r.duration_s = sim.time_s
-        r.box_path = np.asarray(self.box)
-        r.action_rmse_rad = float(np.sqrt(np.mean(self.errors) / 2)) if self.errors else 0.0
+        r.path = np.asarray(self.path)
+        joints = len(self.task.joint_names)
+        r.action_rmse_rad = float(np.sqrt(np.mean(self.errors) / joints)) if self.errors else 0.0
         _jumps(r, np.asarray(self.commanded), self.switches)
         if self.takeovers is not None:
             r.record = self._record()
@@ -398,23 +418,23 @@ class _Episode:
             r.predicted = {}
         return r
 
-    def _record(self) -> TaskEpisode:
-        """Frames, state and box at each frame; the commanded target at each control row
-        (row i at i / CONTROL_HZ: the knots of the commanded trajectory lie on that grid),
-        flagged where the model, not the expert, commanded it."""
+    def _record(self) -> Episode:
+        """Frames and the task's state values at each frame; the commanded target at each
+        control row (row i at i / CONTROL_HZ: the knots of the commanded trajectory lie on
+        that grid), flagged where the model, not the expert, commanded it."""
         n_rows = (len(self.frames) - 1) * ROWS_PER_FRAME + 1
         ticks = np.arange(1, n_rows) * TICKS_PER_ROW - 1  # commanded[k]: the target at k + 1
         start = self.sim.setup.joints
         rows = np.concatenate([[start], np.asarray(self.commanded)[ticks]])
         flags = np.array([i > 0 and i not in self.expert_rows for i in range(n_rows)])
-        box = np.column_stack([np.asarray(self.box), np.asarray(self.box_yaw)])
-        return TaskEpisode(
+        return self.task.episode_type(
             setup=self.sim.setup,
             frames=np.stack(self.frames),
-            proprio=np.stack(self.states),
+            state=np.stack(self.states),
+            state_names=self.task.state_names,
             rows=rows.astype(np.float32),
             perturbed=flags,
-            box=box.astype(np.float32),
+            task_values=self.task_values,
             reached_s=self.sim.reached_s,
         )
 

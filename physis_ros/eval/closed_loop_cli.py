@@ -1,10 +1,11 @@
 """``physis-eval --closed-loop``: the world-action model drives the simulated robot.
 
-Builds the in-process engine on the weights (default: the shipped push-wam), runs the
-scripted expert and the model at each ``--delay-ms`` in each execution mode on the same
-held-out episodes, writes ``report.json``, ``report.md``, the box paths and one episode's
-strip into ``--out``, and prints one JSON line: each run's success rate, time to goal, action
-error and the largest joint-target jump where chunks join.
+Builds the in-process engine on the weights (default: the shipped model of the task), runs
+the task's scripted expert and the model at each ``--delay-ms`` in each execution mode on the
+same held-out episodes, writes ``report.json``, ``report.md``, the paths of what the task
+moves and one episode's strip into ``--out``, and prints one JSON line: each run's success
+rate, time to goal, action error and the largest joint-target jump where chunks join. The
+task: ``--task``, else the one the weights were trained on (metadata ``task``), else push.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from physis_ros.contract.model import WamContract
+from physis_ros.sim.tasks import get_task
+
 
 def run_closed_loop(args, parser, argv) -> int:
     from physis_ros.contract.safetensors import read_metadata
@@ -21,29 +25,39 @@ def run_closed_loop(args, parser, argv) -> int:
     from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider
     from physis_ros.eval.closed_loop_report import run_all, run_names, write_report
     from physis_ros.weights import (
-        WAM_WEIGHTS,
+        SHIPPED,
         engine_kwargs,
         min_committed_ms,
         missing_shipped_weights,
         trained_known_rows_ahead,
     )
 
-    missing = None if args.weights else missing_shipped_weights("push-wam")
+    try:
+        known = args.weights and Path(args.weights).is_file()
+        meta = read_metadata(args.weights) if known else {}
+        task = get_task(args.task or meta.get("task", "push"))
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    missing = None if args.weights else missing_shipped_weights(task.default_model)
     if missing:  # not a usage mistake: one line, no usage text
         print(f"physis-eval: {missing}", file=sys.stderr)
         return 2
-    weights = Path(args.weights) if args.weights else WAM_WEIGHTS
     try:
+        weights = Path(args.weights) if args.weights else SHIPPED.get(task.default_model)
+        if weights is None:
+            raise ValueError(f"{task.default_model} ships no weights: pass --weights FILE")
         if not weights.exists():
             raise FileNotFoundError(f"weights {weights} do not exist")
         meta = read_metadata(weights)
         if meta.get("format") != "physis_ros world-action model":
             raise ValueError(f"{weights} is not a world-action model (metadata format)")
+        task.check_fits(WamContract.from_metadata(meta))
         kwargs = engine_kwargs(weights)
         for key in ("steps", "window", "shift"):
             if getattr(args, key) is not None:
                 kwargs[key] = getattr(args, key)
         base = ClosedLoopConfig(
+            task=task.name,
             episodes=args.episodes,
             seed0=args.seed0,
             context_chunks=min(3, kwargs["window"]),

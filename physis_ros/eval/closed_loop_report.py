@@ -3,8 +3,9 @@
 What belongs here: the named runs a ``physis-eval --closed-loop`` makes (the expert, the model
 with delay-aware execution — crossfade and replace — and the model without delay handling, at
 each requested delay), their summary (success rate, time to goal, action error, jumps where
-chunks join), ``report.json`` / ``report.md``, the box paths against the goals
-(``box_paths_<run>.png``) and the strip of one episode (``strip.png``).
+chunks join), ``report.json`` / ``report.md``, the paths of what the task moves against the
+goals (push: ``box_paths_<run>.png``, reach: ``tool_tip_paths_<run>.png``) and the strip of
+one episode (``strip.png``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from physis_ros.eval.closed_loop import ClosedLoopConfig, EpisodeResult, run_episode
-from physis_ros.sim.scene import TABLE_HALF_M
-from physis_ros.sim.task import CONTROL_HZ, GOAL_TOLERANCE_M
+from physis_ros.sim.base import CONTROL_HZ
+from physis_ros.sim.table import TABLE_HALF_M
+from physis_ros.sim.tasks import get_task
 
 
 def run_names(delays_ms: list[float], *, with_expert: bool, modes: list[str]) -> list[tuple]:
@@ -119,19 +121,22 @@ def _sum_counts(dicts: list[dict]) -> dict:
 
 def write_report(out_dir: Path, runs: dict, *, engine: dict, command: str) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
+    first = next(iter(runs.values()))[0]
+    task = get_task(first.task)
     report = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": command,
         "engine": engine,
-        "success_definition": f"box centre within {GOAL_TOLERANCE_M} m of the goal within "
-        f"{next(iter(runs.values()))[0].time_limit_s:g} s of simulated time",
+        "success_definition": f"{task.success_text} within {first.time_limit_s:g} s of "
+        "simulated time",
         "control_period_ms": 1e3 / CONTROL_HZ,
         "runs": {name: summarize(cfg, res) for name, (cfg, res) in runs.items()},
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out_dir / "report.md").write_text(render_markdown(report))
+    moved = task.moved.replace(" ", "_")
     for name, (_, results) in runs.items():
-        box_paths_png(out_dir / f"box_paths_{name}.png", results, title=name)
+        box_paths_png(out_dir / f"{moved}_paths_{name}.png", results, title=name)
     for _, (cfg, results) in runs.items():
         if cfg.policy == "model" and results and results[0].observed:
             strip_png(out_dir / "strip.png", results[0], frames_per_slot=2)
@@ -174,8 +179,9 @@ def render_markdown(report: dict) -> str:
 
 
 def box_paths_png(path: Path, results: list[EpisodeResult], *, title: str, cell: int = 150):
-    """One panel per episode: the table, the goal (tolerance circle), the box's path (blue),
-    its start (grey) and end (green: success, red: failure)."""
+    """One panel per episode: the table, the goal (tolerance circle), the path of what the
+    task moves onto it (push: the box; blue), its start (grey) and end (green: success, red:
+    failure)."""
     from PIL import Image, ImageDraw
 
     from physis_ros.eval.plots import _font
@@ -184,7 +190,8 @@ def box_paths_png(path: Path, results: list[EpisodeResult], *, title: str, cell:
     rows = math.ceil(len(results) / cols)
     img = Image.new("RGB", (cols * cell, 24 + rows * cell), "white")
     draw = ImageDraw.Draw(img)
-    draw.text((4, 4), f"{title}: box path vs goal", fill="black", font=_font(14))
+    moved = f"{get_task(results[0].task).moved} " if results else ""
+    draw.text((4, 4), f"{title}: {moved}path vs goal", fill="black", font=_font(14))
 
     def px(xy, ox, oy):
         s = (cell - 10) / (2 * TABLE_HALF_M)
@@ -194,9 +201,9 @@ def box_paths_png(path: Path, results: list[EpisodeResult], *, title: str, cell:
         ox, oy = (i % cols) * cell, 24 + (i // cols) * cell
         draw.rectangle([ox + 5, oy + 5, ox + cell - 5, oy + cell - 5], outline=(180, 170, 150))
         gx, gy = px(r.goal_xy, ox, oy)
-        rad = GOAL_TOLERANCE_M * (cell - 10) / (2 * TABLE_HALF_M)
+        rad = get_task(r.task).tolerance_m * (cell - 10) / (2 * TABLE_HALF_M)
         draw.ellipse([gx - rad, gy - rad, gx + rad, gy + rad], outline=(40, 160, 60), width=2)
-        pts = [px(p, ox, oy) for p in r.box_path]
+        pts = [px(p, ox, oy) for p in r.path]
         if len(pts) > 1:
             draw.line(pts, fill=(31, 119, 180), width=2)
         if pts:

@@ -2,14 +2,14 @@
 
 In: ``camera/image`` (``sensor_msgs/Image``) and/or a ``CompressedImage`` topic, ``wrench``
 (``WrenchStamped``), ``joint_states`` (``JointState``), ``joint_command`` (``JointTrajectory``,
-the commanded joint targets), with ``object_topic`` a tracked object's position
-(``PointStamped``, from an object tracker), sensor-data QoS by default; with ``goal_topic``
-the task's goal (``PointStamped``, kept for late joiners), which a goal-prompted model's
-stream is opened with. The callbacks validate and convert, pair by stamp (approximate time,
-bounded slop; the command in force when the image was taken, ``pairing.CommandHistory``) and
-hand the newest observation, with that command as its ``action`` and the object's position
-as its ``object_position``, to the link client, which is non-blocking: no network in
-callbacks.
+the commanded joint targets), with ``object_topics`` tracked objects' positions
+(``PointStamped`` each, from an object tracker), sensor-data QoS by default; with
+``task_topic`` the task's parameters (``PointStamped``, kept for late joiners), which a model
+that takes task values opens its stream with. The callbacks validate and convert, pair by
+stamp (approximate time, bounded slop; the command in force when the image was taken,
+``pairing.CommandHistory``) and hand the newest observation, with that command as its
+``action`` and the model's inputs by the names its contract gives them, to the link client,
+which is non-blocking: no network in callbacks.
 
 Out, at the rate the server delivers (published from the link's receive thread):
 ``predicted/image`` (each frame stamped at its predicted time), ``predicted/side_by_side``

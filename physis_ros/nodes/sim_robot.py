@@ -1,21 +1,26 @@
 """``sim_robot``: a simulated robot on ROS 2 topics, so the demo is a closed loop.
 
-Wraps ``physis_ros.sim.scene.PushScene`` (a planar 2-link arm pushing a box, top-down
-camera): publishes ``camera/image`` (rgb8 ``sensor_msgs/Image``), ``wrench``
-(``WrenchStamped``), ``joint_states`` and ``object_position`` (``PointStamped``: the box
-centre in the table frame, as an object tracker on a real robot would report it; whatever
-the task) at their own rates, and executes the ``joint_trajectory``
-(``trajectory_msgs/JointTrajectory``) it receives. When no trajectory is fresh (none yet, or
-its last point ended ``trajectory_timeout_s`` ago) it falls back to the ``idle_policy``: the
-scene's scripted policy, or holding the last target.
+Wraps a simulated task's scene (``physis_ros.sim.tasks``, parameter ``scene``): ``push``, a
+planar 2-link arm pushing a box (``physis_ros.sim.scene``), or ``reach``, a planar 3-joint
+arm putting its tool tip on a target (``physis_ros.sim.reach``); a top-down camera. It
+publishes ``camera/image`` (rgb8 ``sensor_msgs/Image``), ``joint_states`` and, where the
+robot has them, ``wrench`` (``WrenchStamped``; push) and ``object_position``
+(``PointStamped``: push's box centre in the table frame, as an object tracker on a real
+robot would report it; whatever the task) at their own rates, and executes the
+``joint_trajectory`` (``trajectory_msgs/JointTrajectory``) it receives. When no trajectory is
+fresh (none yet, or its last point ended ``trajectory_timeout_s`` ago) it falls back to the
+``idle_policy``: the scene's scripted policy (in episodes, the task's expert), or holding
+the last target.
 
-``task: goal_push`` runs goal-push episodes (``physis_ros.sim.task``): a goal drawn on the
-table, the box and arm at a start drawn from ``seed`` (then seed + 1, ...); an episode ends
-when the box centre is within GOAL_TOLERANCE_M of the goal (success, then
-``episode_pause_s``) or after TIME_LIMIT_S, and the next one starts; the scripted policy there
-is the task's expert. Episode results go to the log and to ``/diagnostics``; each episode's
-goal goes out on ``goal`` (``PointStamped`` in the table frame, kept for late joiners: what a
-goal-prompted model's bridge opens its stream with).
+``task: goal_push`` runs the scene's episodes (``physis_ros.sim.episodes.GoalEpisodes``): a
+goal drawn on the table (push: where the box must go; reach: the target), the arm (and the
+box) at a start drawn from ``seed`` (then seed + 1, ...); an episode ends when the goal is
+reached (success, then ``episode_pause_s``) or after the task's time limit, and the next one
+starts; the scripted policy there is the task's expert. The reach scene has no free motion:
+it always runs its episodes. Episode results go to the log and to ``/diagnostics``; each
+episode's goal goes out on the task's goal topic (``goal``; reach: ``target``;
+``PointStamped`` in the table frame, kept for late joiners: what a goal-prompted model's
+bridge opens its stream with).
 
 Every physics step it publishes the joint targets it applied on
 ``joint_command`` (``JointTrajectory``, one point, positions in the scene's joint order,
@@ -47,8 +52,10 @@ from physis_ros.cli_errors import cli_main
 from physis_ros.nodes import frames
 from physis_ros.nodes.conversions import fill_image_msg
 from physis_ros.nodes.run import LATCHED_QOS, NodeUsage, quiet_at_shutdown, run_node
-from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
-from physis_ros.sim.task import GOAL_TOLERANCE_M, TIME_LIMIT_S, GoalPushExpert, sample_task
+from physis_ros.sim.episodes import GoalEpisodes
+from physis_ros.sim.table import BASE_XY
+from physis_ros.sim.tasks import TASKS as SCENES
+from physis_ros.sim.tasks import get_task
 
 TASKS = ("free", "goal_push")
 IDLE_POLICIES = ("scripted", "hold")
@@ -66,6 +73,7 @@ PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
     ("image_height", 64, "camera height in pixels", "fixed"),
     ("image_width", 64, "camera width in pixels", "fixed"),
     ("seed", 0, "scene and scripted-policy seed", "fixed"),
+    ("scene", "push", "push (a 2-link arm and a box) or reach (a 3-joint arm, a target)", "fixed"),
     (
         "trajectory_timeout_s",
         0.5,
@@ -74,9 +82,14 @@ PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
     ),
     ("table_frame", "table", "TF root: the table centre (frame of joint_command)", "fixed"),
     ("camera_frame", "camera", "frame_id of images (TF: top-down above the table)", "fixed"),
-    ("tool_frame", "tool", "frame_id of the wrench (TF: the pusher at the arm's tip)", "fixed"),
+    ("tool_frame", "tool", "frame_id of the wrench (TF: the tool at the arm's tip)", "fixed"),
     ("publish_tf", True, "publish the scene's frames on tf and tf_static (relative)", "fixed"),
-    ("task", "free", "free (the scripted scene) or goal_push (episodes with a goal)", "fixed"),
+    (
+        "task",
+        "free",
+        "free (the scripted scene; reach has none) or goal_push (episodes with a goal)",
+        "fixed",
+    ),
     (
         "idle_policy",
         "scripted",
@@ -84,7 +97,7 @@ PARAMETERS: tuple[tuple[str, object, str, str], ...] = (
         "goal_push: the expert) or hold (the last target)",
         "",
     ),
-    ("episode_pause_s", 1.0, "goal_push: seconds between a success and the next episode", ""),
+    ("episode_pause_s", 1.0, "episodes: seconds between a success and the next episode", ""),
 )
 
 USAGE = NodeUsage(
@@ -141,22 +154,25 @@ class SimRobot(Node):
         for name, default, description, kind in PARAMETERS:
             self.declare_parameter(name, default, _descriptor(description, kind))
         p = {name: self.get_parameter(name).value for name in self._parameters}
-        if p["task"] not in TASKS or p["idle_policy"] not in IDLE_POLICIES:
+        if (
+            p["task"] not in TASKS
+            or p["idle_policy"] not in IDLE_POLICIES
+            or p["scene"] not in SCENES
+        ):
             raise ValueError(
                 f"task {p['task']!r} must be one of {TASKS}, idle_policy {p['idle_policy']!r} "
-                f"one of {IDLE_POLICIES}"
+                f"one of {IDLE_POLICIES}, scene {p['scene']!r} one of {sorted(SCENES)}"
             )
-        self.scene = PushScene(
-            SceneConfig(
-                image_height=p["image_height"], image_width=p["image_width"], seed=p["seed"]
-            )
-        )
-        self.policy = ScriptedPolicy(p["seed"])
+        self.task = get_task(p["scene"])
+        self.scene = self.task.new_scene((p["image_height"], p["image_width"]), p["seed"])
+        self.policy = self.task.free_policy(p["seed"]) if p["task"] == "free" else None
         self.follower = TrajectoryFollower(self.scene.joint_names, p["trajectory_timeout_s"])
         self._idle_policy = p["idle_policy"]
         self._held: np.ndarray | None = None
         self.episodes = (
-            GoalEpisodes(p["seed"], p["episode_pause_s"]) if p["task"] == "goal_push" else None
+            GoalEpisodes(p["seed"], p["episode_pause_s"], task=self.task.name)
+            if self.policy is None
+            else None
         )
         self._camera_frame, self._tool_frame = p["camera_frame"], p["tool_frame"]
         self._table_frame = p["table_frame"]
@@ -168,10 +184,17 @@ class SimRobot(Node):
         self.executing_trajectory = False
 
         self.image_pub = self.create_publisher(Image, "camera/image", qos_profile_sensor_data)
-        self.wrench_pub = self.create_publisher(WrenchStamped, "wrench", qos_profile_sensor_data)
         self.joints_pub = self.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
-        self.object_pub = self.create_publisher(
-            PointStamped, "object_position", qos_profile_sensor_data
+        self.wrench_pub = (
+            self.create_publisher(WrenchStamped, "wrench", qos_profile_sensor_data)
+            if self.task.has_wrench
+            else None
+        )
+        # the task's one tracked object (push: the box), as a tracker on a real robot reports it
+        self.object_pub = (
+            self.create_publisher(PointStamped, "object_position", qos_profile_sensor_data)
+            if self.task.objects
+            else None
         )
         # Reliable, as a command stream usually is; a best-effort subscriber (the bridge's
         # default sensor-data QoS) matches it too.
@@ -180,27 +203,7 @@ class SimRobot(Node):
             "joint_command",
             QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
         )
-        self.tf_pub = None
-        if p["publish_tf"]:
-            # tf2's conventions (static: one latched message for late joiners); relative
-            # names, so a namespaced robot has its own tree (rviz: remap /tf to tf).
-            self.tf_pub = self.create_publisher(
-                TFMessage, "tf", QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-            )
-            static_pub = self.create_publisher(
-                TFMessage,
-                "tf_static",
-                LATCHED_QOS,
-            )
-            static_pub.publish(
-                TFMessage(
-                    transforms=frames.static_transforms(
-                        self.get_clock().now().to_msg(),
-                        table=self._table_frame,
-                        camera=self._camera_frame,
-                    )
-                )
-            )
+        self.tf_pub = self._start_tf() if p["publish_tf"] else None
         self.create_subscription(
             JointTrajectory,
             "joint_trajectory",
@@ -213,16 +216,28 @@ class SimRobot(Node):
             QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE),
         )
         if self.episodes is not None:
-            self.goal_pub = self.create_publisher(
-                PointStamped,
-                "goal",
-                LATCHED_QOS,
-            )
+            self.goal_pub = self.create_publisher(PointStamped, self.task.goal_topic, LATCHED_QOS)
             self.episodes.start(self.scene, self.get_clock().now().nanoseconds)
             self._publish_goal()
             self.create_timer(1.0, self._on_diagnostics_timer)
         self.create_timer(self._state_period_s, self._on_state_timer)
         self.create_timer(1.0 / p["camera_rate_hz"], self._on_camera_timer)
+
+    def _start_tf(self):
+        """The tf publisher of the arm's frames, after publishing the static ones once."""
+        # tf2's conventions (static: one latched message for late joiners); relative names,
+        # so a namespaced robot has its own tree (rviz: remap /tf to tf).
+        static_pub = self.create_publisher(TFMessage, "tf_static", LATCHED_QOS)
+        static = frames.static_transforms(
+            self.get_clock().now().to_msg(),
+            table=self._table_frame,
+            camera=self._camera_frame,
+            base_xy=BASE_XY,
+        )
+        static_pub.publish(TFMessage(transforms=static))
+        return self.create_publisher(
+            TFMessage, "tf", QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        )
 
     def _on_trajectory(self, msg: JointTrajectory) -> None:
         names = tuple(msg.joint_names)
@@ -269,33 +284,35 @@ class SimRobot(Node):
                     self.follower.clear()
                     self._held = None
                     self._publish_goal()
-            q, qd, wrench, box = (
-                self.scene.joint_positions(),
-                self.scene.joint_velocities(),
-                self.scene.wrench(),
-                self.scene.box_pose(),
-            )
+            q, qd = self.scene.joint_positions(), self.scene.joint_velocities()
+            wrench = self.scene.wrench() if self.wrench_pub is not None else None
+            obj = None
+            if self.object_pub is not None:
+                obj = self.task.object_xy(self.scene, self.task.objects[0])
         stamp = now.to_msg()
         self.command_pub.publish(
             command_msg(stamp, self.scene.joint_names, targets, frame_id=self._table_frame)
         )
         if self.tf_pub is not None:
-            self.tf_pub.publish(
-                TFMessage(transforms=frames.arm_transforms(stamp, q, tool=self._tool_frame))
+            arm = frames.arm_transforms(
+                stamp, q, tool=self._tool_frame, link_lengths_m=self.scene.link_lengths_m
             )
+            self.tf_pub.publish(TFMessage(transforms=arm))
         joints = JointState()
         joints.header.stamp = stamp
         joints.name = list(self.scene.joint_names)
         joints.position = q.tolist()
         joints.velocity = qd.tolist()
         self.joints_pub.publish(joints)
-        w = WrenchStamped()
-        w.header.stamp = stamp
-        w.header.frame_id = self._tool_frame
-        w.wrench.force.x, w.wrench.force.y, w.wrench.force.z = (float(v) for v in wrench[:3])
-        w.wrench.torque.x, w.wrench.torque.y, w.wrench.torque.z = (float(v) for v in wrench[3:])
-        self.wrench_pub.publish(w)
-        self.object_pub.publish(_point_msg(stamp, box[:2], self._table_frame))
+        if wrench is not None:
+            w = WrenchStamped()
+            w.header.stamp = stamp
+            w.header.frame_id = self._tool_frame
+            w.wrench.force.x, w.wrench.force.y, w.wrench.force.z = (float(v) for v in wrench[:3])
+            w.wrench.torque.x, w.wrench.torque.y, w.wrench.torque.z = (float(v) for v in wrench[3:])
+            self.wrench_pub.publish(w)
+        if obj is not None:
+            self.object_pub.publish(_point_msg(stamp, obj, self._table_frame))
 
     def _idle_targets(self, t_s: float) -> np.ndarray:
         if self._idle_policy == "hold":
@@ -307,7 +324,8 @@ class SimRobot(Node):
 
     def _publish_goal(self) -> None:
         stamp = self.get_clock().now().to_msg()
-        self.goal_pub.publish(_point_msg(stamp, self.scene.goal_xy, self._table_frame))
+        goal = self.task.goal_xy(self.scene)
+        self.goal_pub.publish(_point_msg(stamp, goal, self._table_frame))
 
     @quiet_at_shutdown
     def _on_diagnostics_timer(self) -> None:
@@ -315,7 +333,7 @@ class SimRobot(Node):
         values["executing_trajectory"] = str(self.executing_trajectory)
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK,
-            name=f"{self.get_name()}: goal_push",
+            name=f"{self.get_name()}: {self.task.label}",
             message=f"episode {values['episode']}: {values['successes']} of "
             f"{values['finished']} finished episodes reached the goal",
             hardware_id="sim",
@@ -341,69 +359,6 @@ def _point_msg(stamp, xy_m, frame_id: str) -> PointStamped:
     msg.header.stamp, msg.header.frame_id = stamp, frame_id
     msg.point.x, msg.point.y = (float(v) for v in xy_m)
     return msg
-
-
-class GoalEpisodes:
-    """goal_push episodes on the node's clock: starts, success or time-out, the pause, the
-    next start; counts what happened."""
-
-    def __init__(self, seed: int, pause_s: float) -> None:
-        self.seed0, self.pause_ns = seed, int(pause_s * 1e9)
-        self.index = 0
-        self.started_ns = 0
-        self.reached_ns: int | None = None
-        self.finished = self.successes = 0
-        self.times_to_goal_s: list[float] = []
-        self.expert: GoalPushExpert | None = None
-
-    def start(self, scene: PushScene, now_ns: int) -> None:
-        setup = sample_task(self.seed0 + self.index)
-        scene.set_state(
-            joints=np.array(setup.joints), box_xy=np.array(setup.box_xy), box_yaw=setup.box_yaw
-        )
-        scene.goal_xy = np.array(setup.goal_xy)
-        self.expert = GoalPushExpert(scene.goal_xy)
-        self.started_ns, self.reached_ns = now_ns, None
-
-    def after_step(self, scene: PushScene, now_ns: int) -> str | None:
-        """A line for the log when an episode ended (and the next one started), else None."""
-        error = float(np.linalg.norm(scene.box_pose()[:2] - scene.goal_xy))
-        elapsed_s = (now_ns - self.started_ns) / 1e9
-        if self.reached_ns is None and error <= GOAL_TOLERANCE_M:
-            self.reached_ns = now_ns
-        done = self.reached_ns is not None and now_ns - self.reached_ns >= self.pause_ns
-        if not done and not (self.reached_ns is None and elapsed_s >= TIME_LIMIT_S):
-            return None
-        # Counted as the episode ends (after its pause), so successes never run ahead of
-        # the finished episodes they are a share of.
-        self.finished += 1
-        if self.reached_ns is not None:
-            self.successes += 1
-            self.times_to_goal_s.append((self.reached_ns - self.started_ns) / 1e9)
-        line = (
-            f"goal_push episode {self.index} (seed {self.seed0 + self.index}): "
-            + (
-                f"reached the goal in {self.times_to_goal_s[-1]:.2f} s"
-                if self.reached_ns is not None
-                else f"not within {TIME_LIMIT_S:g} s (box {error:.3f} m from the goal)"
-            )
-            + f"; {self.successes} of {self.finished} so far"
-        )
-        self.index += 1
-        self.start(scene, now_ns)
-        return line
-
-    def report(self, scene: PushScene) -> dict:
-        return {
-            "episode": self.index,
-            "seed": self.seed0 + self.index,
-            "finished": self.finished,
-            "successes": self.successes,
-            "median_time_to_goal_s": (
-                f"{float(np.median(self.times_to_goal_s)):.2f}" if self.times_to_goal_s else "-"
-            ),
-            "box_to_goal_m": f"{float(np.linalg.norm(scene.box_pose()[:2] - scene.goal_xy)):.3f}",
-        }
 
 
 def command_msg(stamp, joint_names: tuple[str, ...], targets, frame_id: str) -> JointTrajectory:

@@ -1,1 +1,2 @@
-"""The simulated demo scene (numpy only) and a headless episode recorder (rosbags, no rclpy)."""
+"""The simulated tasks by name (numpy only: ``push`` and ``reach``, their scenes, scripted
+experts and episodes) and a headless episode recorder (rosbags, no rclpy)."""

@@ -1,9 +1,13 @@
-"""Headless episode recorder: the push scene and its scripted policy, written to rosbag2.
+"""Headless episode recorder: a simulated task's scene and its scripted motion, written to
+rosbag2.
 
-What belongs here: stepping ``PushScene`` with ``ScriptedPolicy`` in simulated time and
-writing what ``sim_robot`` would publish — camera images, wrench, joint states — plus the
-commanded joint targets, as rosbag2 files (MCAP or sqlite3, version 9) through the
-``rosbags`` library, so ``ros2 bag info/play`` and ``physis-eval`` read them. No rclpy.
+What belongs here: stepping a task's scene (``--scene``: ``push``, the default, moved by its
+scripted policy with varied behaviour; ``reach``, which has none, running its episodes with
+its expert, one target after another) in simulated time and writing what ``sim_robot`` would
+publish — camera images, joint states, the wrench where the robot has one (push), the goal
+where the task has episodes (reach: ``/target``, with each camera frame) — plus the commanded
+joint targets, as rosbag2 files (MCAP or sqlite3, version 9) through the ``rosbags`` library,
+so ``ros2 bag info/play`` and ``physis-eval`` read them. No rclpy.
 
 Time: every stamp (header and bag receive time) is simulated time, starting at
 ``EPOCH_S + 3600 * seed`` so bags of different seeds never overlap.
@@ -22,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from physis_ros.cli_errors import cli_main, finite_float
-from physis_ros.sim.scene import PushScene, SceneConfig, ScriptedPolicy
+from physis_ros.sim.episodes import GoalEpisodes
+from physis_ros.sim.table import SceneConfig
+from physis_ros.sim.tasks import TASKS, get_task
 
 IMAGE_TOPIC = "/camera/image_raw"
 COMPRESSED_IMAGE_TOPIC = "/camera/image_raw/compressed"
@@ -33,6 +39,11 @@ COMMAND_TOPIC = "/joint_command"
 CAMERA_FRAME = "camera"
 TABLE_FRAME = "table"
 EPOCH_S = 1_750_000_000
+BAG_TASK_SEED0 = 1_000_000
+"""A bag of seed s runs its task's episodes of seeds BAG_TASK_SEED0 + 1000 s, + 1, ...:
+never a training (0..), held-out (10000..) or validation (20000..) seed of physis-train-wam."""
+EPISODE_PAUSE_S = 1.0
+"""Between a reached goal and the next episode, as sim_robot's default."""
 RAW_ENCODINGS = ("rgb8", "bgr8", "mono8", "rgba8", "bgra8")
 COMPRESSED_FORMATS = ("jpeg", "png")
 STORAGES = ("mcap", "sqlite3")
@@ -40,8 +51,10 @@ STORAGES = ("mcap", "sqlite3")
 
 @dataclass(frozen=True, kw_only=True)
 class RecordConfig:
-    """One episode: scene seed, duration, rates, image size/encoding and bag storage."""
+    """One episode: scene, seed, duration, rates, image size/encoding and bag storage."""
 
+    scene: str = "push"
+    """The simulated task whose scene is recorded (``physis_ros.sim.tasks``)."""
     seed: int = 0
     """Seeds the scene's initial state and the scripted policy."""
     duration_s: float = 30.0
@@ -58,6 +71,8 @@ class RecordConfig:
     """``mcap`` (default, as ros2 bag records) or ``sqlite3``."""
 
     def __post_init__(self) -> None:
+        if self.scene not in TASKS:
+            raise ValueError(f"scene {self.scene!r} is not one of {sorted(TASKS)}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not 0 < self.duration_s <= 3600:
@@ -91,14 +106,18 @@ class EpisodeSummary:
     """What a recorded bag holds."""
 
     path: str
+    scene: str
     seed: int
     duration_s: float
     camera_frames: int
     control_ticks: int
     contact_fraction: float
-    """Fraction of control ticks with a contact force above 0.05 N."""
+    """Fraction of control ticks with a contact force above 0.05 N (0 without a wrench)."""
     box_travel_m: float
-    """Distance between the box's first and last position."""
+    """Distance between the tracked object's (push: the box's) first and last position (0
+    without one)."""
+    goals_reached: int
+    """Episodes that reached their goal (0 for a scene recorded without episodes)."""
     record_s: float
     """Wall time spent recording."""
 
@@ -156,6 +175,8 @@ class _Messages:
         self._vector = types["geometry_msgs/msg/Vector3"]
         self._joint_state = types["sensor_msgs/msg/JointState"]
         self._trajectory = types["trajectory_msgs/msg/JointTrajectory"]
+        self._point_stamped = types["geometry_msgs/msg/PointStamped"]
+        self._point_xyz = types["geometry_msgs/msg/Point"]
         self._point = types["trajectory_msgs/msg/JointTrajectoryPoint"]
         self.joint_names = list(joint_names)
 
@@ -184,6 +205,11 @@ class _Messages:
         vec = self._vector
         body = self._wrench(force=vec(x=w[0], y=w[1], z=w[2]), torque=vec(x=w[3], y=w[4], z=w[5]))
         return self._wrench_stamped(header=self.header(stamp_ns, "pusher"), wrench=body)
+
+    def point(self, stamp_ns: int, xy):
+        """A point on the table (z 0), as sim_robot publishes a goal."""
+        xyz = self._point_xyz(x=float(xy[0]), y=float(xy[1]), z=0.0)
+        return self._point_stamped(header=self.header(stamp_ns, TABLE_FRAME), point=xyz)
 
     def joint_state(self, stamp_ns: int, q: np.ndarray, qd: np.ndarray):
         return self._joint_state(
@@ -214,35 +240,17 @@ def record_episode(path: Path | str, cfg: RecordConfig) -> EpisodeSummary:
     path = Path(path)
     t0_wall = time.perf_counter()
     store = typestore()
-    scene = PushScene(
-        SceneConfig(image_height=cfg.image_height, image_width=cfg.image_width, seed=cfg.seed)
-    )
-    policy = ScriptedPolicy(cfg.seed)
-    msgs = _Messages(store, scene.joint_names)
+    run = _SceneRun(cfg)
+    msgs = _Messages(store, run.scene.joint_names)
     plugin = StoragePlugin.MCAP if cfg.storage == "mcap" else StoragePlugin.SQLITE3
     control_dt_s = 1.0 / cfg.control_hz
     ticks_per_frame = round(cfg.control_hz / cfg.camera_hz)
     n_ticks = round(cfg.duration_s * cfg.control_hz)
     start_ns = (EPOCH_S + 3600 * cfg.seed) * 1_000_000_000
-    box_start = scene.box_pose()[:2]
     contact_ticks = 0
     frames = 0
     with Writer(path, version=9, storage_plugin=plugin) as writer:
-        image_type = (
-            "sensor_msgs/msg/CompressedImage" if cfg.compressed else "sensor_msgs/msg/Image"
-        )
-        conns = {
-            "image": writer.add_connection(cfg.image_topic, image_type, typestore=store),
-            "wrench": writer.add_connection(
-                WRENCH_TOPIC, "geometry_msgs/msg/WrenchStamped", typestore=store
-            ),
-            "joints": writer.add_connection(
-                JOINT_STATE_TOPIC, "sensor_msgs/msg/JointState", typestore=store
-            ),
-            "command": writer.add_connection(
-                COMMAND_TOPIC, "trajectory_msgs/msg/JointTrajectory", typestore=store
-            ),
-        }
+        conns = _connections(writer, store, cfg, run)
 
         def write(kind: str, stamp_ns: int, msg) -> None:
             conn = conns[kind]
@@ -251,31 +259,96 @@ def record_episode(path: Path | str, cfg: RecordConfig) -> EpisodeSummary:
         # tick i: observe at t_i (camera every ticks_per_frame), command, step to t_{i+1}
         for tick in range(n_ticks + 1):
             stamp_ns = start_ns + round(tick * control_dt_s * 1e9)
+            scene = run.scene
             write(
                 "joints",
                 stamp_ns,
                 msgs.joint_state(stamp_ns, scene.joint_positions(), scene.joint_velocities()),
             )
-            write("wrench", stamp_ns, msgs.wrench(stamp_ns, scene.wrench()))
-            contact_ticks += int(np.linalg.norm(scene.wrench()[:2]) > 0.05)
+            if "wrench" in conns:
+                write("wrench", stamp_ns, msgs.wrench(stamp_ns, scene.wrench()))
+                contact_ticks += int(np.linalg.norm(scene.wrench()[:2]) > 0.05)
             if tick % ticks_per_frame == 0:
                 write("image", stamp_ns, msgs.image(stamp_ns, scene.render(), cfg.encoding))
                 frames += 1
+                if "goal" in conns:
+                    write("goal", stamp_ns, msgs.point(stamp_ns, run.task.goal_xy(scene)))
             if tick == n_ticks:
                 break
-            targets = policy.joint_targets(scene, tick * control_dt_s)
+            targets = run.targets(tick * control_dt_s, control_dt_s)
             write("command", stamp_ns, msgs.command(stamp_ns, targets))
-            scene.step(control_dt_s, targets)
+            run.step(control_dt_s, targets, stamp_ns + round(control_dt_s * 1e9))
     return EpisodeSummary(
         path=str(path),
+        scene=cfg.scene,
         seed=cfg.seed,
         duration_s=n_ticks * control_dt_s,
         camera_frames=frames,
         control_ticks=n_ticks,
         contact_fraction=contact_ticks / (n_ticks + 1),
-        box_travel_m=float(np.linalg.norm(scene.box_pose()[:2] - box_start)),
+        box_travel_m=run.object_travel_m(),
+        goals_reached=run.episodes.successes if run.episodes is not None else 0,
         record_s=time.perf_counter() - t0_wall,
     )
+
+
+class _SceneRun:
+    """The recorded scene and what moves it: its free scripted policy, or (a task without
+    one) its episodes, each driven by the task's expert."""
+
+    def __init__(self, cfg: RecordConfig) -> None:
+        self.task = get_task(cfg.scene)
+        self.scene = self.task.new_scene((cfg.image_height, cfg.image_width), cfg.seed)
+        self.policy = self.task.free_policy(cfg.seed)
+        self.episodes = None
+        if self.policy is None:
+            seed0 = BAG_TASK_SEED0 + 1000 * cfg.seed
+            self.episodes = GoalEpisodes(seed0, EPISODE_PAUSE_S, task=self.task.name)
+            self.episodes.start(self.scene, 0)
+        self._previous = self.scene.joint_positions()
+        self._object_start = self._object_xy()
+
+    def targets(self, t_s: float, dt_s: float) -> np.ndarray:
+        """The joint targets commanded at ``t_s`` for the next ``dt_s``."""
+        if self.policy is not None:
+            return self.policy.joint_targets(self.scene, t_s)
+        return self.episodes.expert.joint_targets(self.scene, self._previous, dt_s)
+
+    def step(self, dt_s: float, targets: np.ndarray, now_ns: int) -> None:
+        self.scene.step(dt_s, targets)
+        self._previous = targets
+        if self.episodes is not None and self.episodes.after_step(self.scene, now_ns):
+            self._previous = self.scene.joint_positions()  # the next episode's start
+
+    def _object_xy(self) -> np.ndarray | None:
+        objects = self.task.objects
+        return self.task.object_xy(self.scene, objects[0]).copy() if objects else None
+
+    def object_travel_m(self) -> float:
+        if self._object_start is None:
+            return 0.0
+        return float(np.linalg.norm(self._object_xy() - self._object_start))
+
+
+def _connections(writer, store, cfg: RecordConfig, run: _SceneRun) -> dict:
+    """The bag's topics: camera, joint states and commands; the wrench where the robot has
+    one; the goal where the task runs episodes."""
+    image_type = "sensor_msgs/msg/CompressedImage" if cfg.compressed else "sensor_msgs/msg/Image"
+    topics = {
+        "image": (cfg.image_topic, image_type),
+        "wrench": (WRENCH_TOPIC, "geometry_msgs/msg/WrenchStamped"),
+        "joints": (JOINT_STATE_TOPIC, "sensor_msgs/msg/JointState"),
+        "command": (COMMAND_TOPIC, "trajectory_msgs/msg/JointTrajectory"),
+        "goal": (f"/{run.task.goal_topic}", "geometry_msgs/msg/PointStamped"),
+    }
+    if not run.task.has_wrench:
+        del topics["wrench"]
+    if run.episodes is None:
+        del topics["goal"]
+    return {
+        kind: writer.add_connection(topic, msgtype, typestore=store)
+        for kind, (topic, msgtype) in topics.items()
+    }
 
 
 @cli_main("physis-record")
@@ -283,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     """``physis-record OUT_DIR``: record episodes of seeds [seed, seed + episodes)."""
     parser = argparse.ArgumentParser(prog="physis-record", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="folder that receives one bag per episode")
+    parser.add_argument(
+        "--scene",
+        default="push",
+        choices=sorted(TASKS),
+        help="push (the arm and its box, scripted) or reach (the 3-joint arm, its targets)",
+    )
     parser.add_argument("--episodes", type=int, default=1, help="number of episodes (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first episode")
     parser.add_argument(
@@ -309,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configs = [
             RecordConfig(
+                scene=args.scene,
                 seed=args.seed + i,
                 duration_s=args.duration_s,
                 control_hz=args.control_hz,

@@ -5,26 +5,33 @@ penalty contact with a box that slides with table friction), its renderer, and a
 policy with varied behaviour (reaches, pushes, wiggles, holds). No ROS, no torch: the
 ``sim_robot`` node wraps this, the headless recorder (``physis_ros.sim.record``) records it.
 
-Frames: the table frame ``table`` has its origin at the table centre, x to the right and y
-away from the robot (up in the image); the arm's base sits at ``BASE_XY``. Everything is
-deterministic given ``SceneConfig.seed`` and the sequence of calls.
+Frames: the table frame ``table`` (``physis_ros.sim.table``); the arm's base sits at
+``BASE_XY``. Everything is deterministic given ``SceneConfig.seed`` and the sequence of
+calls.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
+from physis_ros.sim.table import (
+    BASE_RGB,
+    BASE_XY,
+    GOAL_RADIUS_M,
+    GOAL_RGB,
+    LINK_RGB,
+    TABLE_HALF_M,
+    TOOL_RGB,
+    SceneConfig,
+    TopDownCamera,
+)
+
 LINK_LENGTHS_M = (0.38, 0.32)
-BASE_XY = (0.0, -0.5)
-TABLE_HALF_M = 0.5
-"""The box stays inside [-TABLE_HALF_M, TABLE_HALF_M]^2 (a rim stops it)."""
-VIEW_HALF_M = 0.55
-"""The camera sees [-VIEW_HALF_M, VIEW_HALF_M]^2 of the table."""
 PUSHER_RADIUS_M = 0.035
 BOX_HALF_M = 0.07
+"""The box stays inside [-TABLE_HALF_M, TABLE_HALF_M]^2 (the rim stops it)."""
 BOX_MASS_KG = 0.4
 JOINT_INERTIA = (0.08, 0.03)  # kg·m², effective, decoupled
 JOINT_KP = (11.0, 4.5)  # N·m/rad
@@ -38,36 +45,8 @@ TABLE_FRICTION = 0.35
 GRAVITY = 9.81
 SUBSTEP_S = 0.002
 
-TABLE_RGB = (196, 186, 164)
-TABLE_MARK_RGB = (176, 166, 146)
 BOX_RGB = (200, 45, 40)
 BOX_STRIPE_RGB = (250, 240, 240)
-LINK_RGB = (40, 70, 170)
-PUSHER_RGB = (245, 200, 40)
-BASE_RGB = (60, 60, 60)
-GOAL_RGB = (70, 170, 80)
-GOAL_RADIUS_M = 0.05
-"""The goal marker (a disk of this radius) that a goal task draws under the box."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SceneConfig:
-    """Camera size and the seed of the initial state."""
-
-    image_height: int = 64
-    """Camera image height in pixels (rgb8)."""
-    image_width: int = 64
-    """Camera image width in pixels (rgb8)."""
-    seed: int = 0
-    """Seeds the initial box pose and arm configuration."""
-
-    def __post_init__(self) -> None:
-        for name in ("image_height", "image_width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 8 <= value <= 4096:
-                raise ValueError(f"{name} must be an int in [8, 4096], got {value!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
 
 
 def forward_kinematics(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -108,6 +87,7 @@ class PushScene:
     """The scene's state and physics; ``step`` advances it, ``render`` draws the camera image."""
 
     joint_names: tuple[str, ...] = ("shoulder", "elbow")
+    link_lengths_m: tuple[float, ...] = LINK_LENGTHS_M
 
     def __init__(self, cfg: SceneConfig) -> None:
         self.cfg = cfg
@@ -129,7 +109,7 @@ class PushScene:
         self.time_s = 0.0
         self.goal_xy: np.ndarray | None = None
         """Where a goal task wants the box (drawn as a green disk); None: no goal drawn."""
-        self._pix = self._pixel_grid()
+        self._camera = TopDownCamera(cfg.image_height, cfg.image_width)
 
     def set_state(self, *, joints: np.ndarray, box_xy: np.ndarray, box_yaw: float) -> None:
         """Place the arm (at rest) and the box (still): the start of a goal task's episode."""
@@ -269,58 +249,32 @@ class PushScene:
         return force_ee, -force_ee, contact
 
     # ---- camera ----
-    def _pixel_grid(self) -> tuple[np.ndarray, np.ndarray, float]:
-        hgt, wid = self.cfg.image_height, self.cfg.image_width
-        xs = -VIEW_HALF_M + (np.arange(wid) + 0.5) * (2 * VIEW_HALF_M / wid)
-        ys = VIEW_HALF_M - (np.arange(hgt) + 0.5) * (2 * VIEW_HALF_M / hgt)
-        px, py = np.meshgrid(xs, ys)
-        return px, py, 2 * VIEW_HALF_M / min(hgt, wid)
-
     def render(self) -> np.ndarray:
         """[H, W, 3] uint8 top-down camera image (anti-aliased by signed distance)."""
-        px, py, pixel_m = self._pix
-        img = np.empty((*px.shape, 3), dtype=np.float32)
-        img[:] = TABLE_RGB
-        # fixed table markings so the background is not blank
-        ring = np.abs(np.hypot(px - BASE_XY[0], py - BASE_XY[1]) - 0.35) - 0.004
-        self._paint(img, ring, TABLE_MARK_RGB, pixel_m)
-        rim = TABLE_HALF_M - np.maximum(np.abs(px), np.abs(py))
-        self._paint(img, rim, TABLE_MARK_RGB, pixel_m)
+        cam = self._camera
+        img = cam.table()
         if self.goal_xy is not None:  # under the box: covered when the box is on it
-            goal = np.hypot(px - self.goal_xy[0], py - self.goal_xy[1]) - GOAL_RADIUS_M
-            self._paint(img, goal, GOAL_RGB, pixel_m)
+            cam.paint(img, cam.disk(self.goal_xy, GOAL_RADIUS_M), GOAL_RGB)
         # box with a stripe on one face so its yaw is visible
         c, s = math.cos(self._box_yaw), math.sin(self._box_yaw)
-        dx, dy = px - self._box[0], py - self._box[1]
+        dx, dy = cam.px - self._box[0], cam.py - self._box[1]
         lx, ly = c * dx + s * dy, -s * dx + c * dy
-        self._paint(img, _box_sdf(lx, ly, BOX_HALF_M, BOX_HALF_M), BOX_RGB, pixel_m)
+        cam.paint(img, _box_sdf(lx, ly, BOX_HALF_M, BOX_HALF_M), BOX_RGB)
         stripe = _box_sdf(lx - 0.6 * BOX_HALF_M, ly, 0.25 * BOX_HALF_M, 0.8 * BOX_HALF_M)
-        self._paint(img, stripe, BOX_STRIPE_RGB, pixel_m)
+        cam.paint(img, stripe, BOX_STRIPE_RGB)
         elbow, ee = forward_kinematics(self._q)
         base = np.array(BASE_XY)
-        self._paint(img, _segment_sdf(px, py, base, elbow) - 0.025, LINK_RGB, pixel_m)
-        self._paint(img, _segment_sdf(px, py, elbow, ee) - 0.02, LINK_RGB, pixel_m)
-        self._paint(img, np.hypot(px - ee[0], py - ee[1]) - PUSHER_RADIUS_M, PUSHER_RGB, pixel_m)
-        self._paint(img, np.hypot(px - base[0], py - base[1]) - 0.04, BASE_RGB, pixel_m)
-        return np.clip(img + 0.5, 0, 255).astype(np.uint8)
-
-    @staticmethod
-    def _paint(img: np.ndarray, sdf: np.ndarray, rgb: tuple[int, int, int], pixel_m: float) -> None:
-        alpha = np.clip(0.5 - sdf / pixel_m, 0.0, 1.0)[..., None]
-        img *= 1.0 - alpha
-        img += alpha * np.asarray(rgb, dtype=np.float32)
+        cam.paint(img, cam.segment(base, elbow, 0.025), LINK_RGB)
+        cam.paint(img, cam.segment(elbow, ee, 0.02), LINK_RGB)
+        cam.paint(img, cam.disk(ee, PUSHER_RADIUS_M), TOOL_RGB)
+        cam.paint(img, cam.disk(base, 0.04), BASE_RGB)
+        return cam.to_uint8(img)
 
 
 def _box_sdf(lx: np.ndarray, ly: np.ndarray, half_x: float, half_y: float) -> np.ndarray:
     qx, qy = np.abs(lx) - half_x, np.abs(ly) - half_y
     outside = np.hypot(np.maximum(qx, 0), np.maximum(qy, 0))
     return outside + np.minimum(np.maximum(qx, qy), 0)
-
-
-def _segment_sdf(px: np.ndarray, py: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    ab = b - a
-    t = np.clip(((px - a[0]) * ab[0] + (py - a[1]) * ab[1]) / max(float(ab @ ab), 1e-12), 0, 1)
-    return np.hypot(px - (a[0] + t * ab[0]), py - (a[1] + t * ab[1]))
 
 
 def _sample_region(rng: np.random.Generator) -> np.ndarray:

@@ -1,26 +1,24 @@
-"""The goal-push task: push the box onto a goal marker, with a scripted expert and its clock.
+"""The goal-push task: push the box onto a goal marker, with a scripted expert.
 
 What belongs here (numpy only, no ROS, no torch): sampling an episode's start (arm, box) and
 goal from a seed, the expert (a feedback pusher that re-approaches whenever the box slips off
-its line), the perturbations that teach a learned policy to recover, the proprioceptive vector
-the bridge forwards (joint positions and velocities, the tip's wrench) and ``TaskSim``, the
-scene stepped on the task's clock. The world-action model ``push-wam`` is trained on the
-expert's episodes (``physis_ros.sim.episodes``) and driven by it in the closed loop
-(``physis_ros.eval.closed_loop``).
-
-Clock: physics at ``PHYSICS_HZ``; the camera at ``FRAME_HZ`` (frame n at n / FRAME_HZ s);
-joint targets are rows at ``CONTROL_HZ`` (row i is the target the joints are commanded to at
-i / CONTROL_HZ s; between rows the target moves linearly, as ``sim_robot`` follows a
-``JointTrajectory``).
+its line), the robot's state by name (joint positions and velocities, the tip's wrench, the
+box's pose from an object tracker) and ``PushTask``, the task as ``physis_ros.sim.base``
+defines one (``PUSH``). The world-action model ``push-wam`` is trained on the expert's
+episodes (``physis_ros.sim.episodes``) and driven by it in the closed loop
+(``physis_ros.eval.closed_loop``). The clock is every task's (``physis_ros.sim.base``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
+from physis_ros.contract.model import PromptSpec, StateInput
+from physis_ros.sim import base
 from physis_ros.sim.scene import (
     BASE_XY,
     BOX_HALF_M,
@@ -28,17 +26,12 @@ from physis_ros.sim.scene import (
     LINK_LENGTHS_M,
     PUSHER_RADIUS_M,
     PushScene,
-    SceneConfig,
+    ScriptedPolicy,
     forward_kinematics,
     in_push_region,
     inverse_kinematics,
 )
 
-PHYSICS_HZ = 100
-CONTROL_HZ = 20
-FRAME_HZ = 10
-TICKS_PER_ROW = PHYSICS_HZ // CONTROL_HZ
-TICKS_PER_FRAME = PHYSICS_HZ // FRAME_HZ
 GOAL_TOLERANCE_M = 0.05
 """An episode succeeds when the box centre comes within this distance of the goal ..."""
 TIME_LIMIT_S = 15.0
@@ -58,29 +51,26 @@ STATE_NAMES = (
 """The proprioceptive vector per camera frame: joint_states positions and velocities, then
 the wrench (force N, torque N·m), as the bridge forwards them."""
 GOAL_STATE_NAMES = ("goal_x", "goal_y")
-"""push-wam's state columns after the proprioception: the task's goal (table frame, m), the
-same in every frame. The server fills them from the stream's goal prompt; the bridge sends
-no goal with an observation."""
+"""The task's values: its goal (table frame, m), the same in every frame. push-wam's state
+columns after the proprioception; the server fills them from the stream's goal prompt; the
+bridge sends no goal with an observation."""
 BOX_STATE_NAMES = ("box_x", "box_y")
 """push-wam's last state columns: the box centre (table frame, m) at each frame, as an object
 tracker on the robot (a fiducial tag, motion capture) publishes it. The camera shows the box
 too, but one of its 32x32 pixels spans 3.4 cm of table: coarse for pushing the box onto a
 goal 5 cm wide."""
+BOX_POSE_NAMES = (*BOX_STATE_NAMES, "box_yaw")
+"""The box's pose (m, m, rad) as the task reports it each frame (the yaw for plots only)."""
 MODEL_STATE_NAMES = STATE_NAMES + GOAL_STATE_NAMES + BOX_STATE_NAMES
 """A model with state_dim S takes the first S of these (push-wam all of them; the wrench
 ablation push-wam-nowrench all but WRENCH_SLICE: ``train.wam_data.state_names``)."""
 WRENCH_SLICE = slice(4, 10)
+GOAL_SCALE_M = 0.5
+"""A goal's coordinates are divided by this (the table's half-width) in push-wam's prompt."""
 CONTACT_M = BOX_HALF_M + PUSHER_RADIUS_M
 """Pusher centre to box centre when the pusher touches the middle of a face."""
 _MIN_REACH_M, _MAX_REACH_M = 0.24, 0.62
 """Where the expert's waypoints may lie (the arm folds to 0.16 m and reaches 0.70 m)."""
-
-
-def model_state(proprio: np.ndarray, goal_xy, box_xy: np.ndarray) -> np.ndarray:
-    """[N, len(MODEL_STATE_NAMES)] float32: each frame's proprioception [N, S], the goal, then
-    the box centre ``box_xy`` [N, 2] at that frame."""
-    goal = np.broadcast_to(np.asarray(goal_xy, np.float32), (len(proprio), 2))
-    return np.concatenate([proprio, goal, box_xy], axis=1).astype(np.float32)
 
 
 def goal_prompt_name(goal_xy) -> str:
@@ -93,6 +83,7 @@ def goal_prompt_name(goal_xy) -> str:
 class TaskSetup:
     """One episode's start and goal (table frame, metres / radians)."""
 
+    task: ClassVar[str] = "push"
     seed: int
     joints: tuple[float, float]
     box_xy: tuple[float, float]
@@ -146,45 +137,11 @@ def sample_task(seed: int) -> TaskSetup:
     )
 
 
-class TaskSim:
-    """A ``PushScene`` with a goal, stepped one physics tick at a time."""
+class TaskSim(base.TaskSim):
+    """The push scene at an episode's start, stepped one physics tick at a time."""
 
     def __init__(self, setup: TaskSetup, *, image_size: tuple[int, int] = (32, 32)) -> None:
-        self.setup = setup
-        self.scene = PushScene(
-            SceneConfig(image_height=image_size[0], image_width=image_size[1], seed=setup.seed)
-        )
-        self.scene.set_state(
-            joints=np.array(setup.joints), box_xy=np.array(setup.box_xy), box_yaw=setup.box_yaw
-        )
-        self.goal = np.array(setup.goal_xy)
-        self.scene.goal_xy = self.goal
-        self.tick = 0
-        self.reached_s: float | None = None
-        """Simulated time at which the box first came within GOAL_TOLERANCE_M."""
-
-    @property
-    def time_s(self) -> float:
-        return self.tick / PHYSICS_HZ
-
-    def step(self, joint_targets: np.ndarray) -> None:
-        self.scene.step(1.0 / PHYSICS_HZ, joint_targets)
-        self.tick += 1
-        if self.reached_s is None and self.box_error_m() <= GOAL_TOLERANCE_M:
-            self.reached_s = self.time_s
-
-    def box_error_m(self) -> float:
-        return float(np.linalg.norm(self.scene.box_pose()[:2] - self.goal))
-
-    def proprio(self) -> np.ndarray:
-        """[S] float32 in STATE_NAMES order."""
-        s = self.scene
-        return np.concatenate([s.joint_positions(), s.joint_velocities(), s.wrench()]).astype(
-            np.float32
-        )
-
-    def render(self) -> np.ndarray:
-        return self.scene.render()
+        super().__init__(PUSH, setup, image_size=image_size)
 
 
 class GoalPushExpert:
@@ -298,51 +255,87 @@ def _segment_clearance(a: np.ndarray, b: np.ndarray, p: np.ndarray) -> float:
     return float(np.linalg.norm(a + t * ab - p))
 
 
-class Perturbations:
-    """Episodes of training data are disturbed now and then: for 0.3-0.8 s the commanded
-    targets wander to a random nearby configuration (an external push, a bad command), then
-    the expert takes over from wherever that left the arm and the box: the recoveries a
-    learned policy needs to have seen. Rows commanded during a perturbation are flagged (the
-    model is never trained to produce them).
+class PushEpisode(base.Episode):
+    """A push episode, with its robot's proprioception and the box's pose by push's names."""
 
-    Every episode also starts with the arm held still for 0-``MAX_START_HOLD_S``: a served
-    policy's robot holds until its first chunk arrives, so its first requests show an arm at
-    rest and committed rows that stand still, which an expert that moves from its first row
-    never shows (the model trained without the hold planned its first 0.3 s at a third of
-    the expert's reach, in a direction 0.42 cosine-close to the expert's)."""
+    @property
+    def proprio(self) -> np.ndarray:
+        """[N, len(STATE_NAMES)] joint positions, velocities and the wrench at each frame."""
+        return self.values(STATE_NAMES)
 
-    MEAN_GAP_S = 3.0
-    SPEED_RAD_S = 1.5
-    MAX_START_HOLD_S = 0.6
-
-    def __init__(self, seed: int) -> None:
-        self._rng = np.random.default_rng([seed, 0x5EED])
-        self._next_s = 1.0 + float(self._rng.exponential(self.MEAN_GAP_S))
-        self._end_s = -1.0
-        self._goal: np.ndarray | None = None
-        self._start_hold_s = float(self._rng.uniform(0.0, self.MAX_START_HOLD_S))
-        self._holding = False
-
-    def active(self, t_s: float, previous: np.ndarray) -> bool:
-        self._holding = t_s < self._start_hold_s
-        if self._holding:
-            return True
-        if t_s >= self._next_s and self._goal is None:
-            self._goal = previous + self._rng.uniform(-0.6, 0.6, 2)
-            self._end_s = t_s + float(self._rng.uniform(0.3, 0.8))
-        if self._goal is not None and t_s >= self._end_s:
-            self._goal = None
-            self._next_s = t_s + 0.5 + float(self._rng.exponential(self.MEAN_GAP_S))
-        return self._goal is not None
-
-    def joint_targets(self, previous: np.ndarray, dt_s: float) -> np.ndarray:
-        if self._holding:
-            return previous.copy()
-        assert self._goal is not None
-        limit = self.SPEED_RAD_S * dt_s
-        return previous + np.clip(self._goal - previous, -limit, limit)
+    @property
+    def box(self) -> np.ndarray:
+        """[N, 3] the box's pose (x, y, yaw) at each frame."""
+        return self.values(BOX_POSE_NAMES)
 
 
-def end_effector_path(joints: np.ndarray) -> np.ndarray:
-    """[N, 2] end-effector positions of joint rows [N, 2] (for plots)."""
-    return np.stack([forward_kinematics(q)[1] for q in np.asarray(joints, np.float64)])
+class PushTask(base.Task):
+    """The goal-push task (module docstring)."""
+
+    name = "push"
+    label = "goal_push"
+    joint_names = PushScene.joint_names
+    state_names = STATE_NAMES + BOX_POSE_NAMES
+    task_value_names = GOAL_STATE_NAMES
+    model_state = (
+        *(StateInput(f"{j}_pos", "joint_position", j) for j in PushScene.joint_names),
+        *(StateInput(f"{j}_vel", "joint_velocity", j) for j in PushScene.joint_names),
+        *(StateInput(n, "wrench", n) for n in STATE_NAMES[WRENCH_SLICE]),
+        *(StateInput(n, "task", n) for n in GOAL_STATE_NAMES),
+        *(StateInput(n, "object", f"box.{n[-1]}") for n in BOX_STATE_NAMES),
+    )
+    prompt = PromptSpec("task_features", GOAL_STATE_NAMES, GOAL_SCALE_M)
+    setup_type = TaskSetup
+    scene_type = PushScene
+    default_model = "push-wam"
+    moved = "box"
+    has_wrench = True
+    objects = ("box",)
+    goal_topic = "goal"
+    episode_type = PushEpisode
+    time_limit_s = TIME_LIMIT_S
+    tolerance_m = GOAL_TOLERANCE_M
+
+    @property
+    def success_text(self) -> str:
+        return f"box centre within {GOAL_TOLERANCE_M} m of the goal"
+
+    def sample(self, seed: int) -> TaskSetup:
+        return sample_task(seed)
+
+    def start(self, scene: PushScene, setup: TaskSetup) -> None:
+        scene.set_state(
+            joints=np.array(setup.joints), box_xy=np.array(setup.box_xy), box_yaw=setup.box_yaw
+        )
+        scene.goal_xy = np.array(setup.goal_xy)
+
+    def goal_xy(self, scene: PushScene) -> np.ndarray:
+        return scene.goal_xy
+
+    def moved_xy(self, scene: PushScene) -> np.ndarray:
+        return scene.box_pose()[:2]
+
+    def object_xy(self, scene: PushScene, name: str) -> np.ndarray:
+        """The tracked object's position (table frame, m): the box centre."""
+        return scene.box_pose()[:2]
+
+    def state(self, scene: PushScene) -> np.ndarray:
+        parts = [
+            scene.joint_positions(),
+            scene.joint_velocities(),
+            scene.wrench(),
+            scene.box_pose(),
+        ]
+        return np.concatenate(parts).astype(np.float32)
+
+    def expert(self, setup: TaskSetup) -> GoalPushExpert:
+        return GoalPushExpert(np.array(setup.goal_xy))
+
+    def task_values(self, setup: TaskSetup) -> dict[str, float]:
+        return dict(zip(GOAL_STATE_NAMES, (float(v) for v in setup.goal_xy), strict=True))
+
+    def free_policy(self, seed: int) -> ScriptedPolicy:
+        return ScriptedPolicy(seed)
+
+
+PUSH = PushTask()

@@ -1,7 +1,9 @@
-"""``physis-train-wam``: the goal-push world-action model (push-wam), from nothing, in one command.
+"""``physis-train-wam``: a simulated task's world-action model, from nothing, in one command.
 
-It runs the scripted expert on the goal-push task (train seeds 0..N-1 with perturbations and
-recoveries, validation seeds from 20000), then trains with the noisy-history recipe on the
+``--task`` names the task (``physis_ros.sim.tasks``: ``push``, the default, trains push-wam;
+``reach`` trains reach-wam; ``--model`` another preset that fits it). It runs the task's
+scripted expert (train seeds 0..N-1 with perturbations and recoveries, validation seeds from
+20000), then trains with the noisy-history recipe on the
 live timeline (DESIGN.md §3): a window of ``chunks`` chunks whose first 1..``max_obs`` are
 observed (clean: frames, state, the actions the robot reported), the rest generated at one
 noise level shared by the window (the levels of the served sampler). The robot's known
@@ -18,10 +20,11 @@ first drives N more training episodes in the closed loop while the expert takes 
 then (``wam_onpolicy``): the expert's rows from the states the model's own actions led to
 join the training data, the model's rows as known history only.
 
-Writes ``weights.safetensors`` (fp16, with the metadata the engine and the eval read),
+Writes ``weights.safetensors`` (fp16, with the metadata the engine and the eval read, the
+model's contract among it: ``physis_ros.contract.model``),
 ``train_log.json`` and ``loss_curve.png`` into ``--out``. Reproducible from ``--seed`` on one
 CPU thread. The engine-side layout is ``physis_ros.engine.sampler``; the data
-``physis_ros.train.wam_data``.
+``physis_ros.train.wam_data``; the loss ``physis_ros.train.wam_loss``.
 """
 
 from __future__ import annotations
@@ -40,25 +43,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from physis_ros.contract.model import (
-    CONTRACT_KEY,
-    WRENCH_KEYS,
-    PromptSpec,
-    StateInput,
-    WamContract,
-    prompt_features,
-)
+from physis_ros.contract.model import CONTRACT_KEY, WamContract
 from physis_ros.engine.build import build_model
-from physis_ros.engine.config import SamplerConfig, get_preset
-from physis_ros.engine.forward import forward_sequence, make_cond, pad_text
+from physis_ros.engine.config import get_preset
 from physis_ros.engine.model import load_upstream_state_dict, to_upstream_state_dict
-from physis_ros.engine.sampler import chunk_layout, sigmas
+from physis_ros.engine.sampler import chunk_layout
 from physis_ros.eval.closed_loop import ClosedLoopConfig
-from physis_ros.sim.task import CONTROL_HZ, FRAME_HZ
+from physis_ros.sim.base import CONTROL_HZ, FRAME_HZ
+from physis_ros.sim.tasks import TASKS, get_task
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
-from physis_ros.train.wam_data import WamBatch, WamWindows, episodes_for, state_names
+from physis_ros.train.wam_data import WamWindows, episodes_for, wam_contract
+from physis_ros.train.wam_loss import noise_levels, wam_loss, window_cond
 from physis_ros.train.wam_onpolicy import on_policy_episodes
-from physis_ros.weights import GOAL_PROMPT
 
 VAL_SEED0 = 20_000
 """Validation episodes' seeds start here; held-out evaluation uses 10000.. (physis-eval)."""
@@ -66,12 +62,20 @@ HELD_OUT_SEED0 = ClosedLoopConfig().seed0
 """physis-eval --closed-loop's episodes start here: no training episode may use them."""
 
 
+GOAL_PROMPT = "goal_xy"
+"""The ``prompt`` value of a run conditioned on its task's values (its contract's
+``task_features`` prompt); the name is the one every run has written."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class WamTrainConfig:
     """Everything that determines the trained weights."""
 
-    model: str = "push-wam"
-    """Preset (``push-wam``, or ``push-wam-nowrench``: the same without the wrench)."""
+    task: str = "push"
+    """The simulated task trained on (``physis_ros.sim.tasks``)."""
+    model: str = ""
+    """Preset (default: the task's: ``push-wam``, ``reach-wam``; or ``push-wam-nowrench``:
+    push-wam without the wrench)."""
     episodes: int = 1000
     """Training episodes (expert, with perturbations), seeds 0..episodes-1."""
     val_episodes: int = 40
@@ -117,11 +121,11 @@ class WamTrainConfig:
     """Start from these weights (a physis-train-wam checkpoint of the same model: to train
     on from a run's last checkpoint with a new schedule) instead of the seeded ones."""
     prompt: str = GOAL_PROMPT
-    """``goal_xy``: each window's stream is conditioned on its goal
-    (``engine.prompts.goal_prompt``), as the served streams are; "": on the fixed stand-in
-    prompt (the goal only in the camera)."""
+    """``goal_xy``: each window's stream is conditioned on its task values as the task's
+    prompt says (push: its goal; ``contract.model.prompt_features``), as the served streams
+    are; "": on the fixed stand-in prompt (the goal only in the camera and the state)."""
     on_policy_from: str = ""
-    """Comma-separated push-wam checkpoints: each drives ``on_policy_episodes`` training
+    """Comma-separated checkpoints of the model: each drives ``on_policy_episodes`` training
     episodes in the closed loop with expert takeovers (``wam_onpolicy``; cached), added to
     the expert's episodes (DAgger: list every earlier round's checkpoint to aggregate)."""
     on_policy_episodes: int = 0
@@ -144,7 +148,10 @@ class WamTrainConfig:
         return [p for p in self.on_policy_from.split(",") if p]
 
     def __post_init__(self) -> None:
+        if self.task in TASKS and not self.model:  # frozen: the default resolved once
+            object.__setattr__(self, "model", get_task(self.task).default_model)
         checks = {
+            "task": self.task in TASKS,
             "episodes": self.episodes >= 1,
             "val_episodes": self.val_episodes >= 1,
             "steps": self.steps >= 1,
@@ -180,6 +187,7 @@ class WamTrainConfig:
         cfg = get_preset(self.model)
         if not (cfg.action_mode == "predict" and cfg.committed_actions and cfg.state_dim):
             raise ValueError(f"model {self.model!r} is not a world-action model with state")
+        wam_contract(cfg, get_task(self.task))  # the preset fits the task
         if self.episodes + self.val_episodes > VAL_SEED0:
             raise ValueError(f"training seeds would reach the validation seeds ({VAL_SEED0}..)")
         for path in self.on_policy_checkpoints:
@@ -207,70 +215,22 @@ def _widened(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def wam_loss(
-    model,
-    batch: WamBatch,
-    *,
-    sigma: torch.Tensor,
-    eps: torch.Tensor,
-    cond: torch.Tensor,
-    window: int,
-    action_weight: float,
-    state_weight: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """sigma [B] (one per window), eps [B, C, denoised] noise. Returns the loss and its parts
-    (velocity MSE of video, action rows, state values over what counts)."""
-    cfg = model.cfg
-    lay = chunk_layout(cfg)
-    x0 = batch.x0
-    b, c, _ = x0.shape
-    h, a = cfg.action_horizon, cfg.action_dim
-    gen = torch.arange(c)[None, :] >= batch.n_obs[:, None]  # [B, C]
-    sig = torch.where(gen, sigma[:, None], torch.zeros(()))
-    d = lay.denoised
-    x_in = x0.clone()
-    noised = (1 - sig[..., None]) * x0[..., :d] + sig[..., None] * eps
-    x_in[..., :d] = torch.where(gen[..., None], noised, x0[..., :d])
-    # known rows stay clean; an observed chunk's unknown rows are 0, as pack_chunk sends them
-    rows_in = x_in[..., lay.actions].view(b, c, h, a)
-    rows0 = x0[..., lay.actions].view(b, c, h, a)
-    unknown_obs = ~gen[..., None] & ~batch.known
-    rows_in = torch.where(batch.known[..., None], rows0, rows_in)
-    rows_in = torch.where(unknown_obs[..., None], torch.zeros(()), rows_in)
-    x_in[..., lay.actions] = rows_in.reshape(b, c, h * a)
-    v = forward_sequence(model, x_in, sig, cond, window=window)
-    err = (v[..., :d] - (eps - x0[..., :d])).pow(2)
-    chunk_mask = (gen & batch.trained_chunks).float()
-    video = (err[..., lay.video].mean(-1) * chunk_mask).sum() / chunk_mask.sum().clamp_min(1)
-    state = (err[..., lay.state].mean(-1) * chunk_mask).sum() / chunk_mask.sum().clamp_min(1)
-    rows = err[..., lay.actions].view(b, c, h, a).mean(-1)
-    row_mask = batch.trained_rows.float()
-    action = (rows * row_mask).sum() / row_mask.sum().clamp_min(1)
-    loss = video + action_weight * action + state_weight * state
-    return loss, {"video": video.item(), "action": action.item(), "state": state.item()}
-
-
-def _levels(cfg: WamTrainConfig) -> torch.Tensor:
-    return torch.tensor(
-        sigmas(SamplerConfig(steps=cfg.sample_steps, shift=cfg.shift))[:-1], dtype=torch.float32
+def contract(cfg: WamTrainConfig) -> WamContract:
+    """The contract the model ``cfg`` trains is trained with (written into its weights)."""
+    return wam_contract(
+        get_preset(cfg.model),
+        get_task(cfg.task),
+        prompted=bool(cfg.prompt),
+        min_committed_ms=cfg.min_committed_ms,
+        max_known_rows_ahead=cfg.max_freeze_rows,
     )
-
-
-def window_cond(mcfg, prompt: str, goal: torch.Tensor) -> torch.Tensor:
-    """[B, text_len, text_dim]: each window's prompt (its goal's, or the fixed stand-in)."""
-    if not prompt:
-        return make_cond(mcfg, 0).expand(len(goal), -1, -1)
-    tokens = [
-        torch.from_numpy(prompt_features(g.tolist(), GOAL_SCALE_M, mcfg.text_dim)) for g in goal
-    ]
-    return pad_text(mcfg, torch.stack(tokens))
 
 
 @torch.no_grad()
 def _validate(model, val: tuple, cfg: WamTrainConfig) -> dict[str, float]:
     model.eval()
     batch, sigma, eps = val
-    cond = window_cond(model.cfg, cfg.prompt, batch.goal)
+    cond = window_cond(model.cfg, contract(cfg).prompt, batch.prompt_values)
     loss, parts = wam_loss(
         model,
         batch,
@@ -288,53 +248,17 @@ def _val_set(windows: WamWindows, cfg: WamTrainConfig, size: int = 48) -> tuple:
     """A fixed validation batch: every sampler level equally often, fixed noise."""
     gen = torch.Generator().manual_seed(cfg.seed + 99)
     batch = windows.batch(size)
-    levels = _levels(cfg)
+    levels = noise_levels(cfg.sample_steps, cfg.shift)
     sigma = levels[torch.arange(size) % len(levels)]
     eps = torch.randn(size, cfg.chunks, chunk_layout(windows.cfg).denoised, generator=gen)
     return batch, sigma, eps
 
 
-GOAL_SCALE_M = 0.5
-"""The goal's coordinates are divided by this (the sim table's half-width) in its prompt."""
-
-
-def _contract(meta: dict[str, str], mcfg) -> WamContract:
-    """The push task's model contract, from the names and rates the metadata gives."""
-    state = []
-    for name in meta["state_names"].split(","):
-        if name.endswith(("_pos", "_vel")):
-            source = "joint_position" if name.endswith("_pos") else "joint_velocity"
-            state.append(StateInput(name, source, name[:-4]))
-        elif name in WRENCH_KEYS:
-            state.append(StateInput(name, "wrench", name))
-        elif name.startswith("goal_"):
-            state.append(StateInput(name, "task", name))
-        else:  # box_x, box_y: the tracked box
-            state.append(StateInput(name, "object", f"box.{name[-1]}"))
-    goal = meta.get("prompt") == GOAL_PROMPT
-    return WamContract(
-        action_names=tuple(meta["action_names"].split(",")),
-        action_unit="rad",
-        action_hz=float(meta["action_hz"]),
-        rows_per_chunk=mcfg.action_horizon,
-        frame_hz=float(meta["frame_hz"]),
-        image_height=mcfg.image_size[0],
-        image_width=mcfg.image_size[1],
-        frames_per_chunk=mcfg.frames_per_chunk,
-        state=tuple(state),
-        prompt=PromptSpec("task_features", ("goal_x", "goal_y"), GOAL_SCALE_M)
-        if goal
-        else PromptSpec(),
-        min_committed_ms=float(meta["min_committed_ms"]),
-        max_known_rows_ahead=int(meta["max_known_rows_ahead"]),
-    )
-
-
 def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
-    """What the engine, the server and physis-eval read from the weights (the model's
-    contract among them)."""
+    """What the engine, the server and physis-eval read from the weights."""
     mcfg = get_preset(cfg.model)
-    meta = {
+    wam = contract(cfg)
+    return {
         "format": "physis_ros world-action model",
         "model": cfg.model,
         "window": str(cfg.window),
@@ -343,8 +267,10 @@ def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
         "action_hz": str(float(CONTROL_HZ)),
         "image_size": f"{mcfg.image_size[0]}x{mcfg.image_size[1]}",
         "frames_per_chunk": str(mcfg.frames_per_chunk),
-        "action_names": "shoulder,elbow",
-        "state_names": ",".join(state_names(mcfg)),
+        "action_names": ",".join(wam.action_names),
+        "state_names": ",".join(wam.state_names),
+        "task": cfg.task,
+        CONTRACT_KEY: wam.to_json(),
         "context_noise": "clean",
         "horizon": "1",
         "max_known_rows_ahead": str(cfg.max_freeze_rows),
@@ -354,7 +280,6 @@ def metadata(cfg: WamTrainConfig, extra: dict[str, str]) -> dict[str, str]:
         "torch": torch.__version__,
         **extra,
     }
-    return {**meta, CONTRACT_KEY: _contract(meta, mcfg).to_json()}
 
 
 def _save(  # noqa: PLR0917 - one call site per use, all of them here
@@ -381,6 +306,25 @@ def _save(  # noqa: PLR0917 - one call site per use, all of them here
     return _validate(model, val, cfg) if val is not None else None
 
 
+def _episodes(cfg: WamTrainConfig, cache: Path, progress: bool) -> tuple[list, list]:
+    """The training episodes (the expert's, then each on-policy round's) and the validation
+    episodes of the task, generated or taken from ``cache``."""
+    train_eps = episodes_for(
+        list(range(cfg.episodes)), perturb=True, cache_dir=cache, task=cfg.task
+    )
+    n_on = cfg.on_policy_episodes
+    for r, checkpoint in enumerate(cfg.on_policy_checkpoints):  # round r: seeds of its own
+        seeds = list(range(r * n_on, (r + 1) * n_on))
+        train_eps += on_policy_episodes(
+            checkpoint, seeds, cache_dir=cache, progress=progress, workers=cfg.threads
+        )
+    val_seeds = list(range(VAL_SEED0, VAL_SEED0 + cfg.val_episodes))
+    val_eps = episodes_for(
+        val_seeds, perturb=True, cache_dir=cache, progress=progress, task=cfg.task
+    )
+    return train_eps, val_eps
+
+
 def train_wam(
     cfg: WamTrainConfig, out_dir: str | Path, *, data_dir: Path | None = None, progress=True
 ) -> dict:
@@ -394,17 +338,15 @@ def train_wam(
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     mcfg = get_preset(cfg.model)
+    wam = contract(cfg)
     cache = data_dir if data_dir is not None else out / "data"
-    train_eps = episodes_for(list(range(cfg.episodes)), perturb=True, cache_dir=cache)
-    n_on = cfg.on_policy_episodes
-    for r, checkpoint in enumerate(cfg.on_policy_checkpoints):  # round r: seeds of its own
-        seeds = list(range(r * n_on, (r + 1) * n_on))
-        train_eps += on_policy_episodes(
-            checkpoint, seeds, cache_dir=cache, progress=progress, workers=cfg.threads
-        )
-    val_seeds = list(range(VAL_SEED0, VAL_SEED0 + cfg.val_episodes))
-    val_eps = episodes_for(val_seeds, perturb=True, cache_dir=cache, progress=progress)
-    common = dict(chunks=cfg.chunks, max_obs=cfg.max_obs, max_freeze_rows=cfg.max_freeze_rows)
+    train_eps, val_eps = _episodes(cfg, cache, progress)
+    common = dict(
+        contract=wam,
+        chunks=cfg.chunks,
+        max_obs=cfg.max_obs,
+        max_freeze_rows=cfg.max_freeze_rows,
+    )
     windows = WamWindows(
         train_eps,
         mcfg,
@@ -427,12 +369,12 @@ def train_wam(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay
     )
     noise_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    levels = _levels(cfg)
+    levels = noise_levels(cfg.sample_steps, cfg.shift)
     denoised = chunk_layout(mcfg).denoised
     log: dict = {"train_loss": [], "train_parts": [], "val": [], "config": asdict(cfg)}
     t0 = time.perf_counter()
     stopped_early = False
-    bar = tqdm(range(cfg.steps), desc="train push-wam", unit="step", disable=not progress)
+    bar = tqdm(range(cfg.steps), desc=f"train {cfg.model}", unit="step", disable=not progress)
     for step in bar:
         batch = windows.batch(cfg.batch_size)
         sigma = levels[torch.randint(0, len(levels), (cfg.batch_size,), generator=noise_gen)]
@@ -444,7 +386,7 @@ def train_wam(
             batch,
             sigma=sigma,
             eps=eps,
-            cond=window_cond(mcfg, cfg.prompt, batch.goal),
+            cond=window_cond(mcfg, wam.prompt, batch.prompt_values),
             window=cfg.window,
             action_weight=cfg.action_weight,
             state_weight=cfg.state_weight,
@@ -519,15 +461,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="where the generated episodes are cached (default OUT/data)",
     )
-    defaults = WamTrainConfig()
-    for name, val in asdict(defaults).items():
+    defaults = asdict(WamTrainConfig()) | {"model": ""}  # "": the task's model
+    shown = {"task": f"push; one of {sorted(TASKS)}", "model": "the task's: push-wam, reach-wam"}
+    for name, val in defaults.items():
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=type(val), default=val, help=f"(default {val})"
+            f"--{name.replace('_', '-')}",
+            type=type(val),
+            default=val,
+            help=f"(default {shown.get(name, val)})",
         )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     try:
-        cfg = WamTrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
+        cfg = WamTrainConfig(**{k: getattr(args, k) for k in defaults})
     except ValueError as err:
         parser.error(str(err))
     log = train_wam(cfg, args.out, data_dir=args.data_dir, progress=not args.quiet)

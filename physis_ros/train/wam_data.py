@@ -1,7 +1,10 @@
-"""push-wam's training data: goal-push episodes in memory and training windows cut from them.
+"""A world-action model's training data: any task's episodes in memory and training windows
+cut from them.
 
-What belongs here: generating (or loading the cached) expert episodes of the goal-push task
-(``physis_ros.sim.episodes``), keeping their frames as the pixel codec's tokens, and drawing
+What belongs here: generating (or loading the cached) expert episodes of a task
+(``physis_ros.sim.episodes``), the contract a model of the task is trained with (its state
+inputs and prompt), keeping the frames as the pixel codec's tokens and each frame's state as
+the contract orders it (``WamContract``: by name, never by a task's own lists), and drawing
 training windows on the live timeline: ``chunks`` consecutive chunks (slot c = frames
 [s + cF, s + (c+1)F) and the joint-target rows from the slot's first frame on), the first
 ``n_obs`` of them observed. What the robot knows of the actions is a prefix of the timeline:
@@ -21,54 +24,86 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from physis_ros.contract.model import WamContract
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import ModelConfig
 from physis_ros.engine.sampler import _normalize, chunk_layout, chunk_numel, latent_to_tokens
-from physis_ros.sim.episodes import TaskEpisode, load_episodes, run_expert_episode, save_episodes
-from physis_ros.sim.task import (
-    CONTROL_HZ,
-    FRAME_HZ,
-    MODEL_STATE_NAMES,
-    WRENCH_SLICE,
-    model_state,
-    sample_task,
-)
+from physis_ros.sim.base import CONTROL_HZ, FRAME_HZ, Episode, Task
+from physis_ros.sim.episodes import load_episodes, run_expert_episode, save_episodes
+from physis_ros.sim.tasks import get_task
 
 ROWS_PER_FRAME = CONTROL_HZ // FRAME_HZ
 DRIFT_REFERENCE_ROWS = 8
 """``committed_drift_rad`` is the drift's spread this many rows (0.4 s) past the newest frame."""
-DATA_VERSION = 4
-"""Bumped whenever the task, the expert or the perturbations change: cached episodes made
-by another version are not reused."""
+DATA_VERSION = 5
+"""Bumped whenever a task, an expert, the perturbations or the episode file change: cached
+episodes made by another version are not reused."""
 
 
-def state_names(cfg: ModelConfig) -> tuple[str, ...]:
-    """The state columns a preset is trained on: the first ``state_dim`` of MODEL_STATE_NAMES,
-    except push-wam-nowrench, which leaves out the wrench (the ablation of what it is worth)."""
-    names = MODEL_STATE_NAMES
-    if cfg.name == "push-wam-nowrench":
-        names = names[: WRENCH_SLICE.start] + names[WRENCH_SLICE.stop :]
-    return names[: cfg.state_dim]
+def state_names(cfg: ModelConfig, task: Task | None = None) -> tuple[str, ...]:
+    """The state inputs a preset is trained on: the first ``state_dim`` of its task's
+    ``model_state`` (default: push's), except a ``-nowrench`` preset, which leaves out the
+    wrench (the ablation of what it is worth)."""
+    inputs = (task or get_task("push")).model_state
+    if cfg.name.endswith("-nowrench"):
+        inputs = tuple(s for s in inputs if s.source != "wrench")
+    return tuple(s.name for s in inputs[: cfg.state_dim])
+
+
+def wam_contract(
+    cfg: ModelConfig,
+    task: Task,
+    *,
+    prompted: bool = True,
+    min_committed_ms: float = 0.0,
+    max_known_rows_ahead: int = 8,
+) -> WamContract:
+    """The contract of preset ``cfg`` trained on ``task``: its state inputs (``state_names``),
+    the task's prompt if ``prompted``, its chunk and camera; ValueError when the preset's
+    actions or state do not fit the task."""
+    if cfg.action_dim != len(task.joint_names) or cfg.state_dim > len(state_names(cfg, task)):
+        raise ValueError(
+            f"model {cfg.name!r} (action_dim {cfg.action_dim}, state_dim {cfg.state_dim}) does "
+            f"not fit task {task.name!r} ({len(task.joint_names)} joints, "
+            f"{len(task.model_state)} state inputs)"
+        )
+    return task.contract(
+        state_names=state_names(cfg, task),
+        prompted=prompted,
+        rows_per_chunk=cfg.action_horizon,
+        frames_per_chunk=cfg.frames_per_chunk,
+        image_size=cfg.image_size,
+        min_committed_ms=min_committed_ms,
+        max_known_rows_ahead=max_known_rows_ahead,
+    )
 
 
 def episodes_for(
-    seeds: list[int], *, perturb: bool, cache_dir: Path | None, progress: bool = True
-) -> list[TaskEpisode]:
-    """Expert episodes of ``seeds`` (cached as one .npz per seed list under ``cache_dir``)."""
+    seeds: list[int],
+    *,
+    perturb: bool,
+    cache_dir: Path | None,
+    progress: bool = True,
+    task: str = "push",
+) -> list[Episode]:
+    """Expert episodes of ``task`` for ``seeds`` (cached as one .npz per task and seed list
+    under ``cache_dir``)."""
     from tqdm import tqdm
 
-    key = hashlib.sha256(json.dumps([DATA_VERSION, seeds, perturb]).encode()).hexdigest()[:12]
+    sim_task = get_task(task)
+    key_src = [DATA_VERSION, task, seeds, perturb]
+    key = hashlib.sha256(json.dumps(key_src).encode()).hexdigest()[:12]
     path = None if cache_dir is None else Path(cache_dir) / f"episodes_{key}.npz"
     return cached_episodes(
         path,
         lambda: [
-            run_expert_episode(sample_task(seed), perturb=perturb)
+            run_expert_episode(sim_task.sample(seed), perturb=perturb)
             for seed in tqdm(seeds, desc="expert episodes", unit="ep", disable=not progress)
         ],
     )
 
 
-def cached_episodes(path: Path | None, make) -> list[TaskEpisode]:
+def cached_episodes(path: Path | None, make) -> list[Episode]:
     """The episodes saved at ``path``, else ``make()``'s, saved there (None: not cached)."""
     if path is not None and path.exists():
         return load_episodes(path)
@@ -91,8 +126,8 @@ class _Episode:
     """[M, A] float32 normalised joint-target rows."""
     perturbed: np.ndarray
     """[M] bool."""
-    goal: np.ndarray
-    """[2] the goal (table frame, m)."""
+    prompt_values: np.ndarray
+    """[P] float32 the task values the contract's prompt is made of."""
 
 
 @dataclass
@@ -108,18 +143,22 @@ class WamBatch:
     trained_chunks: torch.Tensor
     """[B, C] bool: generated chunks whose video and state error count (no unknown
     perturbed row in the chunk's own period: the model never learns to produce those)."""
-    goal: torch.Tensor
-    """[B, 2] each window's goal (table frame, m): its stream's prompt."""
+    prompt_values: torch.Tensor
+    """[B, P] each window's task values of the contract's prompt (push: its goal, table frame,
+    m): its stream's prompt."""
 
 
 class WamWindows:
-    """Draws training windows [B, C, X] from episodes, reproducibly from a seed."""
+    """Draws training windows [B, C, X] from episodes, reproducibly from a seed; each frame's
+    state and each window's prompt as ``contract`` says (default: the episodes' task's, for
+    ``cfg``, prompted)."""
 
     def __init__(
         self,
-        episodes: list[TaskEpisode],
+        episodes: list[Episode],
         cfg: ModelConfig,
         *,
+        contract: WamContract | None = None,
         chunks: int,
         max_obs: int,
         max_freeze_rows: int,
@@ -131,8 +170,10 @@ class WamWindows:
         committed_drift_fraction: float = 0.5,
     ) -> None:
         if cfg.codec != "pixel" or cfg.codec_stride[0] != 1:
-            raise ValueError("push-wam training keeps each frame's pixel-codec latent")
-        self.cfg = cfg
+            raise ValueError("world-action training keeps each frame's pixel-codec latent")
+        if contract is None and episodes:
+            contract = wam_contract(cfg, get_task(episodes[0].task))
+        self.cfg, self.contract = cfg, contract
         self.chunks, self.max_obs, self.max_freeze_rows = chunks, max_obs, max_freeze_rows
         self.per_slot_fraction = per_slot_fraction
         self.hide_history_fraction = hide_history_fraction
@@ -144,7 +185,6 @@ class WamWindows:
         )
         self.frames = cfg.frames_per_chunk
         codec = Codec(cfg)
-        cols = [MODEL_STATE_NAMES.index(n) for n in state_names(cfg)]
         self.episodes = []
         for ep in episodes:
             if len(ep.frames) < chunks * self.frames:
@@ -152,18 +192,17 @@ class WamWindows:
             latent = codec.encode_frames(ep.frames)  # [C, N, h, w]
             latents = ((latent.permute(1, 0, 2, 3) + 1.0) * 127.5).round().to(torch.uint8)
             state = _normalize(
-                torch.from_numpy(model_state(ep.proprio, ep.setup.goal_xy, ep.box[:, :2])[:, cols]),
-                cfg.state_center,
-                cfg.state_scale,
+                torch.from_numpy(contract_state(contract, ep)), cfg.state_center, cfg.state_scale
             )
             rows = _normalize(torch.from_numpy(ep.rows), cfg.action_center, cfg.action_scale)
+            prompt = [ep.task_values[name] for name in contract.prompt.values]
             self.episodes.append(
                 _Episode(
                     latents.numpy(),
                     state.numpy(),
                     rows.numpy(),
                     ep.perturbed.copy(),
-                    np.asarray(ep.setup.goal_xy, np.float32),
+                    np.asarray(prompt, np.float32),
                 )
             )
         if not self.episodes:
@@ -187,13 +226,13 @@ class WamWindows:
         known = torch.zeros(size, c_n, h, dtype=torch.bool)
         trained_rows = torch.zeros(size, c_n, h, dtype=torch.bool)
         trained_chunks = torch.zeros(size, c_n, dtype=torch.bool)
-        goal = torch.zeros(size, 2)
+        prompt_values = torch.zeros(size, len(self.contract.prompt.values))
         for b, i in enumerate(self.rng.choice(len(self.episodes), size=size, p=self.weights)):
             ep = self.episodes[i]
-            goal[b] = torch.from_numpy(ep.goal)
+            prompt_values[b] = torch.from_numpy(ep.prompt_values)
             start = int(self.rng.integers(0, len(ep.latents) - c_n * f + 1))
             # some windows open the episode: the first plan (from the arm at rest, where only
-            # the box and the goal say which way to go) decides the episode, yet a window
+            # the scene and the task say which way to go) decides the episode, yet a window
             # drawn anywhere covers it rarely
             if self.start_fraction and self.rng.random() < self.start_fraction:
                 start = 0
@@ -237,7 +276,7 @@ class WamWindows:
                     trained_rows[b, c] = torch.from_numpy(~is_known & ~pert)
                     own = slice(0, ROWS_PER_FRAME * f)
                     trained_chunks[b, c] = not bool((pert & ~is_known)[own].any())
-        return WamBatch(x0, n_obs, known, trained_rows, trained_chunks, goal)
+        return WamBatch(x0, n_obs, known, trained_rows, trained_chunks, prompt_values)
 
     def _committed_drift(self, freeze: int) -> np.ndarray | None:
         """[action_dim] per-row drift of the committed rows (after the newest frame), or None.
@@ -255,3 +294,17 @@ class WamWindows:
             return None
         draw = self.drift_rng.standard_normal(len(self.drift_per_row))
         return (draw * self.drift_per_row).astype(np.float32)
+
+
+def contract_state(contract: WamContract, episode: Episode) -> np.ndarray:
+    """[N, S] float32: each frame's state inputs in the contract's order, by name: a task
+    input from the episode's task values (the same in every frame), the others from its state
+    columns."""
+    n = len(episode.frames)
+    columns = [
+        np.full(n, episode.task_values[s.key], np.float32)
+        if s.source == "task"
+        else episode.values([s.name])[:, 0].astype(np.float32)
+        for s in contract.state
+    ]
+    return np.stack(columns, axis=1) if columns else np.zeros((n, 0), np.float32)

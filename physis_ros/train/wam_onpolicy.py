@@ -1,5 +1,6 @@
-"""On-policy episodes for push-wam (a DAgger round): the model drives the goal-push task in
-the closed loop (``physis_ros.eval.closed_loop``), and the expert takes over now and then
+"""On-policy episodes for a world-action model (a DAgger round): the model drives the task it
+was trained on (metadata ``task``; push when it names none) in the closed loop
+(``physis_ros.eval.closed_loop``), and the expert takes over now and then
 (``Takeovers``). Each episode is kept as training data: the rows the model commanded are
 known history, never a target; the expert's rows from the states the model's own actions
 led to are the targets. An expert-only dataset never shows those states, and a model trained
@@ -25,13 +26,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from physis_ros.sim.episodes import TaskEpisode
+from physis_ros.sim.base import Episode
 from physis_ros.train.train import _sha256
 from physis_ros.train.wam_data import DATA_VERSION, cached_episodes
 
 DELAYS_MS = (0.0, 150.0)
 AFTER_GOAL_S = 1.0
-"""Kept after the box reached the goal, as in the expert's episodes."""
+"""Kept after the goal was reached, as in the expert's episodes."""
 
 
 def on_policy_episodes(
@@ -41,7 +42,7 @@ def on_policy_episodes(
     cache_dir: Path | None,
     progress: bool = True,
     workers: int = 1,
-) -> list[TaskEpisode]:
+) -> list[Episode]:
     """Episodes of ``seeds`` driven by the model in ``weights`` with expert takeovers (cached
     under ``cache_dir`` by the weights' hash and the seeds; the same, up to float rounding,
     however many ``workers`` drove them)."""
@@ -56,7 +57,7 @@ def on_policy_episodes(
 
 def _drive_in_workers(
     weights: str | Path, seeds: list[int], workers: int, progress: bool
-) -> list[TaskEpisode]:
+) -> list[Episode]:
     from physis_ros.sim.episodes import load_episodes
 
     workers = min(workers, len(seeds))
@@ -85,7 +86,7 @@ def _drive_in_workers(
     return [driven[s] for s in seeds]
 
 
-def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEpisode]:
+def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[Episode]:
     from tqdm import tqdm
 
     from physis_ros.contract.safetensors import read_metadata
@@ -101,6 +102,7 @@ def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[TaskEp
         bar = tqdm(seeds, desc="on-policy episodes", unit="ep", disable=not progress)
         for seed in bar:
             cfg = ClosedLoopConfig(
+                task=meta.get("task", "push"),
                 episodes=1,
                 seed0=seed,
                 delay_ms=DELAYS_MS[seed % len(DELAYS_MS)],

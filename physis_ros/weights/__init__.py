@@ -22,10 +22,6 @@ DEFAULT_STEPS = 4
 """Denoising steps the default model is served with (measured in its eval report)."""
 DEFAULT_SHIFT = 3.0
 """Schedule shift the default model is served with (the shift it was trained with)."""
-GOAL_PROMPT = "goal_xy"
-"""Metadata ``prompt`` of a push-wam trained on goal prompts: each of its streams is
-conditioned on its task's goal (``engine.prompts.goal_prompt``), asked for by the prompt name
-``goal_xy_<x>_<y>`` (``sim.task.goal_prompt_name``) or sent raw."""
 
 
 TRAINED_KNOWN_ROWS_AHEAD = 8

@@ -183,3 +183,85 @@ def test_the_report_states_the_commit_floor_of_delay_aware_runs():
     assert "commit the plan at least 150 ms" in md
     runs["model_crossfade_0ms"]["min_committed_ms"] = 0.0
     assert "commit the plan" not in render_markdown(report)
+
+
+def test_the_reach_expert_reaches_held_out_targets_in_the_closed_loop(tmp_path):
+    """Any task by name: reach's expert on held-out seeds, its own time limit and success,
+    and the report draws the tool tip's paths against the targets."""
+    from physis_ros.eval.closed_loop_report import write_report
+    from physis_ros.sim.reach import TIME_LIMIT_S, TOLERANCE_M
+
+    cfg = ClosedLoopConfig(task="reach", policy="expert", episodes=3)
+    assert cfg.time_limit_s == TIME_LIMIT_S
+    results = [run_episode(cfg, 10_000 + i, None) for i in range(3)]
+    assert all(r.success and r.time_to_goal_s < cfg.time_limit_s for r in results)
+    assert all(r.final_error_m <= TOLERANCE_M and r.action_rmse_rad == 0.0 for r in results)
+    assert all(r.path.shape[1] == 2 and r.task == "reach" for r in results)
+    report = write_report(tmp_path, {"expert": (cfg, results)}, engine={}, command="c")
+    assert report["success_definition"].startswith("tool tip within 0.04 m of the target")
+    assert report["runs"]["expert"]["success_rate"] == 1.0
+    assert (tmp_path / "tool_tip_paths_expert.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="task 'lift'"):
+        ClosedLoopConfig(task="lift")
+
+
+class _RecordingEngine:
+    """A StreamEngine stand-in that keeps what a request feeds it and answers rows that hold
+    the arm at ``hold``."""
+
+    def __init__(self, cfg, hold: np.ndarray):
+        self.cfg, self.hold = cfg, hold
+        self.specs, self.states = [], []
+
+    def open_stream(self, spec):
+        self.specs.append(spec)
+        return type("Opened", (), {"stream_id": len(self.specs)})()
+
+    def submit_context(self, sid, frames, rows, state):
+        self.states.append(state)
+
+    def submit_generate(self, sid, known):
+        return 7
+
+    def poll(self, timeout_s):
+        rows = np.tile(self.hold, (self.cfg.action_horizon, 1))
+        return [type("Out", (), {"stream_id": len(self.specs), "chunk": 7, "actions": rows,
+                                 "frames": None})()]  # fmt: skip
+
+    def close_stream(self, sid):
+        pass
+
+
+@pytest.mark.parametrize("task", ["push", "reach"])
+def test_the_model_is_fed_through_its_contract(task):
+    """The decider builds each frame's state from the contract's names (robot values from
+    the task's state, task inputs from the episode's task values) and conditions the stream
+    on the task values' features: push's goal in the middle and its box at the end, reach's
+    joints and target."""
+    from physis_ros.contract.model import prompt_features
+    from physis_ros.engine.config import get_preset
+    from physis_ros.eval.closed_loop import ModelDecider
+    from physis_ros.sim.tasks import get_task
+    from physis_ros.train.wam_data import wam_contract
+
+    sim_task = get_task(task)
+    cfg = get_preset(sim_task.default_model)
+    contract = wam_contract(cfg, sim_task)
+    start = np.array(sim_task.sample(10_000).joints)
+    engine = _RecordingEngine(cfg, start)
+    decider = ModelDecider(engine, meta={"contract": contract.to_json()})
+    result = run_episode(ClosedLoopConfig(task=task, time_limit_s=1.0), 10_000, decider)
+    assert result.chunks_accepted >= 3 and len(engine.states) >= 3
+    values = sim_task.task_values(sim_task.sample(10_000))
+    first = engine.states[0]
+    assert first.shape == (cfg.frames_per_chunk, cfg.state_dim) and first.dtype == np.float32
+    names = contract.state_names
+    task_cols = [names.index(k) for k in sim_task.task_value_names]
+    np.testing.assert_array_equal(first[:, task_cols][0], np.float32(list(values.values())))
+    joint_cols = [names.index(f"{j}_pos") for j in sim_task.joint_names]
+    np.testing.assert_array_equal(first[0, joint_cols], np.float32(start))
+    if task == "push":
+        assert names[10:12] == ("goal_x", "goal_y") and names[12:] == ("box_x", "box_y")
+        np.testing.assert_array_equal(first[0, 12:], np.float32(sim_task.sample(10_000).box_xy))
+    want = prompt_features(list(values.values()), 0.5, cfg.text_dim)
+    np.testing.assert_array_equal(engine.specs[0].prompt_embedding, want)

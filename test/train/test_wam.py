@@ -240,3 +240,57 @@ def test_the_wrench_ablation_leaves_out_only_the_wrench():
     assert full == MODEL_STATE_NAMES
     assert ablated == tuple(n for n in full if n not in MODEL_STATE_NAMES[WRENCH_SLICE])
     assert len(ablated) == get_preset("push-wam-nowrench").state_dim == len(full) - 6
+
+
+def test_training_writes_the_contract_the_model_was_trained_with():
+    """The weights' metadata holds the contract (``contract``): push-wam's settings give the
+    shipped push-wam's contract exactly, and an unprompted model's has no prompt."""
+    from physis_ros.contract.model import WamContract
+    from physis_ros.train.wam import WamTrainConfig, metadata
+
+    shipped = WamContract.from_metadata(read_metadata(physis_ros.weights.WAM_WEIGHTS))
+    meta = metadata(WamTrainConfig(min_committed_ms=250.0), {})
+    assert WamContract.from_metadata(meta) == shipped and meta["task"] == "push"
+    assert meta["state_names"].split(",") == list(shipped.state_names)
+    tiny = metadata(WamTrainConfig(model="tiny-wam", prompt=""), {})
+    assert WamContract.from_metadata(tiny).prompt.kind == "none"
+    assert WamContract.from_metadata(tiny).state_names == shipped.state_names[:10]
+
+
+def test_a_reach_model_trains_on_reach_episodes_and_carries_its_contract(tmp_path):
+    """physis-train-wam --task reach: reach-wam on the reach expert's episodes (3 joints, no
+    wrench, no box, the target as task values), its contract in the weights (it round-trips),
+    and the closed loop drives the reach task with it."""
+    from physis_ros.contract.model import WamContract
+    from physis_ros.engine.threads import local_engine
+    from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider, run_episode
+
+    summary = _train(tmp_path / "r", 5, "--task", "reach")
+    weights = tmp_path / "r" / "weights.safetensors"
+    meta = read_metadata(weights)
+    assert meta["model"] == "reach-wam" and meta["task"] == "reach"
+    contract = WamContract.from_metadata(meta)
+    assert WamContract.from_json(contract.to_json()) == contract
+    assert contract.action_names == ("shoulder", "elbow", "wrist") and contract.objects == ()
+    assert contract.state_names == (
+        "shoulder_pos", "elbow_pos", "wrist_pos", "shoulder_vel", "elbow_vel", "wrist_vel",
+        "target_x", "target_y",
+    )  # fmt: skip
+    assert contract.prompt.kind == "task_features" and contract.task_names == (
+        "target_x",
+        "target_y",
+    )
+    assert meta["action_names"] == "shoulder,elbow,wrist"
+    assert meta["state_names"].split(",") == list(contract.state_names)
+    assert summary["steps_done"] == 3 and np.isfinite(summary["final_val"]["action"])
+    with local_engine(**engine_kwargs(weights)) as engine:
+        decider = ModelDecider(engine, meta=meta)
+        cfg = ClosedLoopConfig(task="reach", delay_ms=150.0, time_limit_s=1.0)
+        result = run_episode(cfg, 10_000, decider)
+    assert result.chunks_accepted == 4 and result.path.shape == (11, 2)
+    # a preset that does not fit the task is refused in one line before anything runs
+    cmd = [sys.executable, "-m", "physis_ros.train.wam", "--out", str(tmp_path / "x"),
+           "--task", "reach", "--model", "push-wam"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "does not fit task 'reach'" in proc.stderr
+    assert not (tmp_path / "x").exists()
