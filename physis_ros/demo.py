@@ -71,8 +71,8 @@ DIAGNOSTICS_KEPT = 100
 
 class StripRows:
     """The side-by-side views offered once a second, thinned to at most ``limit`` evenly
-    spaced ones (every 2nd, then every 4th, ...), so a run of hours keeps as few as one of
-    a minute."""
+    spaced ones (every 2nd, then every 4th, ...): memory stays flat however long the demo
+    runs, and a run shorter than ``limit`` seconds keeps them all."""
 
     def __init__(self, limit: int = STRIP_ROWS_KEPT) -> None:
         self.rows: list[np.ndarray] = []
