@@ -14,6 +14,9 @@ camera, wrench, joint-state and joint-command topics are remapped in bridge.yaml
 remapping) to the robot's drivers; ``sim:=true`` starts sim_robot to provide them.
 FASTDDS_DEFAULT_PROFILES_FILE points at config/fastdds.xml, whose shared-memory segment is
 large enough for camera images (the Fast DDS default loses 640x480 frames).
+PHYSIS_PARENT_PID names this launch process: the bridge and sim_robot end when it dies,
+however it died (physis_ros/children.py), and a world-action bridge publishes its fallback
+as it stops.
 """
 
 import os
@@ -26,6 +29,7 @@ from launch_ros.actions import Node
 from launch_ros.parameter_descriptions import ParameterValue
 
 from launch import LaunchDescription
+from physis_ros.children import PARENT_PID_ENV
 
 
 def generate_launch_description():
@@ -113,6 +117,8 @@ def generate_launch_description():
                 for name, default, text in arguments
             ),
             SetEnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE", arg("fastdds_profile")),
+            # launch exits on SIGTERM without stopping its processes: they watch it instead
+            SetEnvironmentVariable(PARENT_PID_ENV, str(os.getpid())),
             Node(
                 package="physis_ros",
                 executable="bridge",

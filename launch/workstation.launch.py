@@ -10,17 +10,24 @@
 rank 0 serving. Both programs are this package's executables (``lib/physis_ros``), so the
 launch file works in any sourced workspace. The server needs no ROS; without ROS run the
 same ``physis-serve`` command line (README: "Two machines"). Anything but loopback wants
-TLS and a token.
+TLS and a token. PHYSIS_PARENT_PID names this launch process: physis-serve (or
+physis-torchrun and its ranks) ends when it dies, however it died (physis_ros/children.py).
 """
 
 import os
 
 from ament_index_python.packages import get_package_share_directory
-from launch.actions import DeclareLaunchArgument, ExecuteProcess, OpaqueFunction
+from launch.actions import (
+    DeclareLaunchArgument,
+    ExecuteProcess,
+    OpaqueFunction,
+    SetEnvironmentVariable,
+)
 from launch.substitutions import LaunchConfiguration
 from launch_ros.substitutions import ExecutableInPackage
 
 from launch import LaunchDescription
+from physis_ros.children import PARENT_PID_ENV
 
 # launch argument -> physis-serve flag, passed only when the argument is not empty
 OPTIONAL_FLAGS = {
@@ -83,6 +90,8 @@ def generate_launch_description():
                 DeclareLaunchArgument(name, default_value=default, description=text)
                 for name, default, text in arguments
             ),
+            # launch exits on SIGTERM without stopping its processes: they watch it instead
+            SetEnvironmentVariable(PARENT_PID_ENV, str(os.getpid())),
             OpaqueFunction(function=server_command),
         ]
     )

@@ -62,6 +62,33 @@ def strip(rows: list[np.ndarray], scale: int = 2) -> np.ndarray:
     return np.repeat(np.repeat(image, scale, axis=0), scale, axis=1)
 
 
+STRIP_ROWS_KEPT = 64
+"""Side-by-side views kept for strip.png, at most (one is offered a second)."""
+
+DIAGNOSTICS_KEPT = 100
+"""/diagnostics messages kept (the newest: the bridge's and sim_robot's statuses are read)."""
+
+
+class StripRows:
+    """The side-by-side views offered once a second, thinned to at most ``limit`` evenly
+    spaced ones (every 2nd, then every 4th, ...): memory stays flat however long the demo
+    runs, and a run shorter than ``limit`` seconds keeps them all."""
+
+    def __init__(self, limit: int = STRIP_ROWS_KEPT) -> None:
+        self.rows: list[np.ndarray] = []
+        self.limit = limit
+        self._every = 1
+        self._offered = 0
+
+    def offer(self, row: np.ndarray) -> None:
+        if self._offered % self._every == 0:
+            self.rows.append(row)
+            if len(self.rows) > self.limit:
+                self.rows = self.rows[::2]
+                self._every *= 2
+        self._offered += 1
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="physis-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -279,7 +306,7 @@ def main(argv=None) -> int:
     )
     print(f"physis-demo: ROS_DOMAIN_ID={domain_id}, logs in {loop.log_dir}", flush=True)
     monitor = None
-    rows: list[np.ndarray] = []
+    strip_rows = StripRows()
     stats = None
     started_s = time.monotonic()
     interrupted = False
@@ -313,7 +340,7 @@ def main(argv=None) -> int:
         loop.start_sim_robot(**sim_params)
         port = loop.start_server(timeout_s=300.0, ranks=args.ranks)
         print(f"physis-demo: physis-serve ({args.model}) on 127.0.0.1:{port}", flush=True)
-        monitor = Monitor(domain_id=domain_id, keep=("/diagnostics",))
+        monitor = Monitor(domain_id=domain_id, keep=("/diagnostics",), keep_last=DIAGNOSTICS_KEPT)
         target_ms = args.target_interval_ms
         if target_ms is None:  # what the camera fills: one observed chunk per chunk_ms
             target_ms = camera["chunk_ms"] if camera is not None else 0.0
@@ -336,7 +363,7 @@ def main(argv=None) -> int:
             stats = monitor.get("pipeline_stats")
             view = monitor.get("predicted/side_by_side")
             if view is not None:
-                rows.append(image_to_rgb(view))
+                strip_rows.offer(image_to_rgb(view))
             t = time.monotonic() - started_s
             if live_s is None and (refused := refusal(monitor)):
                 print(
@@ -436,6 +463,7 @@ def main(argv=None) -> int:
         summary["execution"] = execution
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     # before the first observation is paired the view has no observed half (and fewer rows)
+    rows = strip_rows.rows
     rows = [r for r in rows if rows and r.shape[0] == max(x.shape[0] for x in rows)]
     if rows:
         picked = rows[:: max(1, len(rows) // 8)][:8]

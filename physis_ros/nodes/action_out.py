@@ -5,7 +5,8 @@ out-of-order chunks are refused, past rows trimmed) and goes out as rows at star
 a chunk whose rows say the time they are for (or an acted-on preview of one) is joined into
 the one committed trajectory (``wam_execution``), which goes out whole. When chunks stop for
 the deadline, model actions stop and the ``hold``/``zeros`` fallback goes out once, with the
-reason (``holding``) kept until a model chunk is published again.
+reason (``holding``) kept until a model chunk is published again; a bridge that stops does
+the same (``stop``).
 
 ``ActionPublisher``: one block of rows as ``action_chunk`` (``physis_ros/ActionChunk``),
 ``joint_trajectory`` (for a joint_trajectory_controller) and, for a planar arm,
@@ -14,9 +15,11 @@ reason (``holding``) kept until a model chunk is published again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
+from rclpy.duration import Duration
 
 from physis_ros.link.client import Prediction
 from physis_ros.msg import ActionChunk
@@ -26,6 +29,10 @@ from physis_ros.nodes.bridge_params import BridgeParams
 from physis_ros.nodes.safety import ActionGate, GateDecision, SafetyConfig
 from physis_ros.nodes.stats import DropCounter
 from physis_ros.nodes.wam_execution import ActionExecution
+
+STOP_FLUSH_S = 1.0
+"""Longest a stopping bridge waits for its subscribers to acknowledge the fallback (a
+reliable topic's message still unsent when the process ends is lost)."""
 
 
 class ActionOutput:
@@ -184,6 +191,35 @@ class ActionOutput:
         nothing to stop or hold."""
         if not self.predicts_actions() or not self.gate.check_deadline(now_ns):
             return False
+        link = self._link.stats()
+        # an error older than the deadline came before the last chunk: not why chunks stopped
+        news = link.last_error and link.robot_time_ns - link.last_error_ns <= int(
+            self.gate.deadline_s * 1e9
+        )
+        self._fall_back(
+            now_ns,
+            f"no chunk for {self.gate.deadline_s * 1e3:.0f} ms (link {link.state}"
+            + (f": {link.last_error}" if news else "")
+            + ")",
+        )
+        return True
+
+    def stop(self, now_ns: int) -> bool:
+        """The bridge stops (however it was stopped: Ctrl-C, its launcher gone): a world-action
+        model's robot gets the fallback, unless it already holds one, so that nothing goes on
+        commanding it without a bridge. True when it went out."""
+        if not self.predicts_actions() or self.holding:
+            return False
+        self._fall_back(now_ns, "the bridge is stopping")
+        if not self.publisher.flush(STOP_FLUSH_S):
+            self._logger.warning(
+                f"the fallback was not acknowledged by every subscriber within {STOP_FLUSH_S} s"
+            )
+        return True
+
+    def _fall_back(self, now_ns: int, why: str) -> None:
+        """Model actions stop: the fallback, stamped ``now_ns``, goes out once with ``why``
+        logged and kept as ``holding``."""
         promise = self._link.promise
         horizon = promise.action_horizon if promise and promise.action_horizon else 1
         held = self._joint_positions()
@@ -192,21 +228,12 @@ class ActionOutput:
             if promise and promise.action_dim
             else (len(held) if held is not None else 0)
         )
-        link = self._link.stats()
-        # an error older than the deadline came before the last chunk: not why chunks stopped
-        news = link.last_error and link.robot_time_ns - link.last_error_ns <= int(
-            self.gate.deadline_s * 1e9
-        )
-        self.holding = (
-            f"no chunk for {self.gate.deadline_s * 1e3:.0f} ms (link {link.state}"
-            + (f": {link.last_error}" if news else "")
-            + ")"
-        )
+        self.holding = why
         self._logger.error(
             f"model actions stopped, publishing the {self.p.fallback} fallback: {self.holding}"
         )
         if dim == 0:
-            return True
+            return
         source = (
             ActionChunk.SOURCE_FALLBACK_HOLD
             if self.p.fallback == "hold"
@@ -215,7 +242,6 @@ class ActionOutput:
         rows = self.gate.fallback_actions(horizon=horizon, dim=dim, held=held)
         self.publisher.publish(rows, now_ns, self.gate.deadline_s / horizon, source)
         self.counts["fallbacks"] += 1
-        return True
 
 
 class ActionPublisher:
@@ -234,6 +260,16 @@ class ActionPublisher:
         self.p = p
         self.chunk_pub, self.trajectory_pub, self.marker_pub = chunk_pub, trajectory_pub, marker_pub
         self.joint_state_names = joint_state_names
+
+    def flush(self, timeout_s: float) -> bool:
+        """Until the rows published so far reached every subscriber, ``timeout_s`` at most;
+        False when some did not acknowledge them in time."""
+        deadline = time.monotonic() + timeout_s
+        acked = True
+        for pub in (self.chunk_pub, self.trajectory_pub):
+            left_s = max(0.0, deadline - time.monotonic())
+            acked &= bool(pub.wait_for_all_acked(Duration(nanoseconds=int(left_s * 1e9))))
+        return acked
 
     def joint_names(self) -> list[str]:
         """The trajectory's joints: by parameter, else those of the newest joint state."""

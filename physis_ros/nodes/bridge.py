@@ -20,7 +20,8 @@ kinematics), once a second ``pipeline_stats`` and ``/diagnostics``.
 Safety, for a world-action model (its chunks carry actions; the promise's ``action_mode`` is
 ``predict``): stale rows are never published; when chunks stop arriving for the deadline,
 model actions stop, the ``hold``/``zeros`` fallback goes out once with the reason logged, and
-/diagnostics says ERROR until a model chunk is published again. A world model (frames only)
+/diagnostics says ERROR until a model chunk is published again; a bridge that stops (Ctrl-C,
+SIGTERM, its launcher gone) publishes the fallback as it goes. A world model (frames only)
 commands nothing: late predictions make /diagnostics WARN, never a fallback. The link client
 reconnects by itself; with ``server_port_file`` it starts once the server has written its
 port (/diagnostics says what the link waits for until then).
@@ -224,10 +225,16 @@ class Bridge(Node):
             drops=self.drops.snapshot(),
             link=self.link.stats() if link is None else link,
             link_waiting=self.link.waiting(),
+            link_recovery=self.link.recovery,
         )
 
     def now_ns(self) -> int:
         return self.get_clock().now().nanoseconds
+
+    def on_stop(self) -> None:
+        """The process stops (``run_node``): a world-action model's robot holds (the
+        fallback), before anything is released."""
+        self.outputs.stop(self.now_ns())
 
     def shutdown(self) -> None:
         self.link.close()

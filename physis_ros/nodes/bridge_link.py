@@ -4,16 +4,23 @@ thread that takes its predictions.
 Nothing here waits in the node's constructor. With ``server_port_file`` the client is made
 once the server has written its port there (``try_start``, polled by the node's timer; the
 link says ``waiting for port file ...`` in /diagnostics until then), else at once. With
-``task_topic`` the stream opens with the first task's values (``open_stream``), else as soon
-as the client is made. Predictions go to ``on_prediction`` on the link's own receive thread.
-A model whose inputs the robot's topics cannot give refuses the stream (``refuse``).
+``task_topic`` the client connects and learns the model's contract, and opens the stream
+once the first task's values are set (``set_task``). Predictions go to ``on_prediction`` on
+the link's own receive thread. A model whose inputs the robot's topics cannot give refuses
+the stream (``refuse``).
+
+An outage ends when predictions come again on a new connection after a link error
+(``arrived``): the link says so in one log line with the outage's length, and the error is
+history (``LinkRecovery``), no longer the link's ``last_error``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from physis_ros.contract.model import WamContract
 from physis_ros.link.client import (
@@ -46,6 +53,21 @@ def read_port(path: str) -> int | None:
     except FileNotFoundError:
         return None
     return int(text) if text else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkRecovery:
+    """The newest outage the link came back from."""
+
+    at_ns: int
+    """Robot clock when predictions came again."""
+    outage_s: float
+    """From the last prediction before it (or the link's start) to the first after it."""
+    error: str
+    """The link's last error before it came back."""
+    error_ns: int
+    count: int
+    """Outages so far."""
 
 
 class BridgeLink:
@@ -86,6 +108,11 @@ class BridgeLink:
         """The stream's promise as last refreshed (``refresh_promise``, ``poll``)."""
         self._stream_id: int | None = None
         self._error_logged = ""
+        self._started_ns = 0
+        self._last_arrival: tuple[int, int] | None = None
+        """(robot clock ns, the link's connection count) of the newest prediction."""
+        self.recovery: LinkRecovery | None = None
+        """The newest outage the link came back from (None: none yet)."""
 
     def _make_client(self, target: str) -> LinkClient:
         p = self.p
@@ -134,6 +161,7 @@ class BridgeLink:
             self._logger.info(f"server at {target} (from {self.p.server_port_file})")
             self._client = self._make_client(target)
         self._started = True
+        self._started_ns = self._clock_ns()
         if self._stream_wanted:
             self._client.start()
         self._receiver.start()
@@ -179,9 +207,14 @@ class BridgeLink:
         return True
 
     def stats(self) -> LinkStats:
+        """The client's stats, less an error the link has come back from."""
         client = self._client
         if client is not None:
-            return client.stats()
+            link = client.stats()
+            recovered = self.recovery
+            if link.last_error and recovered and link.last_error_ns <= recovered.error_ns:
+                return dataclasses.replace(link, last_error="")
+            return link
         return LinkStats(
             state="disconnected",
             promise=None,
@@ -221,6 +254,33 @@ class BridgeLink:
         self.refresh_promise()
         return True
 
+    def arrived(self, received_ns: int) -> bool:
+        """A prediction came (receive thread), at robot clock ``received_ns``. True when it
+        ends an outage: the first prediction of a new connection, with a link error since
+        the previous prediction (or since the start). Said in one log line."""
+        link = self._client.stats()
+        previous = self._last_arrival
+        self._last_arrival = (received_ns, link.connections)
+        since_ns = previous[0] if previous is not None else self._started_ns
+        if previous is not None and previous[1] == link.connections:
+            return False  # the same connection
+        if not link.last_error or link.last_error_ns <= since_ns:
+            return False  # a new stream on purpose (a new prompt), or the first one
+        count = self.recovery.count + 1 if self.recovery is not None else 1
+        self.recovery = LinkRecovery(
+            at_ns=received_ns,
+            outage_s=(received_ns - since_ns) / 1e9,
+            error=link.last_error,
+            error_ns=link.last_error_ns,
+            count=count,
+        )
+        if previous is not None:
+            what = f"streaming again after a {self.recovery.outage_s:.1f} s outage"
+        else:
+            what = f"streaming, {self.recovery.outage_s:.1f} s after the link started"
+        self._logger.info(f"link: {what} (last error: {link.last_error})")
+        return True
+
     def _receive_loop(self) -> None:
         client = self._client
         while not self._stop.is_set():
@@ -228,9 +288,13 @@ class BridgeLink:
             if prediction is not None:
                 self._on_prediction(prediction)
 
-    def close(self) -> None:
+    def stop_receiving(self) -> None:
+        """No prediction is handed on after this returns (the one being handed on is done)."""
         self._stop.set()
         if self._started:
             self._receiver.join(timeout=2.0)
+
+    def close(self) -> None:
+        self.stop_receiving()
         if self._client is not None:
             self._client.close()

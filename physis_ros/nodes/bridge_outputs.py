@@ -4,8 +4,10 @@ and the reports.
 A prediction's frames go out stamped at their predicted time (``frame_out``); a preview is
 published as one (and, with ``act_on_previews``, its timed rows executed). A chunk's actions
 go to ``action_out.ActionOutput``: the safety gate, the timed execution and the fallback.
-Each delivery is timed (``stats.ChunkTiming``); the stream's interval comes from the pacing
-asked for, else what is measured, else the promise. The reports (``pipeline_stats``,
+Each delivery is timed (``stats.ChunkTiming``), afresh after an outage of the link (the
+outage is no interval of the stream); the stream's interval comes from the pacing asked for,
+else what is measured, else the promise. ``chunks_published`` counts the chunks that went
+out: a world-action model's actions, a world model's frames. The reports (``pipeline_stats``,
 ``/diagnostics``) are built from a ``bridge_report.BridgeSnapshot`` of the node's parts.
 """
 
@@ -102,6 +104,8 @@ class BridgeOutputs:
         self.timing = ChunkTiming()
         self.receive_to_publish_ms = RollingWindow()
         self.chunks_received = 0
+        self.frame_chunks_published = 0
+        """A world model's chunks whose frames went out (its chunks carry no actions)."""
 
     # ---- predictions: the link's receive thread --------------------------------------------
 
@@ -109,6 +113,8 @@ class BridgeOutputs:
         """One prediction out (``new_stream``: the first of a stream, which numbers its chunks
         afresh: the gate and the plan restart). A bad one is counted and said, never fatal."""
         t_got = time.perf_counter()
+        if self._link.arrived(pred.received_ns):
+            self.timing = ChunkTiming()  # the outage is not one of the stream's intervals
         try:
             if new_stream:
                 self.actions.restart_stream()
@@ -151,8 +157,10 @@ class BridgeOutputs:
         if pred.frames is not None and len(pred.frames):
             frame_dt_s = interval_s / len(pred.frames)
             self.frames.publish(pred, frames_stamp_ns(pred, frame_dt_s, start_ns), frame_dt_s)
-        if pred.actions is None:
-            return  # a world model: frames only, nothing for the action gate
+        if pred.actions is None:  # a world model: frames only, nothing for the action gate
+            if pred.frames is not None and len(pred.frames):
+                self.frame_chunks_published += 1
+            return
         actions = _action_rows(pred)
         if pred.action_start_ns > 0 and pred.action_dt_ns > 0:
             self.actions.timed_chunk(pred, actions)
@@ -186,6 +194,12 @@ class BridgeOutputs:
         """True when the fallback went out just now (``ActionOutput.check_deadline``)."""
         return self.actions.check_deadline(now_ns)
 
+    def stop(self, now_ns: int) -> None:
+        """The bridge stops: no prediction goes out from now on, and a world-action model's
+        robot gets the fallback (``ActionOutput.stop``)."""
+        self._link.stop_receiving()
+        self.actions.stop(now_ns)
+
     def snapshot(self) -> OutputsSnapshot:
         p, timing = self.p, self.timing
         extra: dict[str, float | int] = {}
@@ -193,8 +207,11 @@ class BridgeOutputs:
             extra.update(self.topics.previews.values())
         if self._execution.stats.accepted or p.act_on_previews:  # timed chunks: how they joined
             extra.update(self._execution.values(previews=p.act_on_previews))
+        counts = {"chunks_received": self.chunks_received, **self.actions.counts}
+        counts["chunks_published"] += self.frame_chunks_published
+        counts["frames_published"] = self.frames.published
         return OutputsSnapshot(
-            counts={"chunks_received": self.chunks_received, **self.actions.counts},
+            counts=counts,
             holding=self.actions.holding,
             fallback=p.fallback,
             world_model=not self.actions.predicts_actions(),

@@ -4,11 +4,13 @@ meters that the bridge's parts fill (``BridgeInputs``, ``BridgeOutputs``, ``Brid
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 from physis_ros.link.client import LinkStats
 from physis_ros.msg import PipelineStats
 from physis_ros.nodes import outputs
+from physis_ros.nodes.bridge_link import LinkRecovery
 
 Summary = dict[str, float]
 """A ``stats.RollingWindow.summary()``: median, mean, p99, std, n."""
@@ -27,7 +29,8 @@ class InputsSnapshot:
 @dataclass(frozen=True, kw_only=True)
 class OutputsSnapshot:
     counts: dict[str, int]
-    """chunks_received, chunks_published, chunks_expired, fallbacks."""
+    """chunks_received, chunks_published (a world-action model's actions, a world model's
+    frames), chunks_expired, fallbacks, frames_published."""
     holding: str
     """Why the robot holds a fallback ("": it does not)."""
     fallback: str
@@ -56,6 +59,8 @@ class BridgeSnapshot:
     link: LinkStats
     link_waiting: str = ""
     """What the link waits for before it connects (the server's port file); "": nothing."""
+    link_recovery: LinkRecovery | None = None
+    """The newest outage the link came back from; None: none."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -135,7 +140,9 @@ def diagnostics_report(snap: BridgeSnapshot) -> dict:
     return {
         "inputs": _inputs_status(snap.inputs, snap.drops),
         "output": _output_status(snap.outputs, snap.link),
-        "link": _link_status(snap.link, snap.outputs.holding, snap.link_waiting),
+        "link": _link_status(
+            snap.link, snap.outputs.holding, snap.link_waiting, snap.link_recovery
+        ),
     }
 
 
@@ -187,6 +194,7 @@ def _output_status(out: OutputsSnapshot, link: LinkStats) -> tuple:
         "receive_to_publish_median_ms": out.receive_to_publish_ms["median"],
         "chunks_received": chunks_received,
         "chunks_published": out.counts["chunks_published"],
+        "frames_published": out.counts["frames_published"],
         "chunks_expired": out.counts["chunks_expired"],
         "fallbacks_published": out.counts["fallbacks"],
         "deadline_ms": out.deadline_s * 1e3,
@@ -210,7 +218,9 @@ def _output_status(out: OutputsSnapshot, link: LinkStats) -> tuple:
     return level, message, values
 
 
-def _link_status(link: LinkStats, holding: str, waiting: str) -> tuple:
+def _link_status(
+    link: LinkStats, holding: str, waiting: str, recovery: LinkRecovery | None
+) -> tuple:
     values = {
         "state": link.state,
         "connections": link.connections,
@@ -221,6 +231,13 @@ def _link_status(link: LinkStats, holding: str, waiting: str) -> tuple:
         "last_error": link.last_error,
     }
     values.update({f"dropped_{k}": v for k, v in sorted(link.drops.items())})
+    if recovery is not None:  # last_error is cleared once the link comes back: here it is
+        values.update(
+            outages=recovery.count,
+            recovered_at=_utc_text(recovery.at_ns),
+            last_outage_s=round(recovery.outage_s, 3),
+            recovered_from=recovery.error,
+        )
     promise = link.promise
     if promise is not None:
         values.update(
@@ -245,3 +262,10 @@ def _link_status(link: LinkStats, holding: str, waiting: str) -> tuple:
     else:
         level, message = outputs.LEVEL_OK, "streaming"
     return level, message, values
+
+
+def _utc_text(stamp_ns: int) -> str:
+    """A robot-clock stamp as UTC, to the millisecond (ROS time is wall time unless a
+    simulation drives the clock)."""
+    stamp = datetime.datetime.fromtimestamp(stamp_ns / 1e9, tz=datetime.UTC)
+    return stamp.isoformat(timespec="milliseconds")

@@ -65,6 +65,8 @@ class FrameOutput:
         self.camera_frame = camera_frame
         self.side_by_side_height = side_by_side_height
         self.observed_image = observed_image
+        self.published = 0
+        """Frames published on ``predicted/image``."""
 
     def publish(self, pred: Prediction, start_ns: int, frame_dt_s: float) -> None:
         frames = np.asarray(pred.frames, dtype=np.uint8)
@@ -75,6 +77,7 @@ class FrameOutput:
             frame_dt_s=frame_dt_s,
             frame_id=self.camera_frame,
         )
+        self.published += len(frames)
         observed = self.observed_image(pred.observation_seq)
         msg = Image()
         fill_image_msg(

@@ -1,16 +1,17 @@
 """``Monitor``: a listening node for the demo, the ROS benchmark and the tests.
 
-Subscribes to everything the bridge publishes (and the camera), keeps arrival times
-(``time.monotonic()``), counts and the latest message of each, and reads topic types from
-the graph. It spins in its own thread with its own rclpy context, so a process can run it
-beside other work and stop it cleanly.
+Subscribes to everything the bridge publishes (and the camera), keeps counts and the latest
+message of each, every message of the topics asked for with its arrival time
+(``time.monotonic()``; the newest ``keep_last`` of each where a long run asks for a bound),
+and reads topic types from the graph. It spins in its own thread with its own rclpy
+context, so a process can run it beside other work and stop it cleanly.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict, deque
 
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray
@@ -45,8 +46,10 @@ class Monitor:
         keep: tuple[str, ...] = (),
         images: tuple[str, ...] = (),
         namespace: str = "",
+        keep_last: int | None = None,
     ) -> None:
-        """``keep``: topics whose every message is kept (others: only the latest);
+        """``keep``: topics whose every message is kept (others: only the latest), the newest
+        ``keep_last`` of each when given (memory stays flat however long it runs);
         ``images``: more sensor_msgs/Image topics to watch (e.g. predicted/preview/step_<k>);
         ``namespace``: the robot's, against which the relative topic names resolve."""
         self.context = Context()
@@ -54,9 +57,9 @@ class Monitor:
         rclpy.init(args=[], context=self.context, domain_id=domain_id)
         self.node = Node("physis_monitor", namespace=namespace, context=self.context)
         self._lock = threading.Lock()
-        self.arrivals: dict[str, list[float]] = defaultdict(list)
+        self.counts: Counter[str] = Counter()
         self.latest: dict[str, object] = {}
-        self.kept: dict[str, list] = defaultdict(list)
+        self.kept: dict[str, deque] = defaultdict(lambda: deque(maxlen=keep_last))
         self._keep = set(keep)
         reliable = QoSProfile(depth=50, reliability=ReliabilityPolicy.RELIABLE)
         topics = {**TOPICS, **{t: (Image, "reliable") for t in images}}
@@ -80,14 +83,14 @@ class Monitor:
     def _on(self, topic: str, msg) -> None:
         now_s = time.monotonic()
         with self._lock:
-            self.arrivals[topic].append(now_s)
+            self.counts[topic] += 1
             self.latest[topic] = msg
             if topic in self._keep:
                 self.kept[topic].append((now_s, msg))
 
     def count(self, topic: str) -> int:
         with self._lock:
-            return len(self.arrivals[topic])
+            return self.counts[topic]
 
     def get(self, topic: str):
         with self._lock:

@@ -2,8 +2,10 @@
 node's usage and parameters and exits 0 before anything starts; ROS arguments, ``--ros-args
 ...``, go to rclpy; anything else is a usage error), init, spin, and a clean exit (0) on
 Ctrl-C or SIGTERM at any moment: while the node is being built, or while it spins (then
-executor, the node's own ``shutdown`` hook, node, context are stopped in that order; see
-``StopSignals``).
+executor, the node's own ``on_stop`` and ``shutdown`` hooks, node, context are stopped in
+that order; see ``StopSignals``). A node started by a launcher that names itself in
+PHYSIS_PARENT_PID (the launch files) stops the same way when that launcher dies
+(``children.tie_to_launcher``).
 
 ``executor="events"`` uses rclpy's EventsExecutor, whose per-message overhead is a fraction
 of the SingleThreadedExecutor's (it matters at hundreds of sensor messages a second).
@@ -25,6 +27,7 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.signals import SignalHandlerOptions
 
+from physis_ros.children import tie_to_launcher
 from physis_ros.cli_errors import ignore_further_interrupts
 
 LATCHED_QOS = QoSProfile(
@@ -97,6 +100,7 @@ def run_node(
     parsed its own arguments (a helper process such as physis-bench's feed)."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor {executor!r} is not one of {EXECUTORS}")
+    tie_to_launcher()
     if usage is not None:
         check_command_line(usage, args)
     # Until the node spins, SIGINT and SIGTERM raise KeyboardInterrupt: a node still being
@@ -165,14 +169,20 @@ def _make_executor(kind: str, context):
 
 
 def _stop_node(spinner, node) -> None:
-    """Executor, hook, node, in that order, while the context is valid."""
+    """Executor, hooks, node, in that order, while the context is valid. The node's
+    ``on_stop`` hook says its last word (the bridge's fallback to the robot), then its
+    ``shutdown`` hook releases what it holds."""
     try:
         spinner.shutdown(timeout_sec=EXECUTOR_SHUTDOWN_TIMEOUT_S)
     except RuntimeError as err:  # reported, and the node's own shutdown still runs
         node.get_logger().error(f"executor shutdown failed: {err}")
-    hook = getattr(node, "shutdown", None)
-    if callable(hook):
-        hook()
+    on_stop, shutdown = getattr(node, "on_stop", None), getattr(node, "shutdown", None)
+    try:
+        if callable(on_stop):
+            on_stop()
+    finally:
+        if callable(shutdown):
+            shutdown()
     node.destroy_node()
 
 

@@ -3,8 +3,10 @@
 What ``physis-demo``, ``physis-bench ros`` and the node tests share: an isolated ROS
 environment (own ROS_DOMAIN_ID, localhost discovery, the Fast DDS profile from
 config/fastdds.xml), starting each program with a deadline for it to come up, and stopping
-every child (SIGINT, then SIGKILL after a grace period) whatever happened. Children run this
-interpreter's modules (``python -m``), so no console script needs to be on PATH.
+every child (SIGINT, then SIGKILL after a grace period) whatever happened, and should this
+process be killed, the children end with it (``children.tie_to_launcher``: start them from a
+thread that outlives them). Children run this interpreter's modules (``python -m``), so no
+console script needs to be on PATH.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from physis_ros.children import PARENT_PID_ENV
 
 REPO_CONFIG = Path(__file__).resolve().parents[2] / "config"
 
@@ -66,6 +70,7 @@ class LocalSystem:
         server_port: int = 0,
     ) -> None:
         self.env = ros_env(domain_id)
+        self.env[PARENT_PID_ENV] = str(os.getpid())  # the children end with this process
         self.model = model
         self.weights = weights
         """physis-serve --weights (None: the preset's shipped or random weights)."""

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from physis_ros.children import tie_to_launcher
 from physis_ros.cli_errors import (
     UsageError,
     cli_main,
@@ -282,6 +283,7 @@ def port_number(text: str) -> int:
 
 @cli_main("physis-serve")
 def main(argv: list[str] | None = None) -> int:
+    tie_to_launcher()  # ends with the launcher that named itself in PHYSIS_PARENT_PID
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

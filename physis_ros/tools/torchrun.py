@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from physis_ros.children import tie_to_launcher
 from physis_ros.cli_errors import EXIT_USAGE, RuntimeFailure, UsageError, cli_main
 
 
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    tie_to_launcher()  # ends (stopping its ranks) with the launcher that named itself
     args = parse_args(argv)
     _stop_once()
     try:

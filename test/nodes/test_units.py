@@ -365,3 +365,18 @@ def test_a_rollout_is_one_delivery_and_each_new_anchor_another():
     assert [d.is_new(s, a) for s, a in seen] == [
         True, False, False, True, False, True, True, True, True
     ]  # fmt: skip
+
+
+def test_the_demo_strip_keeps_few_evenly_spaced_rows_however_long_it_runs():
+    from physis_ros.demo import StripRows
+
+    short = StripRows(limit=8)
+    for second in range(8):
+        short.offer(np.full((1, 1, 3), second, np.uint8))
+    assert [int(r[0, 0, 0]) for r in short.rows] == list(range(8))  # all of them, as before
+    long = StripRows(limit=8)
+    for second in range(100):
+        long.offer(np.full((1, 1, 3), second, np.uint8))
+    kept = [int(r[0, 0, 0]) for r in long.rows]
+    assert len(kept) <= 8 and kept[0] == 0 and kept[-1] >= 80
+    assert len(set(np.diff(kept))) == 1  # evenly spaced

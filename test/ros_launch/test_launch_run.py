@@ -18,27 +18,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from launching import LaunchRun, require_ros2_cli, wait_for_file
-
-from physis_testing import REPO_ROOT
+from launching import LaunchRun, wait_for_file
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
 FIRST_PREDICTION_TIMEOUT_S = 240.0  # server start (torch import, weights) on a busy machine
 WINDOW_S = 8.0
 FRAMES_PER_CHUNK = 2  # push-wm: physis_ros/weights metadata frames_per_chunk
-
-
-@pytest.fixture
-def ros_launch_env(ros_env, monkeypatch):
-    """ros_env for the launches; this process's monitors discover on localhost too."""
-    require_ros2_cli()
-    for key in ("ROS_AUTOMATIC_DISCOVERY_RANGE", "FASTDDS_DEFAULT_PROFILES_FILE"):
-        monkeypatch.setenv(key, ros_env[key])
-    env = dict(ros_env)
-    # the launch files are found in the installed package, not next to the tests
-    env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(REPO_ROOT), "").strip(":")
-    return env
 
 
 def steady_rates(monitors: dict, window_s: float = WINDOW_S) -> dict:
