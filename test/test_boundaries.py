@@ -93,7 +93,7 @@ ALLOWED_PARTS = {
     "weights": {"contract"},
     "link": {"contract", "memtune", "cli_errors"},
     "engine": {"contract", "weights", "memtune", "cli_errors"},
-    "serve": {"engine", "link", "contract", "memtune", "cli_errors"},
+    "serve": {"engine", "link", "contract", "memtune", "cli_errors", "children"},
     "nodes": {"link", "contract", "msg", "cli_errors", "children"},
     "sim": {"contract", "cli_errors"},
     "eval": {"engine", "link", "contract", "sim", "weights", "cli_errors", "children"},

@@ -31,8 +31,8 @@ from physis_ros.engine.codec import Codec
 from physis_ros.engine.core import EngineCore
 from physis_ros.engine.forward import make_cond
 from physis_ros.engine.oracle import sample_noisy
+from physis_ros.engine.ranks.config import RuntimeConfig
 from physis_ros.engine.ranks.executor import ranks_engine
-from physis_ros.engine.ranks.runtime import RuntimeConfig
 from physis_ros.engine.stage import measure_block_ms
 
 

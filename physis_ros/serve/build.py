@@ -35,7 +35,7 @@ from physis_ros.engine.pool.planning import DefaultPlan, PoolSimulation, plan_de
 from physis_ros.engine.pool.service import PoolAdmission
 from physis_ros.engine.pool.simulator import SimStream, simulate
 from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
-from physis_ros.engine.ranks.runtime import parse_placement
+from physis_ros.engine.ranks.config import parse_placement
 from physis_ros.engine.stage import measure_block_ms
 from physis_ros.engine.threads import local_engine
 from physis_ros.serve.frontend import ServerDescription

@@ -25,6 +25,7 @@ from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.config import ModelConfig, SamplerConfig, model_config_from_json
 from physis_ros.engine.controller import MODES
 from physis_ros.engine.pool.terms import POLICIES
+from physis_ros.engine.ranks.config import RuntimeConfig, check_placement_spec
 
 SPEC_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
@@ -125,8 +126,6 @@ class ServingSpec:
     poll_interval_s: float = 0.002
 
     def __post_init__(self) -> None:
-        from physis_ros.engine.ranks.runtime import check_placement_spec
-
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.device not in DEVICES:
@@ -265,8 +264,6 @@ class ServingSpec:
 
     def runtime_config(self, world_size: int):
         """The per-rank ``RuntimeConfig`` of the torch.distributed runtime."""
-        from physis_ros.engine.ranks.runtime import RuntimeConfig
-
         self._need_resolved()
         if self.workers not in (0, world_size):
             raise ValueError(

@@ -20,8 +20,8 @@ from physis_ros.engine.ranks.calibrate import (
     run_free,
     scaled_entries,
 )
+from physis_ros.engine.ranks.config import RuntimeConfig
 from physis_ros.engine.ranks.executor import ranks_engine
-from physis_ros.engine.ranks.runtime import RuntimeConfig
 
 QUIET_CORES = 0.1
 """A run counts as quiet when other jobs used fewer processors than this while it ran."""

@@ -116,8 +116,8 @@ def test_engine_bench_over_torch_distributed_ranks_reports_comm_and_speedup():
 
 
 def test_ranks_keep_start_up_objects_out_of_garbage_collection():
+    from physis_ros.engine.ranks.config import RuntimeConfig
     from physis_ros.engine.ranks.executor import ranks_engine
-    from physis_ros.engine.ranks.runtime import RuntimeConfig
 
     cfg = RuntimeConfig(model="tiny", device="cpu", fault_timeout_s=30.0, comm_timeout_s=60.0)
     with ranks_engine(cfg, world_size=2) as engine:

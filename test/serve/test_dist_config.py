@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from physis_ros.engine.ranks.runtime import RuntimeConfig, blocks_for_rank, parse_placement
+from physis_ros.engine.ranks.config import RuntimeConfig, blocks_for_rank, parse_placement
 
 
 @pytest.mark.parametrize(

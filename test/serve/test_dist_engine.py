@@ -27,9 +27,9 @@ from physis_ros.engine import oracle
 from physis_ros.engine.api import StreamFailed, StreamSpec
 from physis_ros.engine.config import get_preset
 from physis_ros.engine.core import EngineCore
+from physis_ros.engine.ranks.config import RuntimeConfig
 from physis_ros.engine.ranks.executor import ranks_engine
 from physis_ros.engine.ranks.launch import RANK_VARS
-from physis_ros.engine.ranks.runtime import RuntimeConfig
 
 torch.set_num_threads(1)
 TOL = 1e-5

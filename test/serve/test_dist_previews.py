@@ -17,8 +17,8 @@ from physis_ros.engine.codec import check_stream_codec
 from physis_ros.engine.config import SamplerConfig, get_preset
 from physis_ros.engine.forward import make_cond
 from physis_ros.engine.placement import layout_groups
+from physis_ros.engine.ranks.config import RuntimeConfig
 from physis_ros.engine.ranks.executor import ranks_engine
-from physis_ros.engine.ranks.runtime import RuntimeConfig
 
 torch.set_num_threads(1)
 TOL = 1e-5

@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from physis_ros.engine.ranks import framing
 from physis_ros.engine.ranks import transport as dist_transport
+from physis_ros.engine.ranks.framing import ActivationShapes, check_shapes_agree
 from physis_ros.engine.ranks.launch import (
     as_rank,
     free_port,
@@ -27,11 +29,7 @@ from physis_ros.engine.ranks.launch import (
     tie_to_parent,
 )
 from physis_ros.engine.ranks.runtime import exit_now
-from physis_ros.engine.ranks.transport import (
-    ActivationShapes,
-    TorchDistTransport,
-    check_shapes_agree,
-)
+from physis_ros.engine.ranks.transport import TorchDistTransport
 from physis_ros.engine.transport import Activation
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -192,7 +190,7 @@ def old_protocol_main() -> None:
     install): the start-up handshake must refuse it on both sides."""
     tie_to_parent()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
-    dist_transport.PROTOCOL_VERSION = 1
+    framing.PROTOCOL_VERSION = 1
     try:
         check_shapes_agree(SHAPES, torch.device("cpu"))
         code = 0
@@ -212,7 +210,7 @@ def test_ranks_running_different_wire_code_are_refused_at_start_up():
     try:
         with pytest.raises(RuntimeError, match="rank 1 runs wire protocol 1") as err:
             check_shapes_agree(SHAPES, torch.device("cpu"))
-        assert f"rank 0 runs {dist_transport.PROTOCOL_VERSION}" in str(err.value)
+        assert f"rank 0 runs {framing.PROTOCOL_VERSION}" in str(err.value)
     finally:
         codes = stop_ranks(procs, timeout_s=30.0)
         dist.destroy_process_group()

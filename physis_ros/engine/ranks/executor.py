@@ -32,6 +32,8 @@ from physis_ros.engine.executor import StreamOrder
 from physis_ros.engine.pipeline import Pipeline
 from physis_ros.engine.placement import Layout, validate_layout
 from physis_ros.engine.prompts import cond_to_json
+from physis_ros.engine.ranks.config import RuntimeConfig, blocks_for_rank, parse_placement
+from physis_ros.engine.ranks.framing import check_shapes_agree
 from physis_ros.engine.ranks.launch import (
     RankContext,
     as_rank,
@@ -42,14 +44,8 @@ from physis_ros.engine.ranks.launch import (
     stop_ranks,
 )
 from physis_ros.engine.ranks.placement import PlacementControl
-from physis_ros.engine.ranks.runtime import (
-    ECHO_STREAM_ID,
-    RuntimeConfig,
-    StageHost,
-    blocks_for_rank,
-    parse_placement,
-)
-from physis_ros.engine.ranks.transport import TorchDistTransport, check_shapes_agree
+from physis_ros.engine.ranks.runtime import ECHO_STREAM_ID, StageHost
+from physis_ros.engine.ranks.transport import TorchDistTransport
 from physis_ros.engine.transport import Activation
 from physis_ros.memtune import freeze_startup_objects
 

@@ -3,19 +3,11 @@
 ``TorchDistTransport`` implements the engine's ``Transport`` (``physis_ros.engine.transport``)
 between ranks, and carries the runtime's control messages and heartbeats on the same channel.
 
-Wire protocol: a header int64[18] (see ``_H_*``) followed, for data, by x (float32 [X]) and,
-if ``has_h``, h ([N, D], model dtype); for control, by a UTF-8 JSON payload. With gloo the
-three travel as ONE uint8 message (tag ``TAG_HEADER``), received into a buffer of the largest
-size (gloo accepts a shorter message), so a hop costs one rendezvous, not three; with NCCL
-they are separate messages (header on ``TAG_HEADER``, the rest on ``TAG_PAYLOAD``).
-The x / h shapes follow from the model config; every rank computes them and they are checked
-once at start-up (``check_shapes_agree``: one all-gather of an int64 tensor, no pickle),
-together with the wire protocol version and a checksum of this module's source: ranks started
-from different code (an older install on another machine, or worker ranks spawned after this
-file changed under a long-running rank 0) would frame messages differently, and gloo would
-then fail mid-run with "Received data size doesn't match expected size" (a packed 184-byte
-``ready`` message into a 128-byte header buffer of the older framing). The header still
-carries version and shapes so a mismatch is a clear error, never a silent misread.
+Framing (the header layout and the start-up check that every rank runs the same wire code)
+lives in ``framing``. With gloo header and payload travel as ONE uint8 message (tag
+``TAG_HEADER``), received into a buffer of the largest size (gloo accepts a shorter message),
+so a hop costs one rendezvous, not three; with NCCL they are separate messages (header on
+``TAG_HEADER``, the rest on ``TAG_PAYLOAD``).
 
 Receiving, and why it looks like this:
   - gloo (CPU): a posted ``irecv`` from ANY source works (``src=None``) but gloo only fills
@@ -44,92 +36,33 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import struct
 import threading
 import time
-import zlib
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from physis_ros.engine.devcopy import copy_to_device_sync
+from physis_ros.engine.ranks.framing import (
+    HEADER_LEN,
+    KIND_CONTROL,
+    KIND_DATA,
+    KIND_HEARTBEAT,
+    TAG_HEADER,
+    TAG_PAYLOAD,
+    ActivationShapes,
+    ControlMessage,
+    activation_of,
+    carries_h,
+    check_data_header,
+    encode_header,
+    header_kind,
+    payload_size,
+)
 from physis_ros.engine.transport import Activation
 
 log = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 4
-"""4: header slots 16-17 carry the release ticket and the anchor slot (live timeline);
-3: header slot 15 carries the placement epoch; 2: gloo carries header ++ payload as one
-message (1: header and payload apart)."""
-TAG_HEADER = 0
-TAG_PAYLOAD = 1
-HEADER_LEN = 18
-
-KIND_DATA = 1
-KIND_CONTROL = 2
-KIND_HEARTBEAT = 3
-
-# header slots
-_H_VERSION, _H_KIND, _H_STREAM, _H_CHUNK, _H_STEP, _H_BLOCK, _H_FLAGS, _H_HAS_H = range(8)
-_H_X_NUMEL, _H_H_ROWS, _H_H_COLS, _H_PAYLOAD_BYTES, _H_CREATED, _H_SEQ, _H_DTYPE = range(8, 15)
-_H_EPOCH, _H_TICKET, _H_ANCHOR = 15, 16, 17
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def _float_bits(value: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", value))[0]
-
-
-def _bits_float(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", bits))[0]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActivationShapes:
-    """The tensors one activation carries, the same for every stream of a model."""
-
-    x_numel: int
-    """X: values of a chunk's flattened state x (float32)."""
-    h_tokens: int
-    """N: tokens of the hidden state h."""
-    h_dim: int
-    """D: hidden size."""
-    h_dtype: torch.dtype = torch.float32
-    """dtype of h (bf16 on CUDA runs)."""
-    steps: int
-    """K: an activation with ``step == K`` goes to the sink (rank 0's controller)."""
-
-    def __post_init__(self) -> None:
-        for name in ("x_numel", "h_tokens", "h_dim", "steps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.h_dtype not in _DTYPE_CODES:
-            raise ValueError(f"h_dtype {self.h_dtype} is not one of {list(_DTYPE_CODES)}")
-
-    def as_tensor(self) -> torch.Tensor:
-        code = _DTYPE_CODES[self.h_dtype]
-        return torch.tensor([self.x_numel, self.h_tokens, self.h_dim, code, self.steps])
-
-
-@dataclass(frozen=True)
-class ControlMessage:
-    """A control message between the controller (rank 0) and a worker rank."""
-
-    src: int
-    kind: str
-    body: dict
-
-
-class PeerFailed(RuntimeError):
-    """Sending to or receiving from ``rank`` failed (it died, hung past the timeout, or left)."""
-
-    def __init__(self, rank: int, reason: str) -> None:
-        super().__init__(f"rank {rank}: {reason}")
-        self.rank = rank
-        self.reason = reason
 
 
 class TorchDistTransport:
@@ -304,28 +237,10 @@ class TorchDistTransport:
 
     # ---------------------------------------------------------------- sending
     def _header(self, kind: int, *, msg: Activation | None = None, payload_bytes: int = 0):
-        values = [0] * HEADER_LEN
-        values[_H_VERSION] = PROTOCOL_VERSION
-        values[_H_KIND] = kind
-        values[_H_PAYLOAD_BYTES] = payload_bytes
         with self._send_lock:
             self._seq += 1
-            values[_H_SEQ] = self._seq
-        if msg is not None:
-            values[_H_STREAM] = msg.stream_id
-            values[_H_CHUNK] = msg.chunk
-            values[_H_STEP] = msg.step
-            values[_H_BLOCK] = msg.block
-            values[_H_FLAGS] = msg.flags
-            values[_H_HAS_H] = int(msg.h is not None)
-            values[_H_X_NUMEL] = self.shapes.x_numel
-            values[_H_H_ROWS] = self.shapes.h_tokens
-            values[_H_H_COLS] = self.shapes.h_dim
-            values[_H_CREATED] = _float_bits(msg.created_s)
-            values[_H_DTYPE] = _DTYPE_CODES[self.shapes.h_dtype]
-            values[_H_EPOCH] = msg.epoch
-            values[_H_TICKET] = msg.ticket
-            values[_H_ANCHOR] = msg.anchor
+            seq = self._seq
+        values = encode_header(kind, seq, self.shapes, msg, payload_bytes)
         return torch.tensor(values, dtype=torch.int64, device=self.wire_device)
 
     def _enqueue(self, dst: int, header: torch.Tensor, payload: list[torch.Tensor]) -> None:
@@ -462,75 +377,58 @@ class TorchDistTransport:
 
     def _handle(self, src: int, h: list[int], recv_into) -> None:
         self._last_heard_s[src] = time.monotonic()
-        kind = h[_H_KIND]
-        if h[_H_VERSION] != PROTOCOL_VERSION:
-            # The payload layout is unknown: the pair cannot be resynchronised. Say so loudly.
-            raise RuntimeError(
-                f"rank {src} speaks protocol {h[_H_VERSION]}, not {PROTOCOL_VERSION}"
-            )
+        kind = header_kind(src, h)
         if kind == KIND_HEARTBEAT:
             self.counters["heartbeats_received"] += 1
-            return
-        if kind == KIND_CONTROL:
-            data = torch.empty(h[_H_PAYLOAD_BYTES], dtype=torch.uint8, device=self.wire_device)
+        elif kind == KIND_CONTROL:
+            data = torch.empty(payload_size(h), dtype=torch.uint8, device=self.wire_device)
             recv_into(data, src)
-            try:
-                decoded = json.loads(bytes(data.cpu().numpy()).decode())
-                kind_name = decoded["kind"]
-                self._control.put(ControlMessage(src, kind_name, decoded.get("body", {})))
-                if kind_name == "shutdown":
-                    self._got_shutdown = True
-                elif kind_name == "bye":
-                    self._byes_from.add(src)
-            except (ValueError, KeyError, TypeError) as exc:
-                self.counters["dropped_bad_control"] += 1
-                log.warning("rank %d: bad control message from rank %d: %s", self.rank, src, exc)
-            return
-        if kind != KIND_DATA:
-            raise RuntimeError(f"rank {src} sent unknown message kind {kind}")
-        s = self.shapes
-        agreed = (s.x_numel, s.h_tokens, s.h_dim, _DTYPE_CODES[s.h_dtype])
-        got = (h[_H_X_NUMEL], h[_H_H_ROWS], h[_H_H_COLS], h[_H_DTYPE])
-        if got != agreed:
-            raise RuntimeError(f"rank {src} sent shapes {got}, agreed {agreed}")
+            self._take_control(src, data)
+        else:
+            check_data_header(src, h, self.shapes)
+            self._take_data(h, recv_into, src)
+
+    def _take_control(self, src: int, data: torch.Tensor) -> None:
+        try:
+            decoded = json.loads(bytes(data.cpu().numpy()).decode())
+            kind_name = decoded["kind"]
+            self._control.put(ControlMessage(src, kind_name, decoded.get("body", {})))
+            if kind_name == "shutdown":
+                self._got_shutdown = True
+            elif kind_name == "bye":
+                self._byes_from.add(src)
+        except (ValueError, KeyError, TypeError) as exc:
+            self.counters["dropped_bad_control"] += 1
+            log.warning("rank %d: bad control message from rank %d: %s", self.rank, src, exc)
+
+    def _take_data(self, h: list[int], recv_into, src: int) -> None:
         x, hidden = self._next_x, self._next_h
+        has_h = carries_h(h)
         recv_into(x, src)
-        if h[_H_HAS_H]:
+        if has_h:
             recv_into(hidden, src)
         if self.backend == "nccl":
             # Allocated on the receive stream, read by compute on the default stream: keep
             # the allocator from reusing them before that compute is done.
             compute = torch.cuda.default_stream(self.wire_device)
             x.record_stream(compute)
-            if h[_H_HAS_H]:
+            if has_h:
                 hidden.record_stream(compute)
         self.counters["received"] += 1
         staged = self._h2d_stream is not None  # gloo with a CUDA device: pinned buffers
         if staged:
-            parts = [x, hidden] if h[_H_HAS_H] else [x]
-            parts = copy_to_device_sync(parts, self.device, self._h2d_stream)
-            x_dev, h_dev = parts[0], (parts[1] if h[_H_HAS_H] else None)
+            parts = copy_to_device_sync(
+                [x, hidden] if has_h else [x], self.device, self._h2d_stream
+            )
+            x_dev, h_dev = parts[0], (parts[1] if has_h else None)
         else:
-            x_dev, h_dev = x, (hidden if h[_H_HAS_H] else None)
-        msg = Activation(
-            stream_id=h[_H_STREAM],
-            chunk=h[_H_CHUNK],
-            step=h[_H_STEP],
-            block=h[_H_BLOCK],
-            flags=h[_H_FLAGS],
-            x=x_dev,
-            h=h_dev,
-            created_s=_bits_float(h[_H_CREATED]),
-            epoch=h[_H_EPOCH],
-            ticket=h[_H_TICKET],
-            anchor=h[_H_ANCHOR],
-        )
-        self._deliver(msg)
+            x_dev, h_dev = x, (hidden if has_h else None)
+        self._deliver(activation_of(h, x_dev, h_dev))
         if staged:  # copied to the device: the pinned buffers take the next message
             return
         # Buffers for the next message, allocated while we wait for its header.
         self._next_x = torch.empty_like(x)
-        if h[_H_HAS_H]:
+        if has_h:
             self._next_h = torch.empty_like(hidden)
 
 
@@ -547,52 +445,6 @@ class _BufferReader:
             raise RuntimeError(f"message shorter than its header says ({self.offset + n} bytes)")
         tensor.reshape(-1).view(torch.uint8).copy_(self.buffer[self.offset : self.offset + n])
         self.offset += n
-
-
-def _source_crc32() -> int:
-    """CRC-32 of this module's source as this process imported it (0 if unreadable)."""
-    try:
-        with open(__file__, "rb") as f:
-            return zlib.crc32(f.read())
-    except OSError:
-        return 0
-
-
-SOURCE_CRC32 = _source_crc32()
-"""Read once at import: a rank 0 that imported an older file keeps the older checksum."""
-
-
-def check_shapes_agree(shapes: ActivationShapes, device: torch.device) -> None:
-    """All ranks must run the same wire code and agree on the activation shapes; one
-    all-gather at start-up, before any point-to-point message.
-
-    The gathered tensor keeps the five values of ranks from before this check (x_numel, N, D,
-    dtype code, K) and carries protocol version and source checksum in the upper bits of the
-    dtype code: a gather of a different size would abort gloo itself (C++ terminate), while
-    this way an older rank sees "different activation shapes" and this one names the cause.
-    """
-    mine = shapes.as_tensor()
-    mine[3] += (PROTOCOL_VERSION << 8) + (SOURCE_CRC32 << 16)
-    mine = mine.to(device)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    me = dist.get_rank()
-    for rank, theirs in enumerate(gathered):
-        values = theirs.tolist()
-        version, crc = (values[3] >> 8) & 0xFF, values[3] >> 16
-        if version != PROTOCOL_VERSION or crc != SOURCE_CRC32:
-            what = f"wire protocol {version}" if version else "a version before wire protocol 2"
-            raise RuntimeError(
-                f"rank {rank} runs {what} (engine/ranks/transport.py crc32 {crc:#010x}), "
-                f"rank {me} runs {PROTOCOL_VERSION} (crc32 {SOURCE_CRC32:#010x}): every rank "
-                "must run the same physis_ros code (reinstall, or restart rank 0 after an update)"
-            )
-        values[3] &= 0xFF
-        if values != shapes.as_tensor().tolist():
-            raise RuntimeError(
-                f"rank {rank} has activation shapes {values}, rank {me} has "
-                f"{shapes.as_tensor().tolist()} (x_numel, N, D, dtype, K)"
-            )
 
 
 _WAKE = object()
