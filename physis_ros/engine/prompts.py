@@ -27,9 +27,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from physis_ros.contract.model import WamContract, prompt_features
 from physis_ros.engine.config import ModelConfig
+from physis_ros.engine.forward import make_cond
 
 FORMAT = "physis_ros prompt embeddings"
 VERSION = "1"
@@ -65,8 +68,6 @@ def write_prompts(
     text_len: int,
 ) -> None:
     """Write named embeddings [n, text_dim] (real tokens only) with what made them."""
-    from safetensors.torch import save_file
-
     dims = {int(t.shape[-1]) for t in embeddings.values()}
     if len(dims) != 1 or any(t.dim() != 2 for t in embeddings.values()):
         raise ValueError(f"embeddings must all be [n, text_dim] with one text_dim, got {dims}")
@@ -86,8 +87,6 @@ def write_prompts(
 
 def read_prompts(path: str | Path) -> PromptFile:
     """A prompt-embeddings file, checked (ValueError naming the file and the problem)."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -123,8 +122,6 @@ def trained_empty_prompt(
     conditioning it was trained with (metadata ``cond_seed``: ``forward.make_cond``); for
     random weights, or a model conditioned on its task's values, no tokens (all padding: the
     engine's own measuring streams; physis-serve refuses a client's stream without them)."""
-    from physis_ros.engine.forward import make_cond
-
     if checkpoint_meta and "cond_seed" in checkpoint_meta:
         return make_cond(cfg, int(checkpoint_meta["cond_seed"]))
     return torch.zeros(0, cfg.text_dim)

@@ -22,8 +22,10 @@ from typing import Any
 from physis_ros.cli_errors import UsageError, check_fields
 from physis_ros.contract.model import ContractError, WamContract
 from physis_ros.contract.safetensors import read_metadata
-from physis_ros.engine.config import ModelConfig, SamplerConfig, model_config_from_json
+from physis_ros.engine.checkpoints import is_model_dir
+from physis_ros.engine.config import PRESETS, ModelConfig, SamplerConfig, model_config_from_json
 from physis_ros.engine.controller import MODES
+from physis_ros.engine.models import check_weights_fit, resolve_model
 from physis_ros.engine.pool.terms import POLICIES
 from physis_ros.engine.ranks.config import RuntimeConfig, check_placement_spec
 
@@ -190,8 +192,6 @@ class ServingSpec:
         """The model's config, its weights (absolute path, checked to fit the model key by
         key) and the sampler the weights were trained for; raises ValueError naming the
         problem."""
-        from physis_ros.engine.models import check_weights_fit, resolve_model
-
         if self.model_config is not None:
             return self
         resolved = resolve_model(
@@ -243,9 +243,6 @@ class ServingSpec:
     @property
     def model_directory(self) -> bool:
         """The model is a directory holding its own weights (not a preset or a file)."""
-        from physis_ros.engine.checkpoints import is_model_dir
-        from physis_ros.engine.config import PRESETS
-
         return (
             self.model not in PRESETS
             and not self.model.endswith(".safetensors")

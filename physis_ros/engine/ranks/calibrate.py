@@ -20,6 +20,11 @@ import threading
 import time
 from dataclasses import astuple, dataclass, replace
 
+from physis_ros.engine.api import StreamSpec
+from physis_ros.engine.placement import layout_even, layout_single
+from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel, ProfileEntry
+from physis_ros.engine.stage import BlockTimer
+
 K, W = 4, 2
 """Steps and window of the real checks (the ``tiny`` model has L = 2: 8 stages)."""
 
@@ -75,8 +80,6 @@ class ForeignLoad:
 
 def run_free(engine, layouts: list, chunks: int, timeout_s: float = 120.0) -> list[list[float]]:
     """Open one stream per layout, queue every chunk at once, return left_s per stream."""
-    from physis_ros.engine.api import StreamSpec
-
     # horizon 0: generated chunks with no observation (weights whose metadata names a
     # horizon would refuse the second one)
     sids = [
@@ -117,58 +120,22 @@ def calibrate_on(
        one-rank reference of step 3.
     2. With two ranks or more: a ping-pong of 100 activations with rank 1 (no forwards):
        ``hop_ms`` is half a round trip.
-    3. With two ranks or more: two free-running runs of one stream, with every thread of rank
-       0 accounted (``/proc`` schedstat): the stages dealt round robin over all the job's
-       ranks (``layout_strided``: every hop crosses ranks) and whole steps dealt round robin
-       (``layout_whole_steps``: a quarter to a half of the messages per forward), layouts no
-       checked case uses. ``send_cpu_ms`` is rank 0's send threads' time per message sent
-       and ``recv_cpu_ms`` its receive thread's per message received, over both runs, each
-       plus an even share of the threads Python does not own (gloo's transport). The worker
-       thread's time beside the other ranks is fitted over the two runs
-       (``fit_worker_costs``) as ``rank_work_scale`` times its modelled work (relative to
-       step 1) plus ``worker_message_ms`` per message rank 0 sent or received: the wakeups,
-       GIL handoffs and cold caches every message costs the worker, and the slower
-       processor beside other ranks. A single scale measured on the strided run over-charged
-       layouts with fewer messages per forward (2 ranks, layout_even: worker time 1.22x its
-       modelled work, strided 1.52x). All are measured with as many ranks sharing the cores
-       as the job has, since they grow with that number. ``older``: this process's threads
-       from before the engine started (not its).
+    3. With two ranks or more: two free-running runs of one stream on all the job's ranks,
+       with every thread of rank 0 accounted (``_cross_rank_runs``). ``older``: this
+       process's threads from before the engine started (not its).
 
     Returns the costs, the scaled block times, the other jobs' load, and step 3's two
     ``WorkerSample`` (empty with one rank): ``rank_work_scale`` and ``worker_message_ms``
     are left to ``fit_worker_costs`` over many calibrations (the callers pool them).
     """
-    from physis_ros.engine.placement import layout_single
-    from physis_ros.engine.pool.costmodel import Profile, ProfileCostModel
-
-    cfg = engine.cfg
-    steps, L = engine.sampler.steps, cfg.num_blocks
+    steps, L = engine.sampler.steps, engine.cfg.num_blocks
     tasks = chunks * steps * L
     probe = Profile(
         device="-", model="-", steps=steps, window=0, dtype="-", entries=tuple(entries), hop_ms=0.0
     )
     probed = ProfileCostModel(probe).block_ms
-    worker = engine.executor.host.worker
-    worker_tid = engine.executor.threads[0].native_id
     pids = [os.getpid()] + [proc.pid for proc in engine.executor.procs]
-    foreign = []
-    single: dict[bool, tuple[float, float, list[int], float]] = {}
-    forwards: list[tuple[int, float]] = []  # (tasks, worker processor ms) of every forward
-    for batching in (False, True):
-        worker.batching = batching  # read by the worker's loop at each pick
-        run_free(engine, [layout_single(steps, L)], warm_chunks)
-        worker.record_block_times()
-        w0 = task_cpu_ms(worker_tid)
-        meter = ForeignLoad(pids)
-        cpu0, t0 = time.thread_time(), time.perf_counter()
-        run_free(engine, [layout_single(steps, L)], chunks)
-        wall_ms = (time.perf_counter() - t0) * 1e3
-        main_ms = (time.thread_time() - cpu0) * 1e3
-        sizes = [b for _, b, _, _ in worker.stats.block_times]
-        single[batching] = (wall_ms, main_ms, sizes, task_cpu_ms(worker_tid) - w0)
-        forwards += zip(sizes, worker.stats.block_cpu_ms, strict=True)
-        foreign.append(meter.cores())
-    worker.batching = True
+    single, forwards, foreign = _one_rank_runs(engine, chunks, warm_chunks, pids)
     level = sum(ms for _, ms in forwards) / sum(probed(b) for b, _ in forwards)
     entries = scaled_entries(entries, level)
 
@@ -199,30 +166,92 @@ def calibrate_on(
 
     one_rank = worker_ms / modelled_ms(sizes)
     engine.executor.measure_hop_ms(rounds=1, warmup=warm_chunks)
-    hop_ms = statistics.median(engine.executor.measure_hop_ms(rounds=100, warmup=0))
-    runs = []
+    costs["hop_ms"] = statistics.median(engine.executor.measure_hop_ms(rounds=100, warmup=0))
+    send_ms, recv_ms, samples, loads = _cross_rank_runs(
+        engine,
+        chunks=chunks,
+        warm_chunks=warm_chunks,
+        pids=pids,
+        older=older,
+        modelled_ms=modelled_ms,
+    )
+    costs.update(send_cpu_ms=send_ms, recv_cpu_ms=recv_ms)
+    samples = [replace(sample, worker_ms=sample.worker_ms / one_rank) for sample in samples]
+    foreign += loads
+    return costs, entries, max(foreign), samples
+
+
+def _one_rank_runs(engine, chunks: int, warm_chunks: int, pids: list[int]):
+    """Step 1 of ``calibrate_on``: every stage on rank 0, once without batching and once
+    with; per run (wall ms, controller processor ms, batch sizes, worker processor ms), the
+    (tasks, worker processor ms) of every forward, and the other jobs' load."""
+    steps, L = engine.sampler.steps, engine.cfg.num_blocks
+    worker = engine.executor.host.worker
+    worker_tid = engine.executor.threads[0].native_id
+    foreign = []
+    single: dict[bool, tuple[float, float, list[int], float]] = {}
+    forwards: list[tuple[int, float]] = []
+    for batching in (False, True):
+        worker.batching = batching  # read by the worker's loop at each pick
+        run_free(engine, [layout_single(steps, L)], warm_chunks)
+        worker.record_block_times()
+        w0 = task_cpu_ms(worker_tid)
+        meter = ForeignLoad(pids)
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        run_free(engine, [layout_single(steps, L)], chunks)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        main_ms = (time.thread_time() - cpu0) * 1e3
+        sizes = [b for _, b, _, _ in worker.stats.block_times]
+        single[batching] = (wall_ms, main_ms, sizes, task_cpu_ms(worker_tid) - w0)
+        forwards += zip(sizes, worker.stats.block_cpu_ms, strict=True)
+        foreign.append(meter.cores())
+    worker.batching = True
+    return single, forwards, foreign
+
+
+def _cross_rank_runs(
+    engine, *, chunks: int, warm_chunks: int, pids, older: set[int], modelled_ms
+) -> tuple[float, float, list[WorkerSample], list[float]]:
+    """Step 3 of ``calibrate_on``: rank 0's send and receive processor ms per message, the
+    worker samples (worker ms per chunk, not yet in units of the one-rank reference) and the
+    other jobs' load in each run.
+
+    Two free-running runs of one stream, with every thread of rank 0 accounted (``/proc``
+    schedstat): the stages dealt round robin over all the job's ranks (``layout_strided``:
+    every hop crosses ranks) and whole steps dealt round robin (``layout_whole_steps``: a
+    quarter to a half of the messages per forward), layouts no checked case uses.
+    ``send_cpu_ms`` is rank 0's send threads' time per message sent and ``recv_cpu_ms`` its
+    receive thread's per message received, over both runs, each plus an even share of the
+    threads Python does not own (gloo's transport). The worker thread's time beside the
+    other ranks is fitted over the two runs (``fit_worker_costs``) as ``rank_work_scale``
+    times its modelled work (relative to step 1) plus ``worker_message_ms`` per message rank
+    0 sent or received: the wakeups, GIL handoffs and cold caches every message costs the
+    worker, and the slower processor beside other ranks. A single scale measured on the
+    strided run over-charged layouts with fewer messages per forward (2 ranks, layout_even:
+    worker time 1.22x its modelled work, strided 1.52x). All are measured with as many ranks
+    sharing the cores as the job has, since they grow with that number.
+    """
+    steps, L = engine.sampler.steps, engine.cfg.num_blocks
+    runs, loads = [], []
     for layout in (layout_strided, layout_whole_steps):
         lay = layout(steps, L, engine.executor.world_size)
         run_free(engine, [lay], warm_chunks)
         meter = ForeignLoad(pids)
         runs.append(_rank0_under_load(engine, lay, 2 * chunks, older, modelled_ms))
-        foreign.append(meter.cores())
+        loads.append(meter.cores())
     sent, received = sum(r.sent for r in runs), sum(r.received for r in runs)
     shared = sum(r.native_ms for r in runs) / max(sent + received, 1)
     samples = [
         WorkerSample(
             modelled_ms=r.modelled_ms / r.chunks,
             messages=(r.sent + r.received) / r.chunks,
-            worker_ms=r.worker_ms / r.chunks / one_rank,
+            worker_ms=r.worker_ms / r.chunks,
         )
         for r in runs
     ]
-    costs.update(
-        hop_ms=hop_ms,
-        send_cpu_ms=sum(r.send_ms for r in runs) / max(sent, 1) + shared,
-        recv_cpu_ms=sum(r.recv_ms for r in runs) / max(received, 1) + shared,
-    )
-    return costs, entries, max(foreign), samples
+    send_ms = sum(r.send_ms for r in runs) / max(sent, 1) + shared
+    recv_ms = sum(r.recv_ms for r in runs) / max(received, 1) + shared
+    return send_ms, recv_ms, samples, loads
 
 
 @dataclass(frozen=True)
@@ -276,8 +305,6 @@ def layout_whole_steps(steps: int, blocks: int, workers: int) -> list[list[int]]
     ``workers``), the fewest messages per forward of a layout on all ranks; backwards (step k
     on rank -k-1 mod ``workers``) where forwards is ``layout_even`` (``workers`` = K), which
     the checked cases use."""
-    from physis_ros.engine.placement import layout_even
-
     if not 1 <= workers <= steps:
         raise ValueError(f"whole steps on {workers} ranks needs 1 <= ranks <= K = {steps}")
     forwards = [[k % workers] * blocks for k in range(steps)]
@@ -355,8 +382,6 @@ def mean_block_entries(timers: dict, window_s: float = 0.4) -> list:
     (one forward each) for ``window_s``, so that all sizes see the same stretch of the host's
     speed, and averaged (a run's time is the sum of its forwards, so the mean, not the
     median, is what it pays). ``ms_p50`` holds that mean; ``ms_p99`` the 99th percentile."""
-    from physis_ros.engine.pool.costmodel import ProfileEntry
-
     samples: dict[int, list[float]] = {b: [] for b in timers}
     warm_until = time.perf_counter() + 0.1
     while time.perf_counter() < warm_until:
@@ -381,10 +406,6 @@ def startup_profile(engine, *, chunks: int = 16, warm_chunks: int = 6, window_s:
     times by batch size probed on rank 0's middle block and levelled by the worker's own
     forwards, then one ``calibrate_on`` of ``chunks`` chunks per run on the job's ranks (a
     few seconds for a small model; ``physis-profile --runtime gloo`` measures longer)."""
-    from physis_ros.engine.placement import layout_single
-    from physis_ros.engine.pool.costmodel import Profile
-    from physis_ros.engine.stage import BlockTimer
-
     cfg, sampler = engine.cfg, engine.sampler
     K, L = sampler.steps, cfg.num_blocks
     # The calibration's layouts need blocks where the initial placement put none.

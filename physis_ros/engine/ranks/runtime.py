@@ -43,13 +43,16 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import load_weights
-from physis_ros.engine.placement import Layout
+from physis_ros.engine.placement import Layout, Placement
 from physis_ros.engine.prompts import cond_from_json
 from physis_ros.engine.ranks.config import RuntimeConfig, blocks_for_rank
 from physis_ros.engine.ranks.framing import check_shapes_agree
 from physis_ros.engine.ranks.launch import RankContext, broadcast_text, init_from_env, tie_to_parent
 from physis_ros.engine.ranks.transport import TorchDistTransport
+from physis_ros.engine.stage import measure_block_ms
+from physis_ros.engine.worker import Worker
 from physis_ros.memtune import freeze_startup_objects
 
 log = logging.getLogger(__name__)
@@ -70,10 +73,6 @@ class StageHost:
     def __init__(
         self, cfg: RuntimeConfig, ctx: RankContext, transport: TorchDistTransport, blocks: set[int]
     ) -> None:
-        from physis_ros.engine.build import build_model
-        from physis_ros.engine.placement import Placement
-        from physis_ros.engine.worker import Worker
-
         self.cfg = cfg
         self.rank = ctx.rank
         self.world_size = ctx.world_size
@@ -191,8 +190,6 @@ class StageHost:
     def measure_block_ms(self, repeats: int) -> dict[int, float]:
         """Median ms of one forward of each held block (one task, a full window), on this
         rank's device: block 0 includes the embedding, block L-1 the head."""
-        from physis_ros.engine.stage import measure_block_ms
-
         repeats = max(1, int(repeats))
         return {
             blk: measure_block_ms(
@@ -204,8 +201,6 @@ class StageHost:
     def ensure_blocks(self, blocks) -> set[int]:
         """Build (or load from ``weights_path``) the weights of ``blocks`` this rank lacks, so
         stages of those blocks can be placed here. Returns the blocks added."""
-        from physis_ros.engine.build import build_model
-
         wanted = {int(b) for b in blocks}
         bad = sorted(b for b in wanted if not 0 <= b < self.cfg.model_config.num_blocks)
         if bad:
