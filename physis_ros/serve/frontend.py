@@ -138,8 +138,8 @@ class Frontend:
         self.refusals: Counter[str] = Counter()
         self.admission_refusals: Counter[str] = Counter()
         """OpenStream refused for want of a resource (compute, memory, latency, streams)."""
-        self.on_opened: Callable[[Session], None] | None = None
-        self.on_closed: Callable[[Session], None] | None = None
+        self.on_opened: Callable[[Session], None] = lambda _session: None
+        self.on_closed: Callable[[Session], None] = lambda _session: None
         """Told of every stream opened and closed (metrics)."""
         self.idle_trim = IdleTrim()
         """Told of every client message; frees what a burst of large ones left (start_server)."""
@@ -313,8 +313,7 @@ class Frontend:
             task=task,
         )
         session.on_end = lambda why: self._finish(session, why)
-        if self.on_opened is not None:
-            self.on_opened(session)
+        self.on_opened(session)
         with self._lock:
             self._sessions[promise.stream_id] = session
             self.streams_opened += 1
@@ -395,8 +394,7 @@ class Frontend:
             if self._sessions.pop(session.stream_id, None) is None:
                 return
             self.streams_closed += 1
-        if self.on_closed is not None:
-            self.on_closed(session)
+        self.on_closed(session)
         session.end(code, why)
         self._loop.remove(session)
         log.info("closed stream %d: %s", session.stream_id, why)
@@ -468,9 +466,7 @@ class Frontend:
             return list(self._sessions.values())
 
     def close_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
-        with self._lock:
-            sessions = list(self._sessions.values())
-        for s in sessions:
+        for s in self.open_sessions():
             self._finish(s, why, code)
 
 

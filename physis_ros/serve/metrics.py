@@ -78,20 +78,24 @@ def sample_workers(engine: StreamEngine) -> dict[str, WorkerSample]:
 
 class BusyFractions:
     """Per worker, the share of the wall time between two samples (at least
-    ``BUSY_WINDOW_MIN_S`` apart) that it spent computing."""
+    ``BUSY_WINDOW_MIN_S`` apart) that it spent computing; until the first such window has
+    passed, the share since the first sample."""
 
     def __init__(self) -> None:
         self._last: dict[str, WorkerSample] = {}
         self._fraction: dict[str, float] = {}
 
     def update(self, worker: str, now: WorkerSample) -> float | None:
-        """The fraction over the latest window (None before there is one)."""
+        """The fraction over the latest window (None with a single sample)."""
         last = self._last.get(worker)
         if last is None or now.wall_s < last.wall_s:  # first sample, or a restarted rank
             self._last[worker] = now
-        elif now.wall_s - last.wall_s >= BUSY_WINDOW_MIN_S:
-            share = (now.busy_s - last.busy_s) / (now.wall_s - last.wall_s)
+            return self._fraction.get(worker)
+        window_s = now.wall_s - last.wall_s
+        if window_s > 0 and (window_s >= BUSY_WINDOW_MIN_S or worker not in self._fraction):
+            share = (now.busy_s - last.busy_s) / window_s
             self._fraction[worker] = min(max(share, 0.0), 1.0)
+        if window_s >= BUSY_WINDOW_MIN_S:
             self._last[worker] = now
         return self._fraction.get(worker)
 

@@ -28,6 +28,7 @@ from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.wire import rgb_image
 from physis_ros.serve.config import checked_frontend
 from physis_ros.serve.main import parse_args
+from physis_ros.serve.metrics import BusyFractions, WorkerSample
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILE = {  # tiny, K=4, W=2 (as test_serve_admission.py)
@@ -232,3 +233,13 @@ def test_metrics_flags_and_the_yaml_key_are_checked_before_loading(tmp_path):
         busy = str(taken.getsockname()[1])
         with pytest.raises(CliError, match=r"metrics port: port .* is in use"):
             checked_frontend(parse_args(["--metrics-port", busy]), {"frontend": {}, "engine": {}})
+
+
+def test_a_workers_busy_fraction_is_its_share_of_the_window_between_samples():
+    busy = BusyFractions()
+    assert busy.update("0", WorkerSample(wall_s=10.0, busy_s=1.0, queued=0)) is None
+    # before a full window: the share since the first sample
+    assert busy.update("0", WorkerSample(wall_s=10.5, busy_s=1.25, queued=0)) == 0.5
+    assert busy.update("0", WorkerSample(wall_s=10.8, busy_s=1.8, queued=0)) == 0.5  # kept
+    assert busy.update("0", WorkerSample(wall_s=12.0, busy_s=1.5, queued=0)) == 0.25
+    assert busy.update("0", WorkerSample(wall_s=14.0, busy_s=9.0, queued=0)) == 1.0  # clamped
