@@ -65,7 +65,7 @@ setup(
     install_requires=["numpy", "PyYAML"],
     extras_require={
         # workstation: engine, distributed runtime, server front end
-        "serve": ["torch", "safetensors", *WIRE, "grpcio-health-checking"],
+        "serve": ["torch", "safetensors", *WIRE, "grpcio-health-checking", "prometheus-client"],
         # robot side link client (no torch)
         "link": WIRE,
         "eval": ["rosbags", "pillow", "tqdm", "scikit-image"],

@@ -157,6 +157,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run physis-serve under torchrun with this many ranks (0: one process)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="physis-serve's Prometheus /metrics on 127.0.0.1 at this port (default: none)",
+    )
+    parser.add_argument(
         "--domain-id",
         type=int,
         default=None,
@@ -170,6 +176,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.ranks < 0:
         parser.error(f"--ranks must be >= 0, got {args.ranks}")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port must be 1..65535, got {args.metrics_port}")
     if args.target_interval_ms is not None and args.target_interval_ms < 0:
         parser.error(f"--target-interval-ms must be >= 0, got {args.target_interval_ms}")
     return args
@@ -338,8 +346,11 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
         loop.start_sim_robot(**sim_params)
-        port = loop.start_server(timeout_s=300.0, ranks=args.ranks)
+        metrics = [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port)]
+        port = loop.start_server(timeout_s=300.0, ranks=args.ranks, server_args=metrics)
         print(f"physis-demo: physis-serve ({args.model}) on 127.0.0.1:{port}", flush=True)
+        if metrics:
+            print(f"physis-demo: metrics on http://127.0.0.1:{args.metrics_port}/metrics")
         monitor = Monitor(domain_id=domain_id, keep=("/diagnostics",), keep_last=DIAGNOSTICS_KEPT)
         target_ms = args.target_interval_ms
         if target_ms is None:  # what the camera fills: one observed chunk per chunk_ms

@@ -18,6 +18,7 @@ THIRD_PARTY = {
     "yaml": ("python3-yaml", "PyYAML"),
     "grpc": ("python3-grpcio", "grpcio"),
     "grpc_health": ("python3-grpcio-health-checking-pip", "grpcio-health-checking"),
+    "prometheus_client": ("python3-prometheus-client", "prometheus-client"),
     "grpc_tools": ("python3-grpc-tools", "grpcio-tools"),
     "google": ("python3-protobuf", "protobuf"),
     "torch": ("python3-torch-pip", "torch"),

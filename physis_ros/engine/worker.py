@@ -278,6 +278,10 @@ class Worker:
     def has_work(self) -> bool:
         return bool(self._nonempty)
 
+    def queued_tasks(self) -> int:
+        """Tasks waiting at this worker's stages (safe from any thread: a snapshot)."""
+        return sum(len(q) for q in list(self._queues.values()))
+
     def run_once(self, timeout_s: float = 0.0) -> int:
         """Receive, then run at most one batch. Returns the number of tasks run."""
         busy = self._nonempty and not self._stalled

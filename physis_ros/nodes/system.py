@@ -88,9 +88,11 @@ class LocalSystem:
         self.procs[name] = proc
         return proc
 
-    def start_server(self, timeout_s: float = 60.0, ranks: int = 0) -> int:
-        """Starts physis-serve (``ranks`` > 0: that many ranks under torchrun) and waits until
-        it serves; returns its port."""
+    def start_server(
+        self, timeout_s: float = 60.0, ranks: int = 0, server_args: list[str] | None = None
+    ) -> int:
+        """Starts physis-serve (``ranks`` > 0: that many ranks under torchrun; more flags in
+        ``server_args``) and waits until it serves; returns its port."""
         self.port_file.unlink(missing_ok=True)
         launcher = [sys.executable]
         if ranks:
@@ -108,7 +110,7 @@ class LocalSystem:
             [*launcher, "-m", "physis_ros.serve.main", "--model", self.model,
              "--host", "127.0.0.1", "--port", str(self.server_port),
              "--port-file", str(self.port_file),
-             *(["--weights", self.weights] if self.weights else [])],
+             *(["--weights", self.weights] if self.weights else []), *(server_args or [])],
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

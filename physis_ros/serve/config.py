@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from physis_ros.cli_errors import UsageError, check_fields
+from physis_ros.cli_errors import CliError, UsageError, check_fields
 from physis_ros.serve import listen
 from physis_ros.serve.frontend import FrontendConfig
 from physis_ros.serve.session import SessionLimits
@@ -133,8 +133,23 @@ def checked_frontend(
         tls_cert_path=args.tls_cert,
         tls_key_path=args.tls_key,
         tls_client_ca_path=args.tls_client_ca,
+        metrics_port=args.metrics_port,
     )
     listen.check_address(config.host, config.port)
+    if args.metrics_port_file and config.metrics_port is None:
+        raise UsageError(
+            "--metrics-port-file without a metrics port",
+            "add --metrics-port (0: any free port) or set frontend.metrics_port",
+        )
+    if config.metrics_port:
+        try:
+            listen.check_address(config.host, config.metrics_port)
+        except CliError as exc:
+            raise type(exc)(
+                f"metrics port: {exc.problem}",
+                "choose another --metrics-port / frontend.metrics_port (0: any free port, "
+                "see --metrics-port-file)",
+            ) from exc
     if config.tls_cert_path is not None:
         listen.tls_credentials(config.tls_cert_path, config.tls_key_path, config.tls_client_ca_path)
     loop_options = {k: float(frontend_section[k]) for k in _LOOP_KEYS if k in frontend_section}

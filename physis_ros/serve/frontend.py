@@ -68,14 +68,18 @@ class FrontendConfig:
     tls_key_path: str | None = None
     tls_client_ca_path: str | None = None
     """When given, clients must present a certificate signed by this CA."""
+    metrics_port: int | None = None
+    """Prometheus /metrics over HTTP on ``host`` at this port (serve/metrics.py); None: none,
+    0: an ephemeral port."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.open_timeout_s) and self.open_timeout_s > 0):
             raise ValueError(
                 f"open_timeout_s must be a finite number > 0, got {self.open_timeout_s}"
             )
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0..65535, got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= (getattr(self, name) or 0) <= 65535:
+                raise ValueError(f"{name} must be 0..65535, got {getattr(self, name)}")
         if self.limits.max_observation_bytes > self.max_message_bytes:
             raise ValueError(
                 f"max_observation_bytes {self.limits.max_observation_bytes} exceeds "
@@ -132,6 +136,11 @@ class Frontend:
         self.streams_opened = 0
         self.streams_closed = 0
         self.refusals: Counter[str] = Counter()
+        self.admission_refusals: Counter[str] = Counter()
+        """OpenStream refused for want of a resource (compute, memory, latency, streams)."""
+        self.on_opened: Callable[[Session], None] = lambda _session: None
+        self.on_closed: Callable[[Session], None] = lambda _session: None
+        """Told of every stream opened and closed (metrics)."""
         self.idle_trim = IdleTrim()
         """Told of every client message; frees what a burst of large ones left (start_server)."""
 
@@ -156,14 +165,16 @@ class Frontend:
 
     # ---- OpenStream --------------------------------------------------------------------
 
-    def _refuse(self, context, code: grpc.StatusCode, details: str):
-        self.count_refusal(code.name)
+    def _refuse(self, context, code: grpc.StatusCode, details: str, resource: str = ""):
+        self.count_refusal(code.name, resource)
         context.abort(code, details)
 
-    def count_refusal(self, status: str) -> None:
-        """A call refused with ``status`` (ServerInfo.refusals)."""
+    def count_refusal(self, status: str, resource: str = "") -> None:
+        """A call refused with ``status`` (ServerInfo.refusals), for want of ``resource``."""
         with self._lock:
             self.refusals[status] += 1
+            if resource:
+                self.admission_refusals[resource] += 1
 
     def open_stream(self, raw: bytes, context) -> pb.OpenStreamReply:
         try:
@@ -205,6 +216,7 @@ class Frontend:
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{open_now} streams open, front end max_streams is {self._config.max_streams}",
+                "streams",
             )
         try:
             return self._admit(spec, embedding, context)
@@ -269,6 +281,7 @@ class Frontend:
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{exc.reason} (resource {exc.resource}, short by {exc.shortfall})",
+                exc.resource,
             )
         except ValueError as exc:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad stream spec: {exc}")
@@ -286,6 +299,7 @@ class Frontend:
                 f"latency: response latency {promise.expected_response_latency_ms:.1f} ms > "
                 f"budget {budget_ms:.1f} ms (resource latency, short by "
                 f"{promise.expected_response_latency_ms - budget_ms:.1f} ms)",
+                "latency",
             )
         live, sid = self._loop.live, promise.stream_id
         predicts = promise.action_mode == "predict"
@@ -299,6 +313,7 @@ class Frontend:
             task=task,
         )
         session.on_end = lambda why: self._finish(session, why)
+        self.on_opened(session)
         with self._lock:
             self._sessions[promise.stream_id] = session
             self.streams_opened += 1
@@ -379,6 +394,7 @@ class Frontend:
             if self._sessions.pop(session.stream_id, None) is None:
                 return
             self.streams_closed += 1
+        self.on_closed(session)
         session.end(code, why)
         self._loop.remove(session)
         log.info("closed stream %d: %s", session.stream_id, why)
@@ -445,10 +461,12 @@ class Frontend:
             info.engine["error"] = self._loop.error
         return info
 
-    def close_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
+    def open_sessions(self) -> list[Session]:
         with self._lock:
-            sessions = list(self._sessions.values())
-        for s in sessions:
+            return list(self._sessions.values())
+
+    def close_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
+        for s in self.open_sessions():
             self._finish(s, why, code)
 
 

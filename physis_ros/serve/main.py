@@ -43,6 +43,7 @@ from physis_ros.serve.config import (
 )
 from physis_ros.serve.engine_loop import EngineLoop
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
+from physis_ros.serve.metrics import ServeMetrics
 from physis_ros.serve.spec import ServingSpec
 from physis_ros.serve.torchrun_main import build_dist, join_serving, under_torchrun
 
@@ -60,8 +61,10 @@ def run_frontend(
     port_file: str | None,
     stop: threading.Event,
     loop_options: dict[str, float] | None = None,
+    metrics_port_file: str | None = None,
 ) -> int:
-    """Serves ``engine`` until ``stop`` is set; writes the bound port to ``port_file``."""
+    """Serves ``engine`` until ``stop`` is set; writes the bound port to ``port_file`` (and
+    the metrics port, when ``config.metrics_port`` asks for metrics, to ``metrics_port_file``)."""
     loop = EngineLoop(engine, **(loop_options or {}))
     loop.start()
     try:
@@ -90,13 +93,16 @@ def run_frontend(
             config.host,
             " or ".join(unguarded),
         )
+    metrics = None
     try:
+        if config.metrics_port is not None:
+            metrics = ServeMetrics(handle.frontend, engine, description)
+            metrics_port = metrics.serve(config.host, config.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", config.host, metrics_port)
+            if metrics_port_file:
+                _write_port(metrics_port_file, metrics_port)
         if port_file:
-            # Written atomically: a reader never sees a half-written number.
-            directory = os.path.dirname(os.path.abspath(port_file))
-            with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:
-                f.write(f"{handle.port}\n")
-            os.replace(f.name, port_file)
+            _write_port(port_file, handle.port)
         # Woken at least every SIGNAL_POLL_S: a signal the kernel hands to another thread
         # (gRPC's, gloo's) only trips Python's flag, and a main thread blocked in an untimed
         # wait would run the handler when something else woke it (seen under torchrun: the
@@ -105,10 +111,20 @@ def run_frontend(
             pass
     finally:
         log.info("shutting down")
+        if metrics is not None:
+            metrics.stop()
         handle.stop()
         loop.stop()
         engine.shutdown()
     return 0
+
+
+def _write_port(path: str, port: int) -> None:
+    """Written atomically: a reader never sees a half-written number."""
+    directory = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as f:
+        f.write(f"{port}\n")
+    os.replace(f.name, path)
 
 
 def serve_single_process(
@@ -136,7 +152,13 @@ def serve_single_process(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, functools.partial(_stop_serving, stop))
     return run_frontend(
-        engine, description, config, port_file=args.port_file, stop=stop, loop_options=loop_options
+        engine,
+        description,
+        config,
+        port_file=args.port_file,
+        stop=stop,
+        loop_options=loop_options,
+        metrics_port_file=args.metrics_port_file,
     )
 
 
@@ -245,6 +267,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=None, help="port; 0 = ephemeral")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    parser.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=None,
+        help="serve Prometheus /metrics over HTTP on --host at this port (0 = ephemeral; "
+        "overrides frontend.metrics_port; default: no metrics)",
+    )
+    parser.add_argument(
+        "--metrics-port-file", default=None, help="write the bound metrics port here"
+    )
     parser.add_argument("--token", default=None, help="bearer token every call must carry")
     parser.add_argument("--token-file", default=None, help="read the bearer token from a file")
     parser.add_argument("--tls-cert", default=None, help="server certificate chain (PEM)")

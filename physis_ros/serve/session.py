@@ -146,6 +146,9 @@ class Session:
         """Called once when the stream ends (the front end forgets it)."""
         self.on_observed: Callable[[], None] | None = None
         """Called when a frame completed a slot (wakes the serving loop)."""
+        self.on_chunk: Callable[[float | None, float | None], None] | None = None
+        """Called (serving loop) for every chunk out with the interval since the previous one
+        (s) and its response latency (ms), each None when the chunk gives none (metrics)."""
         self.observations_received = 0
         self.predictions_sent = 0
         self.drops: collections.Counter[str] = collections.Counter()
@@ -360,14 +363,20 @@ class Session:
         out = ran.out
         if not out.preview_steps:
             self.chunks_out += 1
+            interval_s = response_ms = None
             if not self.promise.rollouts or out.horizon == 1:
+                if self.left_s:
+                    interval_s = out.left_s - self.left_s[-1]
                 self.left_s.append(out.left_s)  # rollouts: the interval between them
             cond = ran.anchor
             # response latency is the chunk's: a preview of it comes sooner and is not counted
             if cond is not None and cond.seq > self._responded_seq:
                 self._responded_seq = cond.seq
                 left_ns = time.time_ns() - time.monotonic_ns() + int(out.left_s * 1e9)
-                self.response_ms.append((left_ns - cond.queued_ns) / 1e6)
+                response_ms = (left_ns - cond.queued_ns) / 1e6
+                self.response_ms.append(response_ms)
+            if self.on_chunk is not None:
+                self.on_chunk(interval_s, response_ms)
         if out.finite:
             self._push(ran)
 

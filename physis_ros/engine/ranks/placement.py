@@ -83,7 +83,8 @@ class PlacementControl:
         return answers
 
     def rank_usage(self, timeout_s: float = 10.0) -> dict[int, dict]:
-        """Per rank: process CPU seconds, worker busy seconds, tasks and batches so far."""
+        """Per rank: process CPU seconds, worker busy seconds, tasks and batches so far, tasks
+        queued now."""
         answers = self._ask_ranks("usage", {}, None, timeout_s)
         return {r: (body["rank0"] if r == 0 else body) for r, body in sorted(answers.items())}
 

@@ -14,7 +14,8 @@ Control messages (JSON on the p2p channel, kind -> body):
                     first_ticket, layout} (see engine/worker.py), ``usage`` {},
                     ``shutdown`` {}
   worker -> rank 0: ``ready`` {rank, blocks}, ``costs`` {rank, block_ms}, ``loaded`` {rank,
-                    blocks}, ``usage_report`` {rank, cpu_s, busy_s, tasks, batches},
+                    blocks}, ``usage_report`` {rank, cpu_s, wall_s, busy_s, tasks, batches,
+                    queued},
                     ``error`` {rank, error}, ``bye`` {rank, reason}
 No barrier on the data path: an activation that reaches a worker before its stream's
 ``open`` (it came from another rank) waits in ``StageHost`` until the ``open`` arrives.
@@ -185,6 +186,7 @@ class StageHost:
             "busy_s": ws.busy_s,
             "tasks": ws.tasks,
             "batches": ws.batches,
+            "queued": self.worker.queued_tasks(),
         }
 
     def measure_block_ms(self, repeats: int) -> dict[int, float]:
