@@ -18,6 +18,7 @@ and takes its box inputs from each observation's named state.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -67,20 +68,21 @@ WAIT_S = 180.0  # a generous bound for a busy machine: no timing is asserted
 def _tiny_wam_weights(folder: Path, *, min_committed_ms: float = 0.0) -> Path:
     from safetensors.torch import save_file
 
+    from physis_ros.contract.model import CONTRACT_KEY
     from physis_ros.engine.build import build_model
     from physis_ros.engine.config import get_preset
     from physis_ros.engine.model import to_upstream_state_dict
-    from physis_ros.train.wam import WamTrainConfig, metadata
+    from physis_ros.train.wam import WamTrainConfig, contract, metadata
 
     path = folder / "weights.safetensors"
     model = build_model(get_preset(MODEL), seed=3)
     cfg = WamTrainConfig(
         model=MODEL, window=2, max_obs=2, chunks=3, sample_steps=2, prompt="",
-        min_committed_ms=min_committed_ms,
+        min_committed_ms=min_committed_ms, max_freeze_rows=MAX_KNOWN_ROWS_AHEAD,
     )  # fmt: skip
-    meta = metadata(
-        cfg, {"max_known_rows_ahead": str(MAX_KNOWN_ROWS_AHEAD), "frame_hz": str(1e9 / FRAME_NS)}
-    )
+    # the task's contract with a 20 Hz camera (FRAME_NS), in the metadata and in the contract
+    camera_20hz = dataclasses.replace(contract(cfg), frame_hz=1e9 / FRAME_NS)
+    meta = metadata(cfg, {"frame_hz": str(1e9 / FRAME_NS), CONTRACT_KEY: camera_20hz.to_json()})
     assert meta["state_names"].split(",") == list(STATE_NAMES)
     save_file(to_upstream_state_dict(model), str(path), metadata=meta)
     return path
