@@ -117,12 +117,18 @@ class Robot:
     model must hold (the closed-loop evaluation's builder)."""
 
     def __init__(
-        self, port: int, *, prompt: str = "", image_size: int = 8, min_committed_ms: float = 0.0
+        self,
+        port: int,
+        *,
+        prompt: str = "",
+        image_size: int = 8,
+        min_committed_ms: float = 0.0,
+        target_interval_ms: float = 200.0,
     ) -> None:
         from physis_ros.link.client import LinkClient
 
         self.client = LinkClient(
-            f"127.0.0.1:{port}", seed=SEED, prompt=prompt, target_interval_ms=200.0
+            f"127.0.0.1:{port}", seed=SEED, prompt=prompt, target_interval_ms=target_interval_ms
         )
         self.client.start()
         self.rng = np.random.default_rng(5)
@@ -404,7 +410,10 @@ def test_push_wam_takes_the_box_from_each_observations_object_position(push_wam_
     """push-wam's box_x, box_y come from the robot's object tracker (the observation's
     object_position): an observation without one is dropped and counted
     (no_object_position), and the stream goes on with those that carry it."""
-    robot = Robot(push_wam_server, prompt="goal_xy_0.120_-0.300", image_size=32)
+    # a target interval push-wam keeps on a loaded host too (admission measures the host)
+    robot = Robot(
+        push_wam_server, prompt="goal_xy_0.120_-0.300", image_size=32, target_interval_ms=1000
+    )
     try:
         robot.latency_ms()  # the stream is open
         robot.send(robot.observation()[0])  # no tracker: dropped
