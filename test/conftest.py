@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from physis_testing import REPO_ROOT, reserved_ros_domain
+from physis_testing import REPO_ROOT, reserved_ros_domain, sharing_the_host
 
 
 @functools.cache
@@ -55,6 +55,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     config.option.loadscopereorder = False
     return ModuleFixturesTogether(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _sharing_the_host() -> Iterator[None]:
+    """Every test shares the host with the other workers' tests, unless it asks for the host
+    to itself (``physis_testing.host_to_myself``)."""
+    with sharing_the_host():
+        yield
 
 
 @pytest.fixture
