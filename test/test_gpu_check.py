@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 GPU_PATH = [
     "physis_ros/tools/gpu_check.py",
@@ -126,6 +128,7 @@ def test_the_gpu_path_calls_only_torch_2_11_names():
     assert not unknown, f"check these exist in torch 2.11 / Triton 3.6, then list them: {unknown}"
 
 
+@pytest.mark.slow
 def test_smoke_runs_the_check_end_to_end(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "GPU_CHECK_PRESETS": "tiny", "PYTHON": sys.executable}

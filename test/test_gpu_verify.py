@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_gpu_check import DEVICE_THIRD_PARTY, _closure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +24,7 @@ def test_everything_the_verification_imports_is_on_the_device():
     assert third <= DEVICE_THIRD_PARTY, third - DEVICE_THIRD_PARTY
 
 
+@pytest.mark.slow
 def test_smoke_runs_the_verification_end_to_end(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable}

@@ -233,6 +233,7 @@ assert worst <= T.BLOCK_TOL, worst
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not fused.triton_available(), reason="triton is not installed")
 def test_triton_kernels_equal_eager_in_the_interpreter():
     """The hand-written kernels, run by Triton's interpreter on CPU tensors (float32); also

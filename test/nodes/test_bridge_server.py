@@ -203,6 +203,12 @@ def test_killing_the_server_stops_actions_within_the_deadline_and_restart_resume
     port = loop.server_port
     deadline_s = 2 * TARGET_INTERVAL_MS / 1e3
     t_kill = time.monotonic()
+    # What this test sees lags the bridge's clock by the host's scheduling and delivery across
+    # the three processes, which the deadline does not cover: the bounds below allow twice
+    # the worst lateness of the paced chunks that arrived in the seconds before the kill
+    # (about 0 on an idle host, where they are the deadline plus 100 / 150 ms)
+    paced = [t for t, m in monitor.messages("action_chunk", since_s=t_kill - 10) if m.source == 0]
+    late_s = 2 * max(0.0, float(np.max(np.diff(paced))) - TARGET_INTERVAL_MS / 1e3)
     loop.kill("server")
     assert monitor.wait_for(
         lambda: any(m.source != 0 for _, m in monitor.messages("action_chunk", since_s=t_kill)),
@@ -212,8 +218,11 @@ def test_killing_the_server_stops_actions_within_the_deadline_and_restart_resume
     model = [t for t, m in after_kill if m.source == ActionChunk.SOURCE_MODEL]
     t_fallback, fallback = next((t, m) for t, m in after_kill if m.source != 0)
     # chunks already on their way may still land, but nothing model-made after the deadline
-    assert all(t - t_kill < deadline_s + 0.1 for t in model), [t - t_kill for t in model]
-    assert t_fallback - t_kill < deadline_s + 0.15, t_fallback - t_kill
+    assert all(t - t_kill < deadline_s + 0.1 + late_s for t in model), (
+        [t - t_kill for t in model],
+        late_s,
+    )
+    assert t_fallback - t_kill < deadline_s + 0.15 + late_s, (t_fallback - t_kill, late_s)
     assert fallback.source == ActionChunk.SOURCE_FALLBACK_HOLD
     held = np.array(fallback.data).reshape(fallback.horizon, fallback.dim)
     assert np.all(held == held[0]) and np.any(held[0, :2] != 0)  # the measured joint positions

@@ -128,6 +128,7 @@ def _reference(root: Path, got: dict[int, np.ndarray], prompt: str) -> dict[int,
         engine.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ranks",
     [

@@ -67,6 +67,7 @@ def _train(bag, out, seed: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_training_is_reproducible_and_loadable(bag, tmp_path):
     a = _train(bag, tmp_path / "a", seed=5)
     b = _train(bag, tmp_path / "b", seed=5)

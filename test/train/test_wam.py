@@ -149,6 +149,7 @@ def _train(out, seed: int, *extra: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     from safetensors.torch import load_file
 
@@ -197,6 +198,7 @@ def test_training_is_reproducible_and_the_closed_loop_runs_it(tmp_path):
     assert result.box_path.shape == (11, 2) and result.boundary_jumps
 
 
+@pytest.mark.slow
 def test_a_dagger_round_adds_the_models_own_episodes_to_the_training_data(tmp_path):
     """physis-train-wam --on-policy-from W --on-policy-episodes N: W drives N training
     episodes with expert takeovers first (cached beside the expert's), and they are trained
