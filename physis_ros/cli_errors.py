@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import fields
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -242,3 +242,40 @@ def check_fields(cls, values: dict[str, Any], where: str) -> dict[str, Any]:
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{where}: {key} is {value}", "give a finite number")
     return values
+
+
+def refuse_unused_flags(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    mode: str,
+    uses: Mapping[str, Collection[str]],
+) -> None:
+    """Refuses a flag given on the command line that the chosen ``mode`` does not use.
+
+    ``uses`` maps every mode of the program (how it is described to the user, e.g.
+    ``"--experiment depth"``) to the argparse destinations of the flags that only some modes
+    use; a flag that no mode lists is used by every mode and never refused here. A flag
+    counts as given when its value differs from the parser's default. Raises UsageError
+    ``"--X is not used by MODE: it applies to OTHER MODES"``."""
+    if mode not in uses:
+        raise KeyError(f"mode {mode!r} is not one of {sorted(uses)}")
+    specific = set().union(*uses.values())
+    for dest in sorted(specific - set(uses[mode])):
+        value, default = getattr(args, dest, None), parser.get_default(dest)
+        if value == default or (default is None and value == []):  # nargs="*" given nothing
+            continue
+        flag = _flag_name(parser, dest)
+        applies = " or ".join(other for other, used in uses.items() if dest in used)
+        raise UsageError(f"{flag} is not used by {mode}: it applies to {applies}", f"drop {flag}")
+
+
+def _flag_name(parser: argparse.ArgumentParser, dest: str) -> str:
+    """How the user writes the argument whose destination is ``dest``: its long option, or
+    a positional argument's name."""
+    for action in parser._actions:  # argparse lists its arguments nowhere public
+        if action.dest == dest:
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            if longs or action.option_strings:
+                return (longs or action.option_strings)[0]
+            return str(action.metavar or dest).upper()
+    return f"--{dest.replace('_', '-')}"

@@ -22,6 +22,7 @@ import torch
 
 from physis_ros.bench import engine_dist
 from physis_ros.bench.engine_streams import steady_state_ms, stream_plans
+from physis_ros.cli_errors import UsageError, describe, refuse_unused_flags
 from physis_ros.engine import fused
 from physis_ros.engine.build import build_model
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
@@ -411,8 +412,29 @@ def _table(rep: dict) -> str:
     return "\n".join(f"{k:32s} {v}" for k, v in rows)
 
 
+IN_PROCESS, RANKS = "physis-bench engine in process", "physis-bench engine --ranks"
+FLAGS_USED = {
+    IN_PROCESS: {"workers", "compare_batching", "resolution", "latent_frames"},
+    RANKS: {"ranks"},
+}
+"""The flags only one way of running reads (the ranks' placement is even over --ranks; their
+model is the preset's own shape)."""
+AB_FLAGS_USED = {"--compare-batching": {"ab_rounds"}, "a run without --compare-batching": set()}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        refuse_unused_flags(parser, args, RANKS if args.ranks else IN_PROCESS, FLAGS_USED)
+        compare = (
+            "--compare-batching" if args.compare_batching else "a run without --compare-batching"
+        )
+        refuse_unused_flags(parser, args, compare, AB_FLAGS_USED)
+    except UsageError as err:
+        code, line = describe(err, "physis-bench engine")
+        print(line, file=sys.stderr)
+        return code
     if args.streams < 1 or args.workers < 1 or args.chunks < 2 or args.threads < 1:
         print(
             "physis-bench engine: --streams, --workers, --threads must be >= 1 and --chunks >= 2",

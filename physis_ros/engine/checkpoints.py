@@ -12,7 +12,8 @@ Layouts:
             ``diffusion_pytorch_model.safetensors`` or shards + ``*.safetensors.index.json``
   diffusers a pipeline directory with ``transformer/config.json`` (``WanTransformer3DModel``),
             or that ``transformer/`` directory itself; same file names
-Pickle formats (``.pth``, ``.bin``, ``.pt``) are never loaded.
+Which weight files (and which variant of them) is ``engine.weight_files``'s; pickle formats
+(``.pth``, ``.bin``, ``.pt``) are never loaded.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
 from physis_ros.engine.fused import describe_block_impl
 from physis_ros.engine.model import Block, Stem, WanDiT
 from physis_ros.engine.vae import read_vae_config
+from physis_ros.engine.weight_files import is_model_dir, variant_of, weight_files
 
 UPSTREAM, DIFFUSERS = "upstream Wan", "diffusers"
 DEFAULT_LATENT_FRAMES = 3
@@ -37,7 +39,6 @@ DEFAULT_RESOLUTION = {16: (480, 832), 48: (704, 1280)}
 """Camera image (height, width) by latent channels: Wan2.1's 480p, Wan2.2 TI2V's 720p."""
 STANDIN_STRIDE = {16: (4, 8, 8), 48: (4, 16, 16)}
 """The Wan VAE's strides by latent channels (Wan2.1 VAE, Wan2.2 VAE with its 2x2 patch)."""
-PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 
 # diffusers name piece -> upstream name piece (diffusers' convert_wan_to_diffusers, reversed).
 # Applied in order to the part of a key after "blocks.N." (block keys) or to the whole key.
@@ -93,30 +94,30 @@ class ResolvedModel:
     """None: a preset (random weights by seed, or a physis-train checkpoint given apart)."""
 
 
-def is_model_dir(name_or_path: str) -> bool:
-    """True when ``name_or_path`` is not a preset name but a path (a directory to load)."""
-    return "/" in name_or_path or Path(name_or_path).is_dir() or name_or_path.startswith(".")
-
-
 def resolve_model(
     name_or_path: str,
     *,
     latent_frames: int = 0,
     resolution: str = "",
     vae: str = "",
+    variant: str = "",
+    dtype: str = "",
 ) -> ResolvedModel:
     """The model called ``name_or_path``: a preset, or a model directory (see the module).
 
     ``latent_frames`` (0: the model's default), ``resolution`` ("HxW" camera pixels; "": the
     default) and ``vae`` (a diffusers AutoencoderKLWan directory: the real codec) choose what
-    a checkpoint does not fix: the chunk and the codec."""
+    a checkpoint does not fix: the chunk and the codec. ``variant`` (e.g. ``fp16``) or else
+    the serving ``dtype`` chooses which of a directory's weight variants loads
+    (``engine.weight_files``)."""
     if not is_model_dir(name_or_path):
         cfg = get_preset(name_or_path)
         return ResolvedModel(cfg=_layout(cfg, latent_frames, resolution, vae))
     layout, directory, config = find_model_dir(Path(name_or_path))
     cfg = config_from_json(layout, config, name=_model_name(directory))
     cfg = _layout(cfg, latent_frames, resolution, vae)
-    return ResolvedModel(cfg=cfg, weights=weights_source(layout, directory, cfg))
+    source = weights_source(layout, directory, cfg, variant=variant, dtype=dtype)
+    return ResolvedModel(cfg=cfg, weights=source)
 
 
 def resolve_model_config(name_or_path: str, **layout) -> ModelConfig:
@@ -308,10 +309,13 @@ def to_upstream_key(layout: str, key: str) -> str:
     return key
 
 
-def weights_source(layout: str, directory: Path, cfg: ModelConfig) -> WeightsSource:
-    """Index every weight of ``directory`` and check names and shapes against ``cfg`` (strict:
-    missing, unknown or mis-shaped keys raise ValueError naming them). Reads headers only."""
-    files = _weight_files(directory)
+def weights_source(
+    layout: str, directory: Path, cfg: ModelConfig, *, variant: str = "", dtype: str = ""
+) -> WeightsSource:
+    """Index every weight of ``directory`` (of the variant ``variant`` or ``dtype`` chooses:
+    ``engine.weight_files``) and check names and shapes against ``cfg`` (strict: missing,
+    unknown or mis-shaped keys raise ValueError naming them). Reads headers only."""
+    files = weight_files(directory, variant=variant, dtype=dtype)
     key_files: dict[str, Path] = {}
     checkpoint_keys: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -344,28 +348,6 @@ def weights_source(layout: str, directory: Path, cfg: ModelConfig) -> WeightsSou
             f"{directory} ({layout} layout) does not match its config.json: " + "; ".join(problems)
         )
     return WeightsSource(layout, directory, key_files, checkpoint_keys)
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    indexes = sorted(directory.glob("*.safetensors.index.json"))
-    if len(indexes) > 1:
-        raise ValueError(f"{directory}: several safetensors indexes {[p.name for p in indexes]}")
-    if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(f"{indexes[0]}: not a safetensors index ({err})") from err
-        files = sorted({directory / name for name in weight_map.values()})
-        absent = [p.name for p in files if not p.exists()]
-        if absent:
-            raise ValueError(f"{indexes[0].name} names shards that are not there: {absent}")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        pickled = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        hint = f" (found {pickled}: pickle formats are never loaded)" if pickled else ""
-        raise ValueError(f"{directory}: no safetensors weights{hint}")
-    return files
 
 
 @torch.no_grad()
@@ -405,7 +387,10 @@ def summary(
     cfg, w = resolved.cfg, resolved.weights
     item = torch.empty((), dtype=dtype).element_size()
     if w is not None:
-        source = f"{w.layout} layout, {len(w.files)} file(s) in {w.directory}"
+        variant = variant_of(w.files[0].name)
+        source = f"{w.layout} layout, {len(w.files)} file(s) in {w.directory}" + (
+            f", variant {variant}" if variant else ""
+        )
     elif checkpoint:
         source = f"preset, weights {checkpoint}"
     else:
@@ -428,8 +413,8 @@ def summary(
         f"{cfg.head_dim}, ffn {cfg.ffn_dim}, qk_norm {'on' if cfg.qk_norm else 'off'}, "
         f"cross_attn_norm {'on' if cfg.cross_attn_norm else 'off'}, eps {cfg.eps:g}",
         f"params   {_count(cfg.num_params())} in {str(dtype).removeprefix('torch.')}: "
-        f"{_bytes(cfg.num_params() * item)}; per block {_count(block_p)} = "
-        f"{_bytes(block_p * item)}",
+        f"{format_bytes(cfg.num_params() * item)}; per block {_count(block_p)} = "
+        f"{format_bytes(block_p * item)}",
         f"text     {cfg.text_len} tokens x {cfg.text_dim} (prompts zero-padded to {cfg.text_len})",
         f"chunk    {cfg.in_channels} ch x {cfg.latent_frames} x {cfg.latent_height} x "
         f"{cfg.latent_width} latent, patch {pt}x{ph}x{pw}: {cfg.tokens_per_chunk} tokens",
@@ -439,8 +424,8 @@ def summary(
         f"sampler  K={sampler.steps} steps x L={cfg.num_blocks} blocks = "
         f"{sampler.steps * cfg.num_blocks} stages, window W={sampler.window}, shift "
         f"{sampler.shift:g}",
-        f"memory   per stream: KV ring {_bytes(kv_bytes)} per stage (W+1 chunks), "
-        f"cross-attn K/V {_bytes(cross_bytes)} per block",
+        f"memory   per stream: KV ring {format_bytes(kv_bytes)} per stage (W+1 chunks), "
+        f"cross-attn K/V {format_bytes(cross_bytes)} per block",
         f"blocks   {describe_block_impl(model)}",
     ]
     return "\n".join(lines)
@@ -453,7 +438,8 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in GiB, MiB or KiB (one decimal)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

@@ -56,16 +56,20 @@ def resolve_model(
     latent_frames: int = 0,
     resolution: str = "",
     vae: str = "",
+    variant: str = "",
+    dtype: str = "",
 ) -> ResolvedModel:
     """Resolve a model name or checkpoint path (see the module docstring).
 
     ``weights``: a safetensors file to use instead of the default ones, or ``"random"``
     (``RANDOM_WEIGHTS``); None: the default (shipped weights of a preset, the checkpoint
-    itself for a path). ``latent_frames``, ``resolution``, ``vae``: the chunk and codec
-    (``engine.checkpoints.resolve_model``). Raises ValueError naming what is wrong (an
+    itself for a path). ``latent_frames``, ``resolution``, ``vae``: the chunk and codec;
+    ``variant``, ``dtype``: which weights of a model directory (``engine.checkpoints.
+    resolve_model``). Raises ValueError naming what is wrong (an
     unknown name, a missing file, a checkpoint without the metadata that says which model it
     is)."""
     layout = {"latent_frames": latent_frames, "resolution": resolution, "vae": vae}
+    files = {"variant": variant, "dtype": dtype}  # which of a directory's weight variants
     text = str(name_or_path).strip()
     if not text:
         raise ValueError("model is empty: name a preset, a physis-train file or a directory")
@@ -83,7 +87,7 @@ def resolve_model(
     elif checkpoints.is_model_dir(text):
         if weights:
             raise ValueError(f"model {text} is a directory with its own weights: drop weights")
-        config = checkpoints.resolve_model(text, **layout).cfg
+        config = checkpoints.resolve_model(text, **layout, **files).cfg
         return ResolvedModel(config=config, weights=None, directory=True)
     else:
         raise ValueError(

@@ -231,25 +231,29 @@ def local_engine(
     latent_frames: int = 0,
     resolution: str = "",
     vae: str = "",
+    variant: str = "",
     horizon: int = 0,
     context_noise: str = "clean",
 ) -> EngineCore:
     """The engine of one process: ``workers`` worker threads over one model on ``device``.
 
     ``model``: a preset name, a model directory (``checkpoints.resolve_model``, with
-    ``latent_frames``, ``resolution`` and ``vae``) or a ModelConfig; ``checkpoint``: a
-    physis-train weights file for a preset; ``prompts``: prompt-embedding files whose names
-    streams may ask for (``engine.prompts``); ``horizon``: a stream's default (0: no limit,
-    offline generation); ``context_noise``: how the model was trained to take observations
-    (both from the weights' metadata with shipped weights, ``physis_ros.weights``)."""
+    ``latent_frames``, ``resolution``, ``vae`` and its weights' ``variant``) or a
+    ModelConfig; ``checkpoint``: a physis-train weights file for a preset; ``prompts``:
+    prompt-embedding files whose names streams may ask for (``engine.prompts``); ``horizon``:
+    a stream's default (0: no limit, offline generation); ``context_noise``: how the model
+    was trained to take observations (both from the weights' metadata with shipped weights,
+    ``physis_ros.weights``)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
         dtype = DTYPES[dtype]
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    chunk = {"latent_frames": latent_frames, "resolution": resolution, "vae": vae}
+    dtype_name = str(dtype).removeprefix("torch.")
     resolved = (
-        resolve_model(model, latent_frames=latent_frames, resolution=resolution, vae=vae)
+        resolve_model(model, **chunk, variant=variant, dtype=dtype_name)
         if isinstance(model, str)
         else ResolvedModel(cfg=model)
     )

@@ -20,7 +20,13 @@ import json
 import sys
 from pathlib import Path
 
-from physis_ros.cli_errors import UsageError, cli_main, finite_float
+from physis_ros.cli_errors import UsageError, cli_main, finite_float, refuse_unused_flags
+from physis_ros.engine.weight_files import (
+    FLAGS_BY_MODEL_KIND,
+    NOT_A_DIRECTORY,
+    is_model_dir,
+    model_kind,
+)
 from physis_ros.eval.bag import TopicChoice
 from physis_ros.eval.evaluate import EvalConfig, ModelInfo, evaluate
 
@@ -50,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts", action="append", default=None, help="prompt-embedding file (physis-embed)"
     )
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    g.add_argument(
+        "--variant", default=None, help="weights variant of a model directory, e.g. fp16"
+    )
     g.add_argument(
         "--random-weights", action="store_true", help="no checkpoint: random init (timing runs)"
     )
@@ -195,6 +204,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+IN_PROCESS, LINK = "physis-eval in process", "physis-eval --link"
+SERVE_LOCAL, CLOSED_LOOP = "physis-eval --serve-local", "physis-eval --closed-loop"
+_ENGINE = {"weights", "steps", "window", "shift", "workers", "mode"}
+_MODEL = {"model", "vae", "variant", "resolution", "latent_frames", "prompts", "dtype"}
+_MODEL |= {"random_weights"}
+_BAGS = {"bags", "context_chunks", "horizon_chunks", "stride_chunks", "max_windows", "frame_hz"}
+_BAGS |= {"realtime", "seed", "image_topic", "command_topic"}
+_CLIENT = {"token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "connect_timeout"}
+_CLIENT |= {"interval_ms", "horizons", "rollouts"}
+_CLOSED = {"task", "episodes", "seed0", "delay_ms", "modes", "no_expert", "fade_rows"}
+_CLOSED |= {"known_rows_ahead", "min_committed_ms", "time_limit_s"}
+FLAGS_USED = {
+    IN_PROCESS: _ENGINE | _MODEL | _BAGS | {"future_commands"},
+    LINK: _BAGS | _CLIENT | {"link"},
+    SERVE_LOCAL: _ENGINE | _MODEL | _BAGS | _CLIENT | {"serve_local"},
+    CLOSED_LOOP: _ENGINE | _CLOSED,
+}
+"""The flags each way of running reads; the others are refused by name (the server's engine
+is not ours to set over --link; the closed loop runs the weights' own model)."""
+
+
+def _mode(args) -> str:
+    if args.closed_loop:
+        return CLOSED_LOOP
+    return LINK if args.link else SERVE_LOCAL if args.serve_local else IN_PROCESS
+
+
 def _expand(paths: list[str]) -> list[str]:
     """Bags as given; a folder that is not a bag but holds bags is replaced by them."""
     out: list[str] = []
@@ -212,7 +248,6 @@ def engine_settings(args) -> tuple[dict, dict]:
     """local_engine keyword arguments for the arguments, and the settings reported (those plus
     the frame rate the weights were trained at)."""
     from physis_ros.contract.safetensors import read_metadata
-    from physis_ros.engine.checkpoints import is_model_dir
     from physis_ros.weights import DEFAULT_STEPS, DEFAULT_WEIGHTS, engine_kwargs
 
     kwargs: dict = {"steps": DEFAULT_STEPS, "window": 2, "shift": 3.0}
@@ -231,7 +266,16 @@ def engine_settings(args) -> tuple[dict, dict]:
             kwargs = engine_kwargs(weights)
         else:
             kwargs["checkpoint"] = str(weights)
-    for key in ("model", "steps", "window", "shift", "vae", "resolution", "latent_frames"):
+    for key in (
+        "model",
+        "steps",
+        "window",
+        "shift",
+        "vae",
+        "variant",
+        "resolution",
+        "latent_frames",
+    ):
         if getattr(args, key, None) is not None:
             kwargs[key] = getattr(args, key)
     if getattr(args, "prompts", None):
@@ -256,6 +300,9 @@ def engine_from_args(args) -> tuple[object, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    refuse_unused_flags(parser, args, _mode(args), FLAGS_USED)
+    kind = model_kind(args.model) if args.model else NOT_A_DIRECTORY  # else the weights'
+    refuse_unused_flags(parser, args, kind, FLAGS_BY_MODEL_KIND)
     if args.closed_loop:
         from physis_ros.eval.closed_loop_cli import run_closed_loop
 

@@ -21,6 +21,7 @@ from physis_ros.engine.config import ModelConfig, SamplerConfig
 from physis_ros.engine.core import EngineCore
 from physis_ros.engine.placement import layout_balanced, layout_single, stage_costs
 from physis_ros.engine.pool.costmodel import GIB, CostModel, Profile, ProfileCostModel
+from physis_ros.engine.pool.footprint import available_bytes
 from physis_ros.engine.pool.gate import plan_layout
 from physis_ros.engine.pool.measure import (
     device_name,
@@ -88,13 +89,13 @@ def usable_bytes(spec: ServingSpec, device: torch.device, workers_sharing: int) 
     (the device's, or the host's for CPU workers) split over the workers sharing it."""
     if spec.memory_gib:
         return spec.memory_gib * GIB
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return DEVICE_MEMORY_SHARE * free / workers_sharing
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    available = int(fields["MemAvailable"].split()[0]) * 1024
-    return HOST_MEMORY_SHARE * available / workers_sharing
+    share = DEVICE_MEMORY_SHARE if device.type == "cuda" else HOST_MEMORY_SHARE
+    return share * available_bytes(device) / workers_sharing
+
+
+def memory_model(spec: ServingSpec) -> MemoryModel:
+    """The pool's memory model for the spec's dtype."""
+    return MemoryModel(dtype_bytes=4 if spec.dtype == "float32" else 2)
 
 
 def load_profile(spec: ServingSpec, cfg: ModelConfig, sampler: SamplerConfig) -> Profile | None:
@@ -159,7 +160,7 @@ def plan_pool(
         usable_bytes=usable,
         policy=spec.policy,
         max_utilization=spec.max_utilization,
-        memory=MemoryModel(dtype_bytes=4 if spec.dtype == "float32" else 2),
+        memory=memory_model(spec),
         # A pipelined stream's worker runs a block's stages of several steps together; the
         # simulator confirms every admission with the batches it really gets.
         charged_batch=sampler.steps if spec.batching and spec.mode == "pipelined" else 1,
@@ -230,6 +231,7 @@ def build_local(spec: ServingSpec) -> tuple[EngineCore, ServerDescription]:
         latent_frames=spec.latent_frames,
         resolution=spec.resolution,
         vae=spec.vae,
+        variant=spec.variant,
     )
     try:
         profile = load_profile(spec, cfg, sampler)

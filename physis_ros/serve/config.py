@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from physis_ros.cli_errors import CliError, UsageError, check_fields
+from physis_ros.cli_errors import CliError, UsageError, check_fields, refuse_unused_flags
+from physis_ros.engine.config import PRESETS
+from physis_ros.engine.models import RANDOM_WEIGHTS
+from physis_ros.engine.weight_files import FLAGS_BY_MODEL_KIND, MODEL_DIRECTORY, NOT_A_DIRECTORY
 from physis_ros.serve import listen
 from physis_ros.serve.frontend import FrontendConfig
 from physis_ros.serve.session import SessionLimits
-from physis_ros.serve.spec import ServingSpec
+from physis_ros.serve.spec import LEGACY_KEYS, ServingSpec
+from physis_ros.serve.spec import SECTIONS as SPEC_SECTIONS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "serve.yaml"
 _LOOP_KEYS = ("poll_timeout_s", "idle_wait_s")
@@ -61,8 +66,40 @@ def frontend_config(
     section: dict[str, Any], where: str = "frontend", **overrides: Any
 ) -> FrontendConfig:
     """FrontendConfig from the YAML ``frontend`` section plus non-None overrides; every key
-    and value checked (type, finiteness) before anything is built."""
-    values = {**section, **{k: v for k, v in overrides.items() if v is not None}}
+    and value checked (type, finiteness, range) before anything is built, those that an
+    override replaces too (``_overridden_checked``)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    config = _frontend({**section, **given}, where)
+    _overridden_checked(section, given, where, lambda kept: _frontend({**section, **kept}, where))
+    return config
+
+
+def _overridden_checked(
+    filed: dict[str, Any],
+    given: dict[str, Any],
+    where: str,
+    build: Callable[[dict], Any],
+    sections: dict[str, str] | None = None,
+) -> None:
+    """A value of the file that a flag overrides is never used, but it is checked: the
+    config built as if that one flag were not given (``build`` of the other overrides) must
+    be valid. Raises UsageError naming the file's key (``where``: the file and section, or
+    the file and ``sections``: key -> "section.") and value."""
+    for key in sorted(set(given) & set(filed)):
+        try:
+            build({k: v for k, v in given.items() if k != key})
+        except ValueError as err:
+            problem = err.problem if isinstance(err, UsageError) else str(err)
+            name = (sections or {}).get(key, "") + key
+            raise UsageError(
+                f"{where}: {name} {filed[key]!r} is not valid, though a flag overrides it: "
+                + problem.removeprefix(f"{where}: "),
+                "correct or remove it in the file: every value the file holds is checked",
+            ) from err
+
+
+def _frontend(values: dict[str, Any], where: str) -> FrontendConfig:
+    values = dict(values)
     limit_keys = [f for f in SessionLimits.__dataclass_fields__ if f in values]
     limits_values = {k: values.pop(k) for k in limit_keys}
     loop_values = {k: values.pop(k) for k in _LOOP_KEYS if k in values}
@@ -91,12 +128,12 @@ class _LoopOptions:
 
 
 def serving_spec(args: argparse.Namespace, config: dict[str, dict[str, Any]]) -> ServingSpec:
-    """The spec from the YAML sections and the flags that override them (not resolved)."""
+    """The spec from the YAML sections and the flags that override them (not resolved);
+    the file's values that a flag overrides are checked too (``_overridden_checked``)."""
     model, weights = args.model, args.weights
     if weights and weights != "random" and model is None:
         model, weights = weights, None  # a physis-train file names its model in its metadata
-    spec = ServingSpec.from_config(
-        config,
+    flags = dict(
         model=model,
         weights=weights,
         plan=args.plan,
@@ -104,13 +141,47 @@ def serving_spec(args: argparse.Namespace, config: dict[str, dict[str, Any]]) ->
         default_target_ms=args.default_target_ms,
         dtype=args.dtype,
         vae=args.vae,
+        variant=args.variant,
         resolution=args.resolution,
         latent_frames=args.latent_frames,
         known_rows_ahead=args.known_rows_ahead,
     )
+    given = {k: v for k, v in flags.items() if v is not None}
+    spec = ServingSpec.from_config(config, **given)
+    filed = _spec_values(config)
+    where = str(args.config) if getattr(args, "config", None) else "config"
+    _overridden_checked(
+        filed, given, where, lambda kept: ServingSpec.from_config(config, **kept), _SECTION_OF
+    )
+    for key in sorted(set(given) & set(filed) & set(_PATHS)):
+        if filed[key] not in _PATHS[key] and not Path(str(filed[key])).exists():
+            raise UsageError(
+                f"{where}: {_SECTION_OF[key]}{key} {filed[key]!r} is neither {_PATHS_TEXT[key]} "
+                "nor a path that exists, though a flag overrides it",
+                "correct or remove it in the file: every value the file holds is checked",
+            )
     if getattr(args, "prompts", None):  # added to the file's, as --prompts says
         spec = dataclasses.replace(spec, prompts=(*spec.prompts, *args.prompts))
     return spec
+
+
+_SECTION_OF = {name: f"{section}." for section, names in SPEC_SECTIONS.items() for name in names}
+"""How the file names a spec field (``engine.dtype``); a front end key needs no section: its
+``where`` names it."""
+_PATHS = {"model": set(PRESETS), "weights": {"", RANDOM_WEIGHTS}, "vae": {""}}
+"""Keys whose value is a file or directory, and the values that are not."""
+_PATHS_TEXT = {"model": "a preset", "weights": "'' or 'random'", "vae": "''"}
+
+
+def _spec_values(config: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The spec's fields that the file's sections set (older key names as the fields they
+    now set)."""
+    return {
+        LEGACY_KEYS.get((section, key), key): value
+        for section, body in config.items()
+        if section != "frontend"
+        for key, value in (body or {}).items()
+    }
 
 
 def checked_frontend(
@@ -156,7 +227,7 @@ def checked_frontend(
     return config, loop_options
 
 
-MODEL_FLAGS = ("model", "dtype", "vae", "resolution", "latent_frames")
+MODEL_FLAGS = ("model", "dtype", "vae", "variant", "resolution", "latent_frames")
 """Flags that override the YAML ``engine`` section's keys of the same name."""
 
 
@@ -169,3 +240,47 @@ def model_section(engine: dict[str, Any], args: argparse.Namespace) -> dict[str,
     if getattr(args, "prompts", None):
         section["prompts"] = [*section.get("prompts", []), *args.prompts]
     return section
+
+
+OWN_ENGINE = "physis-serve's own engine (one process)"
+FACTORY = "physis-serve --engine-factory (one process)"
+TORCHRUN = "physis-serve under torchrun"
+_OWN_ENGINE_FLAGS = {"weights", "plan", "policy", "default_target_ms", "known_rows_ahead"}
+_OWN_ENGINE_FLAGS |= {"threads"}
+FLAGS_BY_ENGINE = {
+    OWN_ENGINE: _OWN_ENGINE_FLAGS,
+    TORCHRUN: _OWN_ENGINE_FLAGS,
+    FACTORY: {"engine_factory"},
+}
+"""What each way of serving reads: another engine reads only the model flags (its engine
+section); under torchrun the ranks are the engine."""
+COMMITTED_ROWS = "a world-action model with committed actions"
+FLAGS_BY_ACTIONS = {COMMITTED_ROWS: {"known_rows_ahead"}}
+
+
+def check_flags_used(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, torchrun: bool
+) -> None:
+    """Refuses a flag that the chosen way of serving, or the chosen model, does not use
+    (``cli_errors.refuse_unused_flags``); what is wrong with the config or the model itself
+    is named where the spec is built (under torchrun by rank 0, for every rank)."""
+    mode = TORCHRUN if torchrun else FACTORY if args.engine_factory else OWN_ENGINE
+    refuse_unused_flags(parser, args, mode, FLAGS_BY_ENGINE)
+    if mode == FACTORY:  # the factory reads the engine section as it likes
+        return
+    try:
+        spec = serving_spec(args, load_config(args.config))
+    except (ValueError, OSError):
+        return
+    kind = MODEL_DIRECTORY if spec.model_directory else NOT_A_DIRECTORY
+    refuse_unused_flags(parser, args, kind, FLAGS_BY_MODEL_KIND)
+    given = [d for d in FLAGS_BY_ACTIONS[COMMITTED_ROWS] if getattr(args, d) is not None]
+    if not given:  # resolved only for a flag that depends on the model's actions
+        return
+    try:
+        cfg = spec.resolve().model_config
+    except (ValueError, OSError):
+        return
+    if not cfg.committed_actions:
+        actions = f"{cfg.name}, a model without committed actions"
+        refuse_unused_flags(parser, args, actions, {**FLAGS_BY_ACTIONS, actions: set()})

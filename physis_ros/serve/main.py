@@ -33,15 +33,17 @@ from physis_ros.cli_errors import (
 )
 from physis_ros.engine.api import StreamEngine
 from physis_ros.engine.ranks.runtime import exit_now
-from physis_ros.serve.build import build_local
+from physis_ros.serve.build import build_local, torch_device
 from physis_ros.serve.config import (
     DEFAULT_CONFIG,
+    check_flags_used,
     checked_frontend,
     load_config,
     model_section,
     serving_spec,
 )
 from physis_ros.serve.engine_loop import EngineLoop
+from physis_ros.serve.fits import check_one_stream_fits
 from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
 from physis_ros.serve.metrics import ServeMetrics
 from physis_ros.serve.spec import ServingSpec
@@ -145,6 +147,7 @@ def serve_single_process(
     else:
         spec = serving_spec(args, cfg).resolve()
         log.info("serving spec: %s", spec.to_json())
+        check_one_stream_fits(spec, torch_device(spec))  # before anything loads
         # One intra-op thread per worker unless told: worker threads share the cores.
         torch.set_num_threads(args.threads if args.threads is not None else spec.threads)
         engine, description = build_local(spec)
@@ -178,6 +181,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="weights dtype"
+    )
+    parser.add_argument(
+        "--variant",
+        default=None,
+        help="which weights of a model directory that holds several, e.g. fp16 for "
+        "diffusion_pytorch_model.fp16.safetensors (default: the one --dtype names, fp16 or "
+        "bf16, when present, else the files without a variant; overrides engine.variant)",
     )
     parser.add_argument(
         "--prompts",
@@ -222,6 +232,10 @@ def _factory_from_name(spec: str):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="physis-serve", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--config",
@@ -277,8 +291,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--metrics-port-file", default=None, help="write the bound metrics port here"
     )
-    parser.add_argument("--token", default=None, help="bearer token every call must carry")
-    parser.add_argument("--token-file", default=None, help="read the bearer token from a file")
+    token = parser.add_mutually_exclusive_group()  # the file's token would win unseen
+    token.add_argument("--token", default=None, help="bearer token every call must carry")
+    token.add_argument("--token-file", default=None, help="read the bearer token from a file")
     parser.add_argument("--tls-cert", default=None, help="server certificate chain (PEM)")
     parser.add_argument("--tls-key", default=None, help="server private key (PEM)")
     parser.add_argument(
@@ -299,7 +314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="torch intra-op threads per process (default: distributed.threads, 1)",
     )
     parser.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG ... ERROR")
-    return parser.parse_args(argv)
+    return parser
 
 
 def port_number(text: str) -> int:
@@ -316,10 +331,12 @@ def port_number(text: str) -> int:
 @cli_main("physis-serve")
 def main(argv: list[str] | None = None) -> int:
     tie_to_launcher()  # ends with the launcher that named itself in PHYSIS_PARENT_PID
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    check_flags_used(parser, args, torchrun=under_torchrun())
     if under_torchrun():  # torchrun: rank 0 serves over every rank, the others are workers
         ctx, spec = join_serving(args)  # worker ranks serve inside and never return
         code = serve_single_process(args, lambda resolved: build_dist(resolved, ctx), spec=spec)

@@ -73,6 +73,9 @@ class ServingSpec:
     """Camera image ``HxW`` of a model directory ("": its default)."""
     vae: str = ""
     """diffusers AutoencoderKLWan directory: the real codec ("": the model's own)."""
+    variant: str = ""
+    """Which weight variant of a model directory loads, e.g. ``fp16`` ("": the one ``dtype``
+    names when the directory has it, else the files without one: ``engine.weight_files``)."""
     prompts: tuple[str, ...] = ()
     """Prompt-embedding files (physis-embed) whose prompts streams may ask for by name."""
     dtype: str = "float32"
@@ -138,7 +141,7 @@ class ServingSpec:
             check_placement_spec(self.plan)
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {list(POLICIES)}")
-        for name in ("max_streams",):
+        for name in ("max_streams", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if isinstance(self.prompts, list):  # from YAML or JSON
@@ -200,6 +203,8 @@ class ServingSpec:
             latent_frames=self.latent_frames,
             resolution=self.resolution,
             vae=self.vae,
+            variant=self.variant,
+            dtype=self.dtype,
         )
         if resolved.config.state_dim or resolved.config.committed_actions:
             _contract(resolved.config, resolved.weights)  # refused in one line if unusable
@@ -274,6 +279,7 @@ class ServingSpec:
             latent_frames=self.latent_frames,
             resolution=self.resolution,
             vae=self.vae,
+            variant=self.variant,
             steps=self.steps,
             window=self.window,
             shift=self.shift,
@@ -345,6 +351,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "latent_frames",
         "resolution",
         "vae",
+        "variant",
         "prompts",
         "dtype",
         "device",

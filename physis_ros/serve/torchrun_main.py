@@ -55,6 +55,7 @@ from physis_ros.serve.build import (
 )
 from physis_ros.serve.build import describe as describe_server
 from physis_ros.serve.config import checked_frontend, load_config, serving_spec
+from physis_ros.serve.fits import check_one_stream_fits
 from physis_ros.serve.spec import ServingSpec
 
 log = logging.getLogger("physis-serve")
@@ -106,6 +107,7 @@ def join_serving(args: argparse.Namespace):
         try:
             spec = spec.resolve()
             spec.runtime_config(ctx.world_size)  # its checks, before any rank goes on
+            check_one_stream_fits(spec, ctx.device, ctx.world_size)
             checked_frontend(args, load_config(args.config))  # rank 0 serves: its front end too
         except (ValueError, OSError) as exc:
             failure = exc

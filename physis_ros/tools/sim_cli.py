@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from physis_ros.cli_errors import cli_main, finite_float
+from physis_ros.cli_errors import cli_main, finite_float, refuse_unused_flags
 from physis_ros.engine.api import AdmissionRefused
 from physis_ros.engine.checkpoints import add_layout_arguments, resolve_model_config
 from physis_ros.engine.config import SamplerConfig
@@ -94,6 +94,51 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the stream phases")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+POOL_RUN = "the pool run (no --experiment)"
+_POOL_FLAGS = {
+    "model",
+    "resolution",
+    "latent_frames",
+    "steps",
+    "window",
+    "devices",
+    "streams",
+    "target_ms",
+    "latency_budget_ms",
+    "policy",
+    "max_utilization",
+    "profile",
+    "memory_gib",
+    "chunks",
+    "no_batching",
+    "verify",
+    "seed",
+    "calibration",
+}
+FLAGS_USED = {
+    POOL_RUN: _POOL_FLAGS,
+    "--experiment pool24": {"seed", "calibration"},
+    "--experiment depth": {"steps", "window", "measured", "calibration"},
+    "--experiment frontier": {
+        "model",
+        "resolution",
+        "latent_frames",
+        "devices",
+        "steps",
+        "window",
+        "calibration",
+        "plot",
+    },
+    "--experiment realcheck": {"profile"},
+    "--experiment latencycheck": set(),
+}
+"""The flags each mode reads (the others are refused by name); --json: every mode."""
+
+
+def _mode(args: argparse.Namespace) -> str:
+    return f"--experiment {args.experiment}" if args.experiment else POOL_RUN
 
 
 def _model(args: argparse.Namespace):
@@ -261,7 +306,9 @@ def _device(args: argparse.Namespace):
 
 @cli_main("physis-sim")
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    refuse_unused_flags(parser, args, _mode(args), FLAGS_USED)
     # a bad value raises ValueError: one line and exit 2 (cli_main)
     if args.experiment == "pool24":
         result = pool24(seed=args.seed, device=_device(args))

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from physis_ros.cli_errors import cli_main, finite_float
+from physis_ros.cli_errors import cli_main, finite_float, refuse_unused_flags
 from physis_ros.engine.build import build_model
 from physis_ros.engine.config import CONTEXT_NOISE, ModelConfig, SamplerConfig, get_preset
 from physis_ros.engine.forward import make_cond
@@ -394,6 +394,14 @@ def _ema(values: list[float], decay: float) -> list[float]:
     return out
 
 
+FLAGS_USED_BY_LOSS = {
+    f"--loss {name}": {"log_floor"} if name == "log_mse" else set() for name in LOSSES
+}
+NO_VAL = "a run without --val"
+FLAGS_USED_BY_VAL = {"--val": {"val_every"}, NO_VAL: set()}
+"""Flags only one loss, or a run with held-out bags, reads (refused by name elsewhere)."""
+
+
 @cli_main("physis-train")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="physis-train", description=__doc__.split("\n\n")[0])
@@ -417,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig(**fields)
     except ValueError as err:
         parser.error(str(err))
+    refuse_unused_flags(parser, args, f"--loss {cfg.loss}", FLAGS_USED_BY_LOSS)
+    refuse_unused_flags(parser, args, "--val" if args.val else NO_VAL, FLAGS_USED_BY_VAL)
     log = train(cfg, args.data, args.out, val_paths=args.val, progress=not args.quiet)
     summary = {
         k: log[k]

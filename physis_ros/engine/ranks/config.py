@@ -39,6 +39,9 @@ class RuntimeConfig:
     """Camera image ``HxW`` of a model directory ("": its default)."""
     vae: str = ""
     """diffusers AutoencoderKLWan directory: the real codec ("": the preset's or a stand-in)."""
+    variant: str = ""
+    """Which weight variant of a model directory loads ("": the one ``dtype`` names, else the
+    files without one: ``engine.weight_files``)."""
     resolved_config: ModelConfig | None = None
     """The model's full config as rank 0 resolved it (a serving spec's); None: resolved here
     from ``model``."""
@@ -84,7 +87,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.resolved_config is None:
             # raises ValueError naming an unknown preset or what is wrong with a directory
-            _resolve(self.model, self.latent_frames, self.resolution, self.vae)
+            _ = self.resolved
         SamplerConfig(
             steps=self.steps,
             window=self.window,
@@ -121,7 +124,8 @@ class RuntimeConfig:
 
     @property
     def resolved(self) -> ResolvedModel:
-        return _resolve(self.model, self.latent_frames, self.resolution, self.vae)
+        files = (self.variant, self.dtype)
+        return _resolve(self.model, self.latent_frames, self.resolution, self.vae, *files)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -172,9 +176,12 @@ class RuntimeConfig:
 
 
 @functools.lru_cache(maxsize=4)
-def _resolve(model: str, latent_frames: int, resolution: str, vae: str) -> ResolvedModel:
+def _resolve(  # noqa: PLR0917 - cached by its arguments
+    model: str, latent_frames: int, resolution: str, vae: str, variant: str, dtype: str
+) -> ResolvedModel:
     # a model directory's headers are read once per process, not on every model_config
-    return resolve_model(model, latent_frames=latent_frames, resolution=resolution, vae=vae)
+    layout = {"latent_frames": latent_frames, "resolution": resolution, "vae": vae}
+    return resolve_model(model, **layout, variant=variant, dtype=dtype)
 
 
 def _group_sizes(spec: str) -> list[int]:
