@@ -133,6 +133,7 @@ def checked_frontend(
         tls_cert_path=args.tls_cert,
         tls_key_path=args.tls_key,
         tls_client_ca_path=args.tls_client_ca,
+        resume_grace_s=args.resume_grace_s,
     )
     listen.check_address(config.host, config.port)
     if config.tls_cert_path is not None:
