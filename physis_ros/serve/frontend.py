@@ -280,13 +280,7 @@ class Frontend:
             rollouts=rollouts,
         )
         try:
-            live = self._config.limits.live()
-            promise = self.detached.reclaiming(  # a detached stream given back for the room
-                lambda: self._loop.call(
-                    lambda _e: self._loop.live.open(engine_spec, live),
-                    timeout_s=self._config.open_timeout_s,
-                )
-            )
+            promise = self._open_in_engine(engine_spec)
         except AdmissionRefused as exc:
             self._refuse(
                 context,
@@ -335,6 +329,17 @@ class Frontend:
         if session.resume_token:
             resume_to_reply(reply, token=session.resume_token, grace_s=self.detached.grace_s)
         return reply
+
+    def _open_in_engine(self, engine_spec: StreamSpec):
+        """The stream opened in the engine: its promise (a detached stream is given back
+        when the engine refuses it the room)."""
+        live = self._config.limits.live()
+        return self.detached.reclaiming(
+            lambda: self._loop.call(
+                lambda _e: self._loop.live.open(engine_spec, live),
+                timeout_s=self._config.open_timeout_s,
+            )
+        )
 
     # ---- Stream ------------------------------------------------------------------------
 
