@@ -1,5 +1,6 @@
 """The robot-side link client: connect, open a stream, send the newest observation, receive
-predictions, keep the clock offset, reconnect after the server goes away.
+predictions, keep the clock offset, resume the stream after its call broke or reconnect to a
+new one after the server went away (link/reconnect.py).
 
 One background thread owns the connection; the caller only touches bounded, newest-wins
 slots and a bounded prediction queue, so nothing the caller does blocks on the network.
@@ -24,8 +25,14 @@ from physis_ros.link.clock import ClockOffsetEstimator
 from physis_ros.link.encoding import array_to_tensor
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
+from physis_ros.link.reconnect import (
+    Connector,
+    NotConnected,
+    Resumer,
+    close_after_polling,
+    rpc_error_text,
+)
 from physis_ros.link.wire import (
-    AUTH_METADATA_KEY,
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
     CameraImage,
@@ -36,6 +43,7 @@ from physis_ros.link.wire import (
     parse_server_message,
     prediction_from_proto,
     promise_from_proto,
+    resume_from_reply,
     serialize_observation,
     serialize_ping,
 )
@@ -53,20 +61,6 @@ __all__ = [
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 STREAM_METHOD = "/physis.v1.Physis/Stream"
 STATES = ("connecting", "connected", "streaming", "disconnected")
-
-CONNECTIVITY_POLL_S = 0.2
-"""grpc's connectivity thread (behind ``subscribe``) watches the state in steps this long."""
-
-
-def _close_after_polling(channel: grpc.Channel) -> None:
-    """Close ``channel`` once grpc's connectivity thread has seen it unsubscribed: closed under
-    that thread's next watch, the thread dies with 'Cannot monitor channel state: Channel
-    closed!' and a traceback on stderr (grpc 1.x; the attribute is read defensively)."""
-    state = getattr(channel, "_connectivity_state", None)
-    deadline = time.monotonic() + 10 * CONNECTIVITY_POLL_S  # it ends after one step
-    while getattr(state, "polling", False) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    channel.close()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +82,10 @@ class LinkStats:
     """"client:<reason>" and "server:<reason>" -> count, over every connection so far."""
     predictions_received: int = 0
     connections: int = 0
-    """Streams opened so far (1 + reconnects)."""
+    """Connections that streamed so far (1 + reconnects, resumes among them)."""
+    resumes: int = 0
+    """Connections that resumed the stream whose call broke (same stream id, its history
+    kept on the server) instead of opening a new one."""
     last_error: str = ""
     last_error_ns: int = 0
     """Robot clock when ``last_error`` happened: an error from before the stream came back
@@ -171,11 +168,19 @@ class LinkClient:
             raise ValueError(f"horizon must be >= 0 (0: the model's), got {horizon}")
         if prediction_queue_size < 1:
             raise ValueError(f"prediction_queue_size must be >= 1, got {prediction_queue_size}")
-        if (client_cert_path is None) != (client_key_path is None):
-            raise ValueError("client_cert_path and client_key_path go together")
-        if client_cert_path is not None and root_cert_path is None:
-            raise ValueError("client certificates need TLS: give root_cert_path too")
-        self._target = target
+        self._connector = Connector(
+            target,
+            token=token,
+            root_cert_path=root_cert_path,
+            client_cert_path=client_cert_path,
+            client_key_path=client_key_path,
+            connect_timeout_s=connect_timeout_s,
+            backoff_s=(lo, hi),
+            max_message_bytes=max_message_bytes,
+            tls_server_name=tls_server_name,
+        )
+        self._metadata = self._connector.metadata
+        self._resume = Resumer()
         self._reopening = False
         """set_prompt cancelled the stream (its RpcError is no error)."""
         self._spec = pb.StreamSpec(
@@ -188,42 +193,18 @@ class LinkClient:
             horizon=horizon,
             previews=previews,
             rollouts=ROLLOUTS[rollouts],
+            resumable=True,
         )
         self._spec.task.update(task or {})
         self._contract: WamContract | None = None
+        self._opened_spec: pb.StreamSpec | None = None
+        """What the newest stream was opened with."""
+        self._answered = False
+        """The connection's stream call brought a message (connection thread)."""
         self._task_changed = False
         """set_task gave other values: the next stream opens at once, not after a backoff."""
         if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
             array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
-        self._metadata: tuple[tuple[str, str], ...] = (
-            ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
-        )
-        self._credentials = None
-        if root_cert_path is not None:
-            key = chain = None
-            if client_cert_path is not None:
-                with open(client_key_path, "rb") as f:
-                    key = f.read()
-                with open(client_cert_path, "rb") as f:
-                    chain = f.read()
-            with open(root_cert_path, "rb") as f:
-                self._credentials = grpc.ssl_channel_credentials(f.read(), key, chain)
-        self._channel_options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            # Large windows and frames: a camera image goes out without waiting for window
-            # updates.
-            ("grpc.http2.lookahead_bytes", max_message_bytes),
-            ("grpc.http2.max_frame_size", (1 << 24) - 1),
-            ("grpc.initial_reconnect_backoff_ms", int(lo * 1000)),
-            ("grpc.min_reconnect_backoff_ms", int(lo * 1000)),
-            ("grpc.max_reconnect_backoff_ms", int(hi * 1000)),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.enable_retries", 0),
-        ]
-        if tls_server_name:
-            self._channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
-        self._connect_timeout_s = connect_timeout_s
         self._tune_process = tune_process
         self._backoff_s = (lo, hi)
         self._clock_ns = clock_ns
@@ -358,6 +339,7 @@ class LinkClient:
                 drops=drops,
                 predictions_received=self._predictions_received,
                 connections=self._connections,
+                resumes=self._resume.resumes,
                 last_error=self._last_error,
                 last_error_ns=self._last_error_ns,
             )
@@ -378,7 +360,7 @@ class LinkClient:
                     timeout=min(timeout_s, 1.0),
                 )
             except grpc.RpcError as exc:  # the server may already be gone: say so, go on
-                self._set_error(f"CloseStream: {_rpc_error_text(exc)}")
+                self._set_error(f"CloseStream: {rpc_error_text(exc)}")
             except ValueError:
                 # "Cannot invoke RPC on closed channel": the stream ended meanwhile (the
                 # server stopping too, as on a Ctrl-C of both) and its channel is closed
@@ -398,16 +380,21 @@ class LinkClient:
             streamed = False
             try:
                 streamed = self._run_stream()
+                self._resume.forget()  # the server ended the stream: nothing to resume
             except grpc.RpcError as exc:
                 with self._cv:
                     reopening, self._reopening = self._reopening, False
                 if reopening:  # set_prompt ended it: not an error, open the next one now
                     streamed = True
-                else:
-                    self._set_error(_rpc_error_text(exc))
+                    self._resume.forget()
+                else:  # a call that streamed and broke is tried again soon: a link blip
+                    streamed = self._answered
+                    self._resume.broke()
+                    self._set_error(rpc_error_text(exc))
             except NotConnected as exc:
                 self._set_error(str(exc))
             except WireError as exc:
+                self._resume.forget()
                 self._set_error(f"bad reply from server: {exc}")
             self._end_session()
             if self._closing:
@@ -418,68 +405,117 @@ class LinkClient:
         self._set_state("disconnected")
 
     def _run_stream(self) -> bool:
-        """One connection: connect, open, stream until it ends. True if it streamed."""
+        """One connection: connect, resume the stream whose call broke (while the server
+        holds it) or open a new one, stream until it ends. True if it streamed."""
         self._set_state("connecting")
-        if self._credentials is not None:
-            channel = grpc.secure_channel(self._target, self._credentials, self._channel_options)
-        else:
-            channel = grpc.insecure_channel(self._target, self._channel_options)
+        self._answered = False
+        channel = self._connector.channel()
         try:
-            self._wait_ready(channel)
+            self._connector.wait_ready(channel)
             stub = pb_grpc.PhysisStub(channel)
-            self._contract = self._server_contract(stub)
-            with self._cv:  # set_prompt / set_task may change it from another thread
-                spec = pb.StreamSpec()
-                spec.CopyFrom(self._spec)
-                self._task_changed = False
-            takes = self._contract.task_names if self._contract is not None else ()
-            if takes and not spec.task:
-                raise NotConnected(
-                    f"waiting for the task's values: the model takes {list(takes)} (set_task; "
-                    "the bridge's task_topic)"
-                )
-            reply = stub.OpenStream(spec, metadata=self._metadata, timeout=self._connect_timeout_s)
-            if reply.protocol_version != PROTOCOL_VERSION:
-                raise WireError(
-                    "protocol_version",
-                    f"server speaks {reply.protocol_version}, client {PROTOCOL_VERSION}",
-                )
-            promise = promise_from_proto(reply.promise)
-            with self._cv:
-                if self._closing:
-                    return False
-                session = self._session
-            self._clock.reset()  # a new server process may have another clock
-            with self._stats_lock:
-                self._stub, self._promise = stub, promise
-                self._connections += 1
-                self._server_drops_now = {}
-            self._set_state("connected")
-            # Requests go out pre-serialised (see wire.serialize_observation).
-            stream = channel.stream_stream(
-                STREAM_METHOD,
-                request_serializer=None,
-                # (message, frames bytes as a view of the received bytes): no pixel copies
-                response_deserializer=parse_server_message,
-            )
-            call = stream(
-                self._requests(session, promise),
-                metadata=(*self._metadata, (STREAM_ID_METADATA_KEY, str(promise.stream_id))),
-            )
-            self._call = call
-            self._set_state("streaming")
-            for msg, frames_data in call:
-                self._on_server_message(msg, frames_data)
-            return True
+            promise = self._promise
+            if self._resume.due() is not None and promise is not None and self._spec_kept():
+                try:
+                    return self._attach(channel, stub, promise, resuming=True)
+                except grpc.RpcError as exc:
+                    if not self._resume.refused(exc):
+                        raise
+                self._end_session()  # its request generator stops; a new stream's starts
+            promise = self._open(stub)
+            return promise is not None and self._attach(channel, stub, promise, resuming=False)
         finally:
             self._call = None
-            _close_after_polling(channel)
+            close_after_polling(channel)
+
+    def _open(self, stub) -> LinkPromise | None:
+        """Opens a new stream (None: the client closed meanwhile)."""
+        self._contract = self._server_contract(stub)
+        with self._cv:  # set_prompt / set_task may change it from another thread
+            spec = pb.StreamSpec()
+            spec.CopyFrom(self._spec)
+            self._task_changed = False
+            self._opened_spec = spec
+        takes = self._contract.task_names if self._contract is not None else ()
+        if takes and not spec.task:
+            raise NotConnected(
+                f"waiting for the task's values: the model takes {list(takes)} (set_task; "
+                "the bridge's task_topic)"
+            )
+        timeout_s = self._connector.connect_timeout_s
+        reply = stub.OpenStream(spec, metadata=self._metadata, timeout=timeout_s)
+        if reply.protocol_version != PROTOCOL_VERSION:
+            raise WireError(
+                "protocol_version",
+                f"server speaks {reply.protocol_version}, client {PROTOCOL_VERSION}",
+            )
+        promise = promise_from_proto(reply.promise)
+        with self._cv:
+            if self._closing:
+                return None
+        self._resume.opened(resume_from_reply(reply))
+        self._clock.reset()  # a new server process may have another clock
+        with self._stats_lock:
+            self._stub, self._promise = stub, promise
+            self._connections += 1
+            # the last stream's drops are history now
+            self._server_drops_past.update(self._server_drops_now)
+            self._server_drops_now = {}
+        self._set_state("connected")
+        return promise
+
+    def _spec_kept(self) -> bool:
+        """Whether the stream to resume was opened with the spec asked for now (else a new
+        prompt or task came while the link was down: a new stream opens with it)."""
+        with self._cv:
+            kept = self._spec == self._opened_spec
+        if not kept:
+            self._resume.forget()
+        return kept
+
+    def _attach(self, channel, stub, promise: LinkPromise, *, resuming: bool) -> bool:
+        """Streams on the stream ``promise`` names until its call ends (True; False: the client
+        closed). ``resuming``: re-attaching with the stream's resume ticket, which the server
+        confirms with the stream's promise (an RpcError before it: refused, or the link)."""
+        with self._cv:
+            if self._closing:
+                return False
+            session = self._session
+        ticket = self._resume.ticket
+        addressed = (
+            ticket.metadata()
+            if ticket is not None
+            else ((STREAM_ID_METADATA_KEY, str(promise.stream_id)),)
+        )
+        # Requests go out pre-serialised (see wire.serialize_observation).
+        stream = channel.stream_stream(
+            STREAM_METHOD,
+            request_serializer=None,
+            # (message, frames bytes as a view of the received bytes): no pixel copies
+            response_deserializer=parse_server_message,
+        )
+        call = stream(self._requests(session, promise), metadata=(*self._metadata, *addressed))
+        self._call = call
+        if not resuming:
+            self._set_state("streaming")
+        for msg, frames_data in call:
+            self._answered = True
+            if resuming:  # the server took the ticket: the stream goes on where it was
+                resuming = False
+                self._resume.resumed()
+                with self._stats_lock:
+                    self._stub = stub
+                    self._connections += 1
+                self._set_state("streaming")
+            self._on_server_message(msg, frames_data)
+        return True
 
     def _server_contract(self, stub) -> WamContract | None:
         """The served model's contract (GetServerInfo): what each observation must carry and
         which task values a stream opens with."""
         info = stub.GetServerInfo(
-            pb.ServerInfoRequest(), metadata=self._metadata, timeout=self._connect_timeout_s
+            pb.ServerInfoRequest(),
+            metadata=self._metadata,
+            timeout=self._connector.connect_timeout_s,
         )
         if not info.contract:
             return None
@@ -488,80 +524,12 @@ class LinkClient:
         except ContractError as exc:
             raise WireError("contract", f"the server's model contract: {exc}") from exc
 
-    def _wait_ready(self, channel: grpc.Channel) -> None:
-        """Until ``channel`` is ready. A failed attempt (TLS handshake, connection refused)
-        raises NotConnected with its reason at once, not after the connect timeout: a
-        handshake that failed fails again, and a wait would look like a slow network."""
-        states: queue.SimpleQueue[grpc.ChannelConnectivity] = queue.SimpleQueue()
-        callback = states.put
-        channel.subscribe(callback, try_to_connect=True)
-        try:
-            deadline = time.monotonic() + self._connect_timeout_s
-            failed = False
-            while (left_s := deadline - time.monotonic()) > 0:
-                try:
-                    state = states.get(timeout=left_s)
-                except queue.Empty:
-                    break
-                if state == grpc.ChannelConnectivity.READY:
-                    return
-                if state in (
-                    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
-                    grpc.ChannelConnectivity.SHUTDOWN,
-                ):
-                    failed = True
-                    break
-            raise NotConnected(self._why_not_connected(channel, failed=failed))
-        finally:
-            channel.unsubscribe(callback)
-
-    def _why_not_connected(self, channel: grpc.Channel, *, failed: bool) -> str:
-        """Why ``channel`` did not become ready (``failed``: an attempt failed, else the
-        connect timeout passed): one quick call fetches gRPC's last error (a TLS handshake
-        failure otherwise looks like a timeout)."""
-        head = f"connect to {self._target}"
-        waited = (
-            "the connection attempt failed"
-            if failed
-            else f"no connection within {self._connect_timeout_s} s"
-        )
-        try:
-            pb_grpc.PhysisStub(channel).GetServerInfo(
-                pb.ServerInfoRequest(),
-                metadata=self._metadata,
-                timeout=min(self._connect_timeout_s, 2.0),
-            )
-        except grpc.RpcError as exc:
-            details = (exc.details() or "").split("last error: ")[-1]
-        else:
-            return f"{head}: {waited}"
-        lowered = details.lower()
-        if "handshake" in lowered or "ssl" in lowered or "tls" in lowered:
-            return (
-                f"{head}: TLS handshake failed ({details}); the server's certificate must "
-                "chain to the CA given (root_cert_path, --tls-ca) and name the host dialled "
-                "(or tls_server_name)"
-            )
-        if "socket closed" in lowered and self._credentials is None:
-            return (
-                f"{head}: the server closed the connection during setup ({details}); it "
-                "probably requires TLS: give the CA of its certificate (root_cert_path, "
-                "--tls-ca)"
-            )
-        if "refused" in lowered:
-            return f"{head}: nothing listens there (connection refused)"
-        if "resolv" in lowered or "dns" in lowered:
-            return f"{head}: the host name does not resolve ({details})"
-        return f"{head}: {waited} ({details})"
-
     def _end_session(self) -> None:
         with self._cv:
             self._session += 1
             self._cv.notify_all()
         self._wake.put(None)
         with self._stats_lock:
-            self._server_drops_past.update(self._server_drops_now)
-            self._server_drops_now = {}
             self._stub = None
         self._set_state("disconnected")
 
@@ -678,13 +646,3 @@ ROLLOUTS = {
 }
 ROLLOUT_CHOICES = {"default": None, "on": True, "off": False}
 """What a user types (bridge parameter, physis-eval --rollouts) -> ``rollouts=``."""
-
-
-class NotConnected(Exception):
-    """No connection to the server within the connect timeout; says why where gRPC knows."""
-
-
-def _rpc_error_text(exc: grpc.RpcError) -> str:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return f"{code.name if code is not None else 'RPC'}: {details}"

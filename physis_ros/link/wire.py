@@ -37,6 +37,8 @@ bug (an unset or garbage clock), refused before it enters latency figures."""
 
 STREAM_ID_METADATA_KEY = "x-physis-stream-id"
 """Call metadata naming the stream a Stream call belongs to."""
+RESUME_TOKEN_METADATA_KEY = "x-physis-resume-token"
+"""Call metadata of a Stream call that re-attaches to its stream: the stream's resume token."""
 AUTH_METADATA_KEY = "authorization"
 
 
@@ -334,6 +336,44 @@ def serialize_promise(promise: Any, *, max_observation_bytes: int) -> bytes:
     msg = pb.ServerMessage(protocol_version=PROTOCOL_VERSION)
     promise_to_proto(promise, msg.promise, max_observation_bytes=max_observation_bytes)
     return msg.SerializeToString()
+
+
+# ---- resuming a stream ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeTicket:
+    """What lets the opener of a stream re-attach to it after its Stream call broke."""
+
+    stream_id: int
+    token: str
+    """The stream's resume token (the opener's alone: never logged, never sent elsewhere)."""
+    grace_s: float
+    """How long the server holds the stream after its call ended."""
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The Stream call's metadata that names the stream and proves it is the opener's."""
+        return (
+            (STREAM_ID_METADATA_KEY, str(self.stream_id)),
+            (RESUME_TOKEN_METADATA_KEY, self.token),
+        )
+
+
+def resume_to_reply(reply: pb.OpenStreamReply, *, token: str, grace_s: float) -> None:
+    """A resumable stream's token and the grace the server holds it for, in its reply."""
+    reply.resume_token = token
+    reply.resume_grace_s = grace_s
+
+
+def resume_from_reply(reply: pb.OpenStreamReply) -> ResumeTicket | None:
+    """The stream's resume ticket (None: the server will not hold it once its call ends)."""
+    if not reply.resume_token or not reply.resume_grace_s > 0:
+        return None
+    return ResumeTicket(
+        stream_id=reply.promise.stream_id,
+        token=reply.resume_token,
+        grace_s=reply.resume_grace_s,
+    )
 
 
 # ---- counters, clock probes -----------------------------------------------------------------

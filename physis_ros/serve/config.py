@@ -205,6 +205,7 @@ def checked_frontend(
         tls_key_path=args.tls_key,
         tls_client_ca_path=args.tls_client_ca,
         metrics_port=args.metrics_port,
+        resume_grace_s=args.resume_grace_s,
     )
     listen.check_address(config.host, config.port)
     if args.metrics_port_file and config.metrics_port is None:

@@ -27,16 +27,19 @@ from physis_ros.link.encoding import tensor_to_array
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
     PROTOCOL_VERSION,
+    RESUME_TOKEN_METADATA_KEY,
     STREAM_ID_METADATA_KEY,
     WireError,
     counts_to_proto,
     promise_to_proto,
+    resume_to_reply,
 )
 from physis_ros.memtune import IdleTrim, freeze_startup_objects, retain_freed_memory
 from physis_ros.serve import listen
 from physis_ros.serve.auth import TokenAuthInterceptor
 from physis_ros.serve.engine_loop import EngineLoop
-from physis_ros.serve.session import Session, SessionEnded, SessionLimits
+from physis_ros.serve.resume import DetachedStreams
+from physis_ros.serve.session import AttachRefused, Session, SessionEnded, SessionLimits
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,9 @@ class FrontendConfig:
     """gRPC handler threads; each attached stream holds one."""
     open_timeout_s: float = 30.0
     """How long OpenStream waits for the engine to admit."""
+    resume_grace_s: float = 10.0
+    """How long a resumable stream whose Stream call broke is held for its client to resume
+    it (serve/resume.py); 0: closed when its call ends."""
     token: str | None = None
     """Bearer token every call must carry (metadata ``authorization: Bearer <token>``)."""
     tls_cert_path: str | None = None
@@ -76,6 +82,10 @@ class FrontendConfig:
         if not (math.isfinite(self.open_timeout_s) and self.open_timeout_s > 0):
             raise ValueError(
                 f"open_timeout_s must be a finite number > 0, got {self.open_timeout_s}"
+            )
+        if not (math.isfinite(self.resume_grace_s) and self.resume_grace_s >= 0):
+            raise ValueError(
+                f"resume_grace_s must be a finite number >= 0 (0: off), got {self.resume_grace_s}"
             )
         for name in ("port", "metrics_port"):
             if not 0 <= (getattr(self, name) or 0) <= 65535:
@@ -141,6 +151,7 @@ class Frontend:
         self.on_opened: Callable[[Session], None] = lambda _session: None
         self.on_closed: Callable[[Session], None] = lambda _session: None
         """Told of every stream opened and closed (metrics)."""
+        self.detached = DetachedStreams(config.resume_grace_s)
         self.idle_trim = IdleTrim()
         """Told of every client message; frees what a burst of large ones left (start_server)."""
 
@@ -206,11 +217,7 @@ class Frontend:
                 embedding = tensor_to_array(spec.prompt_embedding, name="prompt_embedding")
             except WireError as exc:
                 self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        with self._lock:
-            # Counted and reserved under one lock: concurrent opens cannot all pass the check.
-            open_now = len(self._sessions) + self._opening
-            if open_now < self._config.max_streams:
-                self._opening += 1
+        open_now = self._reserve_place()
         if open_now >= self._config.max_streams:
             self._refuse(
                 context,
@@ -223,6 +230,20 @@ class Frontend:
         finally:
             with self._lock:
                 self._opening -= 1
+
+    def _reserve_place(self) -> int:
+        """Reserves a place below max_streams for an opening stream (a detached stream given
+        back for it when all are taken); returns the streams open before it."""
+        for retry in (False, True):
+            with self._lock:
+                # Counted and reserved under one lock: concurrent opens cannot all pass.
+                open_now = len(self._sessions) + self._opening
+                if open_now < self._config.max_streams:
+                    self._opening += 1
+                    break
+            if retry or not self.detached.reclaim(f"max_streams {self._config.max_streams}"):
+                break
+        return open_now
 
     def _task(self, spec: pb.StreamSpec, context) -> dict[str, float]:
         """The task values the stream is opened with: a world-action model's contract names
@@ -271,11 +292,7 @@ class Frontend:
             rollouts=rollouts,
         )
         try:
-            live = self._config.limits.live()
-            promise = self._loop.call(
-                lambda _e: self._loop.live.open(engine_spec, live),
-                timeout_s=self._config.open_timeout_s,
-            )
+            promise = self._open_in_engine(engine_spec)
         except AdmissionRefused as exc:
             self._refuse(
                 context,
@@ -314,6 +331,7 @@ class Frontend:
         )
         session.on_end = lambda why: self._finish(session, why)
         self.on_opened(session)
+        session.resume_token = self.detached.token_for(spec.resumable)
         with self._lock:
             self._sessions[promise.stream_id] = session
             self.streams_opened += 1
@@ -323,7 +341,20 @@ class Frontend:
         promise_to_proto(
             promise, reply.promise, max_observation_bytes=self._config.limits.max_observation_bytes
         )
+        if session.resume_token:
+            resume_to_reply(reply, token=session.resume_token, grace_s=self.detached.grace_s)
         return reply
+
+    def _open_in_engine(self, engine_spec: StreamSpec):
+        """The stream opened in the engine: its promise (a detached stream is given back
+        when the engine refuses it the room)."""
+        live = self._config.limits.live()
+        return self.detached.reclaiming(
+            lambda: self._loop.call(
+                lambda _e: self._loop.live.open(engine_spec, live),
+                timeout_s=self._config.open_timeout_s,
+            )
+        )
 
     # ---- Stream ------------------------------------------------------------------------
 
@@ -339,19 +370,19 @@ class Frontend:
             )
         with self._lock:
             session = self._sessions.get(stream_id)
-            if session is not None and not session.attached and not session.closed:
-                session.attached = True
-                claimed = True
-            else:
-                claimed = False
         if session is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown stream id {stream_id}")
-        if not claimed:
-            context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"stream {stream_id} is already attached or closed"
-            )
-        # A client that goes away (cancel, crash, network) ends the call: free its slots.
-        context.add_callback(lambda: self._finish(session, "call ended"))
+        try:
+            attachment, detached_for_s = session.attach(metadata.get(RESUME_TOKEN_METADATA_KEY))
+        except AttachRefused as exc:
+            if exc.code == grpc.StatusCode.PERMISSION_DENIED:
+                self._refuse(context, exc.code, exc.details)
+            context.abort(exc.code, exc.details)
+        if detached_for_s is not None:
+            self.detached.resumed(session, detached_for_s)
+        # A client that goes away (cancel, crash, network) ends the call: its stream is
+        # detached for its client to resume, or closed (its slots freed).
+        context.add_callback(lambda: self._call_ended(session, attachment, "call ended"))
         reader = threading.Thread(
             target=self._read,
             args=(session, request_iterator),
@@ -361,8 +392,8 @@ class Frontend:
         reader.start()
         self._loop.wake()
         try:
-            while context.is_active():
-                item = session.next_outbound(0.1)
+            while context.is_active() and session.holds(attachment):
+                item = session.next_outbound(0.1, attachment)
                 if item is None:
                     continue
                 if isinstance(item, SessionEnded):
@@ -370,8 +401,10 @@ class Frontend:
                         context.abort(item.code, item.details)
                     return
                 yield item
+            if context.is_active():
+                context.abort(grpc.StatusCode.ABORTED, "a newer Stream call resumed this stream")
         finally:
-            self._finish(session, "writer ended")
+            self._call_ended(session, attachment, "writer ended")
 
     def _read(self, session: Session, request_iterator) -> None:
         try:
@@ -387,6 +420,14 @@ class Frontend:
             log.exception("stream %d: reading observations failed", session.stream_id)
             session.end(grpc.StatusCode.INTERNAL, f"server stopped reading observations: {exc!r}")
 
+    def _call_ended(self, session: Session, attachment: int, why: str) -> None:
+        """Stream call ``attachment`` ended: a resumable stream it held is detached for its
+        grace; any other stream is closed (a resumed one is left to its newer call)."""
+        if not session.resume_token or (
+            not self.detached.detach(session, attachment, why) and session.closed
+        ):
+            self._finish(session, why)
+
     def _finish(
         self, session: Session, why: str, code: grpc.StatusCode = grpc.StatusCode.OK
     ) -> None:
@@ -395,6 +436,7 @@ class Frontend:
                 return
             self.streams_closed += 1
         self.on_closed(session)
+        self.detached.forget(session)
         session.end(code, why)
         self._loop.remove(session)
         log.info("closed stream %d: %s", session.stream_id, why)
@@ -436,15 +478,21 @@ class Frontend:
                 streams_opened=self.streams_opened,
                 streams_closed=self.streams_closed,
                 refusals=dict(self.refusals),
+                streams_expired=self.detached.streams_expired,
+                streams_reclaimed=self.detached.streams_reclaimed,
+                streams_resumed=self.detached.streams_resumed,
             )
         contract = getattr(self._loop.engine, "contract", None)
         if contract is not None:
             info.contract = contract.to_json()
+        now_s = time.monotonic()
         for s in sessions:
-            promise = s.promise
+            promise, detached_s = s.promise, s.detached_s
             info.streams.add(
                 stream_id=s.stream_id,
-                attached=s.attached,
+                attached=s.attached and detached_s is None,
+                detached_s=0.0 if detached_s is None else now_s - detached_s,
+                resumes=s.resumes,
                 achieved_interval_ms=s.achieved_interval_ms(),
                 chunks_out=s.chunks_out,
                 counters=counts_to_proto(s.counters(), pb.StreamCounters()),

@@ -27,6 +27,7 @@ from physis_ros.children import tie_to_launcher
 from physis_ros.cli_errors import (
     UsageError,
     cli_main,
+    finite_float,
     ignore_further_interrupts,
     log_level,
     positive_int,
@@ -300,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-client-ca",
         default=None,
         help="CA (PEM) that client certificates must chain to; requires them",
+    )
+    parser.add_argument(
+        "--resume-grace-s",
+        type=finite_float,
+        default=None,
+        help="how long a stream whose client lost its connection is held for the client to "
+        "resume it (default 10; 0: closed at once; overrides frontend.resume_grace_s)",
     )
     parser.add_argument(
         "--engine-factory",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import itertools
 import logging
 import math
@@ -98,6 +99,15 @@ class SessionLimits:
         )
 
 
+class AttachRefused(Exception):
+    """A Stream call may not take the stream: ends the call with ``code`` and ``details``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
 @dataclass(frozen=True)
 class SessionEnded:
     """Put on the outbound queue when a stream ends: the writer ends the call with it."""
@@ -141,6 +151,15 @@ class Session:
         self._outbound_tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._stats_pending = False
         self.attached = False
+        """A Stream call claimed the stream (and stays True while it is detached)."""
+        self.attachment = 0
+        """The number of the Stream call that holds it (1 the first, +1 per resume)."""
+        self.detached_s: float | None = None
+        """Monotonic: when its call ended and left it detached (None: a call holds it, or
+        none has yet)."""
+        self.resume_token = ""
+        """Its opener's secret for re-attaching ("": not resumable, see serve/resume.py)."""
+        self.resumes = 0
         self.closed = False
         self.on_end: Callable[[str], None] | None = None
         """Called once when the stream ends (the front end forgets it)."""
@@ -273,11 +292,78 @@ class Session:
         if send_stats:
             self._push("stats")  # filled in when sent, with the counts of that moment
 
+    # ---- Stream calls: attach, detach ---------------------------------------------------
+
+    def attach(self, token: str | None) -> tuple[int, float | None]:
+        """Claims the stream for a Stream call that presented resume token ``token`` (None:
+        none). The first call needs none; a stream a call claimed before (that call running
+        or broken) is taken over only with its token. Returns the call's attachment number
+        and, for a resume, how long the stream was detached (s; 0 for a takeover of a call
+        that has not ended yet). Raises AttachRefused."""
+        sid = self.stream_id
+        with self._lock:
+            if self.closed:
+                code = (
+                    grpc.StatusCode.ALREADY_EXISTS if token is None else grpc.StatusCode.NOT_FOUND
+                )
+                raise AttachRefused(code, f"stream {sid} is already attached or closed")
+            if token is not None and not (
+                self.resume_token
+                and hmac.compare_digest(token.encode(), self.resume_token.encode())
+            ):
+                raise AttachRefused(
+                    grpc.StatusCode.PERMISSION_DENIED, f"wrong resume token for stream {sid}"
+                )
+            if self.attached and token is None:
+                if self.detached_s is not None:
+                    raise AttachRefused(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"stream {sid} lost its call: re-attaching takes its resume token",
+                    )
+                raise AttachRefused(
+                    grpc.StatusCode.ALREADY_EXISTS, f"stream {sid} is already attached or closed"
+                )
+            resumed = self.attached
+            detached_for_s = None
+            if resumed:
+                since_s = self.detached_s
+                detached_for_s = 0.0 if since_s is None else time.monotonic() - since_s
+                self.resumes += 1
+                # What was queued for the broken call is stale (its chunks, clock answers);
+                # the promise goes first: the client learns a revision it missed.
+                stats = [i for i in self._outbound if i == "stats"]
+                self._outbound = collections.deque(["promise", *stats])
+            self.attached = True
+            self.attachment += 1
+            self.detached_s = None
+            attachment = self.attachment
+        if resumed:
+            self._outbound_tokens.put(None)
+        return attachment, detached_for_s
+
+    def detach(self, attachment: int) -> bool:
+        """Stream call ``attachment`` ended: True when that left the stream without a call
+        (it was the stream's call and the stream is open); it then sends nothing until a call
+        resumes it, and what it generates meanwhile is dropped (``detached``)."""
+        with self._lock:
+            if self.closed or attachment != self.attachment or self.detached_s is not None:
+                return False
+            self.detached_s = time.monotonic()
+            return True
+
+    def holds(self, attachment: int) -> bool:
+        """Whether Stream call ``attachment`` is the stream's call (not resumed by a newer)."""
+        return attachment == self.attachment
+
     # ---- outbound (gRPC writer side) ---------------------------------------------------
 
     def _push(self, item: Any) -> None:
         with self._lock:
             if self.closed:
+                return
+            if self.detached_s is not None and isinstance(item, Ran):
+                self.drops["detached"] += 1
+                self.last_drop_detail = "detached: a chunk made while the stream had no call"
                 return
             if len(self._outbound) >= self.limits.outbound_queue:
                 # The client reads slower than we produce: drop its oldest prediction.
@@ -292,14 +378,21 @@ class Session:
             self._outbound.append(item)
         self._outbound_tokens.put(None)
 
-    def next_outbound(self, timeout_s: float) -> bytes | SessionEnded | None:
+    def next_outbound(
+        self, timeout_s: float, attachment: int | None = None
+    ) -> bytes | SessionEnded | None:
         """The next serialised ServerMessage to send (its ``sent`` / ``server_send`` stamp
-        set now), the end of the stream, or None after ``timeout_s`` with nothing to send."""
+        set now), the end of the stream, or None after ``timeout_s`` with nothing to send
+        (or when Stream call ``attachment`` no longer holds the stream: a newer call resumed
+        it and gets what is queued)."""
         try:
             self._outbound_tokens.get(timeout=timeout_s)
         except queue.Empty:
             return None
         with self._lock:
+            if attachment is not None and attachment != self.attachment:
+                self._outbound_tokens.put(None)  # the item stays for the newer call
+                return None
             if not self._outbound:
                 return None  # its item was dropped (client_slow)
             item = self._outbound.popleft()
@@ -327,16 +420,23 @@ class Session:
             )
         return serialize_pong(item.client_send_ns, item.server_receive_ns, time.time_ns())
 
-    def end(self, code: grpc.StatusCode, details: str) -> None:
-        """Ends the stream: the writer sends what it has, then ends the call with ``code``."""
+    def end(self, code: grpc.StatusCode, details: str, *, if_detached: int | None = None) -> bool:
+        """Ends the stream: the writer sends what it has, then ends the call with ``code``.
+        ``if_detached``: only if the stream is still detached since its call of that number
+        ended (not resumed meanwhile). False when it did not end it."""
         with self._lock:
             if self.closed:
-                return
+                return False
+            if if_detached is not None and (
+                if_detached != self.attachment or self.detached_s is None
+            ):
+                return False
             self._outbound.append(SessionEnded(code, details))
             self.closed = True
         self._outbound_tokens.put(None)
         if self.on_end is not None:
             self.on_end(details)
+        return True
 
     def counters(self) -> StreamCounts:
         with self._lock:

@@ -93,6 +93,8 @@ def test_robot_killed_mid_stream_frees_its_slots(tmp_path):
     are freed in the engine and a new stream is admitted."""
     cfg = yaml.safe_load((REPO_ROOT / "config" / "serve.yaml").read_text())
     cfg["frontend"]["max_streams"] = 4
+    # held for the robot to resume this long after its connection ended, then freed
+    cfg["frontend"]["resume_grace_s"] = 2.0
     cfg["engine"]["max_streams"] = 1
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(cfg))
     with running_server(tmp_path, "--config", str(tmp_path / "serve.yaml")) as server:
