@@ -26,6 +26,8 @@ from pathlib import Path
 from physis_ros.cli_errors import UsageError, cli_main, finite_float
 from physis_ros.eval.bag import TopicChoice
 from physis_ros.eval.evaluate import EvalConfig, ModelInfo, evaluate
+from physis_ros.eval.paired import live_vs_in_process
+from physis_ros.eval.report import write_report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,9 +359,6 @@ def _evaluate_in_process(args, cfg: EvalConfig, topics: TopicChoice, engine, set
 def _compare_in_process(args, cfg: EvalConfig, topics: TopicChoice, live) -> dict:
     """--compare-in-process: the live run's window set scored in process with the engine
     settings of the arguments (its report in OUT/in_process), and live minus in process."""
-    from physis_ros.eval.paired import live_vs_in_process
-    from physis_ros.eval.report import write_report
-
     engine, settings = engine_from_args(args)
     in_process, report_engine = _evaluate_in_process(args, cfg, topics, engine, settings)
     write_report(in_process, args.out / "in_process", engine=report_engine)
@@ -402,8 +401,6 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
 
 
 def _write(result, report_engine: dict, out: Path, comparison: dict | None = None) -> int:
-    from physis_ros.eval.report import write_report
-
     # the engine settings belong in the report too (steps, window, shift, workers, mode)
     report = write_report(result, out, engine=report_engine, live_vs_in_process=comparison)
     for bag in report["skipped_bags"]:

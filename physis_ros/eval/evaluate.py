@@ -309,15 +309,13 @@ def _run_window(
 ) -> WindowResult:
     f, h_act = model.frames_per_chunk, model.action_horizon
     n_ctx, n_hor = cfg.context_chunks, cfg.horizon_chunks
-    has_actions = model.action_mode != "none" and ep.has_commands
 
     def chunk_actions(c: int) -> np.ndarray | None:
         if model.action_mode == "none" or not ep.has_commands:
             return None
         return ep.actions_for_chunk(start + c * f, f, h_act).astype(np.float32)
 
-    promise = engine.open_stream(StreamSpec(seed=seed, horizon=n_hor))
-    sid = promise.stream_id
+    sid = engine.open_stream(StreamSpec(seed=seed, horizon=n_hor)).stream_id
     outputs = []
     try:
         t_window = time.monotonic()
@@ -378,7 +376,7 @@ def _run_window(
         res.psnr = [psnr(p, o) for p, o in zip(predicted, observed, strict=True)]
         res.ssim = [ssim(p, o) for p, o in zip(predicted, observed, strict=True)]
         res.frame_mse = [mse(p, o) for p, o in zip(predicted, observed, strict=True)]
-    if has_actions:
+    if model.action_mode != "none" and ep.has_commands:
         recorded = np.concatenate([chunk_actions(c) for c in range(n_ctx, n_ctx + n_hor)])
         held = chunk_actions(n_ctx - 1)[-1]
         res.baseline_action_mse = [mse(held, a) for a in recorded]

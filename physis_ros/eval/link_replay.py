@@ -284,7 +284,6 @@ def replay_bag(
         out.notes.append(f"the stream was reopened {st.connections - 1} time(s): {st.last_error}")
     if n < len(stamps):
         out.notes.append(
-            f"replayed the first {n} of {len(stamps)} frames (the evaluation's last window "
-            "ends there)"
+            f"replayed the first {n} of {len(stamps)} frames (the windows evaluated lie in them)"
         )
     return out

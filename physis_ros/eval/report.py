@@ -372,6 +372,13 @@ def write_report(
         report["live_vs_in_process"] = live_vs_in_process
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(render_markdown(report))
+    _write_plots(report, result, out)
+    return report
+
+
+def _write_plots(report: dict, result: EvalResult, out: Path) -> None:
+    """error_vs_horizon.png (and action_error_vs_horizon.png), latency_hist.png,
+    interval_timeline.png, strips.png."""
     steps = [e["step"] for e in report["horizon"]]
     series = {
         "model PSNR": (steps, [e["psnr"] for e in report["horizon"]]),
@@ -434,4 +441,3 @@ def write_report(
             pred = [None] * n_ctx + (list(s["predicted"]) if s["predicted"] is not None else [])
             rows.append(("predicted", pred))
         image_strips(out / "strips.png", rows, title="observed (context + future) vs predicted")
-    return report

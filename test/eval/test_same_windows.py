@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -168,3 +170,51 @@ def test_runs_on_other_windows_are_not_compared(bag):
     )
     with pytest.raises(ValueError, match="different window sets"):
         live_vs_in_process(other, one)
+
+
+def _eval(*args) -> tuple[int, dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "physis_ros.eval.cli", *map(str, args), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    summary = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+    return proc.returncode, summary, proc.stderr
+
+
+def test_compare_in_process_scores_the_live_windows_in_process_too(tmp_path):
+    """physis-eval --serve-local --compare-in-process, the shipped push-wm: the live report
+    carries live minus in process per horizon, the in-process report sits beside it, and
+    both scored the same windows."""
+    bag = record_small(tmp_path / "bag", duration_s=2.0, seed=22)
+    out = tmp_path / "report"
+    windows = ("--context-chunks", "2", "--horizon-chunks", "2", "--stride-chunks", "1")
+    rc, summary, err = _eval(
+        bag, "--serve-local", "--steps", "2", *windows, "--compare-in-process", "--out", out
+    )
+    assert rc == 0, err
+    live = json.loads((out / "report.json").read_text())
+    in_process = json.loads((out / "in_process" / "report.json").read_text())
+    assert live["mode"] == "link" and in_process["mode"] == "in-process"
+    # 20 frames, windows of 8 frames one chunk apart: anchors 3, 5, ..., 15
+    assert live["window_set"] == in_process["window_set"] == {str(bag): list(range(3, 17, 2))}
+    cmp = live["live_vs_in_process"]
+    assert [e["chunk"] for e in cmp["by_chunk"]] == [1, 2]
+    for e, line in zip(cmp["by_chunk"], summary["live_minus_in_process_db"], strict=True):
+        assert e["windows"] == e["scored_in_process"] == 7
+        assert e["copy_last"]["difference"] == 0.0 and line["copy_last"] == 0.0
+        model = e["model"]
+        assert line["model"] == model["difference"]
+        assert model["live"] - model["in_process"] == pytest.approx(model["difference"])
+        assert model["difference_p10"] <= model["difference_p90"]
+        lo, hi = model["pooled_difference_interval"]
+        assert lo <= hi and model["pooled_live"] - model["pooled_in_process"] == pytest.approx(
+            model["pooled_difference"]
+        )
+    assert "## Live minus in process (the same windows)" in (out / "report.md").read_text()
+    assert (out / "in_process" / "report.md").exists()
+    rc, _, err = _eval(bag, "--compare-in-process", "--out", tmp_path / "alone")
+    assert rc == 2 and "--compare-in-process compares a live run" in err
