@@ -4,7 +4,10 @@ In process (the default): a ``local_engine`` on the embedded default weights unl
 otherwise (``--weights``, ``--model``, ``--steps``, ``--window``, ``--shift``, ``--workers``),
 fed window by window. Over the link: ``--link HOST:PORT`` streams the bags to a running
 physis-serve, ``--serve-local`` to a physis-serve child on 127.0.0.1 serving those same engine
-settings (see link_replay.py for what is scored there).
+settings (see link_eval.py for what is scored there). Both modes score one window set, fixed by
+the bags and the window flags (``--context-chunks``, ``--horizon-chunks``, ``--stride-chunks``,
+``--max-windows``, ``--max-seconds``); ``--compare-in-process`` scores a live run's windows in
+process too and reports live minus in process per horizon with its spread.
 Closed loop (``--closed-loop``, no bags): a world-action model (default: the shipped push-wam)
 drives a simulated task (``--task``: push, reach) for ``--episodes`` held-out episodes at
 each ``--delay-ms``, beside the scripted expert; see closed_loop.py.
@@ -29,6 +32,8 @@ from physis_ros.engine.weight_files import (
 )
 from physis_ros.eval.bag import TopicChoice
 from physis_ros.eval.evaluate import EvalConfig, ModelInfo, evaluate
+from physis_ros.eval.paired import live_vs_in_process
+from physis_ros.eval.report import write_report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-windows",
         type=int,
         default=0,
-        help="per bag, in process (0: all); over the link see --max-seconds",
+        help="windows per bag (0: all); in process and over the link alike",
+    )
+    w.add_argument(
+        "--max-seconds",
+        type=finite_float,
+        default=0.0,
+        help="bag seconds used per bag, from its first frame (0: all); in process and over "
+        "the link alike",
     )
     w.add_argument(
         "--frame-hz", type=finite_float, default=None, help="model frame rate (default: as trained)"
@@ -127,10 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="target interval the stream asks for (default 0: as fast as the server can)",
     )
     k.add_argument(
-        "--max-seconds",
-        type=finite_float,
-        default=0.0,
-        help="bag seconds replayed per bag (0: all)",
+        "--compare-in-process",
+        action="store_true",
+        help="after the live run, score the same windows in process with the engine settings "
+        "above; the report gives live minus in process per horizon with its spread",
     )
     c = p.add_argument_group("closed loop (a world-action model drives the simulated robot)")
     c.add_argument("--closed-loop", action="store_true", help="run episodes instead of bags")
@@ -317,10 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     over_link = bool(args.link or args.serve_local)
     if args.previews and not over_link:
         parser.error("--previews scores what a physis-serve streams: use --link or --serve-local")
+    if args.compare_in_process and not over_link:
+        parser.error("--compare-in-process compares a live run: use --link or --serve-local")
     engine = None
     try:
-        # in process: the engine now; --serve-local: its settings, for the child
-        if args.serve_local:
+        # in process: the engine now; --serve-local (or a comparison): its settings, for the
+        # child (and the in-process run after the live one)
+        if args.serve_local or args.compare_in_process:
             settings = engine_settings(args)[1]
         elif not over_link:
             engine, settings = engine_from_args(args)
@@ -332,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             horizon_chunks=args.horizon_chunks,
             window_stride_chunks=args.stride_chunks,
             max_windows_per_bag=args.max_windows,
+            max_seconds=args.max_seconds,
             frame_hz=args.frame_hz or settings["frame_hz"],
             realtime=args.realtime,
             seed=args.seed,
@@ -343,44 +359,63 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown()
         parser.error(str(err))
     topics = TopicChoice(image=args.image_topic, command=args.command_topic)
-    if over_link:
-        # imported here: the in-process path needs neither grpc nor the link client
-        from physis_ros.eval.link_replay import LinkUnavailable
-        from physis_ros.eval.local_server import LocalServerError
+    if not over_link:
+        return _write(*_evaluate_in_process(args, cfg, topics, engine, settings), args.out)
+    # imported here: the in-process path needs neither grpc nor the link client
+    from physis_ros.eval.link_replay import LinkUnavailable
+    from physis_ros.eval.local_server import LocalServerError
 
-        try:
-            result, report_engine = _evaluate_link(args, cfg, topics, settings, horizons)
-        except (ValueError, OSError) as err:  # bad options, an unreadable token or key file
-            parser.error(str(err))
-        except (LinkUnavailable, LocalServerError) as err:
-            print(f"physis-eval: error: {err}", file=sys.stderr)
-            print(json.dumps({"windows": 0, "mode": "link", "error": str(err)}))
-            return 1
-    else:
-        mcfg = engine.cfg
-        info = ModelInfo(
-            name=mcfg.name,
-            frames_per_chunk=mcfg.frames_per_chunk,
-            image_height=mcfg.image_size[0],
-            image_width=mcfg.image_size[1],
-            action_horizon=mcfg.action_horizon,
-            action_dim=mcfg.action_dim,
-            action_mode=mcfg.action_mode,
+    try:
+        result, report_engine = _evaluate_link(args, cfg, topics, settings, horizons)
+    except (ValueError, OSError) as err:  # bad options, an unreadable token or key file
+        parser.error(str(err))
+    except (LinkUnavailable, LocalServerError) as err:
+        print(f"physis-eval: error: {err}", file=sys.stderr)
+        print(json.dumps({"windows": 0, "mode": "link", "error": str(err)}))
+        return 1
+    comparison = None
+    if args.compare_in_process:
+        comparison = _compare_in_process(args, cfg, topics, result)
+    return _write(result, report_engine, args.out, comparison)
+
+
+def _evaluate_in_process(args, cfg: EvalConfig, topics: TopicChoice, engine, settings: dict):
+    """EvalResult of ``engine`` window by window (shut down afterwards), and the report's
+    ``engine`` entry."""
+    mcfg = engine.cfg
+    info = ModelInfo(
+        name=mcfg.name,
+        frames_per_chunk=mcfg.frames_per_chunk,
+        image_height=mcfg.image_size[0],
+        image_width=mcfg.image_size[1],
+        action_horizon=mcfg.action_horizon,
+        action_dim=mcfg.action_dim,
+        action_mode=mcfg.action_mode,
+    )
+    try:
+        result = evaluate(
+            engine, info, _expand(args.bags), cfg, topics=topics, progress=not args.quiet
         )
-        try:
-            result = evaluate(
-                engine, info, _expand(args.bags), cfg, topics=topics, progress=not args.quiet
-            )
-        finally:
-            engine.shutdown()
-        report_engine = {k: v for k, v in settings.items() if k != "checkpoint"}
-        report_engine["checkpoint"] = settings.get("checkpoint")
-    return _write(result, report_engine, args.out)
+    finally:
+        engine.shutdown()
+    report_engine = {k: v for k, v in settings.items() if k != "checkpoint"}
+    report_engine["checkpoint"] = settings.get("checkpoint")
+    return result, report_engine
+
+
+def _compare_in_process(args, cfg: EvalConfig, topics: TopicChoice, live) -> dict:
+    """--compare-in-process: the live run's window set scored in process with the engine
+    settings of the arguments (its report in OUT/in_process), and live minus in process."""
+    engine, settings = engine_from_args(args)
+    in_process, report_engine = _evaluate_in_process(args, cfg, topics, engine, settings)
+    write_report(in_process, args.out / "in_process", engine=report_engine)
+    return live_vs_in_process(live, in_process, seed=args.seed)
 
 
 def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, horizons):
     """EvalResult over the link, and the report's ``engine`` entry (what served it)."""
-    from physis_ros.eval.link_replay import LinkOptions, evaluate_link
+    from physis_ros.eval.link_eval import evaluate_link
+    from physis_ros.eval.link_replay import LinkOptions
     from physis_ros.eval.local_server import LocalServer
     from physis_ros.link.client import ROLLOUT_CHOICES
 
@@ -393,7 +428,6 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
         tls_server_name=args.tls_server_name,
         connect_timeout_s=args.connect_timeout,
         interval_ms=args.interval_ms,
-        max_seconds=args.max_seconds,
         horizons=horizons,
         previews=args.previews,
         rollouts=ROLLOUT_CHOICES[args.rollouts],
@@ -413,11 +447,9 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
     return result, {**kwargs, "served_by": "physis-serve child (--serve-local)"}
 
 
-def _write(result, report_engine: dict, out: Path) -> int:
-    from physis_ros.eval.report import write_report
-
+def _write(result, report_engine: dict, out: Path, comparison: dict | None = None) -> int:
     # the engine settings belong in the report too (steps, window, shift, workers, mode)
-    report = write_report(result, out, engine=report_engine)
+    report = write_report(result, out, engine=report_engine, live_vs_in_process=comparison)
     for bag in report["skipped_bags"]:
         print(f"physis-eval: skipped bag {bag['path']}: {bag['reason']}", file=sys.stderr)
     for reason, n in report["skipped_windows"].items():
@@ -432,6 +464,16 @@ def _write(result, report_engine: dict, out: Path) -> int:
         "interval_ms_median": report["latency"]["interval_ms"]["median"],
         "report": str(out / "report.md"),
     }
+    if comparison is not None:
+        summary["live_minus_in_process_db"] = [
+            {
+                "chunk": e["chunk"],
+                "windows": e["windows"],
+                "model": e["model"] and e["model"]["difference"],
+                "copy_last": e["copy_last"] and e["copy_last"]["difference"],
+            }
+            for e in comparison["by_chunk"]
+        ]
     print(json.dumps(summary))
     return 0 if report["windows"] else 1
 

@@ -38,6 +38,10 @@ class EvalConfig:
     """Chunks between the starts of consecutive windows in an episode."""
     max_windows_per_bag: int = 0
     """0: every window that fits."""
+    max_seconds: float = 0.0
+    """Bag seconds used from each bag's first frame (0: all of it). With the window geometry
+    and ``max_windows_per_bag`` it fixes the window set (``window_anchors``), the same in
+    process and over the link."""
     frame_hz: float = 10.0
     """Camera rate the model was trained at; faster bags are subsampled to it."""
     realtime: bool = False
@@ -59,6 +63,8 @@ class EvalConfig:
             raise ValueError(f"window_stride_chunks must be >= 1, got {self.window_stride_chunks}")
         if self.max_windows_per_bag < 0:
             raise ValueError(f"max_windows_per_bag must be >= 0, got {self.max_windows_per_bag}")
+        if not self.max_seconds >= 0:
+            raise ValueError(f"max_seconds must be >= 0, got {self.max_seconds}")
         if not self.frame_hz > 0:
             raise ValueError(f"frame_hz must be > 0, got {self.frame_hz}")
         if not self.poll_timeout_s > 0:
@@ -102,6 +108,9 @@ class WindowResult:
     """time.monotonic() at which each predicted chunk was decoded."""
     chunk_latency_ms: list[float]
     """Per predicted chunk: entered the pipeline -> decoded."""
+    anchor_frame: int = -1
+    """The window's newest observed frame (what copy-last copies): with the bag, the key that
+    pairs a window scored in process with the same window scored over the link."""
     observed: np.ndarray | None = None
     """[F_ctx + F_pred, H, W, 3] recorded frames (dropped once the strip plot has them)."""
     predicted: np.ndarray | None = None
@@ -127,6 +136,8 @@ class EvalResult:
     mode: str = "in-process"
     """``in-process`` (a StreamEngine in this process, window by window) or ``link`` (a
     physis-serve over gRPC, live semantics; see link_replay.py)."""
+    window_set: dict[str, list[int]] = field(default_factory=dict)
+    """Per bag: the anchor frames of its windows (``window_anchors``), scored or not."""
     output_sequences_s: list[list[float]] | None = None
     """Runs of consecutive outputs' times (s) whose differences are the intervals; None: each
     window's ``output_times_s`` (over the link: each stream's predictions)."""
@@ -149,6 +160,32 @@ def window_starts(n_frames: int, model: ModelInfo, cfg: EvalConfig) -> list[int]
     span = (cfg.context_chunks + cfg.horizon_chunks) * f
     starts = list(range(0, n_frames - span + 1, cfg.window_stride_chunks * f))
     return starts[: cfg.max_windows_per_bag] if cfg.max_windows_per_bag else starts
+
+
+def frames_in_use(ep: Episode, frames_per_chunk: int, cfg: EvalConfig) -> int:
+    """How many of the episode's first frames the evaluation uses: those within
+    ``max_seconds``, and with ``max_windows_per_bag`` no more than its windows span."""
+    stamps = ep.frame_stamps_ns
+    n = len(stamps)
+    if cfg.max_seconds and n:
+        limit = int(stamps[0]) + int(cfg.max_seconds * 1e9)
+        n = int(np.searchsorted(stamps, limit, side="right"))
+    if cfg.max_windows_per_bag:
+        span = (cfg.context_chunks + cfg.horizon_chunks) * frames_per_chunk
+        starts = range(0, n - span + 1, cfg.window_stride_chunks * frames_per_chunk)
+        if len(starts) > cfg.max_windows_per_bag:
+            n = starts[cfg.max_windows_per_bag - 1] + span
+    return n
+
+
+def window_anchors(ep: Episode, model: ModelInfo, cfg: EvalConfig) -> list[int]:
+    """The window set: each window's anchor, its newest observed frame. Fixed by the bag and
+    the configuration alone, so both modes score the same windows whatever their timing: in
+    process each is a stream of its own; over the link it is the prediction anchored on that
+    frame's slot (DESIGN.md §3.1)."""
+    n = frames_in_use(ep, model.frames_per_chunk, cfg)
+    last_observed = cfg.context_chunks * model.frames_per_chunk - 1
+    return [start + last_observed for start in window_starts(n, model, cfg)]
 
 
 def load_episodes(
@@ -224,7 +261,10 @@ def evaluate(
         topics=topics,
         require_commands=model.action_mode == "condition",
     )
-    plan = [(ep, s) for ep in episodes for s in window_starts(len(ep.frames), model, cfg)]
+    n_ctx_frames = cfg.context_chunks * model.frames_per_chunk
+    for ep in episodes:
+        result.window_set[ep.path] = window_anchors(ep, model, cfg)
+    plan = [(ep, a + 1 - n_ctx_frames) for ep in episodes for a in result.window_set[ep.path]]
     per_bag_windows: Counter = Counter()
     window_index = 0
     for ep, start in tqdm(plan, desc="windows", unit="win", disable=not progress):
@@ -249,12 +289,19 @@ def evaluate(
         win.observed = win.predicted = None  # keep memory flat over long runs
     for ep in episodes:
         n_windows = per_bag_windows[ep.path]
-        if n_windows == 0 and not window_starts(len(ep.frames), model, cfg):
-            need = (cfg.context_chunks + cfg.horizon_chunks) * model.frames_per_chunk
-            ep.notes.append(f"too short: {len(ep.frames)} frames, a window needs {need}")
+        if n_windows == 0 and not result.window_set[ep.path]:
+            ep.notes.append(too_short(ep, model, cfg))
         result.bags.append(bag_entry(ep, n_windows))
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def too_short(ep: Episode, model: ModelInfo, cfg: EvalConfig) -> str:
+    """The note on a bag that holds no window."""
+    need = (cfg.context_chunks + cfg.horizon_chunks) * model.frames_per_chunk
+    used = frames_in_use(ep, model.frames_per_chunk, cfg)
+    within = f" within its first {cfg.max_seconds:g} s" if used < len(ep.frames) else ""
+    return f"too short: {used} frames{within}, a window needs {need}"
 
 
 def _run_window(
@@ -262,15 +309,13 @@ def _run_window(
 ) -> WindowResult:
     f, h_act = model.frames_per_chunk, model.action_horizon
     n_ctx, n_hor = cfg.context_chunks, cfg.horizon_chunks
-    has_actions = model.action_mode != "none" and ep.has_commands
 
     def chunk_actions(c: int) -> np.ndarray | None:
         if model.action_mode == "none" or not ep.has_commands:
             return None
         return ep.actions_for_chunk(start + c * f, f, h_act).astype(np.float32)
 
-    promise = engine.open_stream(StreamSpec(seed=seed, horizon=n_hor))
-    sid = promise.stream_id
+    sid = engine.open_stream(StreamSpec(seed=seed, horizon=n_hor)).stream_id
     outputs = []
     try:
         t_window = time.monotonic()
@@ -323,18 +368,19 @@ def _run_window(
         response_latency_ms=(outputs[0].decoded_s - t_submit) * 1e3,
         output_times_s=[o.decoded_s for o in outputs],
         chunk_latency_ms=[(o.decoded_s - o.entered_s) * 1e3 for o in outputs],
+        anchor_frame=first_pred - 1,
+        observed=ep.frames[start : first_pred + n_hor * f],
+        predicted=predicted,
     )
     if predicted is not None:
         res.psnr = [psnr(p, o) for p, o in zip(predicted, observed, strict=True)]
         res.ssim = [ssim(p, o) for p, o in zip(predicted, observed, strict=True)]
         res.frame_mse = [mse(p, o) for p, o in zip(predicted, observed, strict=True)]
-    if has_actions:
+    if model.action_mode != "none" and ep.has_commands:
         recorded = np.concatenate([chunk_actions(c) for c in range(n_ctx, n_ctx + n_hor)])
         held = chunk_actions(n_ctx - 1)[-1]
         res.baseline_action_mse = [mse(held, a) for a in recorded]
         if model.action_mode == "predict" and outputs[0].actions is not None:
             pred_actions = np.concatenate([o.actions for o in outputs])
             res.action_mse = [mse(p, a) for p, a in zip(pred_actions, recorded, strict=True)]
-    res.observed = ep.frames[start : first_pred + n_hor * f]
-    res.predicted = predicted
     return res

@@ -24,6 +24,7 @@ import numpy as np
 
 from physis_ros.eval.evaluate import EvalResult
 from physis_ros.eval.metrics import PSNR_CAP_DB, summarize
+from physis_ros.eval.paired import comparison_lines
 from physis_ros.eval.plots import histogram, image_strips, line_chart
 
 
@@ -169,6 +170,7 @@ def build_report(result: EvalResult) -> dict:
         "latency": latency,
         "not_measured": not_measured,
         "bags": result.bags,
+        "window_set": result.window_set,
         "skipped_bags": result.skipped_bags,
         "skipped_windows": dict(result.skipped_windows),
         "wall_s": result.wall_s,
@@ -321,6 +323,8 @@ def render_markdown(report: dict) -> str:
             lines.append(f"- not scored, {n} prediction(s): {reason}")
         if "previews" in link:
             lines += _preview_lines(link["previews"])
+    if report.get("live_vs_in_process"):
+        lines += comparison_lines(report["live_vs_in_process"])
     if report["not_measured"]:
         lines += ["", "## Not measured", ""]
         lines += [f"- `{k}`: {v}" for k, v in report["not_measured"].items()]
@@ -348,16 +352,33 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(result: EvalResult, out_dir: Path | str, *, engine: dict | None = None) -> dict:
+def write_report(
+    result: EvalResult,
+    out_dir: Path | str,
+    *,
+    engine: dict | None = None,
+    live_vs_in_process: dict | None = None,
+) -> dict:
     """Write report.json, report.md and the plots into ``out_dir``; returns the report.
-    ``engine``: what served the predictions (settings), kept in report.json as ``engine``."""
+    ``engine``: what served the predictions (settings), kept in report.json as ``engine``;
+    ``live_vs_in_process``: a live run's comparison with the same windows in process
+    (``paired.live_vs_in_process``), kept under that key."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = build_report(result)
     if engine is not None:
         report["engine"] = engine
+    if live_vs_in_process is not None:
+        report["live_vs_in_process"] = live_vs_in_process
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(render_markdown(report))
+    _write_plots(report, result, out)
+    return report
+
+
+def _write_plots(report: dict, result: EvalResult, out: Path) -> None:
+    """error_vs_horizon.png (and action_error_vs_horizon.png), latency_hist.png,
+    interval_timeline.png, strips.png."""
     steps = [e["step"] for e in report["horizon"]]
     series = {
         "model PSNR": (steps, [e["psnr"] for e in report["horizon"]]),
@@ -420,4 +441,3 @@ def write_report(result: EvalResult, out_dir: Path | str, *, engine: dict | None
             pred = [None] * n_ctx + (list(s["predicted"]) if s["predicted"] is not None else [])
             rows.append(("predicted", pred))
         image_strips(out / "strips.png", rows, title="observed (context + future) vs predicted")
-    return report

@@ -78,7 +78,8 @@ def _world_model(frames_per_chunk: int):
 def test_predictions_are_scored_at_their_horizon_against_the_frames_they_stand_for():
     """Each prediction goes to its anchor's window at horizon step (j-1)F + i, compared with
     frame first_frame_seq + i; copy-last is the anchor's newest frame."""
-    from physis_ros.eval.link_replay import BagReplay, anchoring, score_bag
+    from physis_ros.eval.link_eval import anchoring, score_bag
+    from physis_ros.eval.link_replay import BagReplay
 
     ep = _episode(20)
     model = _world_model(2)
@@ -182,7 +183,7 @@ def test_with_rollouts_every_anchor_is_scored_at_every_horizon():
         by_anchor.setdefault(p.anchor_slot, []).append(p.horizon)
         assert p.chunk_index == p.anchor_slot + p.horizon
     assert by_anchor == {a: [1, 2, 3] for a in range(8)}
-    from physis_ros.eval.link_replay import score_bag
+    from physis_ros.eval.link_eval import score_bag
 
     windows, unscored, _ = score_bag(ep, replay, _world_model(2), EvalConfig(horizon_chunks=3))
     full = [w for w in windows if all(v is not None for v in w.psnr)]
