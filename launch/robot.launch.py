@@ -4,6 +4,8 @@
         token_file:=token.txt tls_ca:=ca.pem
     ros2 launch physis_ros robot.launch.py sim:=true namespace:=arm1     # no hardware
     ros2 launch physis_ros robot.launch.py sim:=true sim_task:=goal_push sim_idle_policy:=hold
+    ros2 launch physis_ros robot.launch.py sim:=true sim_scene:=reach sim_task:=goal_push \
+        task_topic:=target
 
 Every topic is relative: ``namespace:=arm1`` gives ``/arm1/camera/image``,
 ``/arm1/predicted/image``, ``/arm1/pipeline_stats``, ``/arm1/tf``...; only ``/diagnostics``
@@ -22,7 +24,7 @@ as it stops.
 import os
 
 from ament_index_python.packages import get_package_share_directory
-from launch.actions import DeclareLaunchArgument, SetEnvironmentVariable
+from launch.actions import DeclareLaunchArgument, OpaqueFunction, SetEnvironmentVariable
 from launch.conditions import IfCondition
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
@@ -30,6 +32,29 @@ from launch_ros.parameter_descriptions import ParameterValue
 
 from launch import LaunchDescription
 from physis_ros.children import PARENT_PID_ENV
+
+
+def sim_robot(context) -> list[Node]:
+    """sim_robot with config/sim_robot.yaml, its task and idle policy, and its scene where
+    sim_scene names one."""
+    arg = LaunchConfiguration
+    overrides = {
+        "task": ParameterValue(arg("sim_task"), value_type=str),
+        "idle_policy": ParameterValue(arg("sim_idle_policy"), value_type=str),
+    }
+    scene = arg("sim_scene").perform(context)
+    if scene:
+        overrides["scene"] = scene
+    config = os.path.join(get_package_share_directory("physis_ros"), "config")
+    node = Node(
+        package="physis_ros",
+        executable="sim_robot",
+        name="sim_robot",
+        namespace=arg("namespace"),
+        output="screen",
+        parameters=[os.path.join(config, "sim_robot.yaml"), overrides],
+    )
+    return [node]
 
 
 def generate_launch_description():
@@ -85,7 +110,8 @@ def generate_launch_description():
             "task_topic",
             "",
             "the task's parameters (PointStamped) a model that takes task values opens its "
-            "stream with ('' = none; sim_robot's episodes publish theirs on goal)",
+            "stream with ('' = none; sim_robot's episodes publish theirs on their task's goal "
+            "topic: goal, target)",
         ),
         (
             "object_topics",
@@ -94,6 +120,12 @@ def generate_launch_description():
             "tracker), e.g. \"['box=object_position']\" for push-wam ([] = none)",
         ),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
+        (
+            "sim_scene",
+            "",
+            "sim_robot's scene, the simulated task's robot (push, reach: physis_ros.sim.tasks; "
+            "'' = config/sim_robot.yaml's)",
+        ),
         (
             "sim_task",
             "free",
@@ -147,21 +179,7 @@ def generate_launch_description():
                     },
                 ],
             ),
-            Node(
-                package="physis_ros",
-                executable="sim_robot",
-                name="sim_robot",
-                namespace=namespace,
-                output="screen",
-                parameters=[
-                    os.path.join(config, "sim_robot.yaml"),
-                    {
-                        "task": ParameterValue(arg("sim_task"), value_type=str),
-                        "idle_policy": ParameterValue(arg("sim_idle_policy"), value_type=str),
-                    },
-                ],
-                condition=IfCondition(arg("sim")),
-            ),
+            OpaqueFunction(function=sim_robot, condition=IfCondition(arg("sim"))),
             Node(
                 package="rviz2",
                 executable="rviz2",
