@@ -40,7 +40,8 @@ ROBOT_ARGUMENTS = (
 def sim_arguments(context) -> dict[str, str]:
     """robot.launch.py's sim_robot and bridge arguments for the served model: its weights'
     scene; with drive:=true, their episodes, held when no trajectory comes, and the bridge
-    bound to the episode's goal and the tracked objects the model's contract takes."""
+    bound to the episode's goal, the tracked objects and the wrench the model's contract
+    takes, drawing the scene's arm (``Drive``)."""
     model = LaunchConfiguration("model").perform(context)
     weights = LaunchConfiguration("weights").perform(context)
     drives = LaunchConfiguration("drive").perform(context) == "true"
@@ -56,10 +57,10 @@ def sim_arguments(context) -> dict[str, str]:
     if not drives:  # the robot the model knows, its scene's own motion
         return {"sim_scene": drive.scene}
     bridge = drive.bridge_params()
+    del bridge["command_joint_names"]  # the bridge takes the contract's action names
     return {
         **{f"sim_{name}": value for name, value in drive.sim_params().items()},
-        "task_topic": bridge.get("task_topic", ""),
-        "object_topics": str(bridge.get("object_topics", [])),
+        **{name: str(value) for name, value in bridge.items()},
     }
 
 

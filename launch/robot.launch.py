@@ -33,6 +33,48 @@ from launch_ros.parameter_descriptions import ParameterValue
 from launch import LaunchDescription
 from physis_ros.children import PARENT_PID_ENV
 
+OPTIONAL_BRIDGE_PARAMETERS = {
+    "require_wrench": bool,
+    "ee_joint_indices": list[int],
+    "link_lengths_m": list[float],
+    "arm_base_xy_m": list[float],
+}
+"""Bridge parameters passed only where their launch argument is set (else params_file's)."""
+
+
+def bridge(context) -> list[Node]:
+    """The bridge with params_file, the arguments' values, and those of
+    OPTIONAL_BRIDGE_PARAMETERS that are set."""
+    arg = LaunchConfiguration
+    overrides = {
+        "server": ParameterValue(arg("server"), value_type=str),
+        "server_port_file": ParameterValue(arg("server_port_file"), value_type=str),
+        "token_file": ParameterValue(arg("token_file"), value_type=str),
+        "root_cert_path": ParameterValue(arg("tls_ca"), value_type=str),
+        "target_interval_ms": ParameterValue(arg("target_interval_ms"), value_type=float),
+        "fallback": ParameterValue(arg("fallback"), value_type=str),
+        "execution": ParameterValue(arg("execution"), value_type=str),
+        "join": ParameterValue(arg("join"), value_type=str),
+        "previews": ParameterValue(arg("previews"), value_type=bool),
+        "act_on_previews": ParameterValue(arg("act_on_previews"), value_type=bool),
+        "horizon": ParameterValue(arg("horizon"), value_type=int),
+        "rollouts": ParameterValue(arg("rollouts"), value_type=str),
+        "task_topic": ParameterValue(arg("task_topic"), value_type=str),
+        "object_topics": ParameterValue(arg("object_topics"), value_type=list[str]),
+    }
+    for name, kind in OPTIONAL_BRIDGE_PARAMETERS.items():
+        if arg(name).perform(context):
+            overrides[name] = ParameterValue(arg(name), value_type=kind)
+    node = Node(
+        package="physis_ros",
+        executable="bridge",
+        name="bridge",
+        namespace=arg("namespace"),
+        output="screen",
+        parameters=[arg("params_file"), overrides],
+    )
+    return [node]
+
 
 def sim_robot(context) -> list[Node]:
     """sim_robot with config/sim_robot.yaml, its task and idle policy, and its scene where
@@ -119,6 +161,20 @@ def generate_launch_description():
             "tracked objects, each name=topic (PointStamped, table frame, from an object "
             "tracker), e.g. \"['box=object_position']\" for push-wam ([] = none)",
         ),
+        (
+            "require_wrench",
+            "",
+            "the bridge sends only images with a wrench ('' = params_file's; false for a model "
+            "that takes none on a robot without a force sensor)",
+        ),
+        (
+            "ee_joint_indices",
+            "",
+            "the bridge's predicted tool path: action columns of the arm's joints, base to tip "
+            "('' = params_file's), e.g. [0, 1, 2]",
+        ),
+        ("link_lengths_m", "", "... the arm's link lengths ('' = params_file's)"),
+        ("arm_base_xy_m", "", "... the arm's base in the marker frame ('' = params_file's)"),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
         (
             "sim_scene",
@@ -151,34 +207,7 @@ def generate_launch_description():
             SetEnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE", arg("fastdds_profile")),
             # launch exits on SIGTERM without stopping its processes: they watch it instead
             SetEnvironmentVariable(PARENT_PID_ENV, str(os.getpid())),
-            Node(
-                package="physis_ros",
-                executable="bridge",
-                name="bridge",
-                namespace=namespace,
-                output="screen",
-                parameters=[
-                    arg("params_file"),
-                    {
-                        "server": ParameterValue(arg("server"), value_type=str),
-                        "server_port_file": ParameterValue(arg("server_port_file"), value_type=str),
-                        "token_file": ParameterValue(arg("token_file"), value_type=str),
-                        "root_cert_path": ParameterValue(arg("tls_ca"), value_type=str),
-                        "target_interval_ms": ParameterValue(
-                            arg("target_interval_ms"), value_type=float
-                        ),
-                        "fallback": ParameterValue(arg("fallback"), value_type=str),
-                        "execution": ParameterValue(arg("execution"), value_type=str),
-                        "join": ParameterValue(arg("join"), value_type=str),
-                        "previews": ParameterValue(arg("previews"), value_type=bool),
-                        "act_on_previews": ParameterValue(arg("act_on_previews"), value_type=bool),
-                        "horizon": ParameterValue(arg("horizon"), value_type=int),
-                        "rollouts": ParameterValue(arg("rollouts"), value_type=str),
-                        "task_topic": ParameterValue(arg("task_topic"), value_type=str),
-                        "object_topics": ParameterValue(arg("object_topics"), value_type=list[str]),
-                    },
-                ],
-            ),
+            OpaqueFunction(function=bridge),
             OpaqueFunction(function=sim_robot, condition=IfCondition(arg("sim"))),
             Node(
                 package="rviz2",

@@ -12,6 +12,7 @@ from pathlib import Path
 from physis_ros.contract.model import WamContract
 from physis_ros.contract.safetensors import read_metadata
 from physis_ros.sim.base import Task
+from physis_ros.sim.table import BASE_XY
 from physis_ros.sim.tasks import TASKS, get_task
 from physis_ros.weights import SHIPPED
 
@@ -48,8 +49,10 @@ class Drive:
     its weights: sim_robot runs the episodes (``task: goal_push``) of the scene the model was
     trained on and holds when no trajectory comes; the bridge commands the model's joints,
     opens its stream with each episode's goal from the task's goal topic when the contract
-    takes task values, and pairs each observation with sim_robot's tracked object when the
-    contract takes an object's coordinates."""
+    takes task values, pairs each observation with sim_robot's tracked object when the
+    contract takes an object's coordinates and with a wrench only when it takes one (a robot
+    without a force sensor sends none), and draws the predicted tool path with the scene's
+    arm."""
 
     scene: str
     label: str
@@ -61,6 +64,9 @@ class Drive:
     """'' when the model takes no task values."""
     object_topics: tuple[str, ...]
     """``name=topic`` for each object the contract takes."""
+    require_wrench: bool
+    link_lengths_m: tuple[float, ...]
+    """The scene's arm, base to tip (its joints are the actions' columns, in order)."""
 
     @classmethod
     def of(cls, meta: dict[str, str]) -> Drive:
@@ -74,13 +80,21 @@ class Drive:
             action_names=contract.action_names,
             task_topic=task.goal_topic if contract.task_names else "",
             object_topics=tuple(f"{name}={SIM_OBJECT_TOPIC}" for name in contract.objects),
+            require_wrench=any(s.source == "wrench" for s in contract.state),
+            link_lengths_m=tuple(task.scene_type.link_lengths_m),
         )
 
     def sim_params(self) -> dict:
         return {"scene": self.scene, "task": "goal_push", "idle_policy": "hold"}
 
     def bridge_params(self) -> dict:
-        params: dict = {"command_joint_names": list(self.action_names)}
+        params: dict = {
+            "command_joint_names": list(self.action_names),
+            "require_wrench": self.require_wrench,
+            "ee_joint_indices": list(range(len(self.link_lengths_m))),
+            "link_lengths_m": list(self.link_lengths_m),
+            "arm_base_xy_m": list(BASE_XY),
+        }
         if self.task_topic:  # its streams open with sim_robot's episode tasks
             params["task_topic"] = self.task_topic
         if self.object_topics:  # sim_robot's tracked object, as a tracker would report it
