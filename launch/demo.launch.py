@@ -6,17 +6,62 @@ programs itself and writes a summary and a picture.
 
     ros2 launch physis_ros demo.launch.py rviz:=true
     ros2 launch physis_ros demo.launch.py model:=push-wam drive:=true    # the model drives
+    ros2 launch physis_ros demo.launch.py model:=reach-wam drive:=true
     ros2 launch physis_ros demo.launch.py namespace:=arm1 port:=0 port_file:=/tmp/demo.port
+
+A world-action model's weights say which robot it drives (``physis_ros.demo.drive.Drive``,
+read from their metadata when the launch starts): sim_robot runs the scene of the task they
+were trained on, and with ``drive:=true`` its episodes, while the bridge takes each
+episode's goal on the task's goal topic and the tracked objects the model's contract names.
 """
 
 import os
 
 from ament_index_python.packages import get_package_share_directory
-from launch.actions import DeclareLaunchArgument, GroupAction, IncludeLaunchDescription
+from launch.actions import (
+    DeclareLaunchArgument,
+    GroupAction,
+    IncludeLaunchDescription,
+    OpaqueFunction,
+)
 from launch.launch_description_sources import PythonLaunchDescriptionSource
-from launch.substitutions import LaunchConfiguration, PythonExpression
+from launch.substitutions import LaunchConfiguration
 
 from launch import LaunchDescription
+from physis_ros.demo.drive import shipped_camera
+
+ROBOT_ARGUMENTS = (
+    "namespace", "target_interval_ms", "rviz", "execution", "join", "previews",
+    "act_on_previews", "horizon", "rollouts",
+)  # fmt: skip
+"""demo.launch.py's arguments that robot.launch.py takes as they are."""
+
+
+def sim_arguments(context) -> dict[str, str]:
+    """robot.launch.py's sim_robot and bridge arguments for the served model: its weights'
+    scene; with drive:=true, their episodes, held when no trajectory comes, and the bridge
+    bound to the episode's goal, the tracked objects and the wrench the model's contract
+    takes, drawing the scene's arm (``Drive``)."""
+    model = LaunchConfiguration("model").perform(context)
+    weights = LaunchConfiguration("weights").perform(context)
+    drives = LaunchConfiguration("drive").perform(context) == "true"
+    camera = shipped_camera(model, weights or None)
+    drive = camera["drive"] if camera is not None else None
+    if drives and drive is None:
+        raise ValueError(
+            f"drive:=true needs a world-action model with its weights (model:={model}"
+            f"{f' weights:={weights}' if weights else ''} drives nothing)"
+        )
+    if drive is None:
+        return {}
+    if not drives:  # the robot the model knows, its scene's own motion
+        return {"sim_scene": drive.scene}
+    bridge = drive.bridge_params()
+    del bridge["command_joint_names"]  # the bridge takes the contract's action names
+    return {
+        **{f"sim_{name}": value for name, value in drive.sim_params().items()},
+        **{name: str(value) for name, value in bridge.items()},
+    }
 
 
 def generate_launch_description():
@@ -36,9 +81,10 @@ def generate_launch_description():
         (
             "drive",
             "false",
-            "the served world-action model drives sim_robot: goal-push episodes, the arm holds "
-            "when no trajectory comes, the bridge sends sim_robot's goal and box centre (with "
-            "model:=push-wam)",
+            "the served world-action model drives sim_robot: episodes of the task its weights "
+            "were trained on, the arm holds when no trajectory comes, the bridge sends each "
+            "episode's goal and the tracked objects the model takes (model:=push-wam, "
+            "model:=reach-wam)",
         ),
         ("execution", "delay_aware", "the bridge's execution of chunks: delay_aware or naive"),
         ("join", "crossfade", "how the bridge joins chunks: crossfade or replace"),
@@ -61,6 +107,15 @@ def generate_launch_description():
             [IncludeLaunchDescription(source, launch_arguments=launch_arguments.items())]
         )
 
+    def robot(context) -> dict:
+        return {
+            "sim": "true",
+            "server": ["127.0.0.1:", arg("port")],
+            "server_port_file": arg("port_file"),
+            **{name: arg(name) for name in ROBOT_ARGUMENTS},
+            **sim_arguments(context),
+        }
+
     return LaunchDescription(
         [
             *(
@@ -77,34 +132,6 @@ def generate_launch_description():
                     "port_file": arg("port_file"),
                 },
             ),
-            include(
-                "robot.launch.py",
-                {
-                    "sim": "true",
-                    "namespace": arg("namespace"),
-                    "server": ["127.0.0.1:", arg("port")],
-                    "server_port_file": arg("port_file"),
-                    "target_interval_ms": arg("target_interval_ms"),
-                    "rviz": arg("rviz"),
-                    "execution": arg("execution"),
-                    "join": arg("join"),
-                    "previews": arg("previews"),
-                    "act_on_previews": arg("act_on_previews"),
-                    "horizon": arg("horizon"),
-                    "rollouts": arg("rollouts"),
-                    "sim_task": PythonExpression(
-                        ["'goal_push' if '", arg("drive"), "' == 'true' else 'free'"]
-                    ),
-                    "task_topic": PythonExpression(
-                        ["'goal' if '", arg("drive"), "' == 'true' else ''"]
-                    ),
-                    "object_topics": PythonExpression(
-                        ["\"['box=object_position']\" if '", arg("drive"), "' == 'true' else '[]'"]
-                    ),
-                    "sim_idle_policy": PythonExpression(
-                        ["'hold' if '", arg("drive"), "' == 'true' else 'scripted'"]
-                    ),
-                },
-            ),
+            OpaqueFunction(function=lambda context: [include("robot.launch.py", robot(context))]),
         ]
     )

@@ -4,6 +4,8 @@
         token_file:=token.txt tls_ca:=ca.pem
     ros2 launch physis_ros robot.launch.py sim:=true namespace:=arm1     # no hardware
     ros2 launch physis_ros robot.launch.py sim:=true sim_task:=goal_push sim_idle_policy:=hold
+    ros2 launch physis_ros robot.launch.py sim:=true sim_scene:=reach sim_task:=goal_push \
+        task_topic:=target
 
 Every topic is relative: ``namespace:=arm1`` gives ``/arm1/camera/image``,
 ``/arm1/predicted/image``, ``/arm1/pipeline_stats``, ``/arm1/tf``...; only ``/diagnostics``
@@ -22,7 +24,7 @@ as it stops.
 import os
 
 from ament_index_python.packages import get_package_share_directory
-from launch.actions import DeclareLaunchArgument, SetEnvironmentVariable
+from launch.actions import DeclareLaunchArgument, OpaqueFunction, SetEnvironmentVariable
 from launch.conditions import IfCondition
 from launch.substitutions import LaunchConfiguration
 from launch_ros.actions import Node
@@ -30,6 +32,71 @@ from launch_ros.parameter_descriptions import ParameterValue
 
 from launch import LaunchDescription
 from physis_ros.children import PARENT_PID_ENV
+
+OPTIONAL_BRIDGE_PARAMETERS = {
+    "require_wrench": bool,
+    "ee_joint_indices": list[int],
+    "link_lengths_m": list[float],
+    "arm_base_xy_m": list[float],
+}
+"""Bridge parameters passed only where their launch argument is set (else params_file's)."""
+
+
+def bridge(context) -> list[Node]:
+    """The bridge with params_file, the arguments' values, and those of
+    OPTIONAL_BRIDGE_PARAMETERS that are set."""
+    arg = LaunchConfiguration
+    overrides = {
+        "server": ParameterValue(arg("server"), value_type=str),
+        "server_port_file": ParameterValue(arg("server_port_file"), value_type=str),
+        "token_file": ParameterValue(arg("token_file"), value_type=str),
+        "root_cert_path": ParameterValue(arg("tls_ca"), value_type=str),
+        "target_interval_ms": ParameterValue(arg("target_interval_ms"), value_type=float),
+        "fallback": ParameterValue(arg("fallback"), value_type=str),
+        "execution": ParameterValue(arg("execution"), value_type=str),
+        "join": ParameterValue(arg("join"), value_type=str),
+        "previews": ParameterValue(arg("previews"), value_type=bool),
+        "act_on_previews": ParameterValue(arg("act_on_previews"), value_type=bool),
+        "horizon": ParameterValue(arg("horizon"), value_type=int),
+        "rollouts": ParameterValue(arg("rollouts"), value_type=str),
+        "task_topic": ParameterValue(arg("task_topic"), value_type=str),
+        "object_topics": ParameterValue(arg("object_topics"), value_type=list[str]),
+    }
+    for name, kind in OPTIONAL_BRIDGE_PARAMETERS.items():
+        if arg(name).perform(context):
+            overrides[name] = ParameterValue(arg(name), value_type=kind)
+    node = Node(
+        package="physis_ros",
+        executable="bridge",
+        name="bridge",
+        namespace=arg("namespace"),
+        output="screen",
+        parameters=[arg("params_file"), overrides],
+    )
+    return [node]
+
+
+def sim_robot(context) -> list[Node]:
+    """sim_robot with config/sim_robot.yaml, its task and idle policy, and its scene where
+    sim_scene names one."""
+    arg = LaunchConfiguration
+    overrides = {
+        "task": ParameterValue(arg("sim_task"), value_type=str),
+        "idle_policy": ParameterValue(arg("sim_idle_policy"), value_type=str),
+    }
+    scene = arg("sim_scene").perform(context)
+    if scene:
+        overrides["scene"] = scene
+    config = os.path.join(get_package_share_directory("physis_ros"), "config")
+    node = Node(
+        package="physis_ros",
+        executable="sim_robot",
+        name="sim_robot",
+        namespace=arg("namespace"),
+        output="screen",
+        parameters=[os.path.join(config, "sim_robot.yaml"), overrides],
+    )
+    return [node]
 
 
 def generate_launch_description():
@@ -85,7 +152,8 @@ def generate_launch_description():
             "task_topic",
             "",
             "the task's parameters (PointStamped) a model that takes task values opens its "
-            "stream with ('' = none; sim_robot's episodes publish theirs on goal)",
+            "stream with ('' = none; sim_robot's episodes publish theirs on their task's goal "
+            "topic: goal, target)",
         ),
         (
             "object_topics",
@@ -93,7 +161,27 @@ def generate_launch_description():
             "tracked objects, each name=topic (PointStamped, table frame, from an object "
             "tracker), e.g. \"['box=object_position']\" for push-wam ([] = none)",
         ),
+        (
+            "require_wrench",
+            "",
+            "the bridge sends only images with a wrench ('' = params_file's; false for a model "
+            "that takes none on a robot without a force sensor)",
+        ),
+        (
+            "ee_joint_indices",
+            "",
+            "the bridge's predicted tool path: action columns of the arm's joints, base to tip "
+            "('' = params_file's), e.g. [0, 1, 2]",
+        ),
+        ("link_lengths_m", "", "... the arm's link lengths ('' = params_file's)"),
+        ("arm_base_xy_m", "", "... the arm's base in the marker frame ('' = params_file's)"),
         ("sim", "false", "also start sim_robot (config/sim_robot.yaml) as the robot"),
+        (
+            "sim_scene",
+            "",
+            "sim_robot's scene, the simulated task's robot (push, reach: physis_ros.sim.tasks; "
+            "'' = config/sim_robot.yaml's)",
+        ),
         (
             "sim_task",
             "free",
@@ -119,49 +207,8 @@ def generate_launch_description():
             SetEnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE", arg("fastdds_profile")),
             # launch exits on SIGTERM without stopping its processes: they watch it instead
             SetEnvironmentVariable(PARENT_PID_ENV, str(os.getpid())),
-            Node(
-                package="physis_ros",
-                executable="bridge",
-                name="bridge",
-                namespace=namespace,
-                output="screen",
-                parameters=[
-                    arg("params_file"),
-                    {
-                        "server": ParameterValue(arg("server"), value_type=str),
-                        "server_port_file": ParameterValue(arg("server_port_file"), value_type=str),
-                        "token_file": ParameterValue(arg("token_file"), value_type=str),
-                        "root_cert_path": ParameterValue(arg("tls_ca"), value_type=str),
-                        "target_interval_ms": ParameterValue(
-                            arg("target_interval_ms"), value_type=float
-                        ),
-                        "fallback": ParameterValue(arg("fallback"), value_type=str),
-                        "execution": ParameterValue(arg("execution"), value_type=str),
-                        "join": ParameterValue(arg("join"), value_type=str),
-                        "previews": ParameterValue(arg("previews"), value_type=bool),
-                        "act_on_previews": ParameterValue(arg("act_on_previews"), value_type=bool),
-                        "horizon": ParameterValue(arg("horizon"), value_type=int),
-                        "rollouts": ParameterValue(arg("rollouts"), value_type=str),
-                        "task_topic": ParameterValue(arg("task_topic"), value_type=str),
-                        "object_topics": ParameterValue(arg("object_topics"), value_type=list[str]),
-                    },
-                ],
-            ),
-            Node(
-                package="physis_ros",
-                executable="sim_robot",
-                name="sim_robot",
-                namespace=namespace,
-                output="screen",
-                parameters=[
-                    os.path.join(config, "sim_robot.yaml"),
-                    {
-                        "task": ParameterValue(arg("sim_task"), value_type=str),
-                        "idle_policy": ParameterValue(arg("sim_idle_policy"), value_type=str),
-                    },
-                ],
-                condition=IfCondition(arg("sim")),
-            ),
+            OpaqueFunction(function=bridge),
+            OpaqueFunction(function=sim_robot, condition=IfCondition(arg("sim"))),
             Node(
                 package="rviz2",
                 executable="rviz2",

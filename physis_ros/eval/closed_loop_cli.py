@@ -32,6 +32,14 @@ def run_closed_loop(args, parser, argv) -> int:
         trained_known_rows_ahead,
     )
 
+    if args.model and not args.weights:  # a preset: its shipped weights, which name its task
+        missing = missing_shipped_weights(args.model)
+        if missing:
+            print(f"physis-eval: {missing}", file=sys.stderr)
+            return 2
+        if args.model not in SHIPPED:
+            parser.error(f"--model {args.model} ships no weights: pass --weights FILE")
+        args.weights = str(SHIPPED[args.model])
     try:
         known = args.weights and Path(args.weights).is_file()
         meta = read_metadata(args.weights) if known else {}

@@ -1,5 +1,5 @@
-"""The shipped weights: the push scene's world model (the embedded default that demos serve)
-and its world-action model.
+"""The shipped weights: the push scene's world model (the embedded default that demos serve),
+its world-action model, and the reach scene's world-action model.
 
 What belongs here: the path of the default checkpoint, reading a checkpoint's metadata (the
 safetensors header, parsed without torch so the robot side can read it too), and the engine
@@ -18,6 +18,9 @@ from physis_ros.contract.safetensors import read_metadata
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "push_wm.safetensors"
 WAM_WEIGHTS = Path(__file__).resolve().parent / "push_wam.safetensors"
 """The goal-push world-action model (``physis-train-wam``; docs/push_wam/README.md)."""
+REACH_WAM_WEIGHTS = Path(__file__).resolve().parent / "reach_wam.safetensors"
+"""The reaching arm's world-action model (``physis-train-wam --task reach``;
+docs/reach_wam/README.md)."""
 DEFAULT_STEPS = 4
 """Denoising steps the default model is served with (measured in its eval report)."""
 DEFAULT_SHIFT = 3.0
@@ -51,14 +54,25 @@ def min_committed_ms(meta: dict[str, str]) -> float:
     return value
 
 
-SHIPPED: dict[str, Path] = {"push-wm": DEFAULT_WEIGHTS, "push-wam": WAM_WEIGHTS}
+SHIPPED: dict[str, Path] = {
+    "push-wm": DEFAULT_WEIGHTS,
+    "push-wam": WAM_WEIGHTS,
+    "reach-wam": REACH_WAM_WEIGHTS,
+}
 """Model presets that come with trained weights: served with them unless told otherwise."""
 
 TRAIN_COMMANDS: dict[str, str] = {
     "push-wm": "physis-train --out out/push_wm",
     "push-wam": "physis-train-wam --out out/push_wam",
+    # 1389 steps of a 2000-step schedule (docs/reach_wam: how the run came to stop there)
+    "reach-wam": (
+        "physis-train-wam --task reach --out out/reach_wam --episodes 2000 --steps 2000 "
+        "--stop-after-steps 1389 --action-weight 6 --start-fraction 0.35 "
+        "--committed-drift-rad 0.3 --min-committed-ms 250 --checkpoint-every 500 --seed 21"
+    ),
 }
-"""The command that makes each preset's shipped weights (into OUT/weights.safetensors)."""
+"""The command that makes each preset's shipped weights (into OUT/weights.safetensors, OUT its
+--out)."""
 
 
 def missing_shipped_weights(model: str | None) -> str | None:
@@ -69,7 +83,7 @@ def missing_shipped_weights(model: str | None) -> str | None:
     if path is None or path.exists():
         return None
     command = TRAIN_COMMANDS[str(model)]
-    made = f"{command.split('--out ', 1)[1]}/weights.safetensors"
+    made = f"{command.split('--out ', 1)[1].split()[0]}/weights.safetensors"
     return (
         f"{model}: its trained weights ({path.name}) are not in this install; make them with "
         f"`{command}` and pass --weights {made} (or --weights random)"

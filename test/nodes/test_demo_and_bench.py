@@ -124,6 +124,27 @@ def test_demo_world_action_model_drives_sim_robot(tmp_path, ros_env):
     assert not [k for k in summary["drops"] if k.split(":")[-1] in bad], summary["drops"]
 
 
+def test_demo_drives_the_shipped_reach_wam_onto_its_targets(tmp_path, ros_env):
+    """physis-demo --model reach-wam, its shipped weights, as a user runs it: everything comes
+    from the weights (their task, reach: sim_robot's scene; their contract: the target's
+    values, on the reach episodes' goal topic, and no tracked object), the model drives the
+    3-joint arm and puts its tool tip on at least one episode's target."""
+    out = tmp_path / "demo"
+    proc = run_demo(["--model", "reach-wam", "--duration-s", "25"], ros_env, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["children_exit_codes"] == {"server": 0, "sim_robot": 0, "bridge": 0}
+    assert summary["chunks_published"] > 5 and summary["topic_messages_seen"]["action_chunk"] > 5
+    episodes = summary["goal_push"]
+    assert episodes["scene"] == "reach", episodes
+    assert episodes["executing_trajectory"] == "True", episodes
+    assert int(episodes["successes"]) >= 1, (episodes, proc.stdout[-3000:])
+    assert "tool_tip_to_goal_m" in episodes, episodes
+    bad = {"no_joint_state", "missing_state", "unknown_state", "commands_shape", "internal_error"}
+    assert not [k for k in summary["drops"] if k.split(":")[-1] in bad], summary["drops"]
+    assert "reach: " in proc.stdout and "tool tip" in proc.stdout, proc.stdout[-3000:]
+
+
 def test_bench_ros_prints_the_promised_keys(tmp_path, ros_env):
     proc = subprocess.run(
         [sys.executable, "-m", "physis_ros.bench.cli", "ros", "--json", "--duration-s", "4",

@@ -5,11 +5,13 @@ CPU, ephemeral port), ``sim_robot`` (a planar arm pushing a box, its camera at t
 rate the model was trained on: 32x32 at 10 Hz) and the ``bridge`` as child processes on an
 isolated ROS domain with real topics and the real link; the sim robot executes the
 trajectories the bridge publishes (a world model publishes none: its scripted policy runs).
-With ``--model push-wam`` the world-action model drives: sim_robot runs goal-push episodes
-(a goal drawn on the table; it holds still when no trajectory comes), the bridge executes
-the model's chunks delay-aware (``--execution``, ``--join``), and the episodes' successes
-are printed and summarised; the bridge takes sim_robot's goal (``task_topic``) and box
-centre (``object_topics``) where the model's contract takes them (task values; box_x, box_y).
+With a world-action model (``--model push-wam``, ``--model reach-wam``) the model drives:
+sim_robot runs episodes of the task its weights were trained on (their metadata ``task``:
+its ``scene``; a goal drawn on the table; it holds still when no trajectory comes), the
+bridge executes the model's chunks delay-aware (``--execution``, ``--join``), and the
+episodes' successes are printed and summarised; the bridge takes the episode's goal on the
+task's goal topic (``task_topic``) and sim_robot's tracked object (``object_topics``) where
+the model's contract takes them (its task values; its objects' coordinates): ``Drive``.
 Prints once a second the achieved interval against the server's promise, the response
 latency, the chunk overlap (the share of chunks that entered the server's pipeline before
 the previous one left it: the assembly line at work) and drops; stops ``--duration-s``
@@ -30,63 +32,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from physis_ros.cli_errors import cli_main, finite_float
+from physis_ros.demo.drive import episodes_line, episodes_progress, shipped_camera
+from physis_ros.demo.strip import StripRows, image_to_rgb, strip, write_png
 
-
-def write_png(path: Path, rgb: np.ndarray) -> None:
-    """[H, W, 3] uint8 -> an 8-bit RGB PNG."""
-    from PIL import Image
-
-    Image.fromarray(np.ascontiguousarray(rgb, dtype=np.uint8)).save(path, "PNG")
-
-
-def image_to_rgb(msg) -> np.ndarray:
-    return (
-        np.frombuffer(bytes(msg.data), np.uint8)
-        .reshape(msg.height, msg.step)[:, : msg.width * 3]
-        .reshape(msg.height, msg.width, 3)
-    )
-
-
-def strip(rows: list[np.ndarray], scale: int = 2) -> np.ndarray:
-    """Rows (observed | predicted) stacked with 2-pixel gaps, upscaled ``scale`` times."""
-    width = max(r.shape[1] for r in rows)
-    padded = []
-    for r in rows:
-        canvas = np.full((r.shape[0] + 2, width, 3), 32, np.uint8)
-        canvas[: r.shape[0], : r.shape[1]] = r
-        padded.append(canvas)
-    image = np.concatenate(padded, axis=0)
-    return np.repeat(np.repeat(image, scale, axis=0), scale, axis=1)
-
-
-STRIP_ROWS_KEPT = 64
-"""Side-by-side views kept for strip.png, at most (one is offered a second)."""
+__all__ = ["StripRows", "main", "shipped_camera", "strip", "write_png"]
 
 DIAGNOSTICS_KEPT = 100
 """/diagnostics messages kept (the newest: the bridge's and sim_robot's statuses are read)."""
-
-
-class StripRows:
-    """The side-by-side views offered once a second, thinned to at most ``limit`` evenly
-    spaced ones (every 2nd, then every 4th, ...): memory stays flat however long the demo
-    runs, and a run shorter than ``limit`` seconds keeps them all."""
-
-    def __init__(self, limit: int = STRIP_ROWS_KEPT) -> None:
-        self.rows: list[np.ndarray] = []
-        self.limit = limit
-        self._every = 1
-        self._offered = 0
-
-    def offer(self, row: np.ndarray) -> None:
-        if self._offered % self._every == 0:
-            self.rows.append(row)
-            if len(self.rows) > self.limit:
-                self.rows = self.rows[::2]
-                self._every *= 2
-        self._offered += 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -183,50 +136,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-WAM_METADATA = ("frame_hz", "action_hz", "action_names", "state_names")
-"""What physis-serve reads from a world-action model's weights (serve/wam_requests.py)."""
-
-
-def shipped_camera(model: str, weights: str | None = None) -> dict | None:
-    """For a preset with shipped weights (or the ``weights`` file given): the camera the
-    weights were trained on (image size, frame rate) and the video one chunk covers; None for
-    the others. Reads the safetensors header only (no torch in this process)."""
-    from physis_ros.contract.model import CONTRACT_KEY, WamContract
-    from physis_ros.contract.safetensors import read_metadata
-    from physis_ros.weights import SHIPPED
-
-    path = Path(weights) if weights else SHIPPED.get(model)
-    if path is None or not path.exists():
-        return None
-    meta = read_metadata(path)
-    contract = WamContract.from_metadata(meta) if CONTRACT_KEY in meta else None
-    height, width = (int(v) for v in meta["image_size"].split("x"))
-    frame_hz = float(meta["frame_hz"])
-    frames_per_chunk = int(meta.get("frames_per_chunk", "2"))
-    return {
-        "image_height": height,
-        "image_width": width,
-        "camera_rate_hz": frame_hz,
-        "chunk_ms": 1e3 * frames_per_chunk / frame_hz,
-        "drives": meta.get("format") == "physis_ros world-action model",
-        "task_names": list(contract.task_names) if contract is not None else [],
-        "objects": list(contract.objects) if contract is not None else [],
-        "action_names": meta.get("action_names", "").split(","),
-        "lacks": [k for k in WAM_METADATA if k not in meta],
-    }
-
-
-def goal_push_progress(monitor) -> dict | None:
-    """sim_robot's newest goal_push status from /diagnostics (kept messages), or None."""
-    from physis_ros.nodes.monitor import diagnostics_by_name
-
-    for _, array in reversed(monitor.messages("/diagnostics")):
-        for name, (_, _, values) in diagnostics_by_name(array).items():
-            if name.endswith(": goal_push"):
-                return values
-    return None
-
-
 def bridge_status(monitor, name: str) -> tuple[int, str, dict[str, str]] | None:
     """The bridge's newest ``bridge: <name>`` status on /diagnostics (kept messages;
     sim_robot publishes there too): (level, message, values), None before one."""
@@ -288,7 +197,10 @@ def main(argv=None) -> int:
     missing = None if args.weights else missing_shipped_weights(args.model)
     if args.weights and not Path(args.weights).is_file():
         missing = f"--weights {args.weights}: no such file"
-    camera = None if missing else shipped_camera(args.model, args.weights)
+    try:
+        camera = None if missing else shipped_camera(args.model, args.weights)
+    except ValueError as err:  # a world-action model that drives no simulated robot
+        camera, missing = None, f"{args.weights or args.model}: {err}"
     if camera is not None and camera["drives"] and camera["lacks"]:
         missing = (
             f"{args.weights or args.model}: its metadata lacks {camera['lacks']}, which "
@@ -318,27 +230,21 @@ def main(argv=None) -> int:
     stats = None
     started_s = time.monotonic()
     interrupted = False
+    drive = camera["drive"] if camera is not None else None
     try:
         # The robot first: physis-serve measures this machine at start-up, with the load the
         # simulated robot puts on it.
-        drives = bool(camera and camera["drives"])
         sim_params, bridge_params = {}, {}
         if camera is not None:
             sim_params = {k: camera[k] for k in ("image_height", "image_width", "camera_rate_hz")}
-        if drives:  # the model's actions drive the goal-push task
-            sim_params.update(task="goal_push", idle_policy="hold")
+        if drive is not None:  # the model's actions drive the episodes of its task
+            sim_params.update(drive.sim_params())
             bridge_params.update(
-                command_joint_names=camera["action_names"],
+                drive.bridge_params(),
                 execution=args.execution,
                 join=args.join,
                 act_on_previews=args.act_on_previews,
             )
-            if camera["task_names"]:  # its streams open with sim_robot's episode tasks
-                bridge_params.update(task_topic="goal")
-            if camera["objects"]:  # sim_robot's tracked object, as a tracker would report it
-                bridge_params.update(
-                    object_topics=[f"{name}=object_position" for name in camera["objects"]]
-                )
         elif args.act_on_previews:  # a world model's previews are for looking at only
             print(
                 "physis-demo: --act-on-previews: the model commands nothing (a world model); "
@@ -391,15 +297,10 @@ def main(argv=None) -> int:
             if live_s is None and stats.chunks_received > 0:
                 live_s = time.monotonic()
             drops = dict(zip(stats.drop_reasons, stats.drop_counts, strict=True))
-            episodes = goal_push_progress(monitor) if drives else None
+            episodes = episodes_progress(monitor, drive.label) if drive is not None else None
             if episodes is not None:
-                print(
-                    f"[{t:5.1f} s] goal_push: {episodes['successes']} of {episodes['finished']} "
-                    f"episodes reached the goal (median {episodes['median_time_to_goal_s']} s); "
-                    f"episode {episodes['episode']}: box {episodes['box_to_goal_m']} m from it",
-                    flush=True,
-                )
-            if drives and args.act_on_previews:
+                print(f"[{t:5.1f} s] {episodes_line(drive, episodes)}", flush=True)
+            if drive is not None and args.act_on_previews:
                 done = execution_summary(monitor)
                 print(
                     f"[{t:5.1f} s] previews acted on {done.get('previews_acted', 0):.0f} "
@@ -424,7 +325,7 @@ def main(argv=None) -> int:
         counts, sooner, execution = {}, {}, {}
         episodes = None
         if monitor is not None:
-            episodes = goal_push_progress(monitor)
+            episodes = episodes_progress(monitor, drive.label) if drive is not None else None
             counts = {
                 t: monitor.count(t) for t in ("camera/image", "action_chunk", "predicted/image")
             }
@@ -441,8 +342,8 @@ def main(argv=None) -> int:
         "children_exit_codes": exit_codes,
         "topic_messages_seen": counts,
     }
-    if episodes is not None:
-        summary["goal_push"] = episodes
+    if episodes is not None:  # sim_robot's goal_push episodes, of the scene named in it
+        summary["goal_push"] = {"scene": drive.scene, **episodes}
     if stats is not None:
         summary.update(
             interval_median_ms=round(stats.interval_median_ms, 2),
@@ -489,7 +390,3 @@ def main(argv=None) -> int:
     )
     ok = stats is not None and published > 0 and all(c == 0 for c in exit_codes.values())
     return 0 if ok or interrupted else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
