@@ -128,6 +128,7 @@ class _Stream:
 
 
 def _streams(mapping: BagMapping, contract: WamContract) -> list[_Stream]:
+    """The topics a bag must have for ``contract``, by the mapping's names."""
     sources = {s.source for s in contract.robot_state}
     streams = [
         _Stream("camera", mapping.camera, IMAGE_TYPES, "camera image"),
@@ -147,7 +148,9 @@ def _streams(mapping: BagMapping, contract: WamContract) -> list[_Stream]:
 
 
 class _Decoder:
-    """Each needed topic's messages to (stamp, values) for the contract."""
+    """A needed topic's message to what is kept of it: the image at the model's size, the
+    command's positions in the action order, a sensor's values (the joint inputs' columns,
+    the six wrench values, a point's x, y, z); ``_Unusable`` says why not."""
 
     def __init__(self, mapping: BagMapping, contract: WamContract, image_size) -> None:
         self.mapping, self.image_size = mapping, image_size
@@ -407,6 +410,7 @@ def read_bags(
 ) -> tuple[list[RecordedEpisode], BagReport]:
     """The episodes of every bag under ``paths`` and the report of what was left out;
     ValueError (with every bag's reason) when none gives an episode."""
+    # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
     from tqdm import tqdm
 
     report = BagReport()

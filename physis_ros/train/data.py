@@ -63,6 +63,7 @@ def load_dataset(
 ) -> Dataset:
     """Read every bag under ``paths`` at the model's image size, subsampled to ``frame_hz``
     (with ``mapping``: its camera and command topics, the commands in its joints' order)."""
+    # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
     from tqdm import tqdm
 
     height, width = cfg.image_size

@@ -46,12 +46,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from physis_ros.cli_errors import cli_main
 from physis_ros.engine.build import build_model
 from physis_ros.engine.config import get_preset
 from physis_ros.engine.model import load_upstream_state_dict, to_upstream_state_dict
 from physis_ros.engine.sampler import chunk_layout
+from physis_ros.eval.plots import line_chart
 from physis_ros.sim.tasks import TASKS
 from physis_ros.train.train import SAVE_DTYPES, _ema, _ema_update, _lr_at, _sha256
 from physis_ros.train.wam_config import WamTrainConfig, contract, metadata
@@ -105,8 +107,6 @@ def _save(  # noqa: PLR0917 - one call site per use, all of them here
 ):
     """Round the weights to the saved dtype (in ``model``), write them with their metadata;
     returns the validation losses of exactly what was written (None without ``val``)."""
-    from safetensors.torch import save_file
-
     dtype = SAVE_DTYPES[cfg.save_dtype]
     state = {k: v.to(dtype) for k, v in to_upstream_state_dict(model).items()}
     load_upstream_state_dict(model, state)
@@ -139,15 +139,23 @@ def train_wam(
     windows, val = _windows(cfg, data)
     model = build_model(mcfg, seed=cfg.seed).train()
     if cfg.init:  # the same model (checked by the config): its weights as they are
-        from safetensors.torch import load_file
-
         init = load_file(cfg.init, device="cpu")
         ours = to_upstream_state_dict(model)
         load_upstream_state_dict(model, {k: _widened(v.float(), ours[k]) for k, v in init.items()})
     shipped = copy.deepcopy(model).eval().requires_grad_(False) if cfg.ema else model
     log: dict = {"train_loss": [], "train_parts": [], "val": [], "config": asdict(cfg)}
     t0 = time.perf_counter()
-    stopped_early = _fit(model, shipped, windows, val, cfg, log=log, out=out, progress=progress)
+    stopped_early = _fit(
+        model,
+        shipped,
+        windows,
+        val,
+        cfg,
+        log=log,
+        out=out,
+        episodes=len(data.train),
+        progress=progress,
+    )
     wall_s = time.perf_counter() - t0
     steps_done = len(log["train_loss"])
     final = _save(shipped, cfg, out, steps_done, wall_s, windows, len(data.train), val)
@@ -190,9 +198,22 @@ def _windows(cfg: WamTrainConfig, data) -> tuple[WamWindows, tuple]:
     return windows, val
 
 
-def _fit(model, shipped, windows, val, cfg: WamTrainConfig, *, log: dict, out: Path, progress):
-    """The optimizer steps (losses and validations into ``log``, checkpoints into ``out``;
-    ``shipped`` follows as the EMA); True when stopped before ``steps``."""
+def _fit(
+    model,
+    shipped,
+    windows,
+    val,
+    cfg: WamTrainConfig,
+    *,
+    log: dict,
+    out: Path,
+    episodes: int,
+    progress: bool,
+) -> bool:
+    """The optimizer steps (losses and validations into ``log``, checkpoints of a run on
+    ``episodes`` training episodes into ``out``; ``shipped`` follows as the EMA); True when
+    stopped before ``steps``."""
+    # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
     from tqdm import tqdm
 
     mcfg, wam = model.cfg, contract(cfg)
@@ -239,7 +260,6 @@ def _fit(model, shipped, windows, val, cfg: WamTrainConfig, *, log: dict, out: P
             )
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             elapsed = time.perf_counter() - t0
-            episodes = len(windows.episodes)
             _save(copy.deepcopy(shipped), cfg, out, step + 1, elapsed, windows, episodes, None)
             # kept by step too: the next round's --init or --on-policy-from names one
             shutil.copyfile(out / "weights.safetensors", out / f"w{step + 1}.safetensors")
@@ -251,8 +271,6 @@ def _fit(model, shipped, windows, val, cfg: WamTrainConfig, *, log: dict, out: P
 
 
 def _plot(path: Path, log: dict, model: str) -> None:
-    from physis_ros.eval.plots import line_chart
-
     steps_axis = list(range(len(log["train_loss"])))
     vsteps = [v["step"] for v in log["val"]]
     line_chart(
