@@ -2,12 +2,15 @@
 rosbag2.
 
 What belongs here: stepping a task's scene (``--scene``: ``push``, the default, moved by its
-scripted policy with varied behaviour; ``reach``, which has none, running its episodes with
-its expert, one target after another) in simulated time and writing what ``sim_robot`` would
-publish — camera images, joint states, the wrench where the robot has one (push), the goal
-where the task has episodes (reach: ``/target``, with each camera frame) — plus the commanded
-joint targets, as rosbag2 files (MCAP or sqlite3, version 9) through the ``rosbags`` library,
-so ``ros2 bag info/play`` and ``physis-eval`` read them. No rclpy.
+scripted policy with varied behaviour, or with ``--task goal_push`` running its episodes;
+``reach``, which has no free motion, always running its episodes) in simulated time and
+writing what ``sim_robot`` would publish — camera images, joint states, the wrench where the
+robot has one (push), and where the task runs episodes (each driven by the task's expert, one
+goal after another) the goal with each camera frame (push: ``/goal``, reach: ``/target``) and
+the tracked object's position (push: the box, ``/object_position``) — plus the commanded joint
+targets, as rosbag2 files (MCAP or sqlite3, version 9) through the ``rosbags`` library, so
+``ros2 bag info/play``, ``physis-eval`` and the trainers read them. Every topic can be
+renamed (``--camera-topic`` ..., as another robot's bags would name them). No rclpy.
 
 Time: every stamp (header and bag receive time) is simulated time, starting at
 ``EPOCH_S + 3600 * seed`` so bags of different seeds never overlap.
@@ -36,6 +39,8 @@ WRENCH_TOPIC = "/wrench"
 JOINT_STATE_TOPIC = "/joint_states"
 COMMAND_TOPIC = "/joint_command"
 """Commanded joint position targets (trajectory_msgs/JointTrajectory, one point)."""
+OBJECT_TOPIC = "/object_position"
+"""The tracked object's position (geometry_msgs/PointStamped, table frame), with episodes."""
 CAMERA_FRAME = "camera"
 TABLE_FRAME = "table"
 EPOCH_S = 1_750_000_000
@@ -47,6 +52,9 @@ EPISODE_PAUSE_S = 1.0
 RAW_ENCODINGS = ("rgb8", "bgr8", "mono8", "rgba8", "bgra8")
 COMPRESSED_FORMATS = ("jpeg", "png")
 STORAGES = ("mcap", "sqlite3")
+RECORD_TASKS = ("free", "goal_push")
+"""As sim_robot's ``task``: the scene's free scripted motion, or its episodes (a scene
+without free motion always runs its episodes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,10 +77,27 @@ class RecordConfig:
     """One of RAW_ENCODINGS (sensor_msgs/Image) or COMPRESSED_FORMATS (CompressedImage)."""
     storage: str = "mcap"
     """``mcap`` (default, as ros2 bag records) or ``sqlite3``."""
+    task: str = "free"
+    """One of RECORD_TASKS."""
+    camera_topic: str = ""
+    """"": IMAGE_TOPIC, or COMPRESSED_IMAGE_TOPIC for a compressed encoding."""
+    joint_states_topic: str = JOINT_STATE_TOPIC
+    command_topic: str = COMMAND_TOPIC
+    wrench_topic: str = WRENCH_TOPIC
+    goal_topic: str = ""
+    """"": the task's goal topic (``/goal``, ``/target``)."""
+    object_topic: str = OBJECT_TOPIC
 
     def __post_init__(self) -> None:
         if self.scene not in TASKS:
             raise ValueError(f"scene {self.scene!r} is not one of {sorted(TASKS)}")
+        if self.task not in RECORD_TASKS:
+            raise ValueError(f"task {self.task!r} is not one of {RECORD_TASKS}")
+        topics = [self.image_topic, self.joint_states_topic, self.command_topic]
+        topics += [self.wrench_topic, self.goal_topic_name, self.object_topic]
+        bad = [t for t in topics if not t.startswith("/") or len(t) < 2 or " " in t]
+        if bad or len(set(topics)) != len(topics):
+            raise ValueError(f"topics must be distinct absolute names (/...), got {topics}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not 0 < self.duration_s <= 3600:
@@ -98,7 +123,13 @@ class RecordConfig:
 
     @property
     def image_topic(self) -> str:
+        if self.camera_topic:
+            return self.camera_topic
         return COMPRESSED_IMAGE_TOPIC if self.compressed else IMAGE_TOPIC
+
+    @property
+    def goal_topic_name(self) -> str:
+        return self.goal_topic or f"/{get_task(self.scene).goal_topic}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,13 +271,13 @@ def record_episode(path: Path | str, cfg: RecordConfig) -> EpisodeSummary:
     path = Path(path)
     t0_wall = time.perf_counter()
     store = typestore()
-    run = _SceneRun(cfg)
+    start_ns = (EPOCH_S + 3600 * cfg.seed) * 1_000_000_000
+    run = _SceneRun(cfg, start_ns)
     msgs = _Messages(store, run.scene.joint_names)
     plugin = StoragePlugin.MCAP if cfg.storage == "mcap" else StoragePlugin.SQLITE3
     control_dt_s = 1.0 / cfg.control_hz
     ticks_per_frame = round(cfg.control_hz / cfg.camera_hz)
     n_ticks = round(cfg.duration_s * cfg.control_hz)
-    start_ns = (EPOCH_S + 3600 * cfg.seed) * 1_000_000_000
     contact_ticks = 0
     frames = 0
     with Writer(path, version=9, storage_plugin=plugin) as writer:
@@ -268,6 +299,8 @@ def record_episode(path: Path | str, cfg: RecordConfig) -> EpisodeSummary:
             if "wrench" in conns:
                 write("wrench", stamp_ns, msgs.wrench(stamp_ns, scene.wrench()))
                 contact_ticks += int(np.linalg.norm(scene.wrench()[:2]) > 0.05)
+            if "object" in conns:
+                write("object", stamp_ns, msgs.point(stamp_ns, run.object_xy()))
             if tick % ticks_per_frame == 0:
                 write("image", stamp_ns, msgs.image(stamp_ns, scene.render(), cfg.encoding))
                 frames += 1
@@ -296,17 +329,18 @@ class _SceneRun:
     """The recorded scene and what moves it: its free scripted policy, or (a task without
     one) its episodes, each driven by the task's expert."""
 
-    def __init__(self, cfg: RecordConfig) -> None:
+    def __init__(self, cfg: RecordConfig, start_ns: int) -> None:
         self.task = get_task(cfg.scene)
         self.scene = self.task.new_scene((cfg.image_height, cfg.image_width), cfg.seed)
-        self.policy = self.task.free_policy(cfg.seed)
+        self.policy = self.task.free_policy(cfg.seed) if cfg.task == "free" else None
         self.episodes = None
         if self.policy is None:
             seed0 = BAG_TASK_SEED0 + 1000 * cfg.seed
             self.episodes = GoalEpisodes(seed0, EPISODE_PAUSE_S, task=self.task.name)
-            self.episodes.start(self.scene, 0)
+            # on the bag's clock: the first episode runs its full course like the others
+            self.episodes.start(self.scene, start_ns)
         self._previous = self.scene.joint_positions()
-        self._object_start = self._object_xy()
+        self._object_start = self.object_xy()
 
     def targets(self, t_s: float, dt_s: float) -> np.ndarray:
         """The joint targets commanded at ``t_s`` for the next ``dt_s``."""
@@ -320,40 +354,54 @@ class _SceneRun:
         if self.episodes is not None and self.episodes.after_step(self.scene, now_ns):
             self._previous = self.scene.joint_positions()  # the next episode's start
 
-    def _object_xy(self) -> np.ndarray | None:
+    def object_xy(self) -> np.ndarray | None:
+        """The task's tracked object's position now (push: the box), None without one."""
         objects = self.task.objects
         return self.task.object_xy(self.scene, objects[0]).copy() if objects else None
 
     def object_travel_m(self) -> float:
         if self._object_start is None:
             return 0.0
-        return float(np.linalg.norm(self._object_xy() - self._object_start))
+        return float(np.linalg.norm(self.object_xy() - self._object_start))
 
 
 def _connections(writer, store, cfg: RecordConfig, run: _SceneRun) -> dict:
     """The bag's topics: camera, joint states and commands; the wrench where the robot has
-    one; the goal where the task runs episodes."""
+    one; the goal and the tracked object where the task runs episodes."""
     image_type = "sensor_msgs/msg/CompressedImage" if cfg.compressed else "sensor_msgs/msg/Image"
+    point = "geometry_msgs/msg/PointStamped"
     topics = {
         "image": (cfg.image_topic, image_type),
-        "wrench": (WRENCH_TOPIC, "geometry_msgs/msg/WrenchStamped"),
-        "joints": (JOINT_STATE_TOPIC, "sensor_msgs/msg/JointState"),
-        "command": (COMMAND_TOPIC, "trajectory_msgs/msg/JointTrajectory"),
-        "goal": (f"/{run.task.goal_topic}", "geometry_msgs/msg/PointStamped"),
+        "wrench": (cfg.wrench_topic, "geometry_msgs/msg/WrenchStamped"),
+        "joints": (cfg.joint_states_topic, "sensor_msgs/msg/JointState"),
+        "command": (cfg.command_topic, "trajectory_msgs/msg/JointTrajectory"),
+        "goal": (cfg.goal_topic_name, point),
+        "object": (cfg.object_topic, point),
     }
     if not run.task.has_wrench:
         del topics["wrench"]
     if run.episodes is None:
         del topics["goal"]
+    if run.episodes is None or not run.task.objects:
+        del topics["object"]
     return {
         kind: writer.add_connection(topic, msgtype, typestore=store)
         for kind, (topic, msgtype) in topics.items()
     }
 
 
-@cli_main("physis-record")
-def main(argv: list[str] | None = None) -> int:
-    """``physis-record OUT_DIR``: record episodes of seeds [seed, seed + episodes)."""
+TOPIC_OPTIONS = {
+    "camera_topic": f"camera topic (default {IMAGE_TOPIC}, compressed: {COMPRESSED_IMAGE_TOPIC})",
+    "joint_states_topic": f"joint states topic (default {JOINT_STATE_TOPIC})",
+    "command_topic": f"commanded joint targets topic (default {COMMAND_TOPIC})",
+    "wrench_topic": f"wrench topic, where the robot has one (default {WRENCH_TOPIC})",
+    "goal_topic": "goal topic, with episodes (default the task's: /goal, /target)",
+    "object_topic": f"tracked object topic, with episodes (default {OBJECT_TOPIC})",
+}
+"""RecordConfig's topic fields, each a ``--`` option: another robot's names for the topics."""
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="physis-record", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="folder that receives one bag per episode")
     parser.add_argument(
@@ -361,6 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         default="push",
         choices=sorted(TASKS),
         help="push (the arm and its box, scripted) or reach (the 3-joint arm, its targets)",
+    )
+    parser.add_argument(
+        "--task",
+        default="free",
+        choices=RECORD_TASKS,
+        help="free: the scene's scripted motion; goal_push: its episodes, each driven by the "
+        "task's expert (reach always runs them)",
     )
     parser.add_argument("--episodes", type=int, default=1, help="number of episodes (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first episode")
@@ -382,6 +437,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--storage", default="mcap", choices=STORAGES, help="rosbag2 storage plugin"
     )
+    defaults = RecordConfig()
+    for field_name, text in TOPIC_OPTIONS.items():
+        option = "--" + field_name.replace("_", "-")
+        parser.add_argument(option, default=getattr(defaults, field_name), help=text)
+    return parser
+
+
+@cli_main("physis-record")
+def main(argv: list[str] | None = None) -> int:
+    """``physis-record OUT_DIR``: record episodes of seeds [seed, seed + episodes)."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error(f"--episodes must be >= 1, got {args.episodes}")
@@ -389,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [
             RecordConfig(
                 scene=args.scene,
+                task=args.task,
                 seed=args.seed + i,
                 duration_s=args.duration_s,
                 control_hz=args.control_hz,
@@ -397,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                 image_width=args.width,
                 encoding=args.encoding,
                 storage=args.storage,
+                **{name: getattr(args, name) for name in TOPIC_OPTIONS},
             )
             for i in range(args.episodes)
         ]

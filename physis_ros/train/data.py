@@ -1,14 +1,18 @@
 """Training data: recorded episodes in memory, and sequences of chunks sampled from them.
 
 What belongs here: loading bags (through ``physis_ros.eval.bag``, the same reader and the same
-action alignment that evaluation uses), and drawing training sequences — ``chunks`` chunks of
+action alignment that evaluation uses; with a mapping file, its camera and command topics and
+its joints in the action order: ``physis_ros.train.bag_mapping``), and drawing training
+sequences — ``chunks`` chunks of
 ``frames_per_chunk`` frames each, with each chunk's commanded actions — packed into the
 engine's chunk layout by the engine's own codec. Sampling is reproducible from a seed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +21,8 @@ import torch
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import ModelConfig
 from physis_ros.engine.sampler import pack_chunk
-from physis_ros.eval.bag import BagReadError, Episode, read_episode
+from physis_ros.eval.bag import BagReadError, Episode, TopicChoice, read_episode
+from physis_ros.train.bag_mapping import BagMapping
 
 
 @dataclass
@@ -27,6 +32,8 @@ class Dataset:
     episodes: list[Episode]
     skipped: list[str]
     """Bags not used, with the reason."""
+    skipped_messages: Counter = field(default_factory=Counter)
+    """(topic, reason) -> messages of the used bags that could not be used."""
 
     @property
     def frames(self) -> int:
@@ -47,19 +54,32 @@ def find_bags(paths: list[str | Path]) -> list[Path]:
 
 
 def load_dataset(
-    paths: list[str | Path], cfg: ModelConfig, *, frame_hz: float, progress: bool = True
+    paths: list[str | Path],
+    cfg: ModelConfig,
+    *,
+    frame_hz: float,
+    progress: bool = True,
+    mapping: BagMapping | None = None,
 ) -> Dataset:
-    """Read every bag under ``paths`` at the model's image size, subsampled to ``frame_hz``."""
+    """Read every bag under ``paths`` at the model's image size, subsampled to ``frame_hz``
+    (with ``mapping``: its camera and command topics, the commands in its joints' order)."""
+    # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
     from tqdm import tqdm
 
     height, width = cfg.image_size
-    episodes, skipped = [], []
+    topics = TopicChoice()
+    if mapping is not None:
+        topics = TopicChoice(image=mapping.camera, command=mapping.command.topic)
+    episodes, skipped, messages = [], [], Counter()
     for bag in tqdm(find_bags(paths), desc="loading bags", unit="bag", disable=not progress):
         try:
-            ep = read_episode(bag, image_size=(height, width), require_commands=True)
+            ep = read_episode(bag, topics=topics, image_size=(height, width), require_commands=True)
+            if mapping is not None:
+                ep = _in_action_order(ep, mapping.command.joints)
         except BagReadError as err:
             skipped.append(str(err))
             continue
+        messages.update(ep.skipped)
         stride = max(1, round(ep.frame_hz / frame_hz)) if ep.frame_hz > 0 else 1
         ep = ep.subsample(stride)
         if abs(ep.frame_hz - frame_hz) > 0.1 * frame_hz:
@@ -75,7 +95,20 @@ def load_dataset(
         episodes.append(ep)
     if not episodes:
         raise ValueError(f"no usable episode under {[str(p) for p in paths]}: {skipped}")
-    return Dataset(episodes, skipped)
+    return Dataset(episodes, skipped, messages)
+
+
+def _in_action_order(ep: Episode, joints: tuple[str, ...]) -> Episode:
+    """``ep`` with its commands' columns those of ``joints``, in that order; BagReadError
+    naming a joint the commands do not have."""
+    missing = [j for j in joints if j not in ep.joint_names]
+    if missing:
+        raise BagReadError(
+            f"{ep.path}: the commands on {ep.command_topic} have joints {list(ep.joint_names)}, "
+            f"not {missing}"
+        )
+    columns = [ep.joint_names.index(j) for j in joints]
+    return dataclasses.replace(ep, commands=ep.commands[:, columns], joint_names=joints)
 
 
 class SequenceSampler:

@@ -39,6 +39,7 @@ from physis_ros.engine.forward import make_cond
 from physis_ros.engine.model import load_upstream_state_dict, to_upstream_state_dict
 from physis_ros.engine.sampler import chunk_layout, sigmas, state_numel
 from physis_ros.eval.plots import line_chart
+from physis_ros.train.bag_mapping import MappingError, load_mapping
 from physis_ros.train.data import SequenceSampler, load_dataset
 from physis_ros.train.warmstart import load_init
 from physis_ros.train.windows import (
@@ -118,6 +119,10 @@ class TrainConfig:
     stop_after_steps: int = 0
     """0: run all ``steps``; else stop after this many, with the learning-rate schedule of
     ``steps`` — reproduces exactly a run that ``max_minutes`` cut short at that step."""
+    mapping: str = ""
+    """A mapping file (YAML, ``physis_ros.train.bag_mapping``): the bags' camera and command
+    topics, and the commands' joints in the model's action order ("": the first topic of
+    each type, the commands' columns as they come)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -153,6 +158,16 @@ class TrainConfig:
             raise ValueError(
                 f"model {self.model!r} predicts actions; physis-train trains world models"
             )
+        if self.mapping:
+            try:
+                joints = load_mapping(self.mapping).command.joints
+            except MappingError as err:
+                raise ValueError(str(err)) from None
+            if cfg.action_mode == "condition" and len(joints) != cfg.action_dim:
+                raise ValueError(
+                    f"mapping {self.mapping}: command joints {list(joints)} are "
+                    f"{len(joints)}, model {self.model!r} takes {cfg.action_dim} actions"
+                )
 
     @property
     def model_config(self) -> ModelConfig:
@@ -261,14 +276,8 @@ def train(
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     mcfg = cfg.model_config
-    data = load_dataset(data_paths, mcfg, frame_hz=cfg.frame_hz, progress=progress)
-    chunks = cfg.max_context + cfg.horizon
-    sampler = SequenceSampler(data, mcfg, chunks=chunks, seed=cfg.seed)
-    val_sampler = None
-    if val_paths:
-        val_data = load_dataset(val_paths, mcfg, frame_hz=cfg.frame_hz, progress=progress)
-        val_sampler = SequenceSampler(val_data, mcfg, chunks=chunks, seed=cfg.seed + 1)
-    val = _val_batch(val_sampler, cfg, 32) if val_sampler else None
+    mapping = load_mapping(cfg.mapping) if cfg.mapping else None
+    data, sampler, val = _data(cfg, data_paths, val_paths, mapping=mapping, progress=progress)
     model = build_model(mcfg, seed=cfg.seed).train()
     init_how = load_init(model, cfg.init, checkpoint_config(cfg.init)) if cfg.init else ""
     if mcfg.anchor_residual:
@@ -299,7 +308,7 @@ def train(
         "image_size": f"{mcfg.image_size[0]}x{mcfg.image_size[1]}",
         "frames_per_chunk": str(mcfg.frames_per_chunk),
         **({"steps": str(cfg.sample_steps)} if cfg.sample_steps else {}),
-        "action_names": "shoulder,elbow",
+        "action_names": ",".join(mapping.command.joints) if mapping else "shoulder,elbow",
         "cond_seed": "0",
         "train_config": json.dumps(asdict(cfg)),
         "steps_done": str(steps_done),
@@ -317,6 +326,7 @@ def train(
         train_episodes=len(data.episodes),
         train_frames=data.frames,
         skipped_bags=data.skipped,
+        skipped_messages={f"{t}: {r}": n for (t, r), n in sorted(data.skipped_messages.items())},
         platform=platform.platform(),
         final_train_loss_mean_last50=float(np.mean(log["train_loss"][-50:])),
         final_val_loss=final_val,
@@ -324,6 +334,30 @@ def train(
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     _plot_losses(out / "loss_curve.png", log, cfg.model)
     return log
+
+
+def _data(cfg: TrainConfig, data_paths, val_paths, *, mapping, progress: bool) -> tuple:
+    """(the training bags' dataset, its sampler, the fixed validation batch or None)."""
+    mcfg = cfg.model_config
+    read = dict(frame_hz=cfg.frame_hz, progress=progress, mapping=mapping)
+    data = load_dataset(data_paths, mcfg, **read)
+    _say_skipped(data)
+    chunks = cfg.max_context + cfg.horizon
+    sampler = SequenceSampler(data, mcfg, chunks=chunks, seed=cfg.seed)
+    if not val_paths:
+        return data, sampler, None
+    val_data = load_dataset(val_paths, mcfg, **read)
+    _say_skipped(val_data)
+    val_sampler = SequenceSampler(val_data, mcfg, chunks=chunks, seed=cfg.seed + 1)
+    return data, sampler, _val_batch(val_sampler, cfg, 32)
+
+
+def _say_skipped(data) -> None:
+    """Bags and messages of ``data`` (a ``data.Dataset``) that could not be used, on stderr."""
+    for why in data.skipped:
+        print(f"physis-train: bag not used: {why}", file=sys.stderr)
+    for (topic, reason), n in sorted(data.skipped_messages.items()):
+        print(f"physis-train: {n} messages of {topic} not used: {reason}", file=sys.stderr)
 
 
 def _fit(model, shipped, sampler, val, cfg: TrainConfig, *, log: dict, progress: bool) -> bool:

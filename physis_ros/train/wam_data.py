@@ -88,6 +88,7 @@ def episodes_for(
 ) -> list[Episode]:
     """Expert episodes of ``task`` for ``seeds`` (cached as one .npz per task and seed list
     under ``cache_dir``)."""
+    # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
     from tqdm import tqdm
 
     sim_task = get_task(task)
