@@ -417,7 +417,7 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
     from physis_ros.eval.link_eval import evaluate_link
     from physis_ros.eval.link_replay import LinkOptions
     from physis_ros.eval.local_server import LocalServer
-    from physis_ros.link.client import ROLLOUT_CHOICES
+    from physis_ros.link.options import ROLLOUT_CHOICES
 
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     options = dict(

@@ -16,13 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
-import numpy as np
 
 from physis_ros.contract.model import ContractError, WamContract
 from physis_ros.link.clock import ClockOffsetEstimator
-from physis_ros.link.encoding import array_to_tensor
+from physis_ros.link.options import LinkOptions
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.link.reconnect import (
@@ -52,13 +52,13 @@ from physis_ros.memtune import freeze_startup_objects, retain_freed_memory
 __all__ = [
     "CameraImage",
     "LinkClient",
+    "LinkOptions",
     "LinkPromise",
     "LinkStats",
     "Observation",
     "Prediction",
 ]
 
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 STREAM_METHOD = "/physis.v1.Physis/Stream"
 STATES = ("connecting", "connected", "streaming", "disconnected")
 
@@ -99,103 +99,37 @@ class LinkClient:
         self,
         target: str,
         *,
-        seed: int = 0,
-        target_interval_ms: float = 0.0,
-        token: str | None = None,
-        root_cert_path: str | None = None,
-        client_cert_path: str | None = None,
-        client_key_path: str | None = None,
-        connect_timeout_s: float = 5.0,
-        reconnect_backoff_s: tuple[float, float] = (0.1, 2.0),
-        prompt: str = "",
-        prompt_embedding: np.ndarray | None = None,
-        client_name: str = "",
         clock_ns: Callable[[], int] = time.time_ns,
-        prediction_queue_size: int = 32,
-        ping_interval_s: float = 0.5,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        tls_server_name: str | None = None,
-        tune_process: bool = True,
-        response_latency_budget_ms: float = 0.0,
         on_prediction: Callable[[Prediction], None] | None = None,
-        horizon: int = 0,
-        previews: bool = False,
-        rollouts: bool | None = None,
-        task: dict[str, float] | None = None,
+        **options: Any,
     ) -> None:
-        """``horizon``: chunks ahead of its newest observation the stream asks for (0: the
-        model's default). ``previews``: also receive each chunk's x0 estimate after every
-        denoising step but the last (``Prediction.preview_steps`` > 0), before the chunk.
-        ``rollouts``: whether every observation generates the whole horizon again (None: the
-        server's default, on for world models). ``task``: the task's values by the names the
-        model's contract gives them (a world-action model's, e.g. a goal's coordinates; the
-        stream opens only once it has the ones the model takes: ``set_task``).
+        """A client of the server at ``target`` (``host:port``); ``options`` are the fields
+        of ``LinkOptions`` (the stream it opens, the connection, the client), checked here.
 
         ``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
-
-        ``tune_process``: on start, (1) let this process reuse freed large buffers instead
-        of page-faulting each camera image's buffers in afresh (physis_ros.memtune,
-        glibc only; ~0.5 ms per fresh 0.9 MB buffer measured here), and (2) collect once,
-        then ``gc.freeze()`` what exists by then (modules, the node), so that a full garbage
-        collection, which stops every thread of the process, does not walk it (measured
-        18 ms with the link's imports, 29 ms with rclpy, before freezing). Both are
-        process-wide (physis_ros.memtune).
-
-        ``response_latency_budget_ms``: the most response latency the stream accepts (an
-        observation in to the first chunk conditioned on it out); the server refuses to open
-        the stream when it cannot promise it. 0: no budget.
 
         ``on_prediction``: called with each prediction on the connection thread as soon as it
         is parsed, instead of queueing it for ``get_prediction`` (one thread hand-off less on
         every reply: a consumer that is quick, or hands on by itself, should use it). An
         exception it raises is counted (``client:callback_error``) and the stream goes on."""
-        lo, hi = reconnect_backoff_s
-        if not 0 < lo <= hi:
-            raise ValueError(
-                f"reconnect_backoff_s must be 0 < min <= max, got {reconnect_backoff_s}"
-            )
-        if connect_timeout_s <= 0:
-            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
-        if target_interval_ms < 0:
-            raise ValueError(f"target_interval_ms must be >= 0, got {target_interval_ms}")
-        if not response_latency_budget_ms >= 0:
-            raise ValueError(
-                f"response_latency_budget_ms must be >= 0 (0: none), got "
-                f"{response_latency_budget_ms}"
-            )
-        if horizon < 0:
-            raise ValueError(f"horizon must be >= 0 (0: the model's), got {horizon}")
-        if prediction_queue_size < 1:
-            raise ValueError(f"prediction_queue_size must be >= 1, got {prediction_queue_size}")
+        opts = LinkOptions(**options)
         self._connector = Connector(
             target,
-            token=token,
-            root_cert_path=root_cert_path,
-            client_cert_path=client_cert_path,
-            client_key_path=client_key_path,
-            connect_timeout_s=connect_timeout_s,
-            backoff_s=(lo, hi),
-            max_message_bytes=max_message_bytes,
-            tls_server_name=tls_server_name,
+            token=opts.token,
+            root_cert_path=opts.root_cert_path,
+            client_cert_path=opts.client_cert_path,
+            client_key_path=opts.client_key_path,
+            connect_timeout_s=opts.connect_timeout_s,
+            backoff_s=opts.reconnect_backoff_s,
+            max_message_bytes=opts.max_message_bytes,
+            tls_server_name=opts.tls_server_name,
         )
         self._metadata = self._connector.metadata
         self._resume = Resumer()
         self._reopening = False
         """set_prompt cancelled the stream (its RpcError is no error)."""
-        self._spec = pb.StreamSpec(
-            protocol_version=PROTOCOL_VERSION,
-            seed=seed,
-            target_interval_ms=target_interval_ms,
-            client_name=client_name,
-            prompt=prompt,
-            response_latency_budget_ms=response_latency_budget_ms,
-            horizon=horizon,
-            previews=previews,
-            rollouts=ROLLOUTS[rollouts],
-            resumable=True,
-        )
-        self._spec.task.update(task or {})
+        self._spec = opts.stream_spec()
         self._contract: WamContract | None = None
         self._opened_spec: pb.StreamSpec | None = None
         """What the newest stream was opened with."""
@@ -203,12 +137,8 @@ class LinkClient:
         """The connection's stream call brought a message (connection thread)."""
         self._task_changed = False
         """set_task gave other values: the next stream opens at once, not after a backoff."""
-        if prompt_embedding is not None:  # [n, text_dim] float32/float16, the server checks
-            array_to_tensor(prompt_embedding, self._spec.prompt_embedding)
-        self._tune_process = tune_process
-        self._backoff_s = (lo, hi)
+        self._options = opts
         self._clock_ns = clock_ns
-        self._ping_interval_s = ping_interval_s
         self._clock = ClockOffsetEstimator()
 
         self._cv = threading.Condition()
@@ -220,7 +150,6 @@ class LinkClient:
         # queued, the session ending); _predictions is bounded by hand (oldest dropped).
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._predictions: queue.SimpleQueue[Prediction] = queue.SimpleQueue()
-        self._prediction_queue_size = prediction_queue_size
         self._on_prediction = on_prediction
         self._stats_lock = threading.Lock()
         self._state = "disconnected"
@@ -243,7 +172,7 @@ class LinkClient:
         """Connects in the background (and keeps reconnecting); never raises."""
         if self._thread is not None:
             return
-        if self._tune_process:
+        if self._options.tune_process:
             retain_freed_memory()
             freeze_startup_objects()
         self._thread = threading.Thread(target=self._run, name="physis-link", daemon=True)
@@ -374,7 +303,7 @@ class LinkClient:
     # ---- connection thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        lo, hi = self._backoff_s
+        lo, hi = self._options.reconnect_backoff_s
         backoff_s = lo
         while not self._closing:
             streamed = False
@@ -555,7 +484,9 @@ class LinkClient:
                 with contextlib.suppress(queue.Empty):
                     self._wake.get(timeout=next_ping_s - now_s)
             if item is None:
-                next_ping_s = time.monotonic() + (0.01 if burst > 0 else self._ping_interval_s)
+                next_ping_s = time.monotonic() + (
+                    0.01 if burst > 0 else self._options.ping_interval_s
+                )
                 burst -= 1
                 yield serialize_ping(self._clock_ns())
                 continue
@@ -607,7 +538,7 @@ class LinkClient:
                     )
                 return
             self._predictions.put(prediction)
-            while self._predictions.qsize() > self._prediction_queue_size:
+            while self._predictions.qsize() > self._options.prediction_queue_size:
                 with contextlib.suppress(queue.Empty):
                     self._predictions.get_nowait()  # the oldest
                     self._count_client_drop("prediction_queue_full")
@@ -637,12 +568,3 @@ class LinkClient:
         with self._stats_lock:
             self._last_error = text
             self._last_error_ns = self._clock_ns()
-
-
-ROLLOUTS = {
-    None: pb.StreamSpec.ROLLOUTS_DEFAULT,
-    True: pb.StreamSpec.ROLLOUTS_ON,
-    False: pb.StreamSpec.ROLLOUTS_OFF,
-}
-ROLLOUT_CHOICES = {"default": None, "on": True, "off": False}
-"""What a user types (bridge parameter, physis-eval --rollouts) -> ``rollouts=``."""

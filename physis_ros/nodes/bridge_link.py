@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 from physis_ros.contract.model import WamContract
 from physis_ros.link.client import (
-    ROLLOUT_CHOICES,
     LinkClient,
     LinkPromise,
     LinkStats,
     Observation,
     Prediction,
 )
+from physis_ros.link.options import ROLLOUT_CHOICES
 from physis_ros.nodes.bridge_params import BridgeParams
 
 SERVER_PORT_WAIT_S = 600.0

@@ -12,7 +12,7 @@ from pathlib import Path
 from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.parameter import Parameter
 
-from physis_ros.link.client import ROLLOUT_CHOICES
+from physis_ros.link.options import ROLLOUT_CHOICES
 
 RELIABILITIES = ("best_effort", "reliable")
 JOINS = ("crossfade", "replace")
