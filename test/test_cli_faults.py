@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from physis_ros.cli_errors import UsageError, check_fields, describe, run_main
-from physis_ros.serve.session import SessionLimits
+from physis_ros.serve.frontend_config import SessionLimits
 from physis_ros.weights import DEFAULT_WEIGHTS
 
 from physis_testing import REPO_ROOT

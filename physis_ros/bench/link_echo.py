@@ -98,7 +98,7 @@ class EchoEngine:
 def serve_echo(port_file: str) -> int:
     """The child process: the real front end over EchoEngine on 127.0.0.1, until SIGTERM."""
     # The front end imports torch: only this child pays for it, the client stays torch-free.
-    from physis_ros.serve.frontend import FrontendConfig, ServerDescription
+    from physis_ros.serve.frontend_config import FrontendConfig, ServerDescription
     from physis_ros.serve.main import run_frontend
 
     stop = threading.Event()

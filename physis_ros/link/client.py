@@ -36,17 +36,15 @@ from physis_ros.link.wire import (
     PROTOCOL_VERSION,
     STREAM_ID_METADATA_KEY,
     CameraImage,
-    LinkPromise,
     Observation,
     Prediction,
     WireError,
     parse_server_message,
     prediction_from_proto,
-    promise_from_proto,
-    resume_from_reply,
     serialize_observation,
     serialize_ping,
 )
+from physis_ros.link.wire_promise import LinkPromise, promise_from_proto, resume_from_reply
 from physis_ros.memtune import freeze_startup_objects, retain_freed_memory
 
 __all__ = [

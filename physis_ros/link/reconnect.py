@@ -1,11 +1,11 @@
 """How the link client reaches the server again: its channels (TLS or not, waited on until
 ready, with the reason when they are not), and the stream it resumes after a broken call.
 
-A stream opened as resumable comes with a ticket (``wire.ResumeTicket``: its id, resume token
-and the server's grace). When its Stream call breaks (a link blip, a proxy that dropped the
-connection), the client's next connection first re-attaches to that stream with the ticket,
-while the server still holds it; a server that no longer does (the grace ended, it restarted)
-says NOT_FOUND and the client opens a new stream. numpy-free: grpc only.
+A stream opened as resumable comes with a ticket (``wire_promise.ResumeTicket``: its id,
+resume token and the server's grace). When its Stream call breaks (a link blip, a proxy that
+dropped the connection), the client's next connection first re-attaches to that stream with
+the ticket, while the server still holds it; a server that no longer does (the grace ended,
+it restarted) says NOT_FOUND and the client opens a new stream. numpy-free: grpc only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import grpc
 
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
-from physis_ros.link.wire import AUTH_METADATA_KEY, ResumeTicket
+from physis_ros.link.wire import AUTH_METADATA_KEY
+from physis_ros.link.wire_promise import ResumeTicket
 
 log = logging.getLogger(__name__)
 

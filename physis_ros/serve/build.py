@@ -39,7 +39,7 @@ from physis_ros.engine.pool.terms import PoolConfig, StreamRequest
 from physis_ros.engine.ranks.config import parse_placement
 from physis_ros.engine.stage import measure_block_ms
 from physis_ros.engine.threads import local_engine
-from physis_ros.serve.frontend import ServerDescription
+from physis_ros.serve.frontend_config import ServerDescription
 from physis_ros.serve.spec import ServingSpec
 
 log = logging.getLogger("physis-serve")

@@ -18,8 +18,7 @@ from physis_ros.engine.config import PRESETS
 from physis_ros.engine.models import RANDOM_WEIGHTS
 from physis_ros.engine.weight_files import FLAGS_BY_MODEL_KIND, MODEL_DIRECTORY, NOT_A_DIRECTORY
 from physis_ros.serve import listen
-from physis_ros.serve.frontend import FrontendConfig
-from physis_ros.serve.session import SessionLimits
+from physis_ros.serve.frontend_config import FrontendConfig, SessionLimits
 from physis_ros.serve.spec import LEGACY_KEYS, ServingSpec
 from physis_ros.serve.spec import SECTIONS as SPEC_SECTIONS
 

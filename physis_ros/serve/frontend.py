@@ -1,4 +1,4 @@
-"""The gRPC front end: the Physis service, bearer-token auth, health checking, the server.
+"""The gRPC front end: the Physis service's handlers (the server around them: server.py).
 
 Handlers take raw request bytes and parse them here, so a malformed message gets a clear
 status (or, inside a stream, is dropped and counted) instead of grpc's generic INTERNAL.
@@ -13,13 +13,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent import futures
-from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from physis_ros.contract.model import ContractError
 from physis_ros.engine.api import DEFAULT_HORIZON, AdmissionRefused, StreamFailed, StreamSpec
@@ -31,103 +27,17 @@ from physis_ros.link.wire import (
     STREAM_ID_METADATA_KEY,
     WireError,
     counts_to_proto,
-    promise_to_proto,
-    resume_to_reply,
 )
-from physis_ros.memtune import IdleTrim, freeze_startup_objects, retain_freed_memory
-from physis_ros.serve import listen
-from physis_ros.serve.auth import TokenAuthInterceptor
+from physis_ros.link.wire_promise import promise_to_proto, resume_to_reply
+from physis_ros.memtune import IdleTrim
 from physis_ros.serve.engine_loop import EngineLoop
+from physis_ros.serve.frontend_config import FrontendConfig, ServerDescription
 from physis_ros.serve.resume import DetachedStreams
-from physis_ros.serve.session import AttachRefused, Session, SessionEnded, SessionLimits
+from physis_ros.serve.session import AttachRefused, Session, SessionEnded
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "physis.v1.Physis"
-HTTP2_MAX_FRAME_BYTES = (1 << 24) - 1
-"""The largest HTTP/2 frame the protocol allows."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class FrontendConfig:
-    """How the server front end listens and what it accepts."""
-
-    host: str = "127.0.0.1"
-    """Interface to bind; anything but loopback should come with TLS and a token."""
-    port: int = 0
-    """0: an ephemeral port (see ServerHandle.port)."""
-    max_message_bytes: int = 16 * 1024 * 1024
-    """gRPC limit per message; a larger one ends its call with RESOURCE_EXHAUSTED."""
-    limits: SessionLimits = field(default_factory=SessionLimits)
-    max_streams: int = 16
-    """Streams open at once, whatever the engine could admit."""
-    worker_threads: int = 64
-    """gRPC handler threads; each attached stream holds one."""
-    open_timeout_s: float = 30.0
-    """How long OpenStream waits for the engine to admit."""
-    resume_grace_s: float = 10.0
-    """How long a resumable stream whose Stream call broke is held for its client to resume
-    it (serve/resume.py); 0: closed when its call ends."""
-    token: str | None = None
-    """Bearer token every call must carry (metadata ``authorization: Bearer <token>``)."""
-    tls_cert_path: str | None = None
-    tls_key_path: str | None = None
-    tls_client_ca_path: str | None = None
-    """When given, clients must present a certificate signed by this CA."""
-    metrics_port: int | None = None
-    """Prometheus /metrics over HTTP on ``host`` at this port (serve/metrics.py); None: none,
-    0: an ephemeral port."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.open_timeout_s) and self.open_timeout_s > 0):
-            raise ValueError(
-                f"open_timeout_s must be a finite number > 0, got {self.open_timeout_s}"
-            )
-        if not (math.isfinite(self.resume_grace_s) and self.resume_grace_s >= 0):
-            raise ValueError(
-                f"resume_grace_s must be a finite number >= 0 (0: off), got {self.resume_grace_s}"
-            )
-        for name in ("port", "metrics_port"):
-            if not 0 <= (getattr(self, name) or 0) <= 65535:
-                raise ValueError(f"{name} must be 0..65535, got {getattr(self, name)}")
-        if self.limits.max_observation_bytes > self.max_message_bytes:
-            raise ValueError(
-                f"max_observation_bytes {self.limits.max_observation_bytes} exceeds "
-                f"max_message_bytes {self.max_message_bytes}"
-            )
-        if self.max_streams < 1:
-            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
-        if self.worker_threads < self.max_streams + 4:
-            raise ValueError(
-                f"worker_threads {self.worker_threads} must be >= max_streams + 4 "
-                f"({self.max_streams + 4}): every attached stream holds a thread"
-            )
-        if (self.tls_cert_path is None) != (self.tls_key_path is None):
-            raise ValueError("tls_cert_path and tls_key_path go together")
-        if self.tls_client_ca_path is not None and self.tls_cert_path is None:
-            raise ValueError("tls_client_ca_path needs tls_cert_path and tls_key_path")
-        if self.token is not None and not self.token.strip():
-            raise ValueError("token must not be empty")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerDescription:
-    """What GetServerInfo reports about the model and placement."""
-
-    model: str
-    steps: int
-    blocks: int
-    placement: str = ""
-    action_mode: str = "none"
-    """The model's action_mode; "condition": generate requests carry commanded actions."""
-    horizon: int = 0
-    """The model's default horizon (weights' metadata; 0: none, streams then get
-    ``DEFAULT_HORIZON``)."""
-    engine_info: Callable[[], dict[str, Any]] | None = None
-    """What the engine reports about itself (workers, open streams / slots), on demand."""
-    rollouts: bool = True
-    """A world model's streams with a horizon > 1 get rollouts unless they ask otherwise
-    (False: the engine's codec is causal, so none can have them)."""
 
 
 class Frontend:
@@ -516,100 +426,3 @@ class Frontend:
     def close_all(self, why: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
         for s in self.open_sessions():
             self._finish(s, why, code)
-
-
-@dataclass
-class ServerHandle:
-    """A running server: its port, and how to stop it."""
-
-    server: grpc.Server
-    port: int
-    frontend: Frontend
-    health: health.HealthServicer
-    stopping: threading.Event
-
-    def stop(self, grace_s: float = 1.0) -> None:
-        self.stopping.set()
-        self.health.enter_graceful_shutdown()
-        # UNAVAILABLE, not OK: the client is told its stream did not end by its own choice,
-        # and reconnects to whatever serves next (a restarted job, another server).
-        self.frontend.close_all("server shutting down", grpc.StatusCode.UNAVAILABLE)
-        self.server.stop(grace_s).wait(grace_s + 1.0)
-
-
-def start_server(
-    loop: EngineLoop, *, config: FrontendConfig, description: ServerDescription
-) -> ServerHandle:
-    """Builds and starts the gRPC server; returns once it listens.
-
-    Also tunes the process for the hot path: freed message buffers are reused instead of
-    page-faulted in afresh while messages flow, and given back to the kernel once large ones
-    stop (memtune), and what exists now (the engine, its weights' Python
-    objects, imported modules) is moved out of the garbage collector's way (gc.freeze), so
-    a full collection does not walk it between two messages."""
-    retain_freed_memory()
-    freeze_startup_objects()
-    frontend = Frontend(loop, config=config, description=description)
-    interceptors = (
-        [
-            TokenAuthInterceptor(
-                config.token, on_refused=lambda _why: frontend.count_refusal("UNAUTHENTICATED")
-            )
-        ]
-        if config.token
-        else []
-    )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=config.worker_threads, thread_name_prefix="physis-grpc"
-        ),
-        handlers=[frontend.handler()],
-        interceptors=interceptors,
-        options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-            # Large windows and frames: a camera image crosses in one go, without waiting
-            # for window updates (measured ~0.1-0.2 ms less per 0.9 MB on loopback).
-            ("grpc.http2.lookahead_bytes", config.max_message_bytes),
-            ("grpc.http2.max_frame_size", HTTP2_MAX_FRAME_BYTES),
-        ],
-        maximum_concurrent_rpcs=config.worker_threads - 2,
-    )
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    credentials = None
-    if config.tls_cert_path is not None:
-        credentials = listen.tls_credentials(
-            config.tls_cert_path, config.tls_key_path, config.tls_client_ca_path
-        )
-    elif config.token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning(
-            "bearer token over plaintext on %s: anyone on the path can read it; "
-            "use --tls-cert/--tls-key",
-            config.host,
-        )
-    try:
-        port = listen.bind(server, config.host, config.port, credentials)
-    except BaseException:
-        server.stop(None)
-        raise
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    def impaired(why: str) -> None:
-        log.error("server impaired, health NOT_SERVING: %s", why)
-        for name in ("", SERVICE_NAME):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    loop.on_impaired = impaired
-    if loop.error:
-        impaired(loop.error)
-    stopping = threading.Event()
-    threading.Thread(
-        target=frontend.idle_trim.run, args=(stopping,), name="physis-idle-trim", daemon=True
-    ).start()
-    return ServerHandle(
-        server=server, port=port, frontend=frontend, health=health_servicer, stopping=stopping
-    )

@@ -45,8 +45,9 @@ from physis_ros.serve.config import (
 )
 from physis_ros.serve.engine_loop import EngineLoop
 from physis_ros.serve.fits import check_one_stream_fits
-from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
+from physis_ros.serve.frontend_config import FrontendConfig, ServerDescription
 from physis_ros.serve.metrics import ServeMetrics
+from physis_ros.serve.server import start_server
 from physis_ros.serve.spec import ServingSpec
 from physis_ros.serve.torchrun_main import build_dist, join_serving, under_torchrun
 

@@ -26,7 +26,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from physis_ros.engine.api import StreamEngine
-from physis_ros.serve.frontend import Frontend, ServerDescription
+from physis_ros.serve.frontend import Frontend
+from physis_ros.serve.frontend_config import ServerDescription
 from physis_ros.serve.session import Session
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ import dataclasses
 import hmac
 import itertools
 import logging
-import math
 import queue
 import statistics
 import threading
@@ -28,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from physis_ros.contract.model import WamContract
 from physis_ros.engine.api import StreamPromise
-from physis_ros.engine.live import LiveLimits, Ran, SlotCounters
+from physis_ros.engine.live import Ran, SlotCounters
 from physis_ros.engine.slots import FrameIn
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import (
@@ -39,9 +38,10 @@ from physis_ros.link.wire import (
     parse_client_message,
     serialize_pong,
     serialize_prediction,
-    serialize_promise,
     serialize_stats,
 )
+from physis_ros.link.wire_promise import serialize_promise
+from physis_ros.serve.frontend_config import SessionLimits
 from physis_ros.serve.observations import (
     check_header,
     check_observation,
@@ -51,52 +51,6 @@ from physis_ros.serve.observations import (
 from physis_ros.serve.ratelog import RateLimit, held_note
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SessionLimits:
-    """Front-end limits that apply to every stream."""
-
-    max_observation_bytes: int = 8 * 1024 * 1024
-    """Larger observations are dropped ("oversized") and the stream goes on."""
-    outbound_queue: int = 16
-    """Messages waiting for a slow client; beyond it the oldest prediction is dropped."""
-    unattached_timeout_s: float = 10.0
-    """A stream opened but never attached to a Stream call is closed after this."""
-    stall_timeout_s: float = 60.0
-    """Chunks in flight but none finished for this long: the stream ends with UNAVAILABLE
-    (the client reconnects) instead of waiting forever on a stuck engine."""
-    max_non_finite_chunks: int = 3
-    """Chunks in a row whose model output held NaN or inf (never published, each counted
-    "non_finite_output") before the stream ends with INTERNAL: its KV history is poisoned."""
-    drop_log_interval_s: float = 10.0
-    """A stream's drops are logged (WARNING) the first time per reason, then at most once
-    per this interval with the count since: a flood of bad input cannot flood the log."""
-
-    def __post_init__(self) -> None:
-        for name in ("stall_timeout_s", "unattached_timeout_s", "drop_log_interval_s"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.max_non_finite_chunks < 1:
-            raise ValueError(
-                f"max_non_finite_chunks must be >= 1, got {self.max_non_finite_chunks}"
-            )
-        if self.drop_log_interval_s < 0:
-            raise ValueError(f"drop_log_interval_s must be >= 0, got {self.drop_log_interval_s}")
-        if self.max_observation_bytes <= 0:
-            raise ValueError(f"max_observation_bytes must be > 0, got {self.max_observation_bytes}")
-        if self.outbound_queue < 2:
-            raise ValueError(f"outbound_queue must be >= 2, got {self.outbound_queue}")
-        if self.stall_timeout_s <= 0:
-            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
-        if self.unattached_timeout_s <= 0:
-            raise ValueError(f"unattached_timeout_s must be > 0, got {self.unattached_timeout_s}")
-
-    def live(self) -> LiveLimits:
-        """The limits the engine core ends a served stream by."""
-        return LiveLimits(
-            stall_timeout_s=self.stall_timeout_s, max_non_finite_chunks=self.max_non_finite_chunks
-        )
 
 
 class AttachRefused(Exception):

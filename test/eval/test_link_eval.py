@@ -117,7 +117,8 @@ def psnr_of(a: int, b: int) -> float:
 @contextlib.contextmanager
 def _fake_server(engine):  # a world model with horizon 3: rollouts unless a stream says no
     from physis_ros.serve.engine_loop import EngineLoop
-    from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
+    from physis_ros.serve.frontend_config import FrontendConfig, ServerDescription
+    from physis_ros.serve.server import start_server
 
     loop = EngineLoop(engine)
     loop.start()

@@ -91,7 +91,7 @@ def test_both_modes_score_the_same_anchors_and_the_report_pairs_them(bag, tmp_pa
     """Every anchor the in-process run scores is scored live and no other; copy-last differs
     by exactly 0 on each, the model by what the serving changes, with its spread."""
     cfg = EvalConfig(**CONFIG, max_seconds=2.0, realtime=realtime)
-    from physis_ros.serve.frontend import ServerDescription
+    from physis_ros.serve.frontend_config import ServerDescription
 
     description = ServerDescription(model="fake", steps=2, blocks=2, horizon=2)
     with served(_FakeWorldModel(), description=description) as (_loop, handle):

@@ -22,7 +22,8 @@ from physis_ros.engine.api import (
     StreamSpec,
 )
 from physis_ros.serve.engine_loop import EngineLoop
-from physis_ros.serve.frontend import FrontendConfig, ServerDescription, start_server
+from physis_ros.serve.frontend_config import FrontendConfig, ServerDescription
+from physis_ros.serve.server import start_server
 
 
 class FakeEngine:

@@ -18,7 +18,7 @@ from link_server import server_info, wait_for
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
 from physis_ros.serve import session as session_module
-from physis_ros.serve.frontend import FrontendConfig
+from physis_ros.serve.frontend_config import FrontendConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

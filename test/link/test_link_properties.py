@@ -18,7 +18,8 @@ from physis_ros.link.encoding import (
 )
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.wire import PROTOCOL_VERSION, WireError, parse_client_message
-from physis_ros.serve.session import Session, SessionLimits
+from physis_ros.serve.frontend_config import SessionLimits
+from physis_ros.serve.session import Session
 
 H, W = 8, 6
 PROPERTY = settings(

@@ -38,9 +38,8 @@ from physis_ros.link.wire import (
     serialize_observation,
 )
 from physis_ros.serve.config import frontend_config
-from physis_ros.serve.frontend import FrontendConfig, ServerDescription
+from physis_ros.serve.frontend_config import FrontendConfig, ServerDescription, SessionLimits
 from physis_ros.serve.observations import check_observation, decode_image, raw_image_to_rgb
-from physis_ros.serve.session import SessionLimits
 
 
 def test_clock_offset_best_of_n_within_its_uncertainty():

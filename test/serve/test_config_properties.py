@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 
 from physis_ros.cli_errors import UsageError
 from physis_ros.serve.config import _LOOP_KEYS, SECTIONS, frontend_config, load_config
-from physis_ros.serve.frontend import FrontendConfig
-from physis_ros.serve.session import SessionLimits
+from physis_ros.serve.frontend_config import FrontendConfig, SessionLimits
 from physis_ros.serve.spec import SECTIONS as SPEC_SECTIONS
 from physis_ros.serve.spec import ServingSpec
 

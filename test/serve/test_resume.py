@@ -29,13 +29,9 @@ from physis_ros.bench.link_cut import LinkCutProxy
 from physis_ros.link.client import LinkClient, Observation
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
-from physis_ros.link.wire import (
-    PROTOCOL_VERSION,
-    RESUME_TOKEN_METADATA_KEY,
-    resume_from_reply,
-    rgb_image,
-)
-from physis_ros.serve.frontend import FrontendConfig
+from physis_ros.link.wire import PROTOCOL_VERSION, RESUME_TOKEN_METADATA_KEY, rgb_image
+from physis_ros.link.wire_promise import resume_from_reply
+from physis_ros.serve.frontend_config import FrontendConfig
 
 GRACE_S = 8.0
 """The server's resume grace: long enough for a cut, a look and a resume on a loaded host."""

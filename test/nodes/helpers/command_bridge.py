@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "link"))
 from link_fake_engine import FakeEngine
 
 from physis_ros.nodes.bridge import Bridge
-from physis_ros.serve.frontend import FrontendConfig, ServerDescription
+from physis_ros.serve.frontend_config import FrontendConfig, ServerDescription
 from physis_ros.serve.main import run_frontend
 
 HEIGHT = WIDTH = 16
