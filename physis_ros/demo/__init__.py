@@ -56,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--model",
         default="push-wm",
-        help="model preset physis-serve runs (push-wm, push-wam: the shipped trained weights; "
-        "others: random weights)",
+        help="model preset physis-serve runs (push-wm, push-wam, reach-wam: the shipped trained "
+        "weights; others: random weights)",
     )
     parser.add_argument(
         "--weights",
@@ -74,31 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "camera sets the interval; a model without a shipped camera: 0, the interval "
         "physis-serve planned, the fastest it can promise a stream)",
     )
-    parser.add_argument(
-        "--previews",
-        action="store_true",
-        help="the bridge asks for previews (each chunk's x0 estimate after every denoising step "
-        "but the last, on predicted/preview/step_<k>); the summary says how much sooner they came",
-    )
-    parser.add_argument(
-        "--act-on-previews",
-        action="store_true",
-        help="with a world-action model: the bridge also executes each preview's action rows "
-        "when it arrives (its chunk takes over after); implies --previews; the summary says how "
-        "many were acted on and how much sooner the robot started on each chunk's rows",
-    )
+    add_execution_arguments(parser)
     parser.add_argument(
         "--out", default="out/demo", help="directory for summary.json and strip.png"
-    )
-    parser.add_argument(
-        "--execution",
-        default="delay_aware",
-        choices=["delay_aware", "naive"],
-        help="a world-action model's chunks: rows at the time they are for (delay_aware) or "
-        "row 0 on arrival (naive, the baseline)",
-    )
-    parser.add_argument(
-        "--join", default="crossfade", choices=["crossfade", "replace"], help="chunk joins"
     )
     parser.add_argument(
         "--ranks",
@@ -119,6 +97,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="ROS_DOMAIN_ID (default: $ROS_DOMAIN_ID or a random one in 150..199)",
     )
     args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def add_execution_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the bridge takes a model's chunks: previews, and a world-action model's execution."""
+    parser.add_argument(
+        "--previews",
+        action="store_true",
+        help="the bridge asks for previews (each chunk's x0 estimate after every denoising step "
+        "but the last, on predicted/preview/step_<k>); the summary says how much sooner they came",
+    )
+    parser.add_argument(
+        "--act-on-previews",
+        action="store_true",
+        help="with a world-action model: the bridge also executes each preview's action rows "
+        "when it arrives (its chunk takes over after); implies --previews; the summary says how "
+        "many were acted on and how much sooner the robot started on each chunk's rows",
+    )
+    parser.add_argument(
+        "--execution",
+        default="delay_aware",
+        choices=["delay_aware", "naive"],
+        help="a world-action model's chunks: rows at the time they are for (delay_aware) or "
+        "row 0 on arrival (naive, the baseline)",
+    )
+    parser.add_argument(
+        "--join", default="crossfade", choices=["crossfade", "replace"], help="chunk joins"
+    )
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.duration_s > 0 or not args.startup_timeout_s > 0:
         parser.error(
             f"--duration-s {args.duration_s} and --startup-timeout-s {args.startup_timeout_s} "
@@ -130,7 +140,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--metrics-port must be 1..65535, got {args.metrics_port}")
     if args.target_interval_ms is not None and args.target_interval_ms < 0:
         parser.error(f"--target-interval-ms must be >= 0, got {args.target_interval_ms}")
-    return args
 
 
 @cli_main("physis-demo")

@@ -280,6 +280,25 @@ def build_parser() -> argparse.ArgumentParser:
         "newest frame (0: none; default: the weights' max_known_rows_ahead; overrides "
         "engine.known_rows_ahead)",
     )
+    add_listen_arguments(parser)
+    parser.add_argument(
+        "--engine-factory",
+        default=None,
+        help="module:function(engine_section) -> (engine, ServerDescription), "
+        "to serve another StreamEngine",
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch intra-op threads per process (default: distributed.threads, 1)",
+    )
+    parser.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG ... ERROR")
+    return parser
+
+
+def add_listen_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the server listens, who may call it, and how long a broken stream is held."""
     parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=None, help="port; 0 = ephemeral")
     parser.add_argument("--port-file", default=None, help="write the bound port here once serving")
@@ -310,20 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a stream whose client lost its connection is held for the client to "
         "resume it (default 10; 0: closed at once; overrides frontend.resume_grace_s)",
     )
-    parser.add_argument(
-        "--engine-factory",
-        default=None,
-        help="module:function(engine_section) -> (engine, ServerDescription), "
-        "to serve another StreamEngine",
-    )
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="torch intra-op threads per process (default: distributed.threads, 1)",
-    )
-    parser.add_argument("--log-level", type=log_level, default="INFO", help="DEBUG ... ERROR")
-    return parser
 
 
 def port_number(text: str) -> int:
