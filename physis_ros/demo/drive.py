@@ -11,6 +11,7 @@ from pathlib import Path
 
 from physis_ros.contract.model import WamContract
 from physis_ros.contract.safetensors import read_metadata
+from physis_ros.nodes.monitor import diagnostics_by_name
 from physis_ros.sim.base import Task
 from physis_ros.sim.table import BASE_XY
 from physis_ros.sim.tasks import TASKS, get_task
@@ -137,8 +138,6 @@ def shipped_camera(model: str, weights: str | None = None) -> dict | None:
 def episodes_progress(monitor, label: str) -> dict | None:
     """sim_robot's newest episodes status (``sim_robot: <label>``) from /diagnostics (kept
     messages), or None."""
-    from physis_ros.nodes.monitor import diagnostics_by_name
-
     for _, array in reversed(monitor.messages("/diagnostics")):
         for name, (_, _, values) in diagnostics_by_name(array).items():
             if name.endswith(f": {label}"):

@@ -31,6 +31,7 @@ import numpy as np
 
 from physis_ros.contract.model import WamContract
 from physis_ros.contract.timeline import ChunkExecutor, TimedRows, known_rows, known_until_ns
+from physis_ros.engine.api import StreamSpec
 from physis_ros.sim.base import (
     CONTROL_HZ,
     FRAME_HZ,
@@ -185,8 +186,6 @@ class ModelDecider:
         seed: int,
         task: dict[str, float],
     ) -> Answer:
-        from physis_ros.engine.api import StreamSpec
-
         eng = self.engine
         # the engine makes the conditioning of the task's values (its contract's prompt)
         task_values = dict(task) if self.contract.task_names else {}

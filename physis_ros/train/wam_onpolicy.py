@@ -26,9 +26,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from physis_ros.contract.safetensors import read_metadata
+from physis_ros.engine.threads import local_engine
+from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider, Takeovers, run_episode
 from physis_ros.sim.base import Episode
+from physis_ros.sim.episodes import load_episodes, save_episodes
 from physis_ros.train.train import _sha256
 from physis_ros.train.wam_data import DATA_VERSION, cached_episodes
+from physis_ros.weights import engine_kwargs, min_committed_ms, trained_known_rows_ahead
 
 DELAYS_MS = (0.0, 150.0)
 AFTER_GOAL_S = 1.0
@@ -46,8 +53,6 @@ def on_policy_episodes(
     """Episodes of ``seeds`` driven by the model in ``weights`` with expert takeovers (cached
     under ``cache_dir`` by the weights' hash and the seeds; the same, up to float rounding,
     however many ``workers`` drove them)."""
-    from physis_ros.eval.closed_loop import Takeovers
-
     takeovers = (Takeovers.MODEL_S, Takeovers.EXPERT_S)
     key_src = [DATA_VERSION, _sha256(str(weights)), seeds, DELAYS_MS, takeovers, AFTER_GOAL_S]
     key = hashlib.sha256(json.dumps(key_src).encode()).hexdigest()[:12]
@@ -58,8 +63,6 @@ def on_policy_episodes(
 def _drive_in_workers(
     weights: str | Path, seeds: list[int], workers: int, progress: bool
 ) -> list[Episode]:
-    from physis_ros.sim.episodes import load_episodes
-
     workers = min(workers, len(seeds))
     if workers <= 1:
         return _drive(weights, seeds, progress)
@@ -89,11 +92,6 @@ def _drive_in_workers(
 def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[Episode]:
     from tqdm import tqdm
 
-    from physis_ros.contract.safetensors import read_metadata
-    from physis_ros.engine.threads import local_engine
-    from physis_ros.eval.closed_loop import ClosedLoopConfig, ModelDecider, Takeovers, run_episode
-    from physis_ros.weights import engine_kwargs, min_committed_ms, trained_known_rows_ahead
-
     meta = read_metadata(weights)
     kwargs = engine_kwargs(weights)
     episodes = []
@@ -118,10 +116,6 @@ def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[Episod
 
 def main(argv: list[str] | None = None) -> None:
     """One worker of ``_drive_in_workers``: drives its seeds and saves them to OUT."""
-    import torch
-
-    from physis_ros.sim.episodes import save_episodes
-
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("weights")
     ap.add_argument("out")
