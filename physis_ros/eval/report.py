@@ -111,8 +111,7 @@ def build_report(result: EvalResult) -> dict:
 
 def _horizon_entries(result: EvalResult) -> list[dict]:
     """report.json's ``horizon``: per horizon step, model and baselines over the windows."""
-    m, cfg = result.model, result.config
-    wins = result.windows
+    m, cfg, wins = result.model, result.config, result.windows
     n_frames = m.frames_per_chunk * cfg.horizon_chunks
     n_actions = m.action_horizon * cfg.horizon_chunks if m.action_mode != "none" else 0
     horizon = []
@@ -147,8 +146,7 @@ def _horizon_entries(result: EvalResult) -> list[dict]:
 
 
 def _by_chunk_entries(result: EvalResult, horizon: list[dict]) -> list[dict]:
-    """report.json's ``by_chunk``: the horizon steps of each predicted chunk averaged, and
-    where its PSNR gain comes from."""
+    """report.json's ``by_chunk``: each predicted chunk's steps averaged, its gain split."""
     by_chunk = []
     for c in range(result.config.horizon_chunks):
         rows = [e for e in horizon if e["chunk"] == c + 1]
@@ -186,8 +184,7 @@ def _not_measured(result: EvalResult) -> dict[str, str]:
 
 
 def _latency(result: EvalResult) -> dict:
-    """report.json's ``latency``: response and chunk latency, the interval between outputs
-    and, over the link, each hop's."""
+    """report.json's ``latency``: response, chunk and interval statistics (and the hops')."""
     wins = result.windows
     intervals = [
         (b - a) * 1e3 for seq in output_sequences(result) for a, b in itertools.pairwise(seq)
@@ -364,8 +361,7 @@ def _latency_lines(lat: dict) -> list[str]:
 
 
 def _link_lines(link: dict) -> list[str]:
-    """Over the link: each hop's latency, the streams, anchoring lag, rate, drops, what was
-    not scored, and the previews table."""
+    """Over the link: hop latencies, streams, anchoring lag, rate, drops, previews."""
     lines = ["", "## Link", "", "| hop | median ms | p99 ms | count |", "|---|---|---|---|"]
     for name, st in link["hop_ms"].items():
         lines.append(f"| {name} | {_f(st['median'])} | {_f(st['p99'])} | {st['count']} |")
