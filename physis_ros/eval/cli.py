@@ -23,7 +23,8 @@ import json
 import sys
 from pathlib import Path
 
-from physis_ros.cli_errors import UsageError, cli_main, finite_float, refuse_unused_flags
+from physis_ros.cli_errors import UsageError, cli_main, refuse_unused_flags
+from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.weight_files import (
     FLAGS_BY_MODEL_KIND,
     NOT_A_DIRECTORY,
@@ -31,9 +32,24 @@ from physis_ros.engine.weight_files import (
     model_kind,
 )
 from physis_ros.eval.bag import TopicChoice
+from physis_ros.eval.cli_flags import (
+    CLOSED_LOOP,
+    FLAGS_USED,
+    IN_PROCESS,
+    LINK,
+    SERVE_LOCAL,
+    add_closed_loop_arguments,
+    add_engine_arguments,
+    add_link_arguments,
+    add_stream_request_arguments,
+    add_topic_arguments,
+    add_window_arguments,
+)
+from physis_ros.eval.closed_loop_cli import run_closed_loop
 from physis_ros.eval.evaluate import EvalConfig, ModelInfo, evaluate
 from physis_ros.eval.paired import live_vs_in_process
 from physis_ros.eval.report import write_report
+from physis_ros.weights import DEFAULT_STEPS, DEFAULT_WEIGHTS, engine_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,197 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", type=Path, default=Path("eval_report"), help="report folder (default eval_report)"
     )
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--weights", default=None, help="safetensors checkpoint (default: the shipped push-wm)"
-    )
-    g.add_argument(
-        "--model",
-        default=None,
-        help="model preset (default: from the checkpoint's metadata), or a model directory "
-        "(upstream Wan or diffusers; its own weights, no --weights)",
-    )
-    g.add_argument("--vae", default=None, help="diffusers AutoencoderKLWan dir: the real codec")
-    g.add_argument("--resolution", default=None, help="camera HxW of a model directory")
-    g.add_argument("--latent-frames", type=int, default=None, help="latent frames per chunk")
-    g.add_argument(
-        "--prompts", action="append", default=None, help="prompt-embedding file (physis-embed)"
-    )
-    g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
-    g.add_argument(
-        "--variant", default=None, help="weights variant of a model directory, e.g. fp16"
-    )
-    g.add_argument(
-        "--random-weights", action="store_true", help="no checkpoint: random init (timing runs)"
-    )
-    g.add_argument("--steps", type=int, default=None, help="denoising steps K (default 4)")
-    g.add_argument(
-        "--window", type=int, default=None, help="attention window W (default: as trained)"
-    )
-    g.add_argument(
-        "--shift", type=finite_float, default=None, help="schedule shift (default: as trained)"
-    )
-    g.add_argument(
-        "--workers", type=int, default=1, help="pipeline workers (threads) in the engine"
-    )
-    g.add_argument(
-        "--mode", default="pipelined", help="pipelined | sequential-noisy | sequential-clean"
-    )
-    w = p.add_argument_group("windows")
-    defaults = EvalConfig()
-    w.add_argument(
-        "--context-chunks",
-        type=int,
-        default=None,
-        help="observed chunks per window (default: the model's window W, what a served "
-        "stream's chunk reads)",
-    )
-    w.add_argument("--horizon-chunks", type=int, default=defaults.horizon_chunks)
-    w.add_argument("--stride-chunks", type=int, default=defaults.window_stride_chunks)
-    w.add_argument(
-        "--max-windows",
-        type=int,
-        default=0,
-        help="windows per bag (0: all); in process and over the link alike",
-    )
-    w.add_argument(
-        "--max-seconds",
-        type=finite_float,
-        default=0.0,
-        help="bag seconds used per bag, from its first frame (0: all); in process and over "
-        "the link alike",
-    )
-    w.add_argument(
-        "--frame-hz", type=finite_float, default=None, help="model frame rate (default: as trained)"
-    )
-    w.add_argument("--realtime", action="store_true", help="feed context at the recorded timing")
-    w.add_argument(
-        "--future-commands",
-        action="store_true",
-        help="in process: condition predicted chunks on the recorded commands that followed "
-        "(no server knows them; default: the last observed command held, as served)",
-    )
-    w.add_argument("--seed", type=int, default=0, help="stream seed of the first window")
-    t = p.add_argument_group("topics (default: the first topic of the right type)")
-    t.add_argument("--image-topic", default=None)
-    t.add_argument("--command-topic", default=None)
-    k = p.add_argument_group("over the link (a physis-serve, live semantics)")
-    where = k.add_mutually_exclusive_group()
-    where.add_argument("--link", metavar="HOST:PORT", help="a running physis-serve")
-    where.add_argument(
-        "--serve-local",
-        action="store_true",
-        help="start a physis-serve child on 127.0.0.1 with the engine settings above",
-    )
-    k.add_argument("--token-file", default=None, help="bearer token for the server (file)")
-    k.add_argument("--tls-ca", default=None, help="CA (PEM) of the server's certificate: TLS")
-    k.add_argument("--tls-cert", default=None, help="client certificate (PEM), with --tls-key")
-    k.add_argument("--tls-key", default=None, help="client private key (PEM)")
-    k.add_argument("--tls-server-name", default=None, help="name the certificate is for")
-    k.add_argument("--connect-timeout", type=finite_float, default=5.0, help="seconds (default 5)")
-    k.add_argument(
-        "--interval-ms",
-        type=finite_float,
-        default=0.0,
-        help="target interval the stream asks for (default 0: as fast as the server can)",
-    )
-    k.add_argument(
-        "--compare-in-process",
-        action="store_true",
-        help="after the live run, score the same windows in process with the engine settings "
-        "above; the report gives live minus in process per horizon with its spread",
-    )
-    c = p.add_argument_group("closed loop (a world-action model drives the simulated robot)")
-    c.add_argument("--closed-loop", action="store_true", help="run episodes instead of bags")
-    c.add_argument(
-        "--task",
-        default=None,
-        help="simulated task: push or reach (default: the weights' task, else push)",
-    )
-    c.add_argument("--episodes", type=int, default=20, help="episodes per run (default 20)")
-    c.add_argument(
-        "--seed0", type=int, default=10_000, help="task seed of the first episode (held out)"
-    )
-    c.add_argument(
-        "--delay-ms",
-        type=finite_float,
-        nargs="+",
-        default=[0.0],
-        help="response latencies to run at (ms; the control period is 50 ms)",
-    )
-    c.add_argument(
-        "--modes",
-        nargs="+",
-        default=["crossfade", "replace", "naive"],
-        choices=["crossfade", "replace", "naive"],
-        help="execution: delay-aware with crossfade or replace joins, or naive (no delay handling)",
-    )
-    c.add_argument("--no-expert", action="store_true", help="skip the scripted expert's run")
-    c.add_argument("--fade-rows", type=int, default=4, help="rows a crossfade spans")
-    c.add_argument(
-        "--known-rows-ahead",
-        type=int,
-        default=None,
-        help="delay-aware runs tell the model at most this many committed rows past the newest "
-        "frame (0: none; default: the weights' max_known_rows_ahead, what it was trained with)",
-    )
-    c.add_argument(
-        "--min-committed-ms",
-        type=finite_float,
-        default=None,
-        help="delay-aware runs commit the rows up to at least this long after the newest frame "
-        "(told to the model, executed as planned), however soon the answer comes (default: the "
-        "weights' min_committed_ms, as physis-serve does)",
-    )
-    c.add_argument(
-        "--time-limit-s",
-        type=finite_float,
-        default=None,
-        help="simulated seconds an episode may take to reach the goal (default: the task's)",
-    )
-    k.add_argument(
-        "--horizons",
-        default="",
-        help="comma-separated horizons (chunks ahead of the newest observation): each bag is "
-        "streamed once per horizon, the stream asking for it (default: the model's)",
-    )
-    k.add_argument(
-        "--rollouts",
-        choices=("default", "on", "off"),
-        default="default",
-        help="on: every observation generates the whole horizon again, so one stream scores "
-        "every horizon up to its own; off: only the slot h ahead (default: the server's, on "
-        "for world models)",
-    )
-    k.add_argument(
-        "--previews",
-        action="store_true",
-        help="streams ask for previews (x0 estimates after each denoising step): PSNR by step "
-        "against the chunk and the recorded frames, and how much sooner they arrive",
-    )
+    add_engine_arguments(p)
+    add_window_arguments(p)
+    add_topic_arguments(p)
+    link = add_link_arguments(p)
+    add_closed_loop_arguments(p)
+    # after the closed loop's flags, where the usage line has always listed them
+    add_stream_request_arguments(link)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-IN_PROCESS, LINK = "physis-eval in process", "physis-eval --link"
-SERVE_LOCAL, CLOSED_LOOP = "physis-eval --serve-local", "physis-eval --closed-loop"
-_ENGINE = {"weights", "steps", "window", "shift", "workers", "mode"}
-_MODEL = {"model", "vae", "variant", "resolution", "latent_frames", "prompts", "dtype"}
-_MODEL |= {"random_weights"}
-_BAGS = {"bags", "context_chunks", "horizon_chunks", "stride_chunks", "max_windows", "frame_hz"}
-_BAGS |= {"realtime", "seed", "image_topic", "command_topic"}
-_CLIENT = {"token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "connect_timeout"}
-_CLIENT |= {"interval_ms", "horizons", "rollouts"}
-_CLOSED = {"task", "episodes", "seed0", "delay_ms", "modes", "no_expert", "fade_rows"}
-_CLOSED |= {"known_rows_ahead", "min_committed_ms", "time_limit_s"}
-FLAGS_USED = {
-    IN_PROCESS: _ENGINE | _MODEL | _BAGS | {"future_commands"},
-    LINK: _BAGS | _CLIENT | {"link"},
-    SERVE_LOCAL: _ENGINE | _MODEL | _BAGS | _CLIENT | {"serve_local"},
-    CLOSED_LOOP: _ENGINE | _CLOSED,
-}
-"""The flags each way of running reads; the others are refused by name (the server's engine
-is not ours to set over --link; the closed loop runs the weights' own model)."""
 
 
 def _mode(args) -> str:
@@ -259,9 +93,6 @@ def _expand(paths: list[str]) -> list[str]:
 def engine_settings(args) -> tuple[dict, dict]:
     """local_engine keyword arguments for the arguments, and the settings reported (those plus
     the frame rate the weights were trained at)."""
-    from physis_ros.contract.safetensors import read_metadata
-    from physis_ros.weights import DEFAULT_STEPS, DEFAULT_WEIGHTS, engine_kwargs
-
     kwargs: dict = {"steps": DEFAULT_STEPS, "window": 2, "shift": 3.0}
     meta: dict[str, str] = {}
     own_weights = args.model is not None and is_model_dir(args.model)
@@ -302,6 +133,7 @@ def engine_settings(args) -> tuple[dict, dict]:
 
 def engine_from_args(args) -> tuple[object, dict]:
     """A local_engine for the arguments, and the settings it runs with."""
+    # torch comes with the engine: physis-eval --link runs without it
     from physis_ros.engine.threads import local_engine
 
     kwargs, settings = engine_settings(args)
@@ -316,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     kind = model_kind(args.model) if args.model else NOT_A_DIRECTORY  # else the weights'
     refuse_unused_flags(parser, args, kind, FLAGS_BY_MODEL_KIND)
     if args.closed_loop:
-        from physis_ros.eval.closed_loop_cli import run_closed_loop
-
         return run_closed_loop(args, parser, argv)
     if args.out.exists() and not args.out.is_dir():
         # checked before the run: the report is written after it
@@ -414,6 +244,7 @@ def _compare_in_process(args, cfg: EvalConfig, topics: TopicChoice, live) -> dic
 
 def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, horizons):
     """EvalResult over the link, and the report's ``engine`` entry (what served it)."""
+    # imported here: the in-process path needs neither grpc nor the link client
     from physis_ros.eval.link_eval import evaluate_link
     from physis_ros.eval.link_replay import LinkOptions
     from physis_ros.eval.local_server import LocalServer

@@ -146,17 +146,13 @@ def replay(
     ``on_warning(text)`` hears each problem as it is found (a topic nobody subscribes to,
     the first message of each kind that is skipped); ``on_finished(stats)`` hears the result
     before the node is destroyed."""
+    # ROS and the bag reader only here, in the worker process: the supervising command (and
+    # restamp) run without them
     import rclpy
-    from rclpy._rclpy_pybind11 import RCLError
-    from rclpy.duration import Duration
-    from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
     from rosbags.rosbag2 import Reader
-
-    from physis_ros.sim.record import typestore
 
     if not rate > 0:
         raise ValueError(f"rate must be > 0, got {rate}")
-    store = typestore()
     stats = ReplayStats()
     remap = remap or {}
     with Reader(bag) as reader:
@@ -170,82 +166,154 @@ def replay(
         rclpy.init(args=[])
         node = rclpy.create_node("physis_replay")
         try:
-            qos = (
-                QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-                if reliable
-                else qos_profile_sensor_data
-            )
-            pubs, headers, topics_of = {}, {}, {}
-            for c in conns:
-                try:
-                    cls = message_class(c.msgtype)
-                except (ImportError, AttributeError, ValueError):
-                    stats.skipped[f"{c.topic}: no Python class for {c.msgtype}"] = c.msgcount
-                    continue
-                pubs[c.id] = node.create_publisher(cls, remap.get(c.topic, c.topic), qos)
-                topics_of[c.topic] = pubs[c.id]
-                headers[c.id] = _has_header(store, c.msgtype)
-            deadline = time.monotonic() + wait_subscribers_s
-            while wait_subscribers_s and time.monotonic() < deadline:
-                if all(p.get_subscription_count() > 0 for p in pubs.values()):
-                    time.sleep(DISCOVERY_SETTLE_S)
-                    break
-                time.sleep(0.02)
+            outlets = _Outlets.create(node, conns, remap, reliable, stats)
             if wait_subscribers_s:
-                for c in conns:
-                    if c.id in pubs and pubs[c.id].get_subscription_count() == 0:
-                        name = remap.get(c.topic, c.topic)
-                        stats.unheard[name] = _remap_hint(node, name, c.msgtype)
-                        on_warning(f"{name}: {stats.unheard[name]}")
-            classes = {c.id: message_class(c.msgtype) for c in conns if c.id in pubs}
+                _wait_for_subscribers(
+                    node,
+                    outlets,
+                    remap=remap,
+                    wait_s=wait_subscribers_s,
+                    stats=stats,
+                    on_warning=on_warning,
+                )
             t0 = time.monotonic()
             for _ in range(loops):
-                start_wall = time.monotonic()
-                first_log_ns = None
-                offset_ns = None
-                for c, log_ns, raw in reader.messages(
-                    connections=[c for c in conns if c.id in pubs]
-                ):
-                    if first_log_ns is None:
-                        first_log_ns = log_ns
-                        offset_ns = time.time_ns() - log_ns
-                    due = start_wall + (log_ns - first_log_ns) / 1e9 / rate
-                    delay = due - time.monotonic()
-                    if delay > 0:
-                        time.sleep(delay)
-                    else:
-                        stats.late_ms_max = max(stats.late_ms_max, -delay * 1e3)
-                    data = bytes(raw)
-                    why = checked_message(data, classes[c.id])
-                    if why:
-                        if stats.skip(c.topic, why):
-                            on_warning(f"{c.topic}: skipped a message: {why}")
-                        continue
-                    if headers[c.id] and not keep_stamps:
-                        try:
-                            data = restamp(data, offset_ns)
-                        except ValueError as err:
-                            if stats.skip(c.topic, str(err)):
-                                on_warning(f"{c.topic}: skipped a message: {err}")
-                            continue
-                    try:
-                        pubs[c.id].publish(data)
-                    except RCLError as err:  # reliable publish under overload: count it, go on
-                        key = f"{c.topic}: publish failed ({err})"
-                        stats.skipped[key] = stats.skipped.get(key, 0) + 1
-                        continue
-                    stats.published[c.topic] = stats.published.get(c.topic, 0) + 1
+                _play_once(
+                    reader,
+                    outlets,
+                    rate=rate,
+                    keep_stamps=keep_stamps,
+                    stats=stats,
+                    on_warning=on_warning,
+                )
             stats.wall_s = time.monotonic() - t0
-            # Destroying a reliable writer drops what its readers have not acknowledged yet:
-            # the last tick's messages were lost that way (1 in 2 test runs on a loaded host).
-            for topic, pub in topics_of.items():
-                if not pub.wait_for_all_acked(Duration(seconds=ACK_TIMEOUT_S)):
-                    stats.unacknowledged.append(topic)
+            _wait_for_acknowledgements(outlets, stats)
             on_finished(stats)
         finally:
             node.destroy_node()
             rclpy.try_shutdown()
     return stats
+
+
+@dataclass
+class _Outlets:
+    """The bag's connections that have a publisher, with what publishing them needs."""
+
+    conns: list
+    """The connections, in the bag's order."""
+    pubs: dict[int, object]
+    """Connection id -> its publisher."""
+    classes: dict[int, type]
+    """Connection id -> the message class its records must deserialise to."""
+    headers: dict[int, bool]
+    """Connection id -> whether its messages start with a std_msgs/Header (restamped)."""
+    by_topic: dict[str, object]
+    """Bag topic -> its publisher."""
+
+    @classmethod
+    def create(cls, node, conns: list, remap: dict, reliable: bool, stats: ReplayStats):
+        """A publisher per connection whose message type has a Python class (the others are
+        counted as skipped), on its topic as remapped."""
+        # ROS in the worker process only, as in replay()
+        from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+
+        from physis_ros.sim.record import typestore
+
+        store = typestore()
+        qos = (
+            QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+            if reliable
+            else qos_profile_sensor_data
+        )
+        out = cls(conns=[], pubs={}, classes={}, headers={}, by_topic={})
+        for c in conns:
+            try:
+                msg_cls = message_class(c.msgtype)
+            except (ImportError, AttributeError, ValueError):
+                stats.skipped[f"{c.topic}: no Python class for {c.msgtype}"] = c.msgcount
+                continue
+            out.pubs[c.id] = node.create_publisher(msg_cls, remap.get(c.topic, c.topic), qos)
+            out.by_topic[c.topic] = out.pubs[c.id]
+            out.headers[c.id] = _has_header(store, c.msgtype)
+            out.classes[c.id] = msg_cls
+            out.conns.append(c)
+        return out
+
+
+def _wait_for_subscribers(
+    node, outlets: _Outlets, *, remap: dict, wait_s: float, stats: ReplayStats, on_warning
+) -> None:
+    """Waits up to ``wait_s`` for every publisher to have a subscriber (then
+    DISCOVERY_SETTLE_S more); each topic still unheard is said, with the remap that would
+    reach a subscriber."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if all(p.get_subscription_count() > 0 for p in outlets.pubs.values()):
+            time.sleep(DISCOVERY_SETTLE_S)
+            break
+        time.sleep(0.02)
+    for c in outlets.conns:
+        if outlets.pubs[c.id].get_subscription_count() == 0:
+            name = remap.get(c.topic, c.topic)
+            stats.unheard[name] = _remap_hint(node, name, c.msgtype)
+            on_warning(f"{name}: {stats.unheard[name]}")
+
+
+def _play_once(
+    reader, outlets: _Outlets, *, rate: float, keep_stamps: bool, stats: ReplayStats, on_warning
+) -> None:
+    """One pass over the bag: each message published at its receive time (scaled by
+    ``rate``) after the first's, restamped unless ``keep_stamps``; a message that is not
+    usable or fails to publish is counted in ``stats.skipped``."""
+    # ROS in the worker process only, as in replay()
+    from rclpy._rclpy_pybind11 import RCLError
+
+    start_wall = time.monotonic()
+    first_log_ns = None
+    offset_ns = None
+    for c, log_ns, raw in reader.messages(connections=outlets.conns):
+        if first_log_ns is None:
+            first_log_ns = log_ns
+            offset_ns = time.time_ns() - log_ns
+        due = start_wall + (log_ns - first_log_ns) / 1e9 / rate
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            stats.late_ms_max = max(stats.late_ms_max, -delay * 1e3)
+        data = bytes(raw)
+        why = checked_message(data, outlets.classes[c.id])
+        if why:
+            if stats.skip(c.topic, why):
+                on_warning(f"{c.topic}: skipped a message: {why}")
+            continue
+        if outlets.headers[c.id] and not keep_stamps:
+            try:
+                data = restamp(data, offset_ns)
+            except ValueError as err:
+                if stats.skip(c.topic, str(err)):
+                    on_warning(f"{c.topic}: skipped a message: {err}")
+                continue
+        try:
+            outlets.pubs[c.id].publish(data)
+        except RCLError as err:  # reliable publish under overload: count it, go on
+            key = f"{c.topic}: publish failed ({err})"
+            stats.skipped[key] = stats.skipped.get(key, 0) + 1
+            continue
+        stats.published[c.topic] = stats.published.get(c.topic, 0) + 1
+
+
+def _wait_for_acknowledgements(outlets: _Outlets, stats: ReplayStats) -> None:
+    """Waits up to ACK_TIMEOUT_S per topic for its subscribers to acknowledge what was
+    published; the topics whose were not are listed in ``stats.unacknowledged``."""
+    # ROS in the worker process only, as in replay()
+    from rclpy.duration import Duration
+
+    # Destroying a reliable writer drops what its readers have not acknowledged yet:
+    # the last tick's messages were lost that way (1 in 2 test runs on a loaded host).
+    for topic, pub in outlets.by_topic.items():
+        if not pub.wait_for_all_acked(Duration(seconds=ACK_TIMEOUT_S)):
+            stats.unacknowledged.append(topic)
 
 
 def _interrupt(signum, frame) -> None:

@@ -89,8 +89,29 @@ def _chunk_gain_split(result: EvalResult, steps: list[int]) -> dict:
 
 def build_report(result: EvalResult) -> dict:
     """The report.json content."""
-    m, cfg = result.model, result.config
-    wins = result.windows
+    horizon = _horizon_entries(result)
+    latency = _latency(result)
+    return {
+        "mode": result.mode,
+        "link": result.link,
+        "model": dataclasses.asdict(result.model),
+        "config": dataclasses.asdict(result.config),
+        "windows": len(result.windows),
+        "horizon": horizon,
+        "by_chunk": _by_chunk_entries(result, horizon),
+        "latency": latency,
+        "not_measured": _not_measured(result),
+        "bags": result.bags,
+        "window_set": result.window_set,
+        "skipped_bags": result.skipped_bags,
+        "skipped_windows": dict(result.skipped_windows),
+        "wall_s": result.wall_s,
+    }
+
+
+def _horizon_entries(result: EvalResult) -> list[dict]:
+    """report.json's ``horizon``: per horizon step, model and baselines over the windows."""
+    m, cfg, wins = result.model, result.config, result.windows
     n_frames = m.frames_per_chunk * cfg.horizon_chunks
     n_actions = m.action_horizon * cfg.horizon_chunks if m.action_mode != "none" else 0
     horizon = []
@@ -121,8 +142,13 @@ def build_report(result: EvalResult) -> dict:
         else:
             entry["psnr_gain_db"] = None
         horizon.append(entry)
+    return horizon
+
+
+def _by_chunk_entries(result: EvalResult, horizon: list[dict]) -> list[dict]:
+    """report.json's ``by_chunk``: each predicted chunk's steps averaged, its gain split."""
     by_chunk = []
-    for c in range(cfg.horizon_chunks):
+    for c in range(result.config.horizon_chunks):
         rows = [e for e in horizon if e["chunk"] == c + 1]
         mean = lambda key, rows=rows: (  # noqa: E731
             float(np.mean([e[key] for e in rows]))
@@ -139,19 +165,30 @@ def build_report(result: EvalResult) -> dict:
         )
         entry.update(_chunk_gain_split(result, [e["step"] - 1 for e in rows]))
         by_chunk.append(entry)
-    intervals = [
-        (b - a) * 1e3 for seq in output_sequences(result) for a, b in itertools.pairwise(seq)
-    ]
+    return by_chunk
+
+
+def _not_measured(result: EvalResult) -> dict[str, str]:
+    """report.json's ``not_measured``: metric -> why the model gives none."""
     not_measured = {}
-    if m.action_mode == "condition":
+    if result.model.action_mode == "condition":
         not_measured["action_mse"] = (
             "the model is conditioned on the recorded commands and predicts no actions"
         )
-    elif m.action_mode == "none":
+    elif result.model.action_mode == "none":
         not_measured["action_mse"] = "the model has no actions"
         not_measured["baseline_action_mse"] = "the model has no actions"
-    if wins and not wins[0].psnr:
+    if result.windows and not result.windows[0].psnr:
         not_measured["psnr"] = not_measured["ssim"] = "the model predicts no frames"
+    return not_measured
+
+
+def _latency(result: EvalResult) -> dict:
+    """report.json's ``latency``: response, chunk and interval statistics (and the hops')."""
+    wins = result.windows
+    intervals = [
+        (b - a) * 1e3 for seq in output_sequences(result) for a, b in itertools.pairwise(seq)
+    ]
     latency = {
         "response_latency_ms": summarize([w.response_latency_ms for w in wins]),
         "chunk_latency_ms": summarize([x for w in wins for x in w.chunk_latency_ms]),
@@ -159,22 +196,7 @@ def build_report(result: EvalResult) -> dict:
     }
     if result.link is not None:
         latency["hop_ms"] = result.link["hop_ms"]
-    return {
-        "mode": result.mode,
-        "link": result.link,
-        "model": dataclasses.asdict(m),
-        "config": dataclasses.asdict(cfg),
-        "windows": len(wins),
-        "horizon": horizon,
-        "by_chunk": by_chunk,
-        "latency": latency,
-        "not_measured": not_measured,
-        "bags": result.bags,
-        "window_set": result.window_set,
-        "skipped_bags": result.skipped_bags,
-        "skipped_windows": dict(result.skipped_windows),
-        "wall_s": result.wall_s,
-    }
+    return latency
 
 
 def _preview_lines(pv: dict) -> list[str]:
@@ -205,10 +227,38 @@ def _f(v, digits: int = 2) -> str:
 
 
 def render_markdown(report: dict) -> str:
+    link = report.get("link")
+    lines = [
+        f"# Evaluation: {report['model']['name']}",
+        "",
+        _what_was_run(report) + " Baselines (copy-last-frame, hold-last-command) are scored "
+        "on the same windows and steps.",
+    ]
+    lines += _chunk_lines(report["by_chunk"])
+    lines += _horizon_lines(report["horizon"])
+    lines += _latency_lines(report["latency"])
+    if link is not None:
+        lines += _link_lines(link)
+    if report.get("live_vs_in_process"):
+        lines += comparison_lines(report["live_vs_in_process"])
+    if report["not_measured"]:
+        lines += ["", "## Not measured", ""]
+        lines += [f"- `{k}`: {v}" for k, v in report["not_measured"].items()]
+    lines += _bag_lines(report)
+    lines += [
+        "",
+        "Plots: strips.png, error_vs_horizon.png, latency_hist.png, interval_timeline.png",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _what_was_run(report: dict) -> str:
+    """The report's first sentence: which windows were scored, how, and how they were fed."""
     m, cfg = report["model"], report["config"]
     link = report.get("link")
     if link is None:
-        what = (
+        return (
             f"{report['windows']} windows from {len(report['bags'])} bags "
             f"({len(report['skipped_bags'])} bags skipped), in process; each window: "
             f"{cfg['context_chunks']} observed chunks, then {cfg['horizon_chunks']} predicted "
@@ -223,24 +273,23 @@ def render_markdown(report: dict) -> str:
             )
             + f"; replay {'at recorded timing' if cfg['realtime'] else 'as fast as possible'}."
         )
-    else:
-        what = (
-            f"Over the link to physis-serve at `{link['target']}`: {len(report['bags'])} bags "
-            f"({len(report['skipped_bags'])} skipped) streamed frame by frame "
-            f"{'at recorded timing' if cfg['realtime'] else 'as fast as the server took them'}"
-            f", one stream per bag and horizon {link['horizons']}; "
-            f"{link['predictions_scored']} of {link['predictions_received']} predictions "
-            f"scored, from {report['windows']} anchors (a window here: an observed slot), up to "
-            f"{cfg['horizon_chunks']} chunks of {m['frames_per_chunk']} frames ahead of their "
-            f"anchor, at {cfg['frame_hz']} Hz. Response latency: the anchor's newest frame "
-            "handed to the client -> first prediction anchored on it received; "
-            "chunk latency: entered the pipeline -> decoded, on the server."
-        )
+    return (
+        f"Over the link to physis-serve at `{link['target']}`: {len(report['bags'])} bags "
+        f"({len(report['skipped_bags'])} skipped) streamed frame by frame "
+        f"{'at recorded timing' if cfg['realtime'] else 'as fast as the server took them'}"
+        f", one stream per bag and horizon {link['horizons']}; "
+        f"{link['predictions_scored']} of {link['predictions_received']} predictions "
+        f"scored, from {report['windows']} anchors (a window here: an observed slot), up to "
+        f"{cfg['horizon_chunks']} chunks of {m['frames_per_chunk']} frames ahead of their "
+        f"anchor, at {cfg['frame_hz']} Hz. Response latency: the anchor's newest frame "
+        "handed to the client -> first prediction anchored on it received; "
+        "chunk latency: entered the pipeline -> decoded, on the server."
+    )
+
+
+def _chunk_lines(by_chunk: list[dict]) -> list[str]:
+    """The per predicted chunk table, and where its gain comes from when that is known."""
     lines = [
-        f"# Evaluation: {m['name']}",
-        "",
-        what + " Baselines (copy-last-frame, hold-last-command) are scored on the same "
-        "windows and steps.",
         "",
         "## Per predicted chunk",
         "",
@@ -251,14 +300,14 @@ def render_markdown(report: dict) -> str:
         "| copy-last PSNR(mean MSE) | SSIM | copy-last SSIM |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for e in report["by_chunk"]:
+    for e in by_chunk:
         lines.append(
             f"| {e['chunk']} | {e['windows']} | {_f(e['psnr'])} | {_f(e['baseline_psnr'])} "
             f"| {_f(e['psnr_gain_db'])} | {_f(e['psnr_of_mean_mse'])} "
             f"| {_f(e['baseline_psnr_of_mean_mse'])} | {_f(e['ssim'], 3)} "
             f"| {_f(e['baseline_ssim'], 3)} |"
         )
-    if any(e.get("still_share") is not None for e in report["by_chunk"]):
+    if any(e.get("still_share") is not None for e in by_chunk):
         lines += [
             "",
             f"Where the gain comes from: *still* frames are those copy-last scores "
@@ -268,13 +317,18 @@ def render_markdown(report: dict) -> str:
             "| chunk | still frames % | gain from still dB | gain from moving dB |",
             "|---|---|---|---|",
         ]
-        for e in report["by_chunk"]:
+        for e in by_chunk:
             if e.get("still_share") is not None:
                 lines.append(
                     f"| {e['chunk']} | {_f(100 * e['still_share'], 1)} "
                     f"| {_f(e['gain_from_still_db'])} | {_f(e['gain_from_moving_db'])} |"
                 )
-    lines += [
+    return lines
+
+
+def _horizon_lines(horizon: list[dict]) -> list[str]:
+    """The per horizon step table."""
+    lines = [
         "",
         "## Per horizon step",
         "",
@@ -282,14 +336,18 @@ def render_markdown(report: dict) -> str:
         "| action MSE | hold MSE |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for e in report["horizon"]:
+    for e in horizon:
         lines.append(
             f"| {e['step']} | {e['chunk'] or '–'} | {_f(e['time_ahead_s'])} | {_f(e['psnr'])} | "
             f"{_f(e['baseline_psnr'])} | {_f(e['ssim'], 3)} | {_f(e['baseline_ssim'], 3)} | "
             f"{_f(e['action_mse'], 4)} | {_f(e['baseline_action_mse'], 4)} |"
         )
-    lat = report["latency"]
-    lines += [
+    return lines
+
+
+def _latency_lines(lat: dict) -> list[str]:
+    """The latency and interval table."""
+    lines = [
         "",
         "## Latency and interval",
         "",
@@ -299,36 +357,40 @@ def render_markdown(report: dict) -> str:
     for key in ("response_latency_ms", "chunk_latency_ms", "interval_ms"):
         s = lat[key]
         lines.append(f"| {key} | {_f(s['median'])} | {_f(s['p99'])} | {s['count']} |")
-    if link is not None:
-        lines += ["", "## Link", "", "| hop | median ms | p99 ms | count |", "|---|---|---|---|"]
-        for name, st in link["hop_ms"].items():
-            lines.append(f"| {name} | {_f(st['median'])} | {_f(st['p99'])} | {st['count']} |")
-        lines.append("")
-        lines.append(f"- streams opened: {link['streams_opened']}, horizons {link['horizons']}")
-        lag_f, lag_ms = link["anchoring_lag_frames"], link["anchoring_lag_ms"]
-        lines.append(
-            f"- anchoring lag (frames sent after the anchor's newest frame when its prediction "
-            f"came back): median {_f(lag_f['median'], 1)}, p99 {_f(lag_f['p99'], 1)}; "
-            f"anchor frame sent -> prediction received: median {_f(lag_ms['median'])} ms, "
-            f"p99 {_f(lag_ms['p99'])} ms"
-        )
-        rate = link["rate"]
-        lines.append(
-            f"- rate achieved: {_f(rate['predictions_per_s'])} predictions/s, "
-            f"{_f(rate['observed_slots_per_s'])} observed slots/s over {_f(rate['replay_s'], 1)} s"
-        )
-        for name, n in link["drops"].items():
-            lines.append(f"- dropped {n}: {name}")
-        for reason, n in link["unscored_predictions"].items():
-            lines.append(f"- not scored, {n} prediction(s): {reason}")
-        if "previews" in link:
-            lines += _preview_lines(link["previews"])
-    if report.get("live_vs_in_process"):
-        lines += comparison_lines(report["live_vs_in_process"])
-    if report["not_measured"]:
-        lines += ["", "## Not measured", ""]
-        lines += [f"- `{k}`: {v}" for k, v in report["not_measured"].items()]
-    lines += ["", "## Bags", ""]
+    return lines
+
+
+def _link_lines(link: dict) -> list[str]:
+    """Over the link: hop latencies, streams, anchoring lag, rate, drops, previews."""
+    lines = ["", "## Link", "", "| hop | median ms | p99 ms | count |", "|---|---|---|---|"]
+    for name, st in link["hop_ms"].items():
+        lines.append(f"| {name} | {_f(st['median'])} | {_f(st['p99'])} | {st['count']} |")
+    lines.append("")
+    lines.append(f"- streams opened: {link['streams_opened']}, horizons {link['horizons']}")
+    lag_f, lag_ms = link["anchoring_lag_frames"], link["anchoring_lag_ms"]
+    lines.append(
+        f"- anchoring lag (frames sent after the anchor's newest frame when its prediction "
+        f"came back): median {_f(lag_f['median'], 1)}, p99 {_f(lag_f['p99'], 1)}; "
+        f"anchor frame sent -> prediction received: median {_f(lag_ms['median'])} ms, "
+        f"p99 {_f(lag_ms['p99'])} ms"
+    )
+    rate = link["rate"]
+    lines.append(
+        f"- rate achieved: {_f(rate['predictions_per_s'])} predictions/s, "
+        f"{_f(rate['observed_slots_per_s'])} observed slots/s over {_f(rate['replay_s'], 1)} s"
+    )
+    for name, n in link["drops"].items():
+        lines.append(f"- dropped {n}: {name}")
+    for reason, n in link["unscored_predictions"].items():
+        lines.append(f"- not scored, {n} prediction(s): {reason}")
+    if "previews" in link:
+        lines += _preview_lines(link["previews"])
+    return lines
+
+
+def _bag_lines(report: dict) -> list[str]:
+    """Each bag scored (with its skipped messages and notes), the bags and windows skipped."""
+    lines = ["", "## Bags", ""]
     for b in report["bags"]:
         lines.append(
             f"- `{b['path']}` ({b['storage']}, {b['image_topic']}, {b['frames']} frames at "
@@ -344,12 +406,7 @@ def render_markdown(report: dict) -> str:
     if report["skipped_windows"]:
         lines += ["", "## Skipped windows", ""]
         lines += [f"- {n} window(s): {r}" for r, n in report["skipped_windows"].items()]
-    lines += [
-        "",
-        "Plots: strips.png, error_vs_horizon.png, latency_hist.png, interval_timeline.png",
-        "",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(
