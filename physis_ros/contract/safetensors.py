@@ -8,6 +8,9 @@ import struct
 from pathlib import Path
 
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+MODEL_CONFIG_KEY = "model_config"
+"""Metadata key of weights that carry their architecture (the engine's ``ModelConfig`` as
+JSON) instead of naming a preset in ``model``: a robot no preset describes."""
 
 
 def read_header(path: str | Path) -> dict:

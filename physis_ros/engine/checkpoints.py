@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset
+from physis_ros.contract.safetensors import MODEL_CONFIG_KEY, read_metadata
+from physis_ros.engine.config import ModelConfig, SamplerConfig, get_preset, model_config_from_json
 from physis_ros.engine.fused import describe_block_impl
 from physis_ros.engine.model import Block, Stem, WanDiT
 from physis_ros.engine.vae import read_vae_config
@@ -103,13 +104,18 @@ def resolve_model(
     variant: str = "",
     dtype: str = "",
 ) -> ResolvedModel:
-    """The model called ``name_or_path``: a preset, or a model directory (see the module).
+    """The model called ``name_or_path``: a preset, a model directory (see the module), or a
+    weights file that names its preset or carries its architecture (``weights_file_config``;
+    its weights are loaded as a checkpoint).
 
     ``latent_frames`` (0: the model's default), ``resolution`` ("HxW" camera pixels; "": the
     default) and ``vae`` (a diffusers AutoencoderKLWan directory: the real codec) choose what
     a checkpoint does not fix: the chunk and the codec. ``variant`` (e.g. ``fp16``) or else
     the serving ``dtype`` chooses which of a directory's weight variants loads
     (``engine.weight_files``)."""
+    if str(name_or_path).endswith(".safetensors") and Path(name_or_path).is_file():
+        layout = {"latent_frames": latent_frames, "resolution": resolution, "vae": vae}
+        return ResolvedModel(cfg=weights_file_config(Path(name_or_path), **layout))
     if not is_model_dir(name_or_path):
         cfg = get_preset(name_or_path)
         return ResolvedModel(cfg=_layout(cfg, latent_frames, resolution, vae))
@@ -118,6 +124,38 @@ def resolve_model(
     cfg = _layout(cfg, latent_frames, resolution, vae)
     source = weights_source(layout, directory, cfg, variant=variant, dtype=dtype)
     return ResolvedModel(cfg=cfg, weights=source)
+
+
+def weights_file_config(path: Path, **layout) -> ModelConfig:
+    """The architecture a weights file names (its preset, metadata ``model``) or carries
+    (``model_config``); ``layout``: a preset's chunk and codec (``resolve_model``)."""
+    meta = read_metadata(path)
+    if MODEL_CONFIG_KEY not in meta:
+        return resolve_model(_checkpoint_preset(meta, path), **layout).cfg
+    if any(layout.values()):
+        raise ValueError(
+            f"{path} carries its architecture ({MODEL_CONFIG_KEY}): its chunk and codec are "
+            "fixed, drop latent_frames, resolution and vae"
+        )
+    try:
+        config = model_config_from_json(json.loads(meta[MODEL_CONFIG_KEY]))
+    except (ValueError, TypeError) as err:  # JSON, fields, or the config's own checks
+        raise ValueError(f"{path}: unreadable {MODEL_CONFIG_KEY} metadata: {err}") from None
+    if meta.get("model", config.name) != config.name:
+        raise ValueError(
+            f"{path}: its model {meta['model']!r} is not the name in its {MODEL_CONFIG_KEY} "
+            f"({config.name!r})"
+        )
+    return config
+
+
+def _checkpoint_preset(meta: dict[str, str], path: Path) -> str:
+    if "model" not in meta:
+        raise ValueError(
+            f"{path}: no physis-train metadata naming its model preset; "
+            "give the preset as model and this file as weights"
+        )
+    return meta["model"]
 
 
 def resolve_model_config(name_or_path: str, **layout) -> ModelConfig:

@@ -8,7 +8,9 @@ It knows:
   the install lacks them, an error naming the command that makes them, never random weights
   unasked), else none (random weights by seed);
 - a ``.safetensors`` file written by ``physis-train``: its metadata names the preset and the
-  window, steps and schedule shift it was trained for;
+  window, steps and schedule shift it was trained for; a file trained elsewhere may carry its
+  architecture instead (``model_config``: a ``ModelConfig`` as JSON), for a robot no preset
+  describes (docs/byo_wam.md);
 - a model directory (upstream Wan or diffusers): ``engine.checkpoints``, which holds its
   config and weights (loaded strictly from the directory).
 
@@ -77,7 +79,8 @@ def resolve_model(
         path = Path(text)
         if not path.is_file():
             raise ValueError(f"model {text!r}: no such checkpoint file")
-        config = checkpoints.resolve_model(_checkpoint_preset(path), **layout).cfg
+        _read_metadata(path)  # not safetensors: a usage error, said as one
+        config = checkpoints.resolve_model(str(path), **layout).cfg
     elif text in PRESETS:
         config = checkpoints.resolve_model(text, **layout).cfg
         default = SHIPPED.get(text)
@@ -114,16 +117,6 @@ def _read_metadata(path: Path) -> dict[str, str]:
             f"{path} is not a readable safetensors file ({exc})",
             "copy it again, or export it again (physis-train writes weights.safetensors)",
         ) from exc
-
-
-def _checkpoint_preset(path: Path) -> str:
-    meta = _read_metadata(path)
-    if "model" not in meta:
-        raise ValueError(
-            f"{path}: no physis-train metadata naming its model preset; "
-            "give the preset as model and this file as weights"
-        )
-    return meta["model"]
 
 
 def _with_weights(config: ModelConfig, path: Path) -> ResolvedModel:

@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from physis_ros.contract.safetensors import read_metadata
+from physis_ros.contract.safetensors import MODEL_CONFIG_KEY, read_metadata
 
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent / "push_wm.safetensors"
 WAM_WEIGHTS = Path(__file__).resolve().parent / "push_wam.safetensors"
@@ -109,7 +109,8 @@ def engine_kwargs(path: str | Path = DEFAULT_WEIGHTS) -> dict:
         raise ValueError(f"{path}: no physis-train metadata (model, window); pass them explicitly")
     train_cfg = json.loads(meta.get("train_config", "{}"))
     out = {
-        "model": meta["model"],
+        # weights that carry their architecture are their own model (engine.models)
+        "model": str(path) if MODEL_CONFIG_KEY in meta else meta["model"],
         "checkpoint": str(path),
         "window": int(meta["window"]),
         "steps": int(meta.get("steps", DEFAULT_STEPS)),

@@ -25,7 +25,7 @@ from physis_ros.contract.model import CONTRACT_KEY, ContractError, WamContract
 from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.api import StreamSpec
 from physis_ros.engine.build import build_model
-from physis_ros.engine.config import PRESETS
+from physis_ros.engine.config import PRESETS, ModelConfig
 from physis_ros.engine.model import to_upstream_state_dict
 from physis_ros.engine.threads import local_engine
 from physis_ros.serve.spec import ServingSpec
@@ -50,9 +50,9 @@ def doc_says(text: str) -> bool:
     return " ".join(text.split()) in " ".join(DOC.read_text().split())
 
 
-def random_weights(preset: str, path: Path) -> Path:
-    """A model of ``preset``'s architecture, as another trainer would save it (no metadata)."""
-    save_file(to_upstream_state_dict(build_model(PRESETS[preset], seed=0)), str(path))
+def random_weights(arch: ModelConfig, path: Path) -> Path:
+    """A model of architecture ``arch``, as another trainer would save it (no metadata)."""
+    save_file(to_upstream_state_dict(build_model(arch, seed=0)), str(path))
     return path
 
 
@@ -61,7 +61,7 @@ def example(tmp_path_factory) -> tuple[Path, dict]:
     """(folder, namespace) of the doc's example, run as written in a folder holding random
     push-wam weights under the name it reads."""
     folder = tmp_path_factory.mktemp("byo")
-    random_weights("push-wam", folder / SOURCE)
+    random_weights(PRESETS["push-wam"], folder / SOURCE)
     namespace: dict = {"__name__": "byo_example"}
     with contextlib.chdir(folder):
         exec(compile(doc_block("byo-example"), f"{DOC.name}:byo-example", "exec"), namespace)
@@ -135,7 +135,7 @@ def test_the_refusals_quoted_are_what_physis_serve_prints(example, monkeypatch):
     wrong = dataclasses.replace(SHIPPED_PUSH_WAM, action_names=("shoulder", "elbow", "wrist"))
     bad_key = json.loads(meta[CONTRACT_KEY])
     bad_key["state"][12]["key"] = "box"  # box_x's, not box.x
-    reach = random_weights("reach-wam", folder / "reach.safetensors")
+    reach = random_weights(PRESETS["reach-wam"], folder / "reach.safetensors")
     cases = {  # the file physis-serve is given: (its tensors' file, its metadata)
         "wrong_actions": (OUT, {**meta, CONTRACT_KEY: wrong.to_json()}),
         "no_contract": (OUT, {k: v for k, v in meta.items() if k != CONTRACT_KEY}),
@@ -152,22 +152,24 @@ def test_the_refusals_quoted_are_what_physis_serve_prints(example, monkeypatch):
 
 
 @pytest.fixture
-def arm7(monkeypatch) -> WamContract:
-    """The doc's 7-joint + gripper preset (in PRESETS for this test only) and contract."""
-    monkeypatch.setitem(PRESETS, "arm7-wam", PRESETS["push-wam"])  # removed after the test
+def arm7() -> tuple[ModelConfig, WamContract]:
+    """The doc's 7-joint + gripper architecture (no preset: the weights carry it) and
+    contract."""
     namespace = {"PRESETS": PRESETS, "dataclasses": dataclasses}
     exec(compile(doc_block("byo-preset"), f"{DOC.name}:byo-preset", "exec"), namespace)
-    return WamContract.from_json(doc_block("byo-arm7-contract"))
+    assert namespace["arm7"].name not in PRESETS
+    return namespace["arm7"], WamContract.from_json(doc_block("byo-arm7-contract"))
 
 
 def test_the_7_joint_arm_with_a_gripper_is_served_8_actions(arm7, example, tmp_path):
     _, namespace = example
+    arch, arm7 = arm7
     assert len(arm7.action_names) == 8 and arm7.action_names[-1] == "gripper_joint"
     assert WamContract.from_json(arm7.to_json()) == arm7
     assert not any(s.source == "wrench" for s in arm7.state)
     out = tmp_path / "arm7_physis.safetensors"
-    source = random_weights("arm7-wam", tmp_path / "arm7.safetensors")
-    namespace["write_physis_weights"](source, out, arm7, preset="arm7-wam")
+    source = random_weights(arch, tmp_path / "arm7.safetensors")
+    namespace["write_physis_weights"](source, out, arm7, arch=arch)
     assert WamContract.from_metadata(read_metadata(out)) == arm7
     task = {"target_x": 0.4, "target_y": -0.1, "target_z": 0.2}
     actions = serve_chunks(out, task, chunks=2)
@@ -176,6 +178,7 @@ def test_the_7_joint_arm_with_a_gripper_is_served_8_actions(arm7, example, tmp_p
 
 @pytest.mark.ros
 def test_the_7_joint_arms_bridge_parameters_bind_every_input(arm7):
+    _, arm7 = arm7
     # rclpy: the bridge's parameters are ROS parameters (a GPU box may have no ROS)
     pytest.importorskip("rclpy")
     from physis_ros.nodes.bridge_inputs import binding_problems
