@@ -9,19 +9,18 @@ numpy + grpc only (no torch, no rclpy).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from physis_ros.contract.model import ContractError, WamContract
 from physis_ros.link.clock import ClockOffsetEstimator
+from physis_ros.link.link_stats import LinkCounters, LinkStats
 from physis_ros.link.options import LinkOptions
 from physis_ros.link.proto_gen import physis_pb2 as pb
 from physis_ros.link.proto_gen import physis_pb2_grpc as pb_grpc
@@ -58,36 +57,6 @@ __all__ = [
 ]
 
 STREAM_METHOD = "/physis.v1.Physis/Stream"
-STATES = ("connecting", "connected", "streaming", "disconnected")
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinkStats:
-    """A snapshot of the link, for diagnostics."""
-
-    state: str
-    """connecting | connected | streaming | disconnected."""
-    promise: LinkPromise | None
-    clock_offset_ms: float | None
-    """Server wall clock minus robot clock (None before the first probe)."""
-    clock_offset_uncertainty_ms: float | None
-    robot_time_ns: int
-    """Robot clock when this snapshot was taken."""
-    server_time_ns: int | None
-    """The server clock at that instant, estimated through the offset."""
-    observations_sent: int
-    drops: dict[str, int] = field(default_factory=dict)
-    """"client:<reason>" and "server:<reason>" -> count, over every connection so far."""
-    predictions_received: int = 0
-    connections: int = 0
-    """Connections that streamed so far (1 + reconnects, resumes among them)."""
-    resumes: int = 0
-    """Connections that resumed the stream whose call broke (same stream id, its history
-    kept on the server) instead of opening a new one."""
-    last_error: str = ""
-    last_error_ns: int = 0
-    """Robot clock when ``last_error`` happened: an error from before the stream came back
-    is history, not the reason chunks are missing now."""
 
 
 class LinkClient:
@@ -149,17 +118,7 @@ class LinkClient:
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._predictions: queue.SimpleQueue[Prediction] = queue.SimpleQueue()
         self._on_prediction = on_prediction
-        self._stats_lock = threading.Lock()
-        self._state = "disconnected"
-        self._promise: LinkPromise | None = None
-        self._observations_sent = 0
-        self._predictions_received = 0
-        self._connections = 0
-        self._last_error = ""
-        self._last_error_ns = 0
-        self._client_drops: collections.Counter[str] = collections.Counter()
-        self._server_drops_past: collections.Counter[str] = collections.Counter()
-        self._server_drops_now: dict[str, int] = {}
+        self._counters = LinkCounters(clock_ns)
         self._stub: pb_grpc.PhysisStub | None = None
         self._call = None
         self._thread: threading.Thread | None = None
@@ -206,8 +165,8 @@ class LinkClient:
         return self._contract
 
     def _reopen(self) -> None:
-        stub, promise, call = self._stub, self._promise, self._call
-        if stub is not None and promise is not None and self._state == "streaming":
+        stub, promise, call = self._stub, self._counters.promise, self._call
+        if stub is not None and promise is not None and self._counters.state == "streaming":
             # (an error: the stream ended meanwhile; the next one opens as asked)
             with contextlib.suppress(grpc.RpcError, ValueError):
                 stub.CloseStream(
@@ -230,12 +189,12 @@ class LinkClient:
         try:
             raw = serialize_observation(obs, send_stamp_ns=self._clock_ns())
         except (WireError, ValueError, TypeError) as exc:
-            self._count_client_drop("bad_observation")
-            self._set_error(f"observation {obs.seq} not sent: {exc}")
+            self._counters.count_client_drop("bad_observation")
+            self._counters.set_error(f"observation {obs.seq} not sent: {exc}")
             return
         with self._cv:
             if self._pending is not None:
-                self._count_client_drop("superseded")
+                self._counters.count_client_drop("superseded")
             self._pending = (obs.seq, raw)
         self._wake.put(None)
 
@@ -248,28 +207,7 @@ class LinkClient:
             return None
 
     def stats(self) -> LinkStats:
-        now_ns = self._clock_ns()
-        best = self._clock.best()
-        with self._stats_lock:
-            drops = {f"client:{k}": v for k, v in self._client_drops.items()}
-            server = collections.Counter(self._server_drops_past)
-            server.update(self._server_drops_now)
-            drops.update({f"server:{k}": v for k, v in server.items() if v})
-            return LinkStats(
-                state=self._state,
-                promise=self._promise,
-                clock_offset_ms=None if best is None else best.offset_ns / 1e6,
-                clock_offset_uncertainty_ms=None if best is None else best.round_trip_ns / 2e6,
-                robot_time_ns=now_ns,
-                server_time_ns=None if best is None else now_ns + best.offset_ns,
-                observations_sent=self._observations_sent,
-                drops=drops,
-                predictions_received=self._predictions_received,
-                connections=self._connections,
-                resumes=self._resume.resumes,
-                last_error=self._last_error,
-                last_error_ns=self._last_error_ns,
-            )
+        return self._counters.snapshot(self._clock.best(), resumes=self._resume.resumes)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Closes the stream on the server (CloseStream) and joins the thread."""
@@ -278,8 +216,8 @@ class LinkClient:
             self._session += 1
             self._cv.notify_all()
         self._wake.put(None)
-        stub, promise, call = self._stub, self._promise, self._call
-        if stub is not None and promise is not None and self._state == "streaming":
+        stub, promise, call = self._stub, self._counters.promise, self._call
+        if stub is not None and promise is not None and self._counters.state == "streaming":
             try:
                 stub.CloseStream(
                     pb.CloseStreamRequest(stream_id=promise.stream_id),
@@ -287,7 +225,7 @@ class LinkClient:
                     timeout=min(timeout_s, 1.0),
                 )
             except grpc.RpcError as exc:  # the server may already be gone: say so, go on
-                self._set_error(f"CloseStream: {rpc_error_text(exc)}")
+                self._counters.set_error(f"CloseStream: {rpc_error_text(exc)}")
             except ValueError:
                 # "Cannot invoke RPC on closed channel": the stream ended meanwhile (the
                 # server stopping too, as on a Ctrl-C of both) and its channel is closed
@@ -317,30 +255,30 @@ class LinkClient:
                 else:  # a call that streamed and broke is tried again soon: a link blip
                     streamed = self._answered
                     self._resume.broke()
-                    self._set_error(rpc_error_text(exc))
+                    self._counters.set_error(rpc_error_text(exc))
             except NotConnected as exc:
-                self._set_error(str(exc))
+                self._counters.set_error(str(exc))
             except WireError as exc:
                 self._resume.forget()
-                self._set_error(f"bad reply from server: {exc}")
+                self._counters.set_error(f"bad reply from server: {exc}")
             self._end_session()
             if self._closing:
                 break
             backoff_s = lo if streamed else min(backoff_s * 2, hi)
             with self._cv:
                 self._cv.wait_for(lambda: self._closing or self._task_changed, timeout=backoff_s)
-        self._set_state("disconnected")
+        self._counters.set_state("disconnected")
 
     def _run_stream(self) -> bool:
         """One connection: connect, resume the stream whose call broke (while the server
         holds it) or open a new one, stream until it ends. True if it streamed."""
-        self._set_state("connecting")
+        self._counters.set_state("connecting")
         self._answered = False
         channel = self._connector.channel()
         try:
             self._connector.wait_ready(channel)
             stub = pb_grpc.PhysisStub(channel)
-            promise = self._promise
+            promise = self._counters.promise
             if self._resume.due() is not None and promise is not None and self._spec_kept():
                 try:
                     return self._attach(channel, stub, promise, resuming=True)
@@ -381,13 +319,9 @@ class LinkClient:
                 return None
         self._resume.opened(resume_from_reply(reply))
         self._clock.reset()  # a new server process may have another clock
-        with self._stats_lock:
-            self._stub, self._promise = stub, promise
-            self._connections += 1
-            # the last stream's drops are history now
-            self._server_drops_past.update(self._server_drops_now)
-            self._server_drops_now = {}
-        self._set_state("connected")
+        self._stub = stub
+        self._counters.opened(promise)
+        self._counters.set_state("connected")
         return promise
 
     def _spec_kept(self) -> bool:
@@ -423,16 +357,15 @@ class LinkClient:
         call = stream(self._requests(session, promise), metadata=(*self._metadata, *addressed))
         self._call = call
         if not resuming:
-            self._set_state("streaming")
+            self._counters.set_state("streaming")
         for msg, frames_data in call:
             self._answered = True
             if resuming:  # the server took the ticket: the stream goes on where it was
                 resuming = False
                 self._resume.resumed()
-                with self._stats_lock:
-                    self._stub = stub
-                    self._connections += 1
-                self._set_state("streaming")
+                self._stub = stub
+                self._counters.resumed()
+                self._counters.set_state("streaming")
             self._on_server_message(msg, frames_data)
         return True
 
@@ -456,9 +389,8 @@ class LinkClient:
             self._session += 1
             self._cv.notify_all()
         self._wake.put(None)
-        with self._stats_lock:
-            self._stub = None
-        self._set_state("disconnected")
+        self._stub = None
+        self._counters.set_state("disconnected")
 
     def _requests(self, session: int, promise: LinkPromise) -> Iterator[bytes]:
         """What the client sends on one stream: clock probes (a quick burst, then every
@@ -490,14 +422,13 @@ class LinkClient:
                 continue
             seq, raw = item
             if len(raw) > promise.max_observation_bytes:
-                self._count_client_drop("oversized")
-                self._set_error(
+                self._counters.count_client_drop("oversized")
+                self._counters.set_error(
                     f"observation {seq} not sent: {len(raw)} bytes > server maximum "
                     f"{promise.max_observation_bytes}"
                 )
                 continue
-            with self._stats_lock:
-                self._observations_sent += 1
+            self._counters.sent()
             yield raw
 
     def _on_server_message(
@@ -509,29 +440,24 @@ class LinkClient:
             p = msg.pong
             self._clock.add(p.client_send_ns, p.server_receive_ns, p.server_send_ns, received_ns)
         elif kind == "stats":
-            self._take_counters(msg.stats)
+            self._counters.take_server_counts(msg.stats)
         elif kind == "promise":  # revised: keep what only OpenStream says (message limits)
-            with self._stats_lock:
-                if self._promise is not None and msg.promise.stream_id == self._promise.stream_id:
-                    self._promise = promise_from_proto(
-                        msg.promise, max_observation_bytes=self._promise.max_observation_bytes
-                    )
+            self._counters.revised(msg.promise)
         elif kind == "prediction":
             prediction = prediction_from_proto(
                 msg.prediction,
                 received_ns=received_ns,
                 offset_ns=self._clock.offset_ns,
-                drops=self._take_counters(msg.prediction.counters),
+                drops=self._counters.take_server_counts(msg.prediction.counters),
                 frames_data=frames_data,
             )
-            with self._stats_lock:
-                self._predictions_received += 1
+            self._counters.received()
             if self._on_prediction is not None:
                 try:
                     self._on_prediction(prediction)
                 except Exception as exc:  # noqa: BLE001 - the caller's bug must not end the link
-                    self._count_client_drop("callback_error")
-                    self._set_error(
+                    self._counters.count_client_drop("callback_error")
+                    self._counters.set_error(
                         f"on_prediction raised on chunk {prediction.chunk_index}: {exc!r}"
                     )
                 return
@@ -539,30 +465,4 @@ class LinkClient:
             while self._predictions.qsize() > self._options.prediction_queue_size:
                 with contextlib.suppress(queue.Empty):
                     self._predictions.get_nowait()  # the oldest
-                    self._count_client_drop("prediction_queue_full")
-
-    def _take_counters(self, counters: pb.StreamCounters) -> dict[str, int]:
-        """The server's drop counts of this stream, kept for ``stats``; returned."""
-        drops = dict(counters.drops) if counters.drops else {}
-        detail = counters.last_drop_detail
-        with self._stats_lock:
-            # every message repeats the stream's newest drop: it is news when the count grew
-            dropped_more = sum(drops.values()) > sum(self._server_drops_now.values())
-            self._server_drops_now = drops
-            if detail and dropped_more:
-                self._last_error = f"server dropped: {detail}"
-                self._last_error_ns = self._clock_ns()
-        return drops
-
-    def _count_client_drop(self, reason: str) -> None:
-        with self._stats_lock:
-            self._client_drops[reason] += 1
-
-    def _set_state(self, state: str) -> None:
-        with self._stats_lock:
-            self._state = state
-
-    def _set_error(self, text: str) -> None:
-        with self._stats_lock:
-            self._last_error = text
-            self._last_error_ns = self._clock_ns()
+                    self._counters.count_client_drop("prediction_queue_full")

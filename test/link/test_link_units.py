@@ -497,7 +497,7 @@ def test_an_error_keeps_the_robot_time_it_happened_at():
     detail = "bad_image: 3 bytes"
     for t_ns, count, expect_ns in ((2_000, 1, 2_000), (3_000, 1, 2_000), (4_000, 2, 4_000)):
         now_ns[0] = t_ns
-        client._take_counters(
+        client._counters.take_server_counts(
             pb.StreamCounters(drops={"bad_image": count}, last_drop_detail=detail)
         )
         stats = client.stats()
