@@ -58,8 +58,10 @@ LAUNCHER = textwrap.dedent(
     cmd = [sys.executable, "-c", program, out]
     if how == "through a shell":  # a launch prefix: the launcher is not the parent
         cmd = ["sh", "-c", '"$0" "$@"; true', *cmd]
-    if how == "with SIGINT ignored":
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # ignored only where asked: not inherited from how the test run itself was started
+    # (a background job's SIGINT is ignored, and exec keeps it so)
+    ignore = how == "with SIGINT ignored"
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignore else signal.default_int_handler)
     for _ in range(4):  # as ros2 launch: threads, each a parent in turn as they die
         threading.Thread(target=time.sleep, args=(300,), daemon=True).start()
     subprocess.Popen(cmd, env=env)
