@@ -51,6 +51,16 @@ def _drive_paced(engine, sids, target_ms: float, chunks: int, timeout_s: float =
     return t0, [left[sid] for sid in sids]
 
 
+def _host_slowdown(profile) -> float:
+    """How much slower than ``profile`` this host runs a block forward now (wall clock, one
+    forward per batch size in turn, as ``mean_block_entries`` samples the runs' speed)."""
+    model = build_model(get_preset(profile.model), device="cpu")
+    batches = [e.tasks for e in profile.entries]
+    timers = {b: BlockTimer(model, [profile.window] * b, window=profile.window) for b in batches}
+    now = {e.tasks: e.ms_p50 for e in mean_block_entries(timers)}
+    return statistics.median(now[e.tasks] / e.ms_p50 for e in profile.entries)
+
+
 def _at_the_host_speed_now(profile):
     """``profile`` with its block times at the speed this host runs a block forward now
     (wall clock, one forward per batch size in turn, as ``mean_block_entries`` samples the
@@ -58,11 +68,7 @@ def _at_the_host_speed_now(profile):
     worker's own processor time, which other jobs on the host do not stretch but the robot's
     clock does: the slowdown, a ratio measured in the same run, gives the targets admission
     promises at the speed the streams will then run at."""
-    model = build_model(get_preset(profile.model), device="cpu")
-    batches = [e.tasks for e in profile.entries]
-    timers = {b: BlockTimer(model, [profile.window] * b, window=profile.window) for b in batches}
-    now = {e.tasks: e.ms_p50 for e in mean_block_entries(timers)}
-    slowdown = statistics.median(now[e.tasks] / e.ms_p50 for e in profile.entries)
+    slowdown = _host_slowdown(profile)
     if slowdown <= 1.0:
         return profile
     return dataclasses.replace(profile, entries=tuple(scaled_entries(profile.entries, slowdown)))
@@ -84,7 +90,8 @@ def test_admitted_streams_meet_the_target_and_the_next_is_refused():
     controller's share; T = 1.3 X / 0.9 lets each of the 2 ranks host one stream and leaves
     about 0.6 X spare in total: n = 2 are admitted, stream 3 is refused for compute. The
     admitted streams run on the gloo runtime at the robot's rate T; each one's measured
-    interval is within 10% of T."""
+    interval is within 10% of T, or of T stretched by how much slower the host ran a block once
+    they had run than when admission planned (other jobs starting meanwhile)."""
     # one calibration (three tries at most, each waiting up to 5 s for a quiet host): what
     # the host's load does to the block times is measured again just before the streams run
     profile = profile_gloo(batches="1,2,4", rounds=2, repeats=10, gloo_repeats=1)
@@ -98,7 +105,7 @@ def test_admitted_streams_meet_the_target_and_the_next_is_refused():
         controller_device=0,
     )
     with ranks_engine(runtime_config(), world_size=2) as engine:
-        cost = ProfileCostModel(_at_the_host_speed_now(profile))
+        cost = ProfileCostModel(admitted_at := _at_the_host_speed_now(profile))
         work_ms = K * cfg.num_blocks * cost.group_ms(cfg, sampler, 1)
         work_ms += 2 * (cost.send_cpu_ms(cfg) + cost.recv_cpu_ms(cfg))
         work_ms += cost.chunk_overhead_ms(cfg)
@@ -116,6 +123,9 @@ def test_admitted_streams_meet_the_target_and_the_next_is_refused():
         assert {r for lay in layouts for row in lay for r in row} == {0, 1}
         sids = [promise.stream_id for promise, _ in opened]
         t0, lefts = _drive_paced(engine, sids, target_ms, chunks=80)
+        # the host's speed once they ran, against the speed admission planned with: other
+        # jobs that started meanwhile stretch every block, which no admission can foresee
+        drift = max(1.0, _host_slowdown(admitted_at))
         for sid in sids:
             gate.close_stream(sid)
         # closing frees the slots: a new stream is admitted again
@@ -129,8 +139,10 @@ def test_admitted_streams_meet_the_target_and_the_next_is_refused():
     for left in lefts:
         chunks = list(range(8, len(left)))
         slope_s = statistics.linear_regression(chunks, left[8:]).slope
-        assert slope_s * 1e3 == pytest.approx(target_ms, rel=0.10), intervals_ms(left, skip=8)
-        lag_ms = [(t - t0) * 1e3 - c * target_ms for c, t in enumerate(left)]
+        # T as planned; no slower than a slower host explains (within 10% either way)
+        low_ms, high_ms = 0.9 * target_ms, 1.1 * target_ms * drift
+        assert low_ms <= slope_s * 1e3 <= high_ms, (drift, intervals_ms(left, skip=8))
+        lag_ms = [(t - t0) * 1e3 - c * target_ms * drift for c, t in enumerate(left)]
         assert lag_ms[-1] < min(lag_ms[8:]) + 3 * target_ms, lag_ms
 
 

@@ -154,8 +154,12 @@ def test_a_cut_stream_resumes_with_its_token_and_goes_on_past_the_gap(server, ch
         assert max(p.chunk_index for p in after) > max(p.chunk_index for p in before)
         counters = after[-1].counters
         assert counters.observations_received > received_before
-        missed = counters.filled_frames + dict(counters.drops).get("seq_gap", 0)
-        assert missed > 0, counters  # the frames of the cut: filled, or the gap skipped
+        # the frames of the cut: filled, the gap skipped, or (a loaded host) the slot after
+        # it dropped because the engine had not generated it yet
+        drops = dict(counters.drops)
+        missed = counters.filled_frames + drops.get("seq_gap", 0)
+        missed += drops.get("server_behind", 0)
+        assert missed > 0, counters
         info = server_info(server.target)
         mine = stream_info(server.target, sid)
         assert mine.attached and mine.detached_s == 0 and mine.resumes == 1
@@ -288,7 +292,10 @@ def test_a_link_client_resumes_its_stream_after_the_connection_drops(server, cap
         resumed_lines = [r for r in caplog.records if "resumed stream" in r.getMessage()]
         assert len(resumed_lines) == 1
         assert f"resumed stream {before.stream_id} after" in resumed_lines[0].getMessage()
-        assert proxy.connections == 2
+        # the client's streaming connections are counted exactly above (2: the first, the
+        # resume); the proxy forwards every TCP connection once the link is back, an attempt
+        # the client gave up on as not ready in time (a loaded host) among them
+        assert proxy.connections >= 2
     finally:
         stop.set()
         feeder.join(5)
