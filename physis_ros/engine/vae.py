@@ -32,6 +32,7 @@ import torch
 
 from physis_ros.engine.config import ModelConfig
 from physis_ros.engine.frames import check_frames
+from physis_ros.engine.weight_files import partial_load_problem
 
 TEMPORAL_GROUP = 4
 """Camera frames per latent frame after the first (diffusers' loop is written for 4)."""
@@ -106,9 +107,15 @@ class WanVAECodec:
             path = path / "vae"
         self.cfg = cfg
         self.device = torch.device(device)
-        self.vae = AutoencoderKLWan.from_pretrained(
-            str(path), torch_dtype=torch.float32, use_safetensors=True, low_cpu_mem_usage=False
+        self.vae, loading = AutoencoderKLWan.from_pretrained(
+            str(path),
+            torch_dtype=torch.float32,
+            use_safetensors=True,
+            low_cpu_mem_usage=False,
+            output_loading_info=True,
         )
+        if problem := partial_load_problem(f"VAE {path}", loading):
+            raise ValueError(problem)
         self.vae.to(self.device).eval()
         conf = self.vae.config
         shape = (cfg.in_channels, 1, 1, 1)

@@ -108,3 +108,18 @@ def _group_files(directory: Path, group: list[Path]) -> list[Path]:
     if absent:
         raise ValueError(f"{indexes[0].name} names shards that are not there: {absent}")
     return files
+
+
+def partial_load_problem(what: str, loading_info: dict) -> str | None:
+    """What is wrong with a ``from_pretrained(..., output_loading_info=True)`` load (diffusers,
+    transformers) that left weights at their random init: keys the files lack or hold in
+    another shape; None when every weight came from the files. Those libraries only log it,
+    and a codec or text encoder that is partly random looks like a model that does not work."""
+    missing = sorted(loading_info.get("missing_keys") or ())
+    mismatched = sorted(str(k) for k in loading_info.get("mismatched_keys") or ())
+    if not (missing or mismatched):
+        return None
+    parts = [f"missing {len(missing)} key(s) {missing[:8]}"] if missing else []
+    if mismatched:
+        parts.append(f"mis-shaped {len(mismatched)} key(s) {mismatched[:8]}")
+    return f"{what}: its weights files do not hold the model: {'; '.join(parts)}"

@@ -27,6 +27,7 @@ import torch
 
 from physis_ros.cli_errors import cli_main
 from physis_ros.engine.prompts import EMPTY, check_name, read_prompts, write_prompts
+from physis_ros.engine.weight_files import partial_load_problem
 
 PICKLED_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
 """Upstream Wan ships its encoder as this pickle file: never loaded here."""
@@ -81,12 +82,16 @@ class TextEncoder:
         self.source = str(path)
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-        self.model = UMT5EncoderModel.from_pretrained(
+        model, loading = UMT5EncoderModel.from_pretrained(
             str(enc_dir),
             local_files_only=True,
             use_safetensors=True,
             dtype=getattr(torch, dtype),
-        ).to(self.device)
+            output_loading_info=True,
+        )
+        if problem := partial_load_problem(f"text encoder {enc_dir}", loading):
+            raise EncoderUnavailable(problem)
+        self.model = model.to(self.device)
         self.model.eval()
 
     @property

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from wan_fixtures import make_text_encoder
 
 from physis_ros.engine.config import get_preset
@@ -166,3 +167,15 @@ def test_a_model_conditioned_on_its_task_takes_the_task_values():
         trained_empty_prompt(cfg, {"cond_seed": "0"}),
     )  # no task_features contract: the task's values make no prompt
     assert torch.equal(plain.resolve(""), trained_empty_prompt(cfg, {"cond_seed": "0"}))
+
+
+def test_an_encoder_whose_files_lack_a_weight_is_refused(tmp_path):
+    """transformers would keep the missing weight at its random init and only log it."""
+    make_text_encoder(tmp_path)
+    weights = next((tmp_path / "text_encoder").glob("*.safetensors"))
+    state = load_file(str(weights))
+    key = "encoder.final_layer_norm.weight"
+    del state[key]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(embed_cli.EncoderUnavailable, match=rf"missing 1 key\(s\) \['{key}'\]"):
+        embed_cli.TextEncoder(tmp_path)

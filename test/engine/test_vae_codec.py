@@ -3,9 +3,13 @@ decode per stream equal diffusers' own whole-video encode and decode."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from wan_fixtures import TINY_VAE, TINY_VAE22, make_vae
 
 from physis_ros.engine.checkpoints import resolve_model
@@ -127,3 +131,17 @@ def test_codec_that_does_not_fit_is_refused(vae_setup, tmp_path):
     with pytest.raises(ValueError, match=r"VAE .* has 4 latent channels, model tiny has 12"):
         resolve_model("tiny", vae=str(root / "vae"))
     assert TINY_VAE["z_dim"] == cfg.in_channels
+
+
+def test_a_vae_whose_files_lack_a_weight_is_refused(vae_setup, tmp_path):
+    """diffusers would keep the missing weight at its random init and only log it."""
+    _, cfg, root = vae_setup
+    vae_dir = tmp_path / "vae"
+    shutil.copytree(root / "vae", vae_dir)
+    weights = next(vae_dir.glob("*.safetensors"))
+    state = load_file(str(weights))
+    del state["decoder.conv_out.weight"]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    broken = dataclasses.replace(cfg, vae_path=str(vae_dir))
+    with pytest.raises(ValueError, match=r"missing 1 key\(s\) \['decoder.conv_out.weight'\]"):
+        make_codec(broken)
