@@ -246,32 +246,31 @@ def _evaluate_link(args, cfg: EvalConfig, topics: TopicChoice, settings: dict, h
     """EvalResult over the link, and the report's ``engine`` entry (what served it)."""
     # imported here: the in-process path needs neither grpc nor the link client
     from physis_ros.eval.link_eval import evaluate_link
-    from physis_ros.eval.link_replay import LinkOptions
+    from physis_ros.eval.link_replay import ReplayLink
     from physis_ros.eval.local_server import LocalServer
-    from physis_ros.link.options import ROLLOUT_CHOICES
+    from physis_ros.link.options import ROLLOUT_CHOICES, LinkOptions
 
     token = Path(args.token_file).read_text().strip() if args.token_file else None
-    options = dict(
+    link = LinkOptions(
         token=token,
         root_cert_path=args.tls_ca,
         client_cert_path=args.tls_cert,
         client_key_path=args.tls_key,
         tls_server_name=args.tls_server_name,
         connect_timeout_s=args.connect_timeout,
-        interval_ms=args.interval_ms,
-        horizons=horizons,
+        target_interval_ms=args.interval_ms,
         previews=args.previews,
         rollouts=ROLLOUT_CHOICES[args.rollouts],
     )
     if args.link:
-        opts = LinkOptions(target=args.link, **options)
+        opts = ReplayLink(target=args.link, link=link, horizons=horizons)
         result = evaluate_link(
             opts, _expand(args.bags), cfg, topics=topics, progress=not args.quiet
         )
         return result, {"served_by": args.link}
     kwargs = {k: v for k, v in settings.items() if k != "frame_hz"}
     with LocalServer(kwargs, args.out / "serve.log") as server:
-        opts = LinkOptions(target=server.target, **options)
+        opts = ReplayLink(target=server.target, link=link, horizons=horizons)
         result = evaluate_link(
             opts, _expand(args.bags), cfg, topics=topics, progress=not args.quiet
         )

@@ -32,7 +32,7 @@ from physis_ros.eval.evaluate import (
 )
 from physis_ros.eval.link_replay import (
     BagReplay,
-    LinkOptions,
+    ReplayLink,
     command_at,
     model_info,
     probe,
@@ -194,11 +194,11 @@ class _LinkTally:
         self.replay_s += replay.wall_s
         self.connections += replay.connections
 
-    def entry(self, opts: LinkOptions, promise: LinkPromise, result: EvalResult) -> dict:
+    def entry(self, opts: ReplayLink, promise: LinkPromise, result: EvalResult) -> dict:
         rate = self.replay_s or None
         entry = {
             "target": opts.target,
-            "requested_interval_ms": opts.interval_ms,
+            "requested_interval_ms": opts.link.target_interval_ms,
             "horizons": list(opts.horizons) or [promise.horizon],
             "promise": dataclasses.asdict(promise),
             "streams_opened": self.connections,
@@ -217,13 +217,13 @@ class _LinkTally:
             "window": "one anchor of the window set (an observed slot's newest frame): its "
             "predictions 1.. chunks ahead of it",
         }
-        if opts.previews:
+        if opts.link.previews:
             entry["previews"] = summarize_previews(self.previews, promise.steps)
         return entry
 
 
 def evaluate_link(
-    opts: LinkOptions,
+    opts: ReplayLink,
     bag_paths: list,
     cfg: EvalConfig,
     *,
@@ -264,7 +264,7 @@ def evaluate_link(
             action_mode = "predict"
             result.model = model = model_info(promise, action_mode)
         windows, unscored, strips = score_bag(ep, replay, model, cfg, result.window_set[ep.path])
-        if opts.previews:
+        if opts.link.previews:
             tally.previews.append(score_previews(ep, replay.previews, replay.predictions))
         result.windows.extend(windows)
         scored[ep.path] += len(windows)

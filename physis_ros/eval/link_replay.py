@@ -7,7 +7,7 @@ as the server takes them (each slot's frames, then a wait for the prediction anc
 slot, so every slot is observed before the next and the schedule is the one a real-time
 stream gets). The server puts frame i in slot i // F, enters each completed slot as its
 observation and generates up to ``horizon`` slots ahead of it; the stream asks for the
-horizon ``LinkOptions.horizons`` names (one stream per horizon per bag; none named: the
+horizon ``ReplayLink.horizons`` names (one stream per horizon per bag; none named: the
 model's). Each prediction says its anchor (the observed slot it reads last, and that slot's
 newest frame ``observation_seq``), its horizon j (chunks ahead of the anchor) and the frame
 its first predicted frame stands for (``first_frame_seq``). A bag is replayed up to the end of
@@ -25,6 +25,7 @@ import numpy as np
 from physis_ros.eval.bag import Episode
 from physis_ros.eval.evaluate import EvalConfig, ModelInfo, frames_in_use
 from physis_ros.link.client import LinkClient, LinkPromise, Observation, Prediction
+from physis_ros.link.options import LinkOptions
 from physis_ros.link.wire import rgb_image
 
 REFUSALS = ("UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "FAILED_PRECONDITION")
@@ -43,63 +44,40 @@ class LinkUnavailable(Exception):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LinkOptions:
-    """Where the server is and how to talk to it."""
+class ReplayLink:
+    """Where the server is, how to talk to it and what its streams ask for (``link``: the
+    credentials; the connect timeout, also the longest wait for a lost stream to come back;
+    the target interval; previews, scored apart by ``previews.py``; rollouts), and the
+    horizons the bags are replayed at."""
 
     target: str
     """host:port of physis-serve."""
-    token: str | None = None
-    root_cert_path: str | None = None
-    client_cert_path: str | None = None
-    client_key_path: str | None = None
-    tls_server_name: str | None = None
-    connect_timeout_s: float = 5.0
-    """Longest wait for a stream to open (and for a lost one to come back)."""
-    interval_ms: float = 0.0
-    """Target interval the stream asks for (admission); 0: as fast as the server can."""
+    link: LinkOptions = field(default_factory=LinkOptions)
     horizons: tuple[int, ...] = ()
     """Replay each bag once per horizon, the stream asking for it; empty: the model's."""
-    previews: bool = False
-    """Streams ask for previews (each chunk's x0 estimate after every step but the last),
-    scored apart (``previews.py``); the chunks are scored as without them."""
-    rollouts: bool | None = None
-    """Whether every observation generates the whole horizon again (None: the server's
-    default, on for world models): then one stream scores every horizon up to its own."""
 
     def __post_init__(self) -> None:
-        if not self.connect_timeout_s > 0:
-            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
-        if self.interval_ms < 0:
-            raise ValueError(f"interval_ms must be >= 0, got {self.interval_ms}")
         if any(h < 1 for h in self.horizons):
             raise ValueError(f"horizons must be >= 1, got {list(self.horizons)}")
 
 
-def make_client(opts: LinkOptions, *, seed: int, horizon: int = 0) -> LinkClient:
+def make_client(opts: ReplayLink, *, seed: int, horizon: int = 0) -> LinkClient:
     return LinkClient(
         opts.target,
+        opts.link,
         seed=seed,
         horizon=horizon,
-        previews=opts.previews,
-        rollouts=opts.rollouts,
-        target_interval_ms=opts.interval_ms,
-        token=opts.token,
-        root_cert_path=opts.root_cert_path,
-        client_cert_path=opts.client_cert_path,
-        client_key_path=opts.client_key_path,
-        tls_server_name=opts.tls_server_name,
-        connect_timeout_s=opts.connect_timeout_s,
         client_name="physis-eval",
         # the replay reads between sends; a deep queue loses nothing in a slow moment
         prediction_queue_size=4096,
     )
 
 
-def wait_streaming(client: LinkClient, opts: LinkOptions) -> LinkPromise:
+def wait_streaming(client: LinkClient, opts: ReplayLink) -> LinkPromise:
     """Starts ``client`` and waits for its stream to open; LinkUnavailable (with the server's
     or gRPC's reason) when it has not within the connect timeout plus a grace second."""
     client.start()
-    deadline = time.monotonic() + opts.connect_timeout_s + 1.0
+    deadline = time.monotonic() + opts.link.connect_timeout_s + 1.0
     while time.monotonic() < deadline:
         st = client.stats()
         if st.state == "streaming" and st.promise is not None:
@@ -114,12 +92,12 @@ def wait_streaming(client: LinkClient, opts: LinkOptions) -> LinkPromise:
     if _final(st.last_error):
         raise LinkUnavailable(f"no stream from physis-serve: {st.last_error}")
     raise LinkUnavailable(
-        f"no stream from physis-serve at {opts.target} within {opts.connect_timeout_s:g} s: "
+        f"no stream from physis-serve at {opts.target} within {opts.link.connect_timeout_s:g} s: "
         f"{st.last_error or st.state}"
     )
 
 
-def probe(opts: LinkOptions) -> LinkPromise:
+def probe(opts: ReplayLink) -> LinkPromise:
     """What the server promises a stream (model, image size, chunk frames): opened, closed."""
     client = make_client(opts, seed=0)
     promise = wait_streaming(client, opts)
@@ -170,7 +148,7 @@ def command_at(ep: Episode, frame: int) -> np.ndarray | None:
 class _Stream:
     """One bag's stream: sends frames, takes predictions, watches the link."""
 
-    def __init__(self, client: LinkClient, opts: LinkOptions, out: BagReplay, horizon: int) -> None:
+    def __init__(self, client: LinkClient, opts: ReplayLink, out: BagReplay, horizon: int) -> None:
         self.client, self.opts, self.out = client, opts, out
         self.horizon = horizon
         self.newest_anchor = -1
@@ -199,7 +177,7 @@ class _Stream:
             self.lost_since = None
         elif self.lost_since is None:
             self.lost_since = time.monotonic()
-        elif time.monotonic() - self.lost_since > self.opts.connect_timeout_s + 1.0:
+        elif time.monotonic() - self.lost_since > self.opts.link.connect_timeout_s + 1.0:
             raise LinkUnavailable(f"lost physis-serve at {self.opts.target}: {st.last_error}")
 
     def wait(self, done, what: str, timeout_s: float) -> None:
@@ -218,7 +196,7 @@ class _Stream:
 
 
 def replay_bag(
-    ep: Episode, opts: LinkOptions, cfg: EvalConfig, *, seed: int, send_actions: bool, horizon=0
+    ep: Episode, opts: ReplayLink, cfg: EvalConfig, *, seed: int, send_actions: bool, horizon=0
 ) -> BagReplay:
     """Streams ``ep``'s frames (those the evaluation uses: ``frames_in_use``) to the server on
     a stream of its own (asking for ``horizon`` chunks ahead; 0: the model's) and collects

@@ -10,6 +10,7 @@ numpy + grpc only (no torch, no rclpy).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -65,13 +66,15 @@ class LinkClient:
     def __init__(
         self,
         target: str,
+        options: LinkOptions | None = None,
         *,
         clock_ns: Callable[[], int] = time.time_ns,
         on_prediction: Callable[[Prediction], None] | None = None,
-        **options: Any,
+        **fields: Any,
     ) -> None:
-        """A client of the server at ``target`` (``host:port``); ``options`` are the fields
-        of ``LinkOptions`` (the stream it opens, the connection, the client), checked here.
+        """A client of the server at ``target`` (``host:port``) with ``options`` (the stream
+        it opens, the connection, the client; default ``LinkOptions()``), any of whose fields
+        ``fields`` replaces, checked here.
 
         ``clock_ns`` is the robot clock: it must be the clock of the capture stamps
         (e.g. the ROS node's clock) so that capture-to-receive latencies mean something.
@@ -80,7 +83,7 @@ class LinkClient:
         is parsed, instead of queueing it for ``get_prediction`` (one thread hand-off less on
         every reply: a consumer that is quick, or hands on by itself, should use it). An
         exception it raises is counted (``client:callback_error``) and the stream goes on."""
-        opts = LinkOptions(**options)
+        opts = dataclasses.replace(options, **fields) if options else LinkOptions(**fields)
         self._connector = Connector(
             target,
             token=opts.token,

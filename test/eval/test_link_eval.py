@@ -18,9 +18,10 @@ import pytest
 
 from physis_ros.eval.bag import Episode
 from physis_ros.eval.evaluate import EvalConfig
-from physis_ros.eval.link_replay import LinkOptions, replay_bag
+from physis_ros.eval.link_replay import ReplayLink, replay_bag
 from physis_ros.eval.local_server import LocalServer
 from physis_ros.link.client import Prediction
+from physis_ros.link.options import LinkOptions
 
 from .bagtools import record_small
 
@@ -144,7 +145,10 @@ def test_anchors_are_the_slots_the_server_observed(realtime):
     with _fake_server(engine) as handle:
         replay = replay_bag(
             ep,
-            LinkOptions(target=f"127.0.0.1:{handle.port}", connect_timeout_s=5.0, rollouts=False),
+            ReplayLink(
+                target=f"127.0.0.1:{handle.port}",
+                link=LinkOptions(connect_timeout_s=5.0, rollouts=False),
+            ),
             EvalConfig(realtime=realtime, poll_timeout_s=20.0),
             seed=0,
             send_actions=False,
@@ -173,7 +177,7 @@ def test_with_rollouts_every_anchor_is_scored_at_every_horizon():
     with _fake_server(engine) as handle:
         replay = replay_bag(
             ep,
-            LinkOptions(target=f"127.0.0.1:{handle.port}", connect_timeout_s=5.0),
+            ReplayLink(target=f"127.0.0.1:{handle.port}", link=LinkOptions(connect_timeout_s=5.0)),
             EvalConfig(poll_timeout_s=20.0),
             seed=0,
             send_actions=False,

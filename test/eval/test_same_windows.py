@@ -23,10 +23,11 @@ from physis_ros.eval.evaluate import (
     window_anchors,
 )
 from physis_ros.eval.link_eval import evaluate_link
-from physis_ros.eval.link_replay import LinkOptions
+from physis_ros.eval.link_replay import ReplayLink
 from physis_ros.eval.metrics import psnr
 from physis_ros.eval.paired import live_vs_in_process
 from physis_ros.eval.report import write_report
+from physis_ros.link.options import LinkOptions
 
 from .bagtools import record_small
 
@@ -95,7 +96,9 @@ def test_both_modes_score_the_same_anchors_and_the_report_pairs_them(bag, tmp_pa
 
     description = ServerDescription(model="fake", steps=2, blocks=2, horizon=2)
     with served(_FakeWorldModel(), description=description) as (_loop, handle):
-        opts = LinkOptions(target=f"127.0.0.1:{handle.port}", connect_timeout_s=5.0)
+        opts = ReplayLink(
+            target=f"127.0.0.1:{handle.port}", link=LinkOptions(connect_timeout_s=5.0)
+        )
         live = evaluate_link(opts, [str(bag)], cfg, progress=False)
     in_process = evaluate(_FakeWorldModel(), _model(), [str(bag)], cfg, progress=False)
 

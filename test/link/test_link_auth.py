@@ -243,15 +243,18 @@ def test_a_host_that_does_not_resolve_is_named_at_once_not_a_timeout():
 def test_physis_eval_link_names_a_tls_failure_and_stops_waiting(tls_server, certs, other_ca):
     """physis-eval --link --tls-ca <wrong CA>: its probe of the server ends in the TLS reason
     (LinkUnavailable: exit 1), long before its connect timeout."""
-    from physis_ros.eval.link_replay import LinkOptions, LinkUnavailable, probe
+    from physis_ros.eval.link_replay import LinkUnavailable, ReplayLink, probe
+    from physis_ros.link.options import LinkOptions
 
-    opts = LinkOptions(
+    opts = ReplayLink(
         target=tls_server.target,
-        token=TOKEN,
-        root_cert_path=str(other_ca["ca.pem"]),
-        client_cert_path=str(certs["client.pem"]),
-        client_key_path=str(certs["client.key"]),
-        connect_timeout_s=LONG_CONNECT_TIMEOUT_S,
+        link=LinkOptions(
+            token=TOKEN,
+            root_cert_path=str(other_ca["ca.pem"]),
+            client_cert_path=str(certs["client.pem"]),
+            client_key_path=str(certs["client.key"]),
+            connect_timeout_s=LONG_CONNECT_TIMEOUT_S,
+        ),
     )
     t0 = time.monotonic()
     with pytest.raises(LinkUnavailable, match="TLS handshake failed") as err:
