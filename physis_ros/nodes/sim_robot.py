@@ -181,7 +181,10 @@ class SimRobot(Node):
         self._lock = threading.Lock()
         self.trajectories_received = 0
         self.trajectories_rejected = 0
-        self.executing_trajectory = False
+        self.executed_trajectory = False
+        """A trajectory's targets were followed since the last diagnostics report: what the
+        once-a-second status says (an instant's sample would miss a robot that drives between
+        two chunks' trajectories, as a short episode's goal change leaves it for a moment)."""
 
         self.image_pub = self.create_publisher(Image, "camera/image", qos_profile_sensor_data)
         self.joints_pub = self.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
@@ -272,7 +275,7 @@ class SimRobot(Node):
         t_s = (now.nanoseconds - self._t0_ns) * 1e-9
         with self._lock:
             targets = self.follower.targets(now.nanoseconds)
-            self.executing_trajectory = targets is not None
+            self.executed_trajectory |= targets is not None
             if targets is None:
                 targets = self._idle_targets(t_s)
             self._held = np.asarray(targets, dtype=np.float64)
@@ -330,7 +333,9 @@ class SimRobot(Node):
     @quiet_at_shutdown
     def _on_diagnostics_timer(self) -> None:
         values = self.episodes.report(self.scene)
-        values["executing_trajectory"] = str(self.executing_trajectory)
+        with self._lock:
+            executed, self.executed_trajectory = self.executed_trajectory, False
+        values["executing_trajectory"] = str(executed)
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK,
             name=f"{self.get_name()}: {self.task.label}",
