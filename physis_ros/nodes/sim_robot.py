@@ -181,6 +181,8 @@ class SimRobot(Node):
         self._lock = threading.Lock()
         self.trajectories_received = 0
         self.trajectories_rejected = 0
+        self.steps_on_trajectory = 0
+        """State steps whose joint targets came from a commanded trajectory (the run's total)."""
         self.executed_trajectory = False
         """A trajectory's targets were followed since the last diagnostics report: what the
         once-a-second status says (an instant's sample would miss a robot that drives between
@@ -276,6 +278,7 @@ class SimRobot(Node):
         with self._lock:
             targets = self.follower.targets(now.nanoseconds)
             self.executed_trajectory |= targets is not None
+            self.steps_on_trajectory += targets is not None
             if targets is None:
                 targets = self._idle_targets(t_s)
             self._held = np.asarray(targets, dtype=np.float64)
@@ -335,7 +338,9 @@ class SimRobot(Node):
         values = self.episodes.report(self.scene)
         with self._lock:
             executed, self.executed_trajectory = self.executed_trajectory, False
+            steps_on_trajectory = self.steps_on_trajectory
         values["executing_trajectory"] = str(executed)
+        values["steps_on_trajectory"] = str(steps_on_trajectory)
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK,
             name=f"{self.get_name()}: {self.task.label}",

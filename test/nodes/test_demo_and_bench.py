@@ -119,7 +119,8 @@ def test_demo_world_action_model_drives_sim_robot(tmp_path, ros_env):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["children_exit_codes"] == {"server": 0, "sim_robot": 0, "bridge": 0}
     assert summary["chunks_published"] > 5 and summary["topic_messages_seen"]["action_chunk"] > 5
-    assert summary["goal_push"]["executing_trajectory"] == "True", summary["goal_push"]
+    # the run's total: the newest report alone may fall between two chunks' trajectories
+    assert int(summary["goal_push"]["steps_on_trajectory"]) > 0, summary["goal_push"]
     bad = {"no_joint_state", "no_wrench", "no_object_position", "commands_shape", "internal_error"}
     assert not [k for k in summary["drops"] if k.split(":")[-1] in bad], summary["drops"]
 
@@ -137,7 +138,7 @@ def test_demo_drives_the_shipped_reach_wam_onto_its_targets(tmp_path, ros_env):
     assert summary["chunks_published"] > 5 and summary["topic_messages_seen"]["action_chunk"] > 5
     episodes = summary["goal_push"]
     assert episodes["scene"] == "reach", episodes
-    assert episodes["executing_trajectory"] == "True", episodes
+    assert int(episodes["steps_on_trajectory"]) > 0, episodes
     assert int(episodes["successes"]) >= 1, (episodes, proc.stdout[-3000:])
     assert "tool_tip_to_goal_m" in episodes, episodes
     bad = {"no_joint_state", "missing_state", "unknown_state", "commands_shape", "internal_error"}

@@ -8,6 +8,7 @@ to rank 0's sink. No engine is involved: this tests the wire alone.
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 import sys
 import threading
@@ -217,8 +218,74 @@ def test_ranks_running_different_wire_code_are_refused_at_start_up():
     assert codes == [4]  # the other side refused too, naming the cause
 
 
+BIG = ActivationShapes(x_numel=16_000_000, h_tokens=3, h_dim=4, steps=3)
+"""64 MB activations: a message many socket buffers long, so that a sender stopped 2 ms into
+one leaves it half sent."""
+
+
+def stall_main() -> None:
+    """Rank 1 heartbeats rank 0 until ``stop``; rank 2, told ``stall``, starts a message of the
+    largest size to rank 0 and is stopped (SIGSTOP, as a hung process) 2 ms into it."""
+    tie_to_parent()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    transport = TorchDistTransport(shapes=BIG, device=torch.device("cpu"))
+    stopping = False
+    while not stopping:
+        transport.send_heartbeat(0)
+        for ctl in transport.recv_control(timeout_s=0.2):
+            stopping |= ctl.kind == "stop"
+            if ctl.kind == "stall":
+                message = torch.zeros(transport.capacity_bytes, dtype=torch.uint8)
+                threading.Timer(0.002, os.kill, args=(os.getpid(), signal.SIGSTOP)).start()
+                dist.isend(message, dst=0, tag=framing.TAG_HEADER).wait()
+    transport.close()
+    dist.destroy_process_group()
+    exit_now(0)
+
+
+def test_a_rank_hung_mid_message_does_not_silence_the_others(tmp_path):
+    """Rank 0 (the controller) receives from each rank on its own: a receive from any source
+    is matched to the first sender, and one hung halfway through its message held it, so
+    every other rank fell silent to the controller and was failed with the hung one."""
+    world, port = 3, free_port()
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    procs = spawn_ranks(
+        world_size=world, master_port=port, argv=[__file__, "stall"], extra_env=env,
+        log_dir=str(tmp_path),
+    )  # fmt: skip
+    with as_rank(rank=0, world_size=world, master_port=port):
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S))
+    transport = TorchDistTransport(shapes=BIG, device=torch.device("cpu"))
+    try:
+        t0 = time.monotonic()
+        while (
+            not (transport.heard_from(1) and transport.heard_from(2)) and time.monotonic() - t0 < 60
+        ):
+            time.sleep(0.05)
+        assert transport.heard_from(1) and transport.heard_from(2)
+        transport.send_control(2, "stall")
+        t0 = time.monotonic()
+        while transport.seconds_since_heard(2) < 3.0 and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        assert transport.seconds_since_heard(2) >= 3.0  # rank 2 hung
+        # rank 1 heartbeats every 0.2 s: heard within the last seconds (on a busy host)
+        assert transport.seconds_since_heard(1) < 2.0, transport.seconds_since_heard(1)
+        heartbeats = transport.counters["heartbeats_received"]
+        time.sleep(1.0)
+        assert transport.counters["heartbeats_received"] > heartbeats
+    finally:
+        procs[1].kill()  # the hung rank
+        transport.send_control(1, "stop")
+        transport.close()
+        codes = stop_ranks(procs, timeout_s=30.0)
+        dist.destroy_process_group()
+    assert codes[0] == 0 and codes[1] == -signal.SIGKILL, codes
+
+
 if __name__ == "__main__":
-    sys.exit(old_protocol_main() if sys.argv[1:] == ["old-protocol"] else relay_main())
+    mains = {"old-protocol": old_protocol_main, "stall": stall_main}
+    sys.exit(mains[sys.argv[1]]() if sys.argv[1:] else relay_main())
 
 
 def test_a_stopping_rank_wakes_its_receive_wait_and_the_wake_is_never_delivered():

@@ -357,7 +357,7 @@ def _rank0_under_load(engine, layout, chunks: int, older: set[int], modelled_ms)
     worker_tid = engine.executor.threads[0].native_id
     known = {worker_tid, engine.executor.threads[1].native_id}  # worker, monitor
     known |= {threading.get_native_id()} | older  # the caller (the controller)
-    recv_tid = transport._recv_thread.native_id
+    recv_tids = transport.recv_thread_ids()
     send_tids = {t.native_id for t in transport._send_threads.values()}
     sent0, recv0 = transport.counters["sent"], transport.counters["received"]
     n0 = len(worker.stats.block_times)
@@ -371,9 +371,9 @@ def _rank0_under_load(engine, layout, chunks: int, older: set[int], modelled_ms)
         modelled_ms=modelled_ms(sizes),
         send_ms=sum(used.get(t, 0.0) for t in send_tids),
         sent=transport.counters["sent"] - sent0,
-        recv_ms=used.get(recv_tid, 0.0),
+        recv_ms=sum(used.get(t, 0.0) for t in recv_tids),
         received=transport.counters["received"] - recv0,
-        native_ms=sum(ms for tid, ms in used.items() if tid not in known | send_tids | {recv_tid}),
+        native_ms=sum(ms for tid, ms in used.items() if tid not in known | send_tids | recv_tids),
     )
 
 

@@ -204,3 +204,18 @@ def check_shapes_agree(shapes: ActivationShapes, device: torch.device) -> None:
                 f"rank {rank} has activation shapes {values}, rank {me} has "
                 f"{shapes.as_tensor().tolist()} (x_numel, N, D, dtype, K)"
             )
+
+
+class BufferReader:
+    """Copies consecutive tensors out of one received gloo message (after its header)."""
+
+    def __init__(self, buffer: torch.Tensor, start: int) -> None:
+        self.buffer = buffer
+        self.offset = start
+
+    def __call__(self, tensor: torch.Tensor, _src: int) -> None:
+        n = tensor.numel() * tensor.element_size()
+        if self.offset + n > self.buffer.numel():
+            raise RuntimeError(f"message shorter than its header says ({self.offset + n} bytes)")
+        tensor.reshape(-1).view(torch.uint8).copy_(self.buffer[self.offset : self.offset + n])
+        self.offset += n

@@ -10,12 +10,15 @@ so a hop costs one rendezvous, not three; with NCCL they are separate messages (
 ``TAG_HEADER``, the rest on ``TAG_PAYLOAD``).
 
 Receiving, and why it looks like this:
-  - gloo (CPU): a posted ``irecv`` from ANY source works (``src=None``) but gloo only fills
-    ``is_completed()`` inside ``wait()``, and a ``wait(timeout)`` that expires closes the
-    pair. So a dedicated comm thread blocks in ``wait()`` on one any-source receive of a
-    whole message, copies it out and hands it to queues. Compute never waits on it. Rank 0
-    sends a heartbeat to every rank each ``heartbeat_interval_s`` so an idle receive never
-    reaches the process-group timeout.
+  - gloo (CPU): gloo fills ``is_completed()`` only inside ``wait()``, and a ``wait(timeout)``
+    that expires closes the pair, so comm threads block in ``wait()`` on a whole message, copy
+    it out and hand it to queues; compute never waits on them. Rank 0 has one thread per
+    peer: an any-source receive is matched to the first sender that announces a message, and
+    a rank hung mid-message would hold it, silencing every other rank to the controller. Each
+    worker heartbeats rank 0, so these never idle into the process-group timeout. A worker
+    has one any-source receive (its peers are whichever ranks the layouts put before it),
+    kept alive by rank 0's heartbeats; a peer hung mid-message holds it, the worker stops
+    hearing rank 0 and leaves, and rank 0 fails its streams.
   - NCCL (CUDA): no any-source receives, and p2p ops of one pair share one CUDA stream, so a
     posted receive would block sends to the same peer. Hence two extra groups, one per
     direction (lower -> higher rank, higher -> lower), a header receive posted ahead per peer,
@@ -52,6 +55,7 @@ from physis_ros.engine.ranks.framing import (
     TAG_HEADER,
     TAG_PAYLOAD,
     ActivationShapes,
+    BufferReader,
     ControlMessage,
     activation_of,
     carries_h,
@@ -96,6 +100,7 @@ class TorchDistTransport:
         self._closed = threading.Event()
         self.counters: dict[str, int] = defaultdict(int)
         """Messages and drops by reason (``sent``, ``received``, ``dropped_<reason>``)."""
+        self._count_lock = threading.Lock()  # the send and receive threads all count
         self.recv_error: str | None = None
         """Why the receive thread stopped, if it stopped on an error."""
         self._byes_from: set[int] = set()
@@ -109,15 +114,25 @@ class TorchDistTransport:
         staging = self.wire_device.type == "cpu" and self.device.type == "cuda"
         self._h2d_stream = torch.cuda.Stream(self.device) if staging else None
         """gloo with a CUDA device: host -> device copies of receives."""
-        self._next_x, self._next_h = self._alloc_payload()
-        self.capacity_bytes = HEADER_LEN * 8 + self._next_x.nbytes + self._next_h.nbytes
+        x, h = self._alloc_payload()
+        self.capacity_bytes = HEADER_LEN * 8 + x.nbytes + h.nbytes
         """Largest message: header, x and h (control messages must fit too)."""
         self._started_s = time.monotonic()
         """A peer not heard from yet is silent since then (its grace to join)."""
-        target = self._recv_loop_nccl if self.backend == "nccl" else self._recv_loop_gloo
-        self._recv_thread = threading.Thread(target=target, name="dist-recv", daemon=True)
+        self._recv_threads: dict[int | None, threading.Thread] = {}
+        """Receive threads by the peer they take messages from (None: any peer)."""
         if self.world_size > 1:
-            self._recv_thread.start()
+            if self.backend == "nccl":
+                self._recv_threads[None] = threading.Thread(target=self._recv_loop_nccl)
+            elif self.rank == 0:
+                for peer in range(1, self.world_size):
+                    loop = threading.Thread(target=self._recv_loop_gloo, args=(peer,))
+                    self._recv_threads[peer] = loop
+            else:
+                self._recv_threads[None] = threading.Thread(target=self._recv_loop_gloo)
+        for peer, thread in self._recv_threads.items():
+            thread.name, thread.daemon = f"dist-recv-{'any' if peer is None else peer}", True
+            thread.start()
 
     # ---------------------------------------------------------------- public API
     def send(self, dst: int, msg: Activation) -> None:
@@ -208,23 +223,42 @@ class TorchDistTransport:
         """Ranks whose ``bye`` arrived."""
         return set(self._byes_from)
 
-    def join_recv(self, timeout_s: float) -> bool:
-        """Wait for the receive thread to end; True if it did (or never ran)."""
-        if self._recv_thread.is_alive():
-            self._recv_thread.join(timeout=timeout_s)
-        return not self._recv_thread.is_alive()
+    def recv_thread_ids(self) -> set[int]:
+        """Native ids of the receive threads (for per-thread processor time)."""
+        return {t.native_id for t in self._recv_threads.values() if t.native_id is not None}
 
-    def _recv_done(self) -> bool:
+    def join_recv(self, timeout_s: float) -> bool:
+        """Wait for the receive threads to end; True if they did (or never ran). On rank 0
+        only those of the ranks whose final ``bye`` is expected count: a failed rank's
+        receive has no one left to answer it."""
+        deadline = time.monotonic() + timeout_s
+        threads = [
+            t
+            for peer, t in self._recv_threads.items()
+            if peer is None or self._final_byes is None or peer in self._final_byes
+        ]
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
+
+    def _recv_done(self, peer: int | None) -> bool:
+        """Whether the receive of ``peer`` (None: of any peer) takes nothing more."""
         if self._got_shutdown or self._closed.is_set():
             return True
+        if peer is not None:  # a worker's ``bye`` is the last message it sends
+            return peer in self._byes_from
         return self._final_byes is not None and self._final_byes <= self._byes_from
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self.counters[name] += n
 
     def close(self, flush_timeout_s: float = 2.0) -> None:
         """Flush queued sends (up to ``flush_timeout_s``) and stop the send threads.
 
-        The receive thread cannot be cancelled (gloo has no abort for a posted any-source
-        receive): it ends after the last message of the shutdown protocol (``shutdown`` on a
-        worker, every expected ``bye`` on rank 0); see ``join_recv``.
+        The receive threads cannot be cancelled (gloo has no abort for a posted receive):
+        they end after the last message of the shutdown protocol (``shutdown`` on a worker, a
+        peer's ``bye`` on rank 0); see ``join_recv``.
         """
         deadline = time.monotonic() + flush_timeout_s
         while self.pending_sends() and time.monotonic() < deadline:
@@ -251,7 +285,7 @@ class TorchDistTransport:
         if not 0 <= dst < self.world_size:
             raise ValueError(f"destination rank {dst} is outside 0..{self.world_size - 1}")
         if dst in self._failed:
-            self.counters["dropped_peer_failed"] += 1
+            self._count("dropped_peer_failed")
             return
         q = self._send_queues.get(dst)
         if q is None:
@@ -295,10 +329,10 @@ class TorchDistTransport:
                 if comm_stream is not None:
                     # Keep this pair's sends in order and bound what is queued on the GPU.
                     comm_stream.synchronize()
-                self.counters["sent"] += 1
+                self._count("sent")
             except RuntimeError as exc:  # gloo: peer closed / timed out; NCCL: comm error
                 self._failed[dst] = f"send failed: {exc}"
-                self.counters["dropped_peer_failed"] += 1 + q.qsize()
+                self._count("dropped_peer_failed", 1 + q.qsize())
                 log.warning("rank %d: send to rank %d failed: %s", self.rank, dst, exc)
                 return
 
@@ -318,26 +352,34 @@ class TorchDistTransport:
         else:
             self._inbox.put(msg)
 
-    def _recv_loop_gloo(self) -> None:
-        # One any-source receive per message into a buffer of the largest message; gloo
-        # accepts a shorter message into a longer buffer, and the header says what follows.
+    def _recv_loop_gloo(self, peer: int | None = None) -> None:
+        # One receive per message (from ``peer``, or from any peer when None) into a buffer of
+        # the largest message; gloo accepts a shorter message into a longer buffer, and the
+        # header says what follows.
         buffer = torch.empty(self.capacity_bytes, dtype=torch.uint8)
         header_bytes = HEADER_LEN * 8
+        payload = list(self._alloc_payload())
         while not self._closed.is_set():
             try:
-                work = dist.irecv(buffer, src=None, tag=TAG_HEADER)
+                work = dist.irecv(buffer, src=peer, tag=TAG_HEADER)
                 work.wait()
                 src = work._source_rank()
                 values = buffer[:header_bytes].view(torch.int64).tolist()
-                self._handle(src, values, _BufferReader(buffer, header_bytes))
-                if self._recv_done():
+                self._handle(src, values, BufferReader(buffer, header_bytes), payload)
+                if self._recv_done(peer):
                     return
             except RuntimeError as exc:
-                # The process-group timeout expired with no message from anyone (rank 0's
-                # heartbeat stopped) or the group was destroyed: nothing more will arrive.
+                # The process-group timeout expired with no message (the heartbeats stopped),
+                # the peer's connection broke, or the group was destroyed: nothing more will
+                # arrive from there.
+                if self._closed.is_set():
+                    return
+                if peer is not None:  # that peer only: the controller fails its streams
+                    self._failed.setdefault(peer, f"receive failed: {exc}")
+                    log.warning("rank %d: receive from rank %d failed: %s", self.rank, peer, exc)
+                    return
                 self.recv_error = str(exc)
-                if not self._closed.is_set():
-                    log.warning("rank %d: receive loop stopped: %s", self.rank, exc)
+                log.warning("rank %d: receive loop stopped: %s", self.rank, exc)
                 self._control.put(ControlMessage(self.rank, "recv_stopped", {"error": str(exc)}))
                 return
 
@@ -361,6 +403,8 @@ class TorchDistTransport:
             while not work.is_completed():
                 time.sleep(20e-6)
 
+        payload = list(self._alloc_payload())
+
         while not self._closed.is_set():
             idle = True
             for p in peers:
@@ -368,25 +412,27 @@ class TorchDistTransport:
                     idle = False
                     values = headers[p].tolist()
                     posted[p] = None
-                    self._handle(p, values, recv_from)
-                    if self._recv_done():
+                    self._handle(p, values, recv_from, payload)
+                    if self._recv_done(None):
                         return
                     posted[p] = dist.irecv(headers[p], src=p, group=group_of[p], tag=TAG_HEADER)
             if idle:
                 time.sleep(20e-6)
 
-    def _handle(self, src: int, h: list[int], recv_into) -> None:
+    def _handle(self, src: int, h: list[int], recv_into, payload: list[torch.Tensor]) -> None:
+        """One message from ``src`` with header ``h``; ``payload``: this receive thread's
+        [x, h] buffers, replaced once a message's are handed on."""
         self._last_heard_s[src] = time.monotonic()
         kind = header_kind(src, h)
         if kind == KIND_HEARTBEAT:
-            self.counters["heartbeats_received"] += 1
+            self._count("heartbeats_received")
         elif kind == KIND_CONTROL:
             data = torch.empty(payload_size(h), dtype=torch.uint8, device=self.wire_device)
             recv_into(data, src)
             self._take_control(src, data)
         else:
             check_data_header(src, h, self.shapes)
-            self._take_data(h, recv_into, src)
+            self._take_data(h, recv_into, src, payload)
 
     def _take_control(self, src: int, data: torch.Tensor) -> None:
         try:
@@ -398,11 +444,11 @@ class TorchDistTransport:
             elif kind_name == "bye":
                 self._byes_from.add(src)
         except (ValueError, KeyError, TypeError) as exc:
-            self.counters["dropped_bad_control"] += 1
+            self._count("dropped_bad_control")
             log.warning("rank %d: bad control message from rank %d: %s", self.rank, src, exc)
 
-    def _take_data(self, h: list[int], recv_into, src: int) -> None:
-        x, hidden = self._next_x, self._next_h
+    def _take_data(self, h: list[int], recv_into, src: int, payload: list) -> None:
+        x, hidden = payload
         has_h = carries_h(h)
         recv_into(x, src)
         if has_h:
@@ -414,7 +460,7 @@ class TorchDistTransport:
             x.record_stream(compute)
             if has_h:
                 hidden.record_stream(compute)
-        self.counters["received"] += 1
+        self._count("received")
         staged = self._h2d_stream is not None  # gloo with a CUDA device: pinned buffers
         if staged:
             parts = copy_to_device_sync(
@@ -427,24 +473,9 @@ class TorchDistTransport:
         if staged:  # copied to the device: the pinned buffers take the next message
             return
         # Buffers for the next message, allocated while we wait for its header.
-        self._next_x = torch.empty_like(x)
+        payload[0] = torch.empty_like(x)
         if has_h:
-            self._next_h = torch.empty_like(hidden)
-
-
-class _BufferReader:
-    """Copies consecutive tensors out of one received gloo message (after its header)."""
-
-    def __init__(self, buffer: torch.Tensor, start: int) -> None:
-        self.buffer = buffer
-        self.offset = start
-
-    def __call__(self, tensor: torch.Tensor, _src: int) -> None:
-        n = tensor.numel() * tensor.element_size()
-        if self.offset + n > self.buffer.numel():
-            raise RuntimeError(f"message shorter than its header says ({self.offset + n} bytes)")
-        tensor.reshape(-1).view(torch.uint8).copy_(self.buffer[self.offset : self.offset + n])
-        self.offset += n
+            payload[1] = torch.empty_like(hidden)
 
 
 _WAKE = object()
