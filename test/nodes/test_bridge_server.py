@@ -113,8 +113,24 @@ def test_diagnostics_and_stats_carry_numbers(system):
     from physis_ros.nodes.monitor import diagnostics_by_name
 
     _, monitor = system
-    assert monitor.wait_for(lambda: len(monitor.messages("/diagnostics")) >= 2, timeout_s=30)
-    status = diagnostics_by_name(monitor.get("/diagnostics"))
+
+    seen: list[dict] = []
+
+    def streaming_report() -> bool:
+        """A report once the bridge streams with chunks arriving: under a loaded suite a report
+        may fall in a stall of the tiny server (output ERROR, "no chunk for 400 ms"), which is
+        the bridge telling the truth, not what this test checks."""
+        if len(monitor.messages("/diagnostics")) < 2:
+            return False
+        status = diagnostics_by_name(monitor.get("/diagnostics"))
+        output, link = status.get("bridge: output"), status.get("bridge: link")
+        if output is None or link is None or output[0] not in (0, 1) or link[0] != 0:
+            return False
+        seen.append(status)
+        return True
+
+    assert monitor.wait_for(streaming_report, timeout_s=60), monitor.get("/diagnostics")
+    status = seen[-1]
     inputs, output, link = (
         status["bridge: inputs"],
         status["bridge: output"],
