@@ -27,7 +27,12 @@ from physis_ros.engine.config import PRESETS, ModelConfig, SamplerConfig, model_
 from physis_ros.engine.controller import MODES
 from physis_ros.engine.models import check_weights_fit, resolve_model
 from physis_ros.engine.pool.terms import POLICIES
-from physis_ros.engine.ranks.config import RuntimeConfig, check_placement_spec
+from physis_ros.engine.ranks.config import (
+    DISTRIBUTED_FIELDS,
+    DistributedSettings,
+    RuntimeConfig,
+    check_placement_spec,
+)
 
 SPEC_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
@@ -36,7 +41,7 @@ HAND_PLACEMENTS = "even | single | one-stage | groups:a,b,... | balanced"
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServingSpec:
+class ServingSpec(DistributedSettings):
     """What physis-serve serves and how (module docstring). Sections as in the YAML file."""
 
     # ---- engine: the model and how it runs ---------------------------------------------
@@ -121,16 +126,10 @@ class ServingSpec:
     later admissions checked against them); false: the start-up costs throughout (admissions
     reproducible from a profile, whatever the host's load)."""
 
-    # ---- distributed: the torch.distributed runtime (torchrun) -------------------------
-    threads: int = 1
-    """torch intra-op threads per rank."""
-    heartbeat_interval_s: float = 0.25
-    fault_timeout_s: float = 5.0
-    comm_timeout_s: float = 60.0
-    startup_timeout_s: float = 120.0
-    poll_interval_s: float = 0.002
+    # ---- distributed: the torch.distributed runtime (torchrun): DistributedSettings' fields
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPES)}")
         if self.device not in DEVICES:
@@ -141,9 +140,8 @@ class ServingSpec:
             check_placement_spec(self.plan)
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {list(POLICIES)}")
-        for name in ("max_streams", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
         if isinstance(self.prompts, list):  # from YAML or JSON
             object.__setattr__(self, "prompts", tuple(self.prompts))
         for name in ("workers", "default_target_ms", "memory_gib", "seed", "latent_frames"):
@@ -293,12 +291,7 @@ class ServingSpec:
             # blocks a stream's admitted placement needs are loaded before it opens.
             placement="even" if self.plan == "auto" else self.plan,
             batching=self.batching,
-            threads=self.threads,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            fault_timeout_s=self.fault_timeout_s,
-            comm_timeout_s=self.comm_timeout_s,
-            startup_timeout_s=self.startup_timeout_s,
-            poll_interval_s=self.poll_interval_s,
+            **self.distributed_settings(),
         )
 
     # ---- JSON ---------------------------------------------------------------------------
@@ -369,14 +362,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "context_chunks",
         "recalibrate",
     ),
-    "distributed": (
-        "threads",
-        "heartbeat_interval_s",
-        "fault_timeout_s",
-        "comm_timeout_s",
-        "startup_timeout_s",
-        "poll_interval_s",
-    ),
+    "distributed": DISTRIBUTED_FIELDS,
 }
 """YAML section -> the spec's fields it holds."""
 

@@ -40,6 +40,11 @@ def test_sections_and_flags_build_the_spec_and_older_keys_still_work():
         ({"gpu": {}}, "unknown config section 'gpu'"),
         ({"engine": {"model_config": {}}}, "set by resolving the model"),
         ({"engine": {"known_rows_ahead": -1}}, "known_rows_ahead must be >= 0"),
+        # the ranks' settings are checked by the spec itself, also when one process serves
+        ({"distributed": {"fault_timeout_s": 0.4}}, "must exceed two heartbeats"),
+        ({"distributed": {"comm_timeout_s": 4.0}}, "must exceed fault_timeout_s"),
+        ({"distributed": {"threads": 0}}, "threads must be >= 1"),
+        ({"distributed": {"startup_timeout_s": 0.0}}, "startup_timeout_s must be > 0"),
     ],
 )
 def test_bad_values_are_refused_by_name(config, message):

@@ -27,7 +27,56 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)
-class RuntimeConfig:
+class DistributedSettings:
+    """How the ranks of a torch.distributed job run and watch each other: the serving spec's
+    ``distributed`` section, handed to every rank in its ``RuntimeConfig``."""
+
+    threads: int = 1
+    """torch intra-op threads per rank."""
+    heartbeat_interval_s: float = 0.25
+    """How often every rank tells rank 0 it is alive (and rank 0 tells every rank)."""
+    fault_timeout_s: float = 5.0
+    """A rank silent for this long is dead or hung: its streams fail."""
+    comm_timeout_s: float = 60.0
+    """torch.distributed process-group timeout: no wait lasts longer."""
+    startup_timeout_s: float = 120.0
+    """Time for every rank to load weights and report ready."""
+    poll_interval_s: float = 0.002
+    """Longest a worker waits for an activation before checking control and heartbeats."""
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        for name in (
+            "heartbeat_interval_s",
+            "fault_timeout_s",
+            "comm_timeout_s",
+            "startup_timeout_s",
+            "poll_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.fault_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"fault_timeout_s {self.fault_timeout_s} must exceed two heartbeats "
+                f"({2 * self.heartbeat_interval_s} s)"
+            )
+        if self.comm_timeout_s <= self.fault_timeout_s:
+            raise ValueError(
+                f"comm_timeout_s {self.comm_timeout_s} must exceed fault_timeout_s "
+                f"{self.fault_timeout_s} so faults are reported before waits give up"
+            )
+
+    def distributed_settings(self) -> dict:
+        """This object's distributed settings by name (to hand on to another config)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DistributedSettings)}
+
+
+DISTRIBUTED_FIELDS = tuple(f.name for f in dataclasses.fields(DistributedSettings))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig(DistributedSettings):
     """What every rank must agree on (rank 0 sends it to the others as JSON, ``to_json``)."""
 
     model: str = "tiny"
@@ -71,20 +120,9 @@ class RuntimeConfig:
     start-up; ranks load the blocks it needs)."""
     batching: bool = True
     """Batch ready tasks that share block weights."""
-    threads: int = 1
-    """torch intra-op threads per rank."""
-    heartbeat_interval_s: float = 0.25
-    """How often every rank tells rank 0 it is alive (and rank 0 tells every rank)."""
-    fault_timeout_s: float = 5.0
-    """A rank silent for this long is dead or hung: its streams fail."""
-    comm_timeout_s: float = 60.0
-    """torch.distributed process-group timeout: no wait lasts longer."""
-    startup_timeout_s: float = 120.0
-    """Time for every rank to load weights and report ready."""
-    poll_interval_s: float = 0.002
-    """Longest a worker waits for an activation before checking control and heartbeats."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.resolved_config is None:
             # raises ValueError naming an unknown preset or what is wrong with a directory
             _ = self.resolved
@@ -100,26 +138,6 @@ class RuntimeConfig:
             raise ValueError(f"device {self.device!r} is not auto, cpu or cuda")
         if self.horizon < 0:
             raise ValueError(f"horizon must be >= 0 (0: no limit), got {self.horizon}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        for name in (
-            "heartbeat_interval_s",
-            "fault_timeout_s",
-            "comm_timeout_s",
-            "poll_interval_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.fault_timeout_s <= 2 * self.heartbeat_interval_s:
-            raise ValueError(
-                f"fault_timeout_s {self.fault_timeout_s} must exceed two heartbeats "
-                f"({2 * self.heartbeat_interval_s} s)"
-            )
-        if self.comm_timeout_s <= self.fault_timeout_s:
-            raise ValueError(
-                f"comm_timeout_s {self.comm_timeout_s} must exceed fault_timeout_s "
-                f"{self.fault_timeout_s} so faults are reported before waits give up"
-            )
         check_placement_spec(self.placement)
 
     @property
