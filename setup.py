@@ -65,7 +65,14 @@ setup(
     install_requires=["numpy", "PyYAML"],
     extras_require={
         # workstation: engine, distributed runtime, server front end
-        "serve": ["torch", "safetensors", *WIRE, "grpcio-health-checking", "prometheus-client"],
+        "serve": [
+            "torch",
+            "safetensors",
+            *WIRE,
+            "grpcio-health-checking",
+            "prometheus-client",
+            "pillow",
+        ],
         # robot side link client (no torch)
         "link": WIRE,
         "eval": ["rosbags", "pillow", "tqdm", "scikit-image"],

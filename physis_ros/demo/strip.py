@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 
 def write_png(path: Path, rgb: np.ndarray) -> None:
     """[H, W, 3] uint8 -> an 8-bit RGB PNG."""
-    from PIL import Image
 
     Image.fromarray(np.ascontiguousarray(rgb, dtype=np.uint8)).save(path, "PNG")
 

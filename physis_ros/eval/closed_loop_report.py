@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from PIL import Image, ImageDraw
+from tqdm import tqdm
 
 from physis_ros.eval.closed_loop import ClosedLoopConfig, EpisodeResult, run_episode
 from physis_ros.sim.base import CONTROL_HZ
@@ -41,7 +43,6 @@ def run_names(delays_ms: list[float], *, with_expert: bool, modes: list[str]) ->
 
 def run_all(base: ClosedLoopConfig, runs: list[tuple], decider, *, progress=True) -> dict:
     """name -> (config, [EpisodeResult]); the first model episode keeps its frames."""
-    from tqdm import tqdm
 
     out = {}
     for name, over in runs:
@@ -182,7 +183,6 @@ def box_paths_png(path: Path, results: list[EpisodeResult], *, title: str, cell:
     """One panel per episode: the table, the goal (tolerance circle), the path of what the
     task moves onto it (push: the box; blue), its start (grey) and end (green: success, red:
     failure)."""
-    from PIL import Image, ImageDraw
 
     from physis_ros.eval.plots import _font
 

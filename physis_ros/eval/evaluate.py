@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from physis_ros.engine.api import StreamEngine, StreamSpec
 from physis_ros.eval.bag import BagReadError, Episode, TopicChoice, read_episode
@@ -249,7 +250,6 @@ def evaluate(
     strip_windows: int = 3,
 ) -> EvalResult:
     """Evaluate every window of every bag; bags that cannot be read are skipped with the reason."""
-    from tqdm import tqdm
 
     t0 = time.perf_counter()
     result = EvalResult(model=model, config=cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
 RAW_CHANNELS = {
     "rgb8": 3,
@@ -89,7 +90,6 @@ def decode_raw(
 
 def decode_compressed(data: bytes | np.ndarray, fmt: str = "") -> np.ndarray:
     """[H, W, 3] uint8 RGB from a ``sensor_msgs/CompressedImage`` payload (format is a hint)."""
-    from PIL import Image, UnidentifiedImageError
 
     raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
     if not raw:
@@ -105,7 +105,6 @@ def resize_rgb(img: np.ndarray, height: int, width: int) -> np.ndarray:
     """Resize an [H, W, 3] uint8 image (area averaging when shrinking, bilinear otherwise)."""
     if img.shape[:2] == (height, width):
         return img
-    from PIL import Image
 
     shrink = img.shape[0] >= height and img.shape[1] >= width
     method = Image.Resampling.BOX if shrink else Image.Resampling.BILINEAR

@@ -18,6 +18,7 @@ import time
 from collections import Counter, defaultdict
 
 import numpy as np
+from tqdm import tqdm
 
 from physis_ros.eval.bag import Episode
 from physis_ros.eval.evaluate import (
@@ -234,7 +235,6 @@ def evaluate_link(
     """Replay every readable bag over the link (one stream per bag and horizon) and score its
     window set; bags that cannot be read are skipped with the reason; LinkUnavailable when
     the server is not there."""
-    from tqdm import tqdm
 
     t0 = time.perf_counter()
     promise = probe(opts)

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
 WIDTH, HEIGHT = 720, 420
@@ -17,8 +18,6 @@ MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 70, 20, 40, 55
 
 
 def _font(size: int = 13):
-    from PIL import ImageFont
-
     try:
         return ImageFont.load_default(size=size)
     except TypeError:  # Pillow without FreeType: fixed bitmap font
@@ -52,8 +51,6 @@ class _Axes:
     def __init__(  # noqa: PLR0917 - a chart's texts, ranges and legend
         self, title: str, xlabel: str, ylabel: str, xr, yr, names: list[str]
     ) -> None:
-        from PIL import Image, ImageDraw
-
         self.names = names
         rows = math.ceil(len(names) / LEGEND_COLUMNS)
         self.height = HEIGHT + LEGEND_ROW * rows + (6 if rows else 0)
@@ -167,7 +164,6 @@ def image_strips(
     scale: int = 3,
 ) -> None:
     """A grid of [H, W, 3] uint8 images, one labelled row each; None leaves a blank cell."""
-    from PIL import Image, ImageDraw
 
     cells = [img for _, imgs in rows for img in imgs if img is not None]
     if not cells:

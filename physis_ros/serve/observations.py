@@ -15,6 +15,7 @@ import time
 import warnings
 
 import numpy as np
+from PIL import Image
 
 from physis_ros.contract.model import WamContract
 from physis_ros.engine.slots import FrameIn
@@ -100,8 +101,6 @@ def decode_image(img: CameraImage, *, height: int, width: int) -> np.ndarray:
 
 
 def _decode_compressed(img: CameraImage, *, height: int, width: int) -> np.ndarray:
-    from PIL import Image
-
     try:
         with warnings.catch_warnings():
             # A decompression-bomb warning is an image far too large: the size check refuses it.

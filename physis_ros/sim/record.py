@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
+from tqdm import tqdm
 
 from physis_ros.cli_errors import cli_main, finite_float
 from physis_ros.sim.episodes import GoalEpisodes
@@ -176,8 +178,6 @@ def encode_image(rgb: np.ndarray, encoding: str) -> tuple[bytes, int]:
         alpha = np.full((*rgb.shape[:2], 1), 255, np.uint8)
         out = np.concatenate([chans, alpha], axis=-1)
     elif encoding in COMPRESSED_FORMATS:
-        from PIL import Image
-
         buf = io.BytesIO()
         Image.fromarray(rgb).save(buf, format=encoding.upper(), quality=95)
         return buf.getvalue(), 0
@@ -471,7 +471,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    from tqdm import tqdm
 
     for cfg in tqdm(configs, desc="episodes", unit="bag", file=sys.stderr):
         bag = args.out_dir / f"episode_{cfg.seed:05d}"

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 from physis_ros.cli_errors import cli_main
 from physis_ros.engine.prompts import EMPTY, check_name, read_prompts, write_prompts
@@ -139,8 +140,6 @@ def _parse_prompts(args: argparse.Namespace) -> dict[str, str]:
             raise ValueError(f"--prompt {item!r} is not NAME=TEXT")
         prompts[check_name(name.strip())] = text
     if args.prompts_file:
-        import yaml
-
         data = yaml.safe_load(Path(args.prompts_file).read_text()) or {}
         if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
             raise ValueError(f"{args.prompts_file}: expected a mapping of name: prompt text")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from physis_ros.contract.model import WRENCH_KEYS, WamContract
 from physis_ros.eval.bag import (
@@ -411,7 +412,6 @@ def read_bags(
     """The episodes of every bag under ``paths`` and the report of what was left out;
     ValueError (with every bag's reason) when none gives an episode."""
     # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
-    from tqdm import tqdm
 
     report = BagReport()
     episodes: list[RecordedEpisode] = []

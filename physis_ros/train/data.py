@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from physis_ros.engine.codec import Codec
 from physis_ros.engine.config import ModelConfig
@@ -64,7 +65,6 @@ def load_dataset(
     """Read every bag under ``paths`` at the model's image size, subsampled to ``frame_hz``
     (with ``mapping``: its camera and command topics, the commands in its joints' order)."""
     # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
-    from tqdm import tqdm
 
     height, width = cfg.image_size
     topics = TopicChoice()

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from physis_ros.cli_errors import cli_main, finite_float, refuse_unused_flags
 from physis_ros.engine.build import build_model
@@ -364,7 +365,6 @@ def _fit(model, shipped, sampler, val, cfg: TrainConfig, *, log: dict, progress:
     """The optimizer steps (losses into ``log``; ``shipped`` follows as the EMA); True when
     ``stop_after_steps`` or ``max_minutes`` stopped it before ``steps``."""
     # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
-    from tqdm import tqdm
 
     mcfg = model.cfg
     opt = torch.optim.AdamW(

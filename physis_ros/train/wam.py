@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from physis_ros.cli_errors import cli_main
 from physis_ros.engine.build import build_model
@@ -214,7 +215,6 @@ def _fit(
     ``episodes`` training episodes into ``out``; ``shipped`` follows as the EMA); True when
     stopped before ``steps``."""
     # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
-    from tqdm import tqdm
 
     mcfg, wam = model.cfg, contract(cfg)
     opt = torch.optim.AdamW(

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from physis_ros.contract.model import WamContract
 from physis_ros.engine.codec import Codec
@@ -89,7 +90,6 @@ def episodes_for(
     """Expert episodes of ``task`` for ``seeds`` (cached as one .npz per task and seed list
     under ``cache_dir``)."""
     # tqdm: an optional dependency (the ``eval`` extra), only for the progress bar
-    from tqdm import tqdm
 
     sim_task = get_task(task)
     key_src = [DATA_VERSION, task, seeds, perturb]

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from physis_ros.contract.safetensors import read_metadata
 from physis_ros.engine.threads import local_engine
@@ -90,8 +91,6 @@ def _drive_in_workers(
 
 
 def _drive(weights: str | Path, seeds: list[int], progress: bool) -> list[Episode]:
-    from tqdm import tqdm
-
     meta = read_metadata(weights)
     kwargs = engine_kwargs(weights)
     episodes = []
