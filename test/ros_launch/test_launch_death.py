@@ -125,11 +125,15 @@ def test_no_process_outlives_the_launcher(ros_launch_env, tmp_path, sig, model):
         t_signal = time.monotonic()
         left = kill_launcher(run, sig, started)
         assert not left, f"left running {ALL_GONE_WITHIN_S} s after {sig!r}:\n{ps(left)}"
-        if wam:  # the robot's last command came after the signal, and it is the fallback
+        if wam:  # the robot's last command is the fallback, sent at the signal unless held
             time.sleep(0.5)
             chunks = monitor.messages("action_chunk")
-            t_last, last = chunks[-1]
-            assert t_last > t_signal and last.source == ActionChunk.SOURCE_FALLBACK_HOLD, [
+            hold = ActionChunk.SOURCE_FALLBACK_HOLD
+            # a loaded host may stall the server first: the bridge then holds already and
+            # sends its fallback once (test_bridge_recovery), not again when it stops
+            holding = [m.source for t, m in chunks if t <= t_signal][-1:] == [hold]
+            sent_at_stop = any(t > t_signal for t, _ in chunks)
+            assert chunks[-1][1].source == hold and (sent_at_stop or holding), [
                 (round(t - t_signal, 2), m.source) for t, m in chunks[-5:]
             ]
     finally:
