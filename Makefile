@@ -87,8 +87,9 @@ format: setup
 # than the 2 cores pay off; TEST_WORKERS=0 runs it in this one process.
 TEST_WORKERS ?= 4
 PYTEST_XDIST = -n $(TEST_WORKERS)
+# the slowest tests are listed at the end: where the suite's time goes, run after run
 test: lint ros-cli
-	source scripts/env.sh && python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	source scripts/env.sh && python -m pytest $(PYTEST_XDIST) --durations=15 $(PYTEST_ARGS)
 
 # The suite with every core kept busy by a background load: no test may depend on an idle
 # machine (STRESS_LOAD busy processes per core, default 1).
