@@ -183,10 +183,10 @@ class SimRobot(Node):
         self.trajectories_rejected = 0
         self.steps_on_trajectory = 0
         """State steps whose joint targets came from a commanded trajectory (the run's total)."""
-        self.executed_trajectory = False
-        """A trajectory's targets were followed since the last diagnostics report: what the
-        once-a-second status says (an instant's sample would miss a robot that drives between
-        two chunks' trajectories, as a short episode's goal change leaves it for a moment)."""
+        self._steps_reported = 0
+        """``steps_on_trajectory`` at the last diagnostics report: its status says whether a
+        trajectory was followed since then (an instant's sample would miss a robot that drives
+        between two chunks' trajectories, as a short episode's goal change leaves it)."""
 
         self.image_pub = self.create_publisher(Image, "camera/image", qos_profile_sensor_data)
         self.joints_pub = self.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
@@ -277,7 +277,6 @@ class SimRobot(Node):
         t_s = (now.nanoseconds - self._t0_ns) * 1e-9
         with self._lock:
             targets = self.follower.targets(now.nanoseconds)
-            self.executed_trajectory |= targets is not None
             self.steps_on_trajectory += targets is not None
             if targets is None:
                 targets = self._idle_targets(t_s)
@@ -337,9 +336,9 @@ class SimRobot(Node):
     def _on_diagnostics_timer(self) -> None:
         values = self.episodes.report(self.scene)
         with self._lock:
-            executed, self.executed_trajectory = self.executed_trajectory, False
-            steps_on_trajectory = self.steps_on_trajectory
-        values["executing_trajectory"] = str(executed)
+            steps_on_trajectory, previous = self.steps_on_trajectory, self._steps_reported
+            self._steps_reported = steps_on_trajectory
+        values["executing_trajectory"] = str(steps_on_trajectory > previous)
         values["steps_on_trajectory"] = str(steps_on_trajectory)
         status = DiagnosticStatus(
             level=DiagnosticStatus.OK,

@@ -74,6 +74,13 @@ class ActivationShapes:
         if self.h_dtype not in _DTYPE_CODES:
             raise ValueError(f"h_dtype {self.h_dtype} is not one of {list(_DTYPE_CODES)}")
 
+    @property
+    def largest_message_bytes(self) -> int:
+        """A data message with both payloads: header, x (float32 on the wire) and h. Control
+        messages must fit in it too."""
+        h_bytes = self.h_tokens * self.h_dim * self.h_dtype.itemsize
+        return HEADER_LEN * 8 + self.x_numel * torch.float32.itemsize + h_bytes
+
     def as_tensor(self) -> torch.Tensor:
         code = _DTYPE_CODES[self.h_dtype]
         return torch.tensor([self.x_numel, self.h_tokens, self.h_dim, code, self.steps])

@@ -36,6 +36,7 @@ before NCCL reads it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
@@ -114,25 +115,25 @@ class TorchDistTransport:
         staging = self.wire_device.type == "cpu" and self.device.type == "cuda"
         self._h2d_stream = torch.cuda.Stream(self.device) if staging else None
         """gloo with a CUDA device: host -> device copies of receives."""
-        x, h = self._alloc_payload()
-        self.capacity_bytes = HEADER_LEN * 8 + x.nbytes + h.nbytes
+        self.capacity_bytes = shapes.largest_message_bytes
         """Largest message: header, x and h (control messages must fit too)."""
         self._started_s = time.monotonic()
         """A peer not heard from yet is silent since then (its grace to join)."""
+        if self.world_size == 1:
+            loops = {}
+        elif self.backend == "nccl":
+            loops = {None: self._recv_loop_nccl}
+        elif self.rank == 0:
+            peers = range(1, self.world_size)
+            loops = {p: functools.partial(self._recv_loop_gloo, p) for p in peers}
+        else:
+            loops = {None: self._recv_loop_gloo}
         self._recv_threads: dict[int | None, threading.Thread] = {}
         """Receive threads by the peer they take messages from (None: any peer)."""
-        if self.world_size > 1:
-            if self.backend == "nccl":
-                self._recv_threads[None] = threading.Thread(target=self._recv_loop_nccl)
-            elif self.rank == 0:
-                for peer in range(1, self.world_size):
-                    loop = threading.Thread(target=self._recv_loop_gloo, args=(peer,))
-                    self._recv_threads[peer] = loop
-            else:
-                self._recv_threads[None] = threading.Thread(target=self._recv_loop_gloo)
-        for peer, thread in self._recv_threads.items():
-            thread.name, thread.daemon = f"dist-recv-{'any' if peer is None else peer}", True
-            thread.start()
+        for peer, loop in loops.items():
+            name = f"dist-recv-{'any' if peer is None else peer}"
+            self._recv_threads[peer] = threading.Thread(target=loop, name=name, daemon=True)
+            self._recv_threads[peer].start()
 
     # ---------------------------------------------------------------- public API
     def send(self, dst: int, msg: Activation) -> None:
